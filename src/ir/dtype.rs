@@ -1,0 +1,93 @@
+//! Element types of tensors: activations, weights (including block-quantized
+//! GGUF formats) and token ids.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// The element type of a tensor.
+///
+/// Quantized types store weights in fixed-size blocks; `block_elems` and
+/// `block_bytes` give the layout. Every other type is one element per block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+    I32,
+    Q8_0,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q6_K,
+}
+
+impl DType {
+    /// Elements per storage block (1 for plain types).
+    pub const fn block_elems(self) -> usize {
+        match self {
+            DType::F32 | DType::F16 | DType::BF16 | DType::I32 => 1,
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => 32,
+            DType::Q4_K | DType::Q6_K => 256,
+        }
+    }
+
+    /// Bytes per storage block.
+    pub const fn block_bytes(self) -> usize {
+        match self {
+            DType::F32 | DType::I32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::Q8_0 => 34,
+            DType::Q4_0 => 18,
+            DType::Q4_1 => 20,
+            DType::Q4_K => 144,
+            DType::Q6_K => 210,
+        }
+    }
+
+    pub const fn is_quantized(self) -> bool {
+        self.block_elems() > 1
+    }
+
+    /// Bytes needed for `n` elements, or `None` when `n` is not a whole
+    /// number of blocks or the size overflows.
+    pub fn bytes_for(self, n: usize) -> Option<usize> {
+        if n % self.block_elems() != 0 {
+            return None;
+        }
+        (n / self.block_elems()).checked_mul(self.block_bytes())
+    }
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::I32 => "i32",
+            DType::Q8_0 => "q8_0",
+            DType::Q4_0 => "q4_0",
+            DType::Q4_1 => "q4_1",
+            DType::Q4_K => "q4_K",
+            DType::Q6_K => "q6_K",
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(DType::BF16.bytes_for(10), Some(20));
+        assert_eq!(DType::Q4_0.bytes_for(64), Some(36));
+        assert_eq!(DType::Q4_0.bytes_for(33), None);
+        assert_eq!(DType::Q6_K.bytes_for(256), Some(210));
+        assert_eq!(DType::F32.bytes_for(usize::MAX), None);
+    }
+}

@@ -1,0 +1,1 @@
+//! Compute kernels, separate from scheduling.

@@ -1,0 +1,13 @@
+//! llama-graph: a graph-compiled inference runtime for Llama-architecture
+//! models on CPU.
+//!
+//! Layout: [`ir`] (the graph), [`model`] (arguments and the Llama builder),
+//! [`weights`] (checkpoint readers), [`tokenizer`], [`kernels`].
+pub mod error;
+pub mod ir;
+pub mod kernels;
+pub mod model;
+pub mod tokenizer;
+pub mod weights;
+
+pub use error::{Error, Result};

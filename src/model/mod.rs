@@ -1,0 +1,1 @@
+//! Model descriptions and the graph builder.
