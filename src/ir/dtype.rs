@@ -9,6 +9,7 @@ use std::fmt;
 /// Quantized types store weights in fixed-size blocks; `block_elems` and
 /// `block_bytes` give the layout. Every other type is one element per block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[allow(non_camel_case_types)]
 pub enum DType {
     F32,
     F16,

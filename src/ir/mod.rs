@@ -1,3 +1,14 @@
-//! The intermediate representation every stage speaks.
+//! The intermediate representation every stage speaks: a static graph of
+//! typed ops with symbolic shapes.
+pub mod dot;
 pub mod dtype;
+pub mod graph;
+pub mod infer;
+pub mod op;
+pub mod print;
+pub mod shape;
+
 pub use dtype::DType;
+pub use graph::{Edge, Graph, GraphError, Node, NodeId, TensorMeta};
+pub use op::{CacheKind, LogitRows, Op, RopeParams, RopeScaling};
+pub use shape::{Bindings, Dim, Shape, Sym};

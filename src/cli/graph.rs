@@ -1,0 +1,166 @@
+//! `llama-graph graph`: build the graph from model arguments and show it.
+
+use clap::Args;
+use llama_graph::ir::dot::{to_dot, DotOptions};
+use llama_graph::ir::{print, Bindings, Graph};
+use llama_graph::model::{build_llama, BuildOptions, ModelArgs};
+use std::path::PathBuf;
+
+#[derive(Debug, Args)]
+pub struct GraphArgs {
+    /// Meta-style params.json describing the model.
+    #[arg(long, value_name = "PATH")]
+    pub params: PathBuf,
+    /// Context length to plan the KV cache for (default 2048, capped by the
+    /// model's own limit).
+    #[arg(short = 'c', long = "ctx-size", value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub ctx_size: Option<u64>,
+    /// Prefill chunk (tokens per step) used to evaluate the peak shapes.
+    #[arg(short = 'b', long = "batch-size", value_name = "N", default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..))]
+    pub batch_size: u64,
+    /// Vocabulary size, when params.json says -1 (take it from the tokenizer).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub vocab_size: Option<u64>,
+    /// Print Graphviz DOT (one cluster per layer).
+    #[arg(long, conflicts_with_all = ["json", "text"])]
+    pub dot: bool,
+    /// With --dot: draw only the first N layers.
+    #[arg(long, value_name = "N", requires = "dot")]
+    pub layers: Option<usize>,
+    /// Print the graph as JSON (the serde form, which round-trips).
+    #[arg(long, conflicts_with = "text")]
+    pub json: bool,
+    /// Print the canonical text dump, one line per node (the snapshot format).
+    #[arg(long)]
+    pub text: bool,
+}
+
+pub fn load_params(path: &PathBuf) -> Result<ModelArgs, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    ModelArgs::from_params_json(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+pub fn run(a: GraphArgs) -> super::CliResult {
+    let mut args = load_params(&a.params)?;
+    if let Some(v) = a.vocab_size {
+        args.vocab_size = Some(v as usize);
+    }
+    let ctx = args.plan_context(a.ctx_size.map(|c| c as usize));
+    let show_summary = !(a.dot || a.json || a.text);
+    if show_summary && args.vocab_size.is_none() {
+        // Show what can be derived before saying why there is no graph.
+        print!("{}", args_summary(&args, ctx));
+    }
+    let graph = build_llama(&args, &BuildOptions::new(ctx))
+        .map_err(|e| format!("{e} (pass --vocab-size N)"))?;
+    if a.dot {
+        print!(
+            "{}",
+            to_dot(
+                &graph,
+                DotOptions {
+                    max_layers: a.layers
+                }
+            )?
+        );
+    } else if a.json {
+        println!("{}", graph.to_json()?);
+    } else if a.text {
+        print!("{}", print::dump(&graph)?);
+    } else {
+        print!("{}", summary(&args, &graph, ctx, a.batch_size as usize)?);
+    }
+    Ok(())
+}
+
+/// The derived model arguments, one per line.
+pub fn args_summary(args: &ModelArgs, ctx: usize) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(s, "model arguments");
+    let _ = writeln!(s, "  dim               {}", args.dim);
+    let _ = writeln!(s, "  n_layers          {}", args.n_layers);
+    let _ = writeln!(s, "  n_heads           {}", args.n_heads);
+    let _ = writeln!(s, "  n_kv_heads        {}", args.n_kv_heads);
+    let _ = writeln!(s, "  head_dim          {}", args.head_dim());
+    let _ = writeln!(s, "  n_rep             {}", args.n_rep());
+    let _ = writeln!(s, "  ffn_hidden_dim    {}", args.ffn_hidden_dim);
+    let vocab = args
+        .vocab_size
+        .map(|v| v.to_string())
+        .unwrap_or_else(|| "from tokenizer".into());
+    let _ = writeln!(s, "  vocab_size        {vocab}");
+    let _ = writeln!(s, "  norm_eps          {:e}", args.norm_eps);
+    let _ = writeln!(s, "  rope_theta        {}", args.rope_theta);
+    match args.rope_scaling {
+        Some(r) => {
+            let _ = writeln!(
+                s,
+                "  rope scaling      llama3 (factor {}, low {}, high {}, original context {})",
+                r.factor, r.low_freq_factor, r.high_freq_factor, r.original_context
+            );
+        }
+        None => {
+            let _ = writeln!(s, "  rope scaling      none");
+        }
+    }
+    let _ = writeln!(s, "  tied output head  {}", args.tied_embeddings);
+    let _ = writeln!(s, "  planned context   {ctx}");
+    s
+}
+
+/// A readable summary: derived arguments, node counts by op, peak shapes.
+pub fn summary(args: &ModelArgs, g: &Graph, ctx: usize, chunk: usize) -> Result<String, String> {
+    use std::fmt::Write;
+    let mut s = args_summary(args, ctx);
+    let per_layer = g.nodes_per_layer();
+    let _ = writeln!(s, "graph");
+    let _ = writeln!(
+        s,
+        "  nodes             {} ({} per layer)",
+        g.node_count(),
+        per_layer.first().copied().unwrap_or(0)
+    );
+    let _ = writeln!(s, "  nodes by op");
+    for (op, n) in g.op_counts() {
+        let _ = writeln!(s, "    {op:<12} {n}");
+    }
+    // Peak shapes: the largest activations at a full prefill chunk with the
+    // cache full (S = chunk, T = C).
+    let b = Bindings::new(chunk.min(ctx), ctx - chunk.min(ctx));
+    let mut acts: Vec<(usize, String)> = Vec::new();
+    for id in g.topo_order().map_err(|e| e.to_string())? {
+        let n = g.node(id);
+        if n.op.is_source() {
+            continue;
+        }
+        acts.push((n.meta.shape.numel(&b), format!("{} {}", n.name, n.meta)));
+    }
+    acts.sort_by(|x, y| y.0.cmp(&x.0).then(x.1.cmp(&y.1)));
+    let _ = writeln!(s, "peak shapes (S = {}, T = {ctx})", b.s);
+    let mut seen = std::collections::BTreeSet::new();
+    for (n, desc) in acts {
+        // One line per distinct shape kind, by the node's name without its layer.
+        let name = desc.split_whitespace().next().unwrap_or_default();
+        let key = match name.strip_prefix("layers.") {
+            Some(rest) => rest
+                .split_once('.')
+                .map(|(_, r)| r)
+                .unwrap_or(rest)
+                .to_string(),
+            None => name.to_string(),
+        };
+        if !seen.insert(key) {
+            continue;
+        }
+        let _ = writeln!(
+            s,
+            "  {desc:<60} {n} elements ({:.1} MiB)",
+            n as f64 * 4.0 / 1048576.0
+        );
+        if seen.len() == 5 {
+            break;
+        }
+    }
+    Ok(s)
+}

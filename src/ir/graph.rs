@@ -1,0 +1,383 @@
+//! The graph: a petgraph `StableDiGraph` of named, typed nodes.
+//!
+//! Every node carries a stable hierarchical name (`layers.3.attention.wq`),
+//! its op and its output [`TensorMeta`]. Edges carry the input slot. Shapes
+//! are inferred and checked when a node is added, so a graph that exists is
+//! a graph whose shapes agree; [`Graph::verify`] re-checks a whole graph
+//! after a rewrite.
+
+use super::infer::infer;
+use super::{DType, Op, Shape};
+use petgraph::stable_graph::{NodeIndex, StableDiGraph};
+use petgraph::visit::EdgeRef;
+use petgraph::Direction;
+use serde::{Deserialize, Serialize};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap};
+use std::fmt;
+use thiserror::Error;
+
+pub type NodeId = NodeIndex<u32>;
+
+/// The output type of a node.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TensorMeta {
+    pub shape: Shape,
+    pub dtype: DType,
+}
+
+impl TensorMeta {
+    pub fn new(shape: Shape, dtype: DType) -> Self {
+        TensorMeta { shape, dtype }
+    }
+}
+
+impl fmt::Display for TensorMeta {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}{}", self.dtype, self.shape)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Node {
+    pub name: String,
+    pub op: Op,
+    pub meta: TensorMeta,
+    /// The transformer layer this node belongs to, if any (for DOT clusters
+    /// and per-layer statistics).
+    pub layer: Option<usize>,
+}
+
+/// An edge feeds its source node's output into input `slot` of its target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Edge {
+    pub slot: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum GraphError {
+    #[error("node `{node}`: {message}")]
+    Node { node: String, message: String },
+    #[error("duplicate node name `{0}`")]
+    DuplicateName(String),
+    #[error("the graph has a cycle through `{0}`")]
+    Cycle(String),
+}
+
+impl GraphError {
+    pub fn node(node: &str, message: impl Into<String>) -> Self {
+        GraphError::Node {
+            node: node.to_string(),
+            message: message.into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Graph {
+    g: StableDiGraph<Node, Edge>,
+    names: BTreeMap<String, NodeId>,
+    outputs: Vec<NodeId>,
+}
+
+impl Graph {
+    pub fn new() -> Self {
+        Graph::default()
+    }
+
+    /// Adds a source node (no inputs) with its declared output type.
+    pub fn add_source(
+        &mut self,
+        name: impl Into<String>,
+        op: Op,
+        meta: TensorMeta,
+        layer: Option<usize>,
+    ) -> Result<NodeId, GraphError> {
+        let name = name.into();
+        if !op.is_source() {
+            return Err(GraphError::node(
+                &name,
+                format!("{} is not a source op", op.kind()),
+            ));
+        }
+        let meta = infer(&op, &[], Some(&meta)).map_err(|m| GraphError::node(&name, m))?;
+        self.insert(
+            Node {
+                name,
+                op,
+                meta,
+                layer,
+            },
+            &[],
+        )
+    }
+
+    /// Adds a compute node; its output type is inferred from its inputs and
+    /// checked, and an inconsistency is an error naming the node.
+    pub fn add_op(
+        &mut self,
+        name: impl Into<String>,
+        op: Op,
+        inputs: &[NodeId],
+        layer: Option<usize>,
+    ) -> Result<NodeId, GraphError> {
+        let name = name.into();
+        let metas = inputs
+            .iter()
+            .map(|&i| self.g.node_weight(i).map(|n| &n.meta))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| GraphError::node(&name, "an input node does not exist"))?;
+        let meta = infer(&op, &metas, None).map_err(|m| GraphError::node(&name, m))?;
+        self.insert(
+            Node {
+                name,
+                op,
+                meta,
+                layer,
+            },
+            inputs,
+        )
+    }
+
+    /// Like [`Graph::add_op`] but with an explicitly declared output shape,
+    /// which inference checks (used by `Reshape`).
+    pub fn add_op_as(
+        &mut self,
+        name: impl Into<String>,
+        op: Op,
+        inputs: &[NodeId],
+        declared: TensorMeta,
+        layer: Option<usize>,
+    ) -> Result<NodeId, GraphError> {
+        let name = name.into();
+        let metas = inputs
+            .iter()
+            .map(|&i| self.g.node_weight(i).map(|n| &n.meta))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| GraphError::node(&name, "an input node does not exist"))?;
+        let meta = infer(&op, &metas, Some(&declared)).map_err(|m| GraphError::node(&name, m))?;
+        self.insert(
+            Node {
+                name,
+                op,
+                meta,
+                layer,
+            },
+            inputs,
+        )
+    }
+
+    fn insert(&mut self, node: Node, inputs: &[NodeId]) -> Result<NodeId, GraphError> {
+        if self.names.contains_key(&node.name) {
+            return Err(GraphError::DuplicateName(node.name));
+        }
+        let name = node.name.clone();
+        let id = self.g.add_node(node);
+        for (slot, &src) in inputs.iter().enumerate() {
+            self.g.add_edge(src, id, Edge { slot });
+        }
+        self.names.insert(name, id);
+        Ok(id)
+    }
+
+    pub fn mark_output(&mut self, id: NodeId) {
+        if !self.outputs.contains(&id) {
+            self.outputs.push(id);
+        }
+    }
+
+    pub fn outputs(&self) -> &[NodeId] {
+        &self.outputs
+    }
+
+    pub fn node(&self, id: NodeId) -> &Node {
+        &self.g[id]
+    }
+
+    pub fn node_mut(&mut self, id: NodeId) -> &mut Node {
+        &mut self.g[id]
+    }
+
+    pub fn find(&self, name: &str) -> Option<NodeId> {
+        self.names.get(name).copied()
+    }
+
+    pub fn node_count(&self) -> usize {
+        self.g.node_count()
+    }
+
+    pub fn node_ids(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.g.node_indices()
+    }
+
+    /// The node's inputs in slot order.
+    pub fn inputs(&self, id: NodeId) -> Vec<NodeId> {
+        let mut e: Vec<(usize, NodeId)> = self
+            .g
+            .edges_directed(id, Direction::Incoming)
+            .map(|e| (e.weight().slot, e.source()))
+            .collect();
+        e.sort_unstable();
+        e.into_iter().map(|(_, n)| n).collect()
+    }
+
+    /// Nodes that read this node's output (each once, in id order).
+    pub fn users(&self, id: NodeId) -> Vec<NodeId> {
+        let mut u: Vec<NodeId> = self
+            .g
+            .edges_directed(id, Direction::Outgoing)
+            .map(|e| e.target())
+            .collect();
+        u.sort_unstable();
+        u.dedup();
+        u
+    }
+
+    /// Removes a node and its edges.
+    pub fn remove(&mut self, id: NodeId) {
+        if let Some(n) = self.g.remove_node(id) {
+            self.names.remove(&n.name);
+            self.outputs.retain(|&o| o != id);
+        }
+    }
+
+    /// Points every use of `old` at `new` (including graph outputs).
+    pub fn replace_uses(&mut self, old: NodeId, new: NodeId) {
+        let uses: Vec<(NodeId, Edge, petgraph::stable_graph::EdgeIndex<u32>)> = self
+            .g
+            .edges_directed(old, Direction::Outgoing)
+            .map(|e| (e.target(), *e.weight(), e.id()))
+            .collect();
+        for (target, w, eid) in uses {
+            self.g.remove_edge(eid);
+            self.g.add_edge(new, target, w);
+        }
+        for o in &mut self.outputs {
+            if *o == old {
+                *o = new;
+            }
+        }
+    }
+
+    /// A deterministic topological order: among ready nodes, the one added
+    /// first goes first, so the order follows the builder's.
+    pub fn topo_order(&self) -> Result<Vec<NodeId>, GraphError> {
+        let mut indeg: BTreeMap<NodeId, usize> = BTreeMap::new();
+        for id in self.g.node_indices() {
+            indeg.insert(id, self.g.edges_directed(id, Direction::Incoming).count());
+        }
+        let mut ready: BinaryHeap<Reverse<NodeId>> = indeg
+            .iter()
+            .filter(|(_, &d)| d == 0)
+            .map(|(&id, _)| Reverse(id))
+            .collect();
+        let mut order = Vec::with_capacity(indeg.len());
+        while let Some(Reverse(id)) = ready.pop() {
+            order.push(id);
+            for e in self.g.edges_directed(id, Direction::Outgoing) {
+                let d = indeg.get_mut(&e.target()).expect("edge target is a node");
+                *d -= 1;
+                if *d == 0 {
+                    ready.push(Reverse(e.target()));
+                }
+            }
+        }
+        if order.len() != indeg.len() {
+            let stuck = indeg
+                .iter()
+                .find(|(id, _)| !order.contains(id))
+                .map(|(&id, _)| self.g[id].name.clone())
+                .unwrap_or_default();
+            return Err(GraphError::Cycle(stuck));
+        }
+        Ok(order)
+    }
+
+    /// Checks the whole graph: acyclic, unique names, every node's arity and
+    /// inferred type consistent with its inputs, outputs present.
+    pub fn verify(&self) -> Result<(), GraphError> {
+        self.topo_order()?;
+        let mut seen = BTreeMap::new();
+        for id in self.g.node_indices() {
+            let n = &self.g[id];
+            if seen.insert(n.name.clone(), id).is_some() {
+                return Err(GraphError::DuplicateName(n.name.clone()));
+            }
+            if self.names.get(&n.name) != Some(&id) {
+                return Err(GraphError::node(&n.name, "name index out of date"));
+            }
+            let inputs = self.inputs(id);
+            let slots: Vec<usize> = {
+                let mut s: Vec<usize> = self
+                    .g
+                    .edges_directed(id, Direction::Incoming)
+                    .map(|e| e.weight().slot)
+                    .collect();
+                s.sort_unstable();
+                s
+            };
+            if slots != (0..inputs.len()).collect::<Vec<_>>() {
+                return Err(GraphError::node(
+                    &n.name,
+                    format!("input slots {slots:?} are not 0..n"),
+                ));
+            }
+            let metas: Vec<&TensorMeta> = inputs.iter().map(|&i| &self.g[i].meta).collect();
+            let declared = if n.op.is_source() || matches!(n.op, Op::Reshape) {
+                Some(&n.meta)
+            } else {
+                None
+            };
+            let meta = infer(&n.op, &metas, declared).map_err(|m| GraphError::node(&n.name, m))?;
+            if meta != n.meta {
+                return Err(GraphError::node(
+                    &n.name,
+                    format!("recorded type {} but inputs give {}", n.meta, meta),
+                ));
+            }
+        }
+        if self.outputs.is_empty() {
+            return Err(GraphError::node("<graph>", "no outputs"));
+        }
+        Ok(())
+    }
+
+    /// Node counts by op kind, sorted by kind.
+    pub fn op_counts(&self) -> BTreeMap<&'static str, usize> {
+        let mut m = BTreeMap::new();
+        for id in self.g.node_indices() {
+            *m.entry(self.g[id].op.kind()).or_insert(0) += 1;
+        }
+        m
+    }
+
+    /// Nodes per layer (index = layer); nodes outside layers are not counted.
+    pub fn nodes_per_layer(&self) -> Vec<usize> {
+        let mut v: Vec<usize> = Vec::new();
+        for id in self.g.node_indices() {
+            if let Some(l) = self.g[id].layer {
+                if v.len() <= l {
+                    v.resize(l + 1, 0);
+                }
+                v[l] += 1;
+            }
+        }
+        v
+    }
+
+    /// Serialises to JSON.
+    pub fn to_json(&self) -> serde_json::Result<String> {
+        serde_json::to_string(self)
+    }
+    pub fn from_json(s: &str) -> serde_json::Result<Graph> {
+        serde_json::from_str(s)
+    }
+    /// Serialises to bincode (standard configuration).
+    pub fn to_bincode(&self) -> Result<Vec<u8>, bincode::error::EncodeError> {
+        bincode::serde::encode_to_vec(self, bincode::config::standard())
+    }
+    pub fn from_bincode(b: &[u8]) -> Result<Graph, bincode::error::DecodeError> {
+        let (g, _) = bincode::serde::decode_from_slice(b, bincode::config::standard())?;
+        Ok(g)
+    }
+}

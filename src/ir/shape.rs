@@ -1,0 +1,184 @@
+//! Shapes with symbolic dimensions.
+//!
+//! The graph is written once for prefill and decode. Three symbols stand for
+//! the quantities that change from step to step:
+//!
+//! * `S`: the number of tokens processed in this step (a prefill chunk, or 1);
+//! * `P`: the start position (tokens already in the KV cache);
+//! * `T`: the cache length after this step's write, always `P + S`.
+//!
+//! Everything else is a constant fixed when the graph is built, including the
+//! planned context `C` that sizes the KV cache.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// A shape symbol, bound at run time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Sym {
+    /// Tokens in this step.
+    S,
+    /// Start position of this step.
+    P,
+    /// Cache length after this step (`P + S`).
+    T,
+}
+
+/// One dimension: a constant or a symbol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Dim {
+    Const(usize),
+    Sym(Sym),
+}
+
+/// Values for the symbols of one step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Bindings {
+    /// Tokens in this step (`S`).
+    pub s: usize,
+    /// Start position (`P`).
+    pub p: usize,
+}
+
+impl Bindings {
+    pub fn new(s: usize, p: usize) -> Self {
+        Bindings { s, p }
+    }
+    pub fn get(&self, sym: Sym) -> usize {
+        match sym {
+            Sym::S => self.s,
+            Sym::P => self.p,
+            Sym::T => self.p + self.s,
+        }
+    }
+}
+
+impl Dim {
+    pub const S: Dim = Dim::Sym(Sym::S);
+    pub const T: Dim = Dim::Sym(Sym::T);
+
+    pub fn eval(self, b: &Bindings) -> usize {
+        match self {
+            Dim::Const(c) => c,
+            Dim::Sym(s) => b.get(s),
+        }
+    }
+    pub fn as_const(self) -> Option<usize> {
+        match self {
+            Dim::Const(c) => Some(c),
+            Dim::Sym(_) => None,
+        }
+    }
+}
+
+impl From<usize> for Dim {
+    fn from(c: usize) -> Self {
+        Dim::Const(c)
+    }
+}
+
+impl fmt::Display for Dim {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Dim::Const(c) => write!(f, "{c}"),
+            Dim::Sym(s) => write!(f, "{s:?}"),
+        }
+    }
+}
+
+/// A row-major shape, outermost dimension first.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Shape(pub Vec<Dim>);
+
+impl Shape {
+    pub fn new(dims: impl IntoIterator<Item = Dim>) -> Self {
+        Shape(dims.into_iter().collect())
+    }
+    pub fn constant(dims: &[usize]) -> Self {
+        Shape(dims.iter().map(|&d| Dim::Const(d)).collect())
+    }
+    pub fn rank(&self) -> usize {
+        self.0.len()
+    }
+    pub fn dims(&self) -> &[Dim] {
+        &self.0
+    }
+    pub fn last(&self) -> Option<Dim> {
+        self.0.last().copied()
+    }
+    /// Number of elements once the symbols are bound.
+    pub fn numel(&self, b: &Bindings) -> usize {
+        self.0.iter().map(|d| d.eval(b)).product()
+    }
+    /// Number of elements if every dimension is constant.
+    pub fn const_numel(&self) -> Option<usize> {
+        self.0
+            .iter()
+            .try_fold(1usize, |acc, d| acc.checked_mul(d.as_const()?))
+    }
+    /// The element count as a product: (constant factor, sorted symbols).
+    /// Two shapes hold the same number of elements for every binding exactly
+    /// when their factorisations are equal.
+    pub fn factorised_numel(&self) -> (usize, Vec<Sym>) {
+        let mut c = 1usize;
+        let mut syms = Vec::new();
+        for d in &self.0 {
+            match d {
+                Dim::Const(k) => c = c.saturating_mul(*k),
+                Dim::Sym(s) => syms.push(*s),
+            }
+        }
+        syms.sort();
+        (c, syms)
+    }
+    pub fn eval(&self, b: &Bindings) -> Vec<usize> {
+        self.0.iter().map(|d| d.eval(b)).collect()
+    }
+}
+
+impl fmt::Display for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[")?;
+        for (i, d) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            write!(f, "{d}")?;
+        }
+        f.write_str("]")
+    }
+}
+
+/// Builds a [`Shape`] from a list of `Dim`-convertible values:
+/// `shape![Dim::S, 4096]`.
+#[macro_export]
+macro_rules! shape {
+    ($($d:expr),* $(,)?) => {
+        $crate::ir::Shape(vec![$($crate::ir::Dim::from($d)),*])
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn display_and_eval() {
+        let s = shape![Dim::S, 8, 128];
+        assert_eq!(s.to_string(), "[S, 8, 128]");
+        assert_eq!(s.eval(&Bindings::new(3, 10)), vec![3, 8, 128]);
+        assert_eq!(shape![Dim::T, 2].numel(&Bindings::new(3, 10)), 26);
+    }
+
+    #[test]
+    fn factorised_numel_matches_reshapes() {
+        assert_eq!(
+            shape![Dim::S, 32, 128].factorised_numel(),
+            shape![Dim::S, 4096].factorised_numel()
+        );
+        assert_ne!(
+            shape![Dim::T, 4096].factorised_numel(),
+            shape![Dim::S, 4096].factorised_numel()
+        );
+    }
+}

@@ -1,0 +1,309 @@
+//! Model arguments from Meta's `params.json`, derived exactly as Meta's
+//! reference (`llama_models/llama3/args.py`, `model.py`) derives them.
+
+use crate::ir::RopeScaling;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use thiserror::Error;
+
+/// Sizes beyond these are refused rather than planned for: they would only
+/// come from a corrupt or hostile file.
+const MAX_DIM: usize = 1 << 17;
+const MAX_LAYERS: usize = 1 << 12;
+const MAX_HEADS: usize = 1 << 12;
+const MAX_VOCAB: usize = 1 << 24;
+const MAX_FFN: usize = 1 << 20;
+
+/// The context planned for when none is asked for.
+pub const DEFAULT_CONTEXT: usize = 2048;
+
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum ParamsError {
+    #[error("params.json is empty")]
+    Empty,
+    #[error("params.json is not valid JSON: {0}")]
+    NotJson(String),
+    #[error("params.json must be a JSON object, got {0}")]
+    NotObject(&'static str),
+    #[error("params.json: field `{field}` {message}")]
+    Field {
+        field: &'static str,
+        message: String,
+    },
+}
+
+fn field_err(field: &'static str, message: impl Into<String>) -> ParamsError {
+    ParamsError::Field {
+        field,
+        message: message.into(),
+    }
+}
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// The resolved arguments of a Llama-architecture model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelArgs {
+    pub dim: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    /// `None` until known: Meta's Llama 2 files say -1, "take it from the
+    /// tokenizer". A graph cannot be built until it is resolved.
+    pub vocab_size: Option<usize>,
+    pub multiple_of: usize,
+    pub ffn_dim_multiplier: Option<f64>,
+    /// Hidden size of the SwiGLU feed-forward block (derived, or given by the
+    /// model file).
+    pub ffn_hidden_dim: usize,
+    pub norm_eps: f64,
+    pub rope_theta: f64,
+    /// Llama 3.1 frequency scaling (`use_scaled_rope`).
+    pub rope_scaling: Option<RopeScaling>,
+    /// The longest context the model supports, where the file says.
+    pub max_context: Option<usize>,
+    /// The output head shares the token embedding's weights.
+    pub tied_embeddings: bool,
+}
+
+/// Meta's FFN sizing: `4*dim`, then `2/3`, then the optional multiplier,
+/// then rounded up to a multiple of `multiple_of` (Python `int()` truncation).
+pub fn ffn_hidden_dim(dim: usize, multiple_of: usize, ffn_dim_multiplier: Option<f64>) -> usize {
+    let mut hidden = 4 * dim;
+    hidden = ((2 * hidden) as f64 / 3.0) as usize;
+    if let Some(m) = ffn_dim_multiplier {
+        hidden = (m * hidden as f64) as usize;
+    }
+    multiple_of * hidden.div_ceil(multiple_of)
+}
+
+fn get_usize(
+    obj: &Map<String, Value>,
+    field: &'static str,
+    max: usize,
+) -> Result<Option<usize>, ParamsError> {
+    match obj.get(field) {
+        None => Ok(None),
+        Some(v) => {
+            let n = v
+                .as_i64()
+                .filter(|_| v.is_i64() || v.is_u64())
+                .ok_or_else(|| {
+                    field_err(field, format!("must be an integer, got {}", type_name(v)))
+                })?;
+            if n <= 0 {
+                return Err(field_err(field, format!("must be positive, got {n}")));
+            }
+            let n = n as u64;
+            if n > max as u64 {
+                return Err(field_err(
+                    field,
+                    format!("is {n}, larger than the supported {max}"),
+                ));
+            }
+            Ok(Some(n as usize))
+        }
+    }
+}
+
+fn require_usize(
+    obj: &Map<String, Value>,
+    field: &'static str,
+    max: usize,
+) -> Result<usize, ParamsError> {
+    get_usize(obj, field, max)?.ok_or_else(|| field_err(field, "is missing"))
+}
+
+fn get_f64(obj: &Map<String, Value>, field: &'static str) -> Result<Option<f64>, ParamsError> {
+    match obj.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => {
+            let x = v.as_f64().ok_or_else(|| {
+                field_err(field, format!("must be a number, got {}", type_name(v)))
+            })?;
+            if !(x.is_finite() && x > 0.0) {
+                return Err(field_err(
+                    field,
+                    format!("must be a positive number, got {x}"),
+                ));
+            }
+            Ok(Some(x))
+        }
+    }
+}
+
+fn get_bool(obj: &Map<String, Value>, field: &'static str) -> Result<Option<bool>, ParamsError> {
+    match obj.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(v) => Err(field_err(
+            field,
+            format!("must be true or false, got {}", type_name(v)),
+        )),
+    }
+}
+
+impl ModelArgs {
+    /// Parses Meta's `params.json`. Unknown keys are ignored. Besides Meta's
+    /// keys, `max_seq_len` (the model's context limit) and
+    /// `tie_word_embeddings` (output head tied to the embedding, as
+    /// SmolLM2) are understood.
+    pub fn from_params_json(text: &str) -> Result<ModelArgs, ParamsError> {
+        if text.trim().is_empty() {
+            return Err(ParamsError::Empty);
+        }
+        let v: Value =
+            serde_json::from_str(text).map_err(|e| ParamsError::NotJson(e.to_string()))?;
+        let obj = match &v {
+            Value::Object(o) => o,
+            other => return Err(ParamsError::NotObject(type_name(other))),
+        };
+        let dim = require_usize(obj, "dim", MAX_DIM)?;
+        let n_layers = require_usize(obj, "n_layers", MAX_LAYERS)?;
+        let n_heads = require_usize(obj, "n_heads", MAX_HEADS)?;
+        let n_kv_heads = match obj.get("n_kv_heads") {
+            None | Some(Value::Null) => n_heads,
+            Some(v) if v.as_i64() == Some(-1) => n_heads,
+            Some(_) => require_usize(obj, "n_kv_heads", MAX_HEADS)?,
+        };
+        let vocab_size = match obj.get("vocab_size") {
+            Some(v) if v.as_i64() == Some(-1) => None,
+            None => {
+                return Err(field_err(
+                    "vocab_size",
+                    "is missing (use -1 to take it from the tokenizer)",
+                ))
+            }
+            Some(_) => Some(require_usize(obj, "vocab_size", MAX_VOCAB)?),
+        };
+        let multiple_of = get_usize(obj, "multiple_of", MAX_FFN)?.unwrap_or(256);
+        let ffn_dim_multiplier = get_f64(obj, "ffn_dim_multiplier")?;
+        let norm_eps =
+            get_f64(obj, "norm_eps")?.ok_or_else(|| field_err("norm_eps", "is missing"))?;
+        let rope_theta = get_f64(obj, "rope_theta")?.unwrap_or(10000.0);
+        let use_scaled_rope = get_bool(obj, "use_scaled_rope")?.unwrap_or(false);
+        let max_context = get_usize(obj, "max_seq_len", 1 << 24)?;
+        let tied_embeddings = get_bool(obj, "tie_word_embeddings")?.unwrap_or(false);
+        let ffn_hidden_dim = ffn_hidden_dim(dim, multiple_of, ffn_dim_multiplier);
+        let args = ModelArgs {
+            dim,
+            n_layers,
+            n_heads,
+            n_kv_heads,
+            vocab_size,
+            multiple_of,
+            ffn_dim_multiplier,
+            ffn_hidden_dim,
+            norm_eps,
+            rope_theta,
+            rope_scaling: use_scaled_rope.then_some(RopeScaling::LLAMA3_1),
+            max_context,
+            tied_embeddings,
+        };
+        args.validate()?;
+        Ok(args)
+    }
+
+    /// Checks the relations between sizes; every failure names the field.
+    pub fn validate(&self) -> Result<(), ParamsError> {
+        if self.dim == 0 {
+            return Err(field_err("dim", "must be positive"));
+        }
+        if self.n_heads == 0 || self.dim % self.n_heads != 0 {
+            return Err(field_err(
+                "n_heads",
+                format!(
+                    "must divide dim ({} is not divisible by {})",
+                    self.dim, self.n_heads
+                ),
+            ));
+        }
+        if self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+            return Err(field_err(
+                "n_kv_heads",
+                format!(
+                    "must divide n_heads ({} is not divisible by {})",
+                    self.n_heads, self.n_kv_heads
+                ),
+            ));
+        }
+        if self.head_dim() % 2 != 0 {
+            return Err(field_err(
+                "n_heads",
+                format!(
+                    "gives an odd head_dim {} (RoPE rotates pairs)",
+                    self.head_dim()
+                ),
+            ));
+        }
+        if self.ffn_hidden_dim == 0 || self.ffn_hidden_dim > MAX_FFN {
+            return Err(field_err(
+                "ffn_dim_multiplier",
+                format!("gives an FFN hidden size of {}", self.ffn_hidden_dim),
+            ));
+        }
+        if self.n_layers == 0 {
+            return Err(field_err("n_layers", "must be positive"));
+        }
+        if let Some(0) = self.vocab_size {
+            return Err(field_err("vocab_size", "must be positive"));
+        }
+        Ok(())
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.dim / self.n_heads
+    }
+
+    /// Query heads per KV head.
+    pub fn n_rep(&self) -> usize {
+        self.n_heads / self.n_kv_heads
+    }
+
+    /// The context to plan for: the request (default 2048), capped by the
+    /// model's own limit where it has one.
+    pub fn plan_context(&self, requested: Option<usize>) -> usize {
+        let want = requested.unwrap_or(DEFAULT_CONTEXT);
+        match self.max_context {
+            Some(limit) => want.min(limit),
+            None => want,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn meta_ffn_sizes() {
+        // Llama 3.1 8B: dim 4096, multiple_of 1024, multiplier 1.3.
+        assert_eq!(ffn_hidden_dim(4096, 1024, Some(1.3)), 14336);
+        // Llama 2 7B: dim 4096, multiple_of 256, no multiplier.
+        assert_eq!(ffn_hidden_dim(4096, 256, None), 11008);
+        // Llama 3.2 1B: dim 2048, multiple_of 256, multiplier 1.5.
+        assert_eq!(ffn_hidden_dim(2048, 256, Some(1.5)), 8192);
+    }
+
+    #[test]
+    fn defaults() {
+        let a = ModelArgs::from_params_json(
+            r#"{"dim": 64, "n_layers": 2, "n_heads": 4, "vocab_size": -1, "norm_eps": 1e-5, "extra": [1]}"#,
+        )
+        .unwrap();
+        assert_eq!(a.n_kv_heads, 4);
+        assert_eq!(a.vocab_size, None);
+        assert_eq!(a.rope_theta, 10000.0);
+        assert_eq!(a.rope_scaling, None);
+        assert_eq!(a.plan_context(None), 2048);
+    }
+}

@@ -1,0 +1,24 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+/// The repository root.
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// insta settings that keep every snapshot in the top-level `snapshots/`.
+pub fn snapshot_settings() -> insta::Settings {
+    let mut s = insta::Settings::clone_current();
+    s.set_snapshot_path(root().join("snapshots"));
+    s.set_prepend_module_to_snapshot(false);
+    s
+}
+
+/// Reads a params.json under `graphs/`.
+pub fn graph_params(arch: &str) -> llama_graph::model::ModelArgs {
+    let p = root().join("graphs").join(arch).join("params.json");
+    let text = std::fs::read_to_string(&p).expect("params file");
+    llama_graph::model::ModelArgs::from_params_json(&text).expect("valid params")
+}
