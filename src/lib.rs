@@ -7,6 +7,7 @@ pub mod error;
 pub mod ir;
 pub mod kernels;
 pub mod model;
+pub mod pool;
 pub mod tokenizer;
 pub mod weights;
 
