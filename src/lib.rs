@@ -9,6 +9,7 @@ pub mod ir;
 pub mod kernels;
 pub mod model;
 pub mod plan;
+pub mod pool;
 pub mod tokenizer;
 pub mod weights;
 

@@ -1,1 +1,173 @@
 //! Compute kernels, separate from scheduling.
+//!
+//! Conventions: row-major; activations are `f32`; weights are raw
+//! little-endian bytes in their stored dtype (see [`WeightRef`]), read with
+//! unaligned loads. Kernels never allocate: scratch space is passed in by the
+//! caller, sized by the `*_scratch_len` functions. Parallel kernels take a
+//! [`ThreadPool`](crate::pool::ThreadPool).
+
+pub mod attention;
+pub mod elementwise;
+pub mod embedding;
+pub mod kv;
+pub mod matmul;
+mod matmul_avx2;
+pub mod norm;
+pub mod rope;
+#[cfg(test)]
+pub(crate) mod testutil;
+
+pub use attention::{
+    attention_fused, attention_fused_scratch_len, attn_scores, attn_values, softmax_rows, AttnShape,
+};
+pub use elementwise::{add, add_inplace, argmax, mul, mul_broadcast_rows, silu, swiglu};
+pub use embedding::embedding_rows;
+pub use kv::kv_write;
+pub use matmul::{matmul, Epilogue};
+pub use norm::rmsnorm;
+pub use rope::{rope_reference, RopeScaling, RopeTable};
+
+use crate::ir::DType;
+use thiserror::Error;
+
+/// Errors from kernel argument checks. Every message names the operation
+/// and what was wrong.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum KernelError {
+    #[error("{op}: {what}: expected {expected}, got {actual}")]
+    Shape {
+        op: &'static str,
+        what: &'static str,
+        expected: usize,
+        actual: usize,
+    },
+    #[error("{op}: unsupported dtype {dtype}")]
+    DType { op: &'static str, dtype: DType },
+    #[error("{op}: token id {id} at index {index} is out of range for {rows} rows")]
+    IdOutOfRange {
+        op: &'static str,
+        id: i64,
+        index: usize,
+        rows: usize,
+    },
+    #[error("kv_write: positions {pos}..{pos}+{len} exceed cache capacity {capacity}")]
+    CacheOverflow {
+        pos: usize,
+        len: usize,
+        capacity: usize,
+    },
+    #[error("{op}: invalid argument: {what}")]
+    Invalid {
+        op: &'static str,
+        what: &'static str,
+    },
+}
+
+impl From<KernelError> for crate::Error {
+    fn from(e: KernelError) -> Self {
+        crate::Error::msg(e.to_string())
+    }
+}
+
+pub(crate) fn check_len(
+    op: &'static str,
+    what: &'static str,
+    expected: usize,
+    actual: usize,
+) -> Result<(), KernelError> {
+    if expected == actual {
+        Ok(())
+    } else {
+        Err(KernelError::Shape {
+            op,
+            what,
+            expected,
+            actual,
+        })
+    }
+}
+
+/// `a * b` or a shape error naming `what` when it overflows.
+pub(crate) fn mul_dims(
+    op: &'static str,
+    what: &'static str,
+    a: usize,
+    b: usize,
+) -> Result<usize, KernelError> {
+    a.checked_mul(b).ok_or(KernelError::Invalid { op, what })
+}
+
+/// A borrowed tensor of weights in its stored dtype (F32, F16 or BF16,
+/// little-endian, no alignment requirement).
+#[derive(Clone, Copy, Debug)]
+pub struct WeightRef<'a> {
+    pub dtype: DType,
+    pub bytes: &'a [u8],
+}
+
+impl<'a> WeightRef<'a> {
+    pub fn new(dtype: DType, bytes: &'a [u8]) -> Self {
+        WeightRef { dtype, bytes }
+    }
+    /// Wraps f32 values (tests, small tensors built at run time).
+    pub fn from_f32(v: &'a [f32]) -> Self {
+        // SAFETY: any f32 slice is a valid byte slice of 4x the length.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v))
+        };
+        WeightRef {
+            dtype: DType::F32,
+            bytes,
+        }
+    }
+    /// Element size in bytes, or an error for dtypes plain kernels do not read.
+    pub(crate) fn elem_size(&self, op: &'static str) -> Result<usize, KernelError> {
+        match self.dtype {
+            DType::F32 => Ok(4),
+            DType::F16 | DType::BF16 => Ok(2),
+            dtype => Err(KernelError::DType { op, dtype }),
+        }
+    }
+    /// Number of elements (bytes / element size).
+    pub(crate) fn check_elems(&self, op: &'static str, expected: usize) -> Result<(), KernelError> {
+        let es = self.elem_size(op)?;
+        let want = mul_dims(op, "weight byte size overflows", expected, es)?;
+        check_len(op, "weight bytes", want, self.bytes.len())
+    }
+    /// Converts elements `start..start+out.len()` to f32. Bounds are the
+    /// caller's responsibility (checked slices; panics only on a bug).
+    #[inline]
+    pub(crate) fn read_into(&self, start: usize, out: &mut [f32]) {
+        match self.dtype {
+            DType::F32 => {
+                let b = &self.bytes[start * 4..(start + out.len()) * 4];
+                for (o, c) in out.iter_mut().zip(b.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+            DType::F16 => {
+                let b = &self.bytes[start * 2..(start + out.len()) * 2];
+                for (o, c) in out.iter_mut().zip(b.chunks_exact(2)) {
+                    *o = f16_to_f32(u16::from_le_bytes([c[0], c[1]]));
+                }
+            }
+            DType::BF16 => {
+                let b = &self.bytes[start * 2..(start + out.len()) * 2];
+                for (o, c) in out.iter_mut().zip(b.chunks_exact(2)) {
+                    *o = bf16_to_f32(u16::from_le_bytes([c[0], c[1]]));
+                }
+            }
+            _ => unreachable!("dtype checked by elem_size"),
+        }
+    }
+}
+
+#[inline]
+pub(crate) fn bf16_to_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+#[inline]
+pub(crate) fn f16_to_f32(h: u16) -> f32 {
+    half::f16::from_bits(h).to_f32()
+}

@@ -1,0 +1,435 @@
+//! Linear layers: `y[s, n] = sum_k x[s, k] * W[n, k]` with `W` stored
+//! `[N, K]` (PyTorch order) in F32, F16 or BF16, plus fused epilogues.
+//!
+//! Work is split over output columns (weight rows) in chunks run on the
+//! pool. Inside a chunk, tokens are processed in blocks of [`TOKEN_BLOCK`]
+//! and weight rows in small tiles, so each weight tile is read once per
+//! token block (not once per token) while it sits in L1/L2; F16/BF16 weights
+//! are widened to f32 in registers. With AVX2+FMA+F16C (detected at run
+//! time) the tile kernels are SIMD; otherwise a portable path computes the
+//! same sums (within f32 rounding).
+
+use super::{check_len, matmul_avx2, mul_dims, KernelError, WeightRef};
+use crate::pool::{SyncPtr, ThreadPool};
+
+/// What to do with the raw products before storing them in `y`.
+#[derive(Clone, Copy, Debug)]
+pub enum Epilogue<'a> {
+    /// `y = x·Wᵀ`; `y` is `[S, N]`.
+    None,
+    /// `y += x·Wᵀ` (in-place residual add); `y` is `[S, N]`.
+    Accumulate,
+    /// `y = x·Wᵀ + r`; `r` and `y` are `[S, N]`.
+    AddResidual(&'a [f32]),
+    /// `W` is a packed `[2F, K]` gate/up weight (gate rows first, then up
+    /// rows); `y` is `[S, F]` with `y[s, f] = silu(g[s, f]) * u[s, f]`.
+    SwiGlu,
+}
+
+/// Tokens per block in the S>1 path (a multiple of the 3-token SIMD tile).
+pub const TOKEN_BLOCK: usize = 12;
+/// Largest number of output columns per chunk.
+const MAX_CHUNK_ROWS: usize = 64;
+/// Target bytes of weights per chunk (kept in L2 across token blocks).
+const CHUNK_WEIGHT_BYTES: usize = 128 * 1024;
+
+/// Which implementation of the tile kernels to use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// The best available on this CPU.
+    Auto,
+    /// Portable Rust (no explicit SIMD).
+    Portable,
+}
+
+/// Computes `x·Wᵀ` with `epilogue` into `y`.
+///
+/// * `x`: `[s, k]` f32; `w`: `[n, k]` in its stored dtype;
+/// * `y`: `[s, n]`, or `[s, n/2]` for [`Epilogue::SwiGlu`] (then `n` must be even).
+///
+/// No scratch is needed; nothing is allocated.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul(
+    pool: &ThreadPool,
+    x: &[f32],
+    s: usize,
+    k: usize,
+    w: WeightRef<'_>,
+    n: usize,
+    epilogue: Epilogue<'_>,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    matmul_with(pool, Isa::Auto, x, s, k, w, n, epilogue, y)
+}
+
+/// [`matmul`] with an explicit choice of implementation (tests, benches).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_with(
+    pool: &ThreadPool,
+    isa: Isa,
+    x: &[f32],
+    s: usize,
+    k: usize,
+    w: WeightRef<'_>,
+    n: usize,
+    epilogue: Epilogue<'_>,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    const OP: &str = "matmul";
+    let es = w.elem_size(OP)?;
+    check_len(
+        OP,
+        "x elements (s*k)",
+        mul_dims(OP, "s*k overflows", s, k)?,
+        x.len(),
+    )?;
+    w.check_elems(OP, mul_dims(OP, "n*k overflows", n, k)?)?;
+    let n_out = match epilogue {
+        Epilogue::SwiGlu => {
+            if n % 2 != 0 {
+                return Err(KernelError::Invalid {
+                    op: OP,
+                    what: "SwiGlu needs an even number of weight rows (gate and up)",
+                });
+            }
+            n / 2
+        }
+        _ => n,
+    };
+    let y_len = mul_dims(OP, "s*n overflows", s, n_out)?;
+    check_len(OP, "y elements", y_len, y.len())?;
+    if let Epilogue::AddResidual(r) = epilogue {
+        check_len(OP, "residual elements", y_len, r.len())?;
+    }
+    if s == 0 || n_out == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        // Empty sums: apply the epilogue to zeros.
+        for (i, v) in y.iter_mut().enumerate() {
+            *v = match epilogue {
+                Epilogue::None | Epilogue::SwiGlu => 0.0,
+                Epilogue::Accumulate => *v,
+                Epilogue::AddResidual(r) => r[i],
+            };
+        }
+        return Ok(());
+    }
+    let simd = isa == Isa::Auto && matmul_avx2::available();
+    let rows = chunk_rows(
+        n_out,
+        k * es * if n_out == n { 1 } else { 2 },
+        pool.n_threads(),
+    );
+    let n_chunks = n_out.div_ceil(rows);
+    let yp = SyncPtr::new(y);
+    pool.run(n_chunks, &|c| {
+        let r0 = c * rows;
+        let r1 = (r0 + rows).min(n_out);
+        // SAFETY: chunk `c` writes only columns r0..r1 of every row of y,
+        // disjoint from all other chunks; y outlives `run`.
+        let y = unsafe { yp.slice(0, y_len) };
+        run_chunk(simd, x, s, k, w, n_out, r0, r1, epilogue, y);
+    });
+    Ok(())
+}
+
+/// Output columns per chunk: weights of one chunk fit the cache budget, and
+/// there are a few chunks per thread for load balance. Multiple of 8.
+fn chunk_rows(n_out: usize, bytes_per_col: usize, threads: usize) -> usize {
+    let by_cache = (CHUNK_WEIGHT_BYTES / bytes_per_col.max(1)).clamp(8, MAX_CHUNK_ROWS) & !7;
+    let by_balance = n_out.div_ceil(threads * 4).div_ceil(8) * 8;
+    by_cache.min(by_balance).max(8)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_chunk(
+    simd: bool,
+    x: &[f32],
+    s: usize,
+    k: usize,
+    w: WeightRef<'_>,
+    n_out: usize,
+    r0: usize,
+    r1: usize,
+    epilogue: Epilogue<'_>,
+    y: &mut [f32],
+) {
+    let nr = r1 - r0;
+    let mut acc = [0f32; TOKEN_BLOCK * MAX_CHUNK_ROWS];
+    let mut acc_up = [0f32; TOKEN_BLOCK * MAX_CHUNK_ROWS];
+    let mut s0 = 0;
+    while s0 < s {
+        let ns = (s - s0).min(TOKEN_BLOCK);
+        let xb = &x[s0 * k..(s0 + ns) * k];
+        let out = &mut acc[..ns * nr];
+        block(simd, xb, ns, k, w, r0, nr, out);
+        if let Epilogue::SwiGlu = epilogue {
+            block(simd, xb, ns, k, w, n_out + r0, nr, &mut acc_up[..ns * nr]);
+        }
+        for t in 0..ns {
+            let yrow = &mut y[(s0 + t) * n_out + r0..(s0 + t) * n_out + r1];
+            let arow = &acc[t * nr..(t + 1) * nr];
+            match epilogue {
+                Epilogue::None => yrow.copy_from_slice(arow),
+                Epilogue::Accumulate => yrow.iter_mut().zip(arow).for_each(|(o, a)| *o += a),
+                Epilogue::AddResidual(r) => {
+                    let rrow = &r[(s0 + t) * n_out + r0..(s0 + t) * n_out + r1];
+                    for ((o, a), b) in yrow.iter_mut().zip(arow).zip(rrow) {
+                        *o = a + b;
+                    }
+                }
+                Epilogue::SwiGlu => {
+                    let urow = &acc_up[t * nr..(t + 1) * nr];
+                    for ((o, g), u) in yrow.iter_mut().zip(arow).zip(urow) {
+                        *o = super::elementwise::silu_f32(*g) * u;
+                    }
+                }
+            }
+        }
+        s0 += ns;
+    }
+}
+
+/// `out[t * nr + r] = dot(x[t], W[row0 + r])` for `t < ns`, `r < nr`.
+#[allow(clippy::too_many_arguments)]
+fn block(
+    simd: bool,
+    x: &[f32],
+    ns: usize,
+    k: usize,
+    w: WeightRef<'_>,
+    row0: usize,
+    nr: usize,
+    out: &mut [f32],
+) {
+    if simd {
+        matmul_avx2::block(x, ns, k, w, row0, nr, out);
+    } else {
+        block_portable(x, ns, k, w, row0, nr, out);
+    }
+}
+
+fn block_portable(
+    x: &[f32],
+    ns: usize,
+    k: usize,
+    w: WeightRef<'_>,
+    row0: usize,
+    nr: usize,
+    out: &mut [f32],
+) {
+    const KB: usize = 256;
+    let mut wbuf = [0f32; KB];
+    out[..ns * nr].fill(0.0);
+    for r in 0..nr {
+        let base = (row0 + r) * k;
+        let mut k0 = 0;
+        while k0 < k {
+            let kl = (k - k0).min(KB);
+            w.read_into(base + k0, &mut wbuf[..kl]);
+            for t in 0..ns {
+                let xr = &x[t * k + k0..t * k + k0 + kl];
+                out[t * nr + r] += dot8(&wbuf[..kl], xr);
+            }
+            k0 += kl;
+        }
+    }
+}
+
+/// Dot product with 8 independent partial sums (vectorisable).
+#[inline]
+pub(crate) fn dot8(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let mut ca = a.chunks_exact(8);
+    let mut cb = b.chunks_exact(8);
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut tail = 0f32;
+    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
+        tail += x * y;
+    }
+    let s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    s + tail
+}
+
+/// Floating-point operations of one matmul call (2·S·N·K), for benches.
+pub fn flops(s: usize, n: usize, k: usize) -> f64 {
+    2.0 * s as f64 * n as f64 * k as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::DType;
+    use crate::kernels::testutil::{assert_close, decoded, encode, Rng};
+
+    fn naive(x: &[f32], s: usize, k: usize, w: &[f32], n: usize) -> Vec<f64> {
+        let mut y = vec![0f64; s * n];
+        for i in 0..s {
+            for j in 0..n {
+                y[i * n + j] = (0..k)
+                    .map(|e| x[i * k + e] as f64 * w[j * k + e] as f64)
+                    .sum();
+            }
+        }
+        y
+    }
+
+    fn tol(k: usize) -> f64 {
+        // Inputs in [-1, 1): f32 sum error grows ~ sqrt(k) * eps * |terms|.
+        2e-6 * (k as f64).sqrt() * 4.0
+    }
+
+    fn check(pool: &ThreadPool, s: usize, k: usize, n: usize, seed: u64) {
+        let mut rng = Rng::new(seed);
+        let x = rng.vec(s * k);
+        let wf = rng.vec(n * k);
+        let r = rng.vec(s * n);
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let wb = encode(&wf, dtype);
+            let w = WeightRef::new(dtype, &wb);
+            let want = naive(&x, s, k, &decoded(&wf, dtype), n);
+            for isa in [Isa::Auto, Isa::Portable] {
+                let what = format!("{dtype} s={s} k={k} n={n} {isa:?}");
+                let mut y = vec![f32::NAN; s * n];
+                matmul_with(pool, isa, &x, s, k, w, n, Epilogue::None, &mut y).unwrap();
+                assert_close(&y, &want, tol(k), 1e-5, &what);
+                // Residual epilogues.
+                let want_r: Vec<f64> = want.iter().zip(&r).map(|(a, &b)| a + b as f64).collect();
+                matmul_with(pool, isa, &x, s, k, w, n, Epilogue::AddResidual(&r), &mut y).unwrap();
+                assert_close(&y, &want_r, tol(k), 1e-5, &what);
+                let mut y2 = r.clone();
+                matmul_with(pool, isa, &x, s, k, w, n, Epilogue::Accumulate, &mut y2).unwrap();
+                assert_close(&y2, &want_r, tol(k), 1e-5, &what);
+                // SwiGLU over the same weights seen as [gate; up].
+                if n % 2 == 0 {
+                    let f = n / 2;
+                    let mut ys = vec![f32::NAN; s * f];
+                    matmul_with(pool, isa, &x, s, k, w, n, Epilogue::SwiGlu, &mut ys).unwrap();
+                    let mut want_s = vec![0f64; s * f];
+                    for i in 0..s {
+                        for j in 0..f {
+                            let g = want[i * n + j];
+                            let u = want[i * n + f + j];
+                            want_s[i * f + j] = g / (1.0 + (-g).exp()) * u;
+                        }
+                    }
+                    assert_close(&ys, &want_s, tol(k) * 4.0, 1e-5, &format!("swiglu {what}"));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gemv_odd_and_model_sizes() {
+        let pool = ThreadPool::new(2);
+        check(&pool, 1, 576, 1536, 1);
+        check(&pool, 1, 1536, 576, 2);
+        check(&pool, 1, 13, 37, 3);
+        check(&pool, 1, 8, 9, 4);
+    }
+
+    #[test]
+    fn gemm_blocked_sizes() {
+        let pool = ThreadPool::new(2);
+        check(&pool, 2, 576, 64, 5);
+        check(&pool, 13, 67, 30, 6); // token tiles 3,3,3,3,1; row tails
+        check(&pool, 29, 576, 100, 7); // > one token block
+        let pool1 = ThreadPool::new(1);
+        check(&pool1, 5, 96, 44, 8);
+    }
+
+    #[test]
+    fn large_vocab_projection() {
+        // LM-head sized: 49152 rows, S = 1 and S = 2, BF16 only (time).
+        let pool = ThreadPool::new(2);
+        let (k, n) = (64, 49152);
+        let mut rng = Rng::new(9);
+        let wf = rng.vec(n * k);
+        let wb = encode(&wf, DType::BF16);
+        let wd = decoded(&wf, DType::BF16);
+        for s in [1, 2] {
+            let x = rng.vec(s * k);
+            let mut y = vec![0f32; s * n];
+            matmul(
+                &pool,
+                &x,
+                s,
+                k,
+                WeightRef::new(DType::BF16, &wb),
+                n,
+                Epilogue::None,
+                &mut y,
+            )
+            .unwrap();
+            assert_close(&y, &naive(&x, s, k, &wd, n), tol(k), 1e-5, "lm head");
+        }
+    }
+
+    #[test]
+    fn unaligned_weight_bytes() {
+        let pool = ThreadPool::new(2);
+        let mut rng = Rng::new(11);
+        let (s, k, n) = (4, 40, 12);
+        let x = rng.vec(s * k);
+        let wf = rng.vec(n * k);
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let mut buf = vec![0u8; 1];
+            buf.extend(encode(&wf, dtype));
+            let w = WeightRef::new(dtype, &buf[1..]);
+            let mut y = vec![0f32; s * n];
+            matmul(&pool, &x, s, k, w, n, Epilogue::None, &mut y).unwrap();
+            assert_close(
+                &y,
+                &naive(&x, s, k, &decoded(&wf, dtype), n),
+                tol(k),
+                1e-5,
+                "unaligned",
+            );
+        }
+    }
+
+    #[test]
+    fn shape_errors() {
+        let pool = ThreadPool::new(1);
+        let x = vec![0f32; 6];
+        let w = vec![0f32; 9];
+        let mut y = vec![0f32; 6];
+        let wr = WeightRef::from_f32(&w);
+        assert!(matmul(&pool, &x, 2, 3, wr, 3, Epilogue::None, &mut y).is_ok());
+        assert!(matmul(&pool, &x, 2, 3, wr, 3, Epilogue::None, &mut y[1..]).is_err());
+        assert!(matmul(&pool, &x[1..], 2, 3, wr, 3, Epilogue::None, &mut y).is_err());
+        assert!(matmul(
+            &pool,
+            &x,
+            2,
+            3,
+            WeightRef::from_f32(&w[1..]),
+            3,
+            Epilogue::None,
+            &mut y
+        )
+        .is_err());
+        assert!(matmul(&pool, &x, 2, 3, wr, 3, Epilogue::SwiGlu, &mut y).is_err());
+        assert!(matmul(
+            &pool,
+            &x,
+            2,
+            3,
+            wr,
+            3,
+            Epilogue::AddResidual(&x[1..]),
+            &mut y
+        )
+        .is_err());
+        let q = WeightRef::new(DType::Q8_0, &[]);
+        assert!(matches!(
+            matmul(&pool, &x, 2, 3, q, 3, Epilogue::None, &mut y),
+            Err(KernelError::DType { .. })
+        ));
+    }
+}

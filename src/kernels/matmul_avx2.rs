@@ -1,0 +1,228 @@
+//! AVX2 + FMA + F16C tile kernels for [`super::matmul`].
+//!
+//! A tile computes `R` weight rows × `T` tokens of dot products with `R·T`
+//! 8-lane accumulators: per 8 elements of K it loads `T` x vectors and, per
+//! weight row, one weight vector (widened from F16/BF16 in registers) that
+//! feeds `T` FMAs. Shapes: 4×3 (12 accumulators) for several tokens, 8×1 for
+//! a single token (GEMV), 1×T for leftover rows.
+
+use super::WeightRef;
+use crate::ir::DType;
+
+/// Whether the SIMD kernels can run on this CPU.
+pub(crate) fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `out[t * nr + r] = dot(x[t], W[row0 + r])`; requires [`available`].
+pub(crate) fn block(
+    x: &[f32],
+    ns: usize,
+    k: usize,
+    w: WeightRef<'_>,
+    row0: usize,
+    nr: usize,
+    out: &mut [f32],
+) {
+    assert!(x.len() >= ns * k && out.len() >= ns * nr);
+    #[cfg(target_arch = "x86_64")]
+    {
+        let es = match w.dtype {
+            DType::F32 => 4,
+            _ => 2,
+        };
+        let end = (row0 + nr) * k * es;
+        assert!(end <= w.bytes.len() && available());
+        // SAFETY: CPU features checked above; all pointers stay inside
+        // `x[..ns*k]`, `w.bytes[row0*k*es..end]` and `out[..ns*nr]` as the
+        // tile loops index rows < nr, tokens < ns and elements < k.
+        unsafe {
+            let wp = w.bytes.as_ptr().add(row0 * k * es);
+            match w.dtype {
+                DType::F32 => x86::f32w::block(x.as_ptr(), ns, k, wp, nr, out.as_mut_ptr()),
+                DType::F16 => x86::f16w::block(x.as_ptr(), ns, k, wp, nr, out.as_mut_ptr()),
+                DType::BF16 => x86::bf16w::block(x.as_ptr(), ns, k, wp, nr, out.as_mut_ptr()),
+                _ => unreachable!("dtype checked by matmul"),
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (x, ns, k, w, row0, nr, out);
+        unreachable!("available() is false on this architecture");
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn load_f32(p: *const u8) -> __m256 {
+        // SAFETY: caller guarantees 32 readable bytes at p.
+        unsafe { _mm256_loadu_ps(p.cast::<f32>()) }
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn load_f16(p: *const u8) -> __m256 {
+        // SAFETY: caller guarantees 16 readable bytes at p.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast::<__m128i>())) }
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn load_bf16(p: *const u8) -> __m256 {
+        // SAFETY: caller guarantees 16 readable bytes at p.
+        unsafe {
+            let h = _mm_loadu_si128(p.cast::<__m128i>());
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        }
+    }
+    #[inline]
+    pub(super) unsafe fn one_f32(p: *const u8) -> f32 {
+        // SAFETY: caller guarantees 4 readable bytes at p.
+        unsafe { f32::from_le_bytes(p.cast::<[u8; 4]>().read_unaligned()) }
+    }
+    #[inline]
+    pub(super) unsafe fn one_f16(p: *const u8) -> f32 {
+        // SAFETY: caller guarantees 2 readable bytes at p.
+        unsafe {
+            super::super::f16_to_f32(u16::from_le_bytes(p.cast::<[u8; 2]>().read_unaligned()))
+        }
+    }
+    #[inline]
+    pub(super) unsafe fn one_bf16(p: *const u8) -> f32 {
+        // SAFETY: caller guarantees 2 readable bytes at p.
+        unsafe {
+            super::super::bf16_to_f32(u16::from_le_bytes(p.cast::<[u8; 2]>().read_unaligned()))
+        }
+    }
+
+    macro_rules! tile_kernels {
+        ($m:ident, $es:expr, $load:ident, $one:ident) => {
+            pub(super) mod $m {
+                use super::*;
+                const ES: usize = $es;
+
+                /// R rows × T tokens; out[t*os + i] = dot(x[t], w[i]).
+                #[inline]
+                #[target_feature(enable = "avx2,fma,f16c")]
+                unsafe fn tile<const R: usize, const T: usize>(
+                    x: *const f32,
+                    k: usize,
+                    w: *const u8,
+                    out: *mut f32,
+                    os: usize,
+                ) {
+                    // SAFETY (whole body): x has T rows of k floats, w has R
+                    // rows of k elements, out has T rows of stride os >= R.
+                    unsafe {
+                        let wrb = k * ES;
+                        let mut acc = [[_mm256_setzero_ps(); T]; R];
+                        let k8 = k & !7;
+                        let mut kk = 0;
+                        while kk < k8 {
+                            let mut xv = [_mm256_setzero_ps(); T];
+                            for (j, v) in xv.iter_mut().enumerate() {
+                                *v = _mm256_loadu_ps(x.add(j * k + kk));
+                            }
+                            for (i, a) in acc.iter_mut().enumerate() {
+                                let wv = $load(w.add(i * wrb + kk * ES));
+                                for j in 0..T {
+                                    a[j] = _mm256_fmadd_ps(wv, xv[j], a[j]);
+                                }
+                            }
+                            kk += 8;
+                        }
+                        for (i, a) in acc.iter().enumerate() {
+                            for j in 0..T {
+                                let mut s = hsum(a[j]);
+                                for e in k8..k {
+                                    s += $one(w.add(i * wrb + e * ES)) * *x.add(j * k + e);
+                                }
+                                *out.add(j * os + i) = s;
+                            }
+                        }
+                    }
+                }
+
+                #[target_feature(enable = "avx2,fma,f16c")]
+                unsafe fn rows_tile<const R: usize>(
+                    x: *const f32,
+                    ns: usize,
+                    k: usize,
+                    w: *const u8,
+                    out: *mut f32,
+                    os: usize,
+                ) {
+                    // SAFETY: forwards the caller's bounds to `tile`.
+                    unsafe {
+                        let mut t = 0;
+                        while t + 3 <= ns {
+                            tile::<R, 3>(x.add(t * k), k, w, out.add(t * os), os);
+                            t += 3;
+                        }
+                        match ns - t {
+                            2 => tile::<R, 2>(x.add(t * k), k, w, out.add(t * os), os),
+                            1 => tile::<R, 1>(x.add(t * k), k, w, out.add(t * os), os),
+                            _ => {}
+                        }
+                    }
+                }
+
+                /// out[t*nr + r] = dot(x[t], w[r]) for t < ns, r < nr.
+                #[target_feature(enable = "avx2,fma,f16c")]
+                pub(crate) unsafe fn block(
+                    x: *const f32,
+                    ns: usize,
+                    k: usize,
+                    w: *const u8,
+                    nr: usize,
+                    out: *mut f32,
+                ) {
+                    // SAFETY: x: ns*k floats, w: nr rows of k elements, out: ns*nr.
+                    unsafe {
+                        let wrb = k * ES;
+                        let mut r = 0;
+                        if ns == 1 {
+                            while r + 8 <= nr {
+                                tile::<8, 1>(x, k, w.add(r * wrb), out.add(r), nr);
+                                r += 8;
+                            }
+                        }
+                        while r + 4 <= nr {
+                            rows_tile::<4>(x, ns, k, w.add(r * wrb), out.add(r), nr);
+                            r += 4;
+                        }
+                        while r < nr {
+                            rows_tile::<1>(x, ns, k, w.add(r * wrb), out.add(r), nr);
+                            r += 1;
+                        }
+                    }
+                }
+            }
+        };
+    }
+
+    tile_kernels!(f32w, 4, load_f32, one_f32);
+    tile_kernels!(f16w, 2, load_f16, one_f16);
+    tile_kernels!(bf16w, 2, load_bf16, one_bf16);
+}

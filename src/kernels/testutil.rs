@@ -1,0 +1,63 @@
+//! Helpers for kernel tests: a small deterministic RNG and dtype encoders.
+
+use crate::ir::DType;
+
+/// xorshift64* — deterministic, dependency-free test data.
+pub(crate) struct Rng(u64);
+
+impl Rng {
+    pub(crate) fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    pub(crate) fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    /// Uniform in [-1, 1).
+    pub(crate) fn uniform(&mut self) -> f32 {
+        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    pub(crate) fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.uniform()).collect()
+    }
+}
+
+/// Encodes `v` as little-endian bytes of `dtype` (F32/F16/BF16, round to nearest).
+pub(crate) fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
+    let mut out = Vec::with_capacity(v.len() * 4);
+    for &x in v {
+        match dtype {
+            DType::F32 => out.extend_from_slice(&x.to_le_bytes()),
+            DType::F16 => out.extend_from_slice(&half::f16::from_f32(x).to_le_bytes()),
+            DType::BF16 => out.extend_from_slice(&half::bf16::from_f32(x).to_le_bytes()),
+            _ => panic!("unsupported test dtype"),
+        }
+    }
+    out
+}
+
+/// The values `encode(v, dtype)` represents, as f32.
+pub(crate) fn decoded(v: &[f32], dtype: DType) -> Vec<f32> {
+    v.iter()
+        .map(|&x| match dtype {
+            DType::F32 => x,
+            DType::F16 => half::f16::from_f32(x).to_f32(),
+            DType::BF16 => half::bf16::from_f32(x).to_f32(),
+            _ => panic!("unsupported test dtype"),
+        })
+        .collect()
+}
+
+/// Largest |a-b| / (atol + rtol*|b|) ratio; <= 1 means within tolerance.
+pub(crate) fn assert_close(a: &[f32], b: &[f64], atol: f64, rtol: f64, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: length");
+    for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
+        let tol = atol + rtol * y.abs();
+        assert!(
+            ((x as f64) - y).abs() <= tol || (x.is_infinite() && (x as f64) == y),
+            "{what}: element {i}: got {x}, expected {y} (tol {tol})"
+        );
+    }
+}
