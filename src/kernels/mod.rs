@@ -1,1 +1,2 @@
 //! Compute kernels, separate from scheduling.
+pub mod quant;
