@@ -47,10 +47,14 @@ fn f32s(v: &Value) -> Vec<f32> {
 
 /// Deterministic pseudo-random activations in [-1, 1).
 fn activations(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         })
         .collect()
@@ -68,7 +72,11 @@ fn dequantize_matches_gguf_py_bit_exact() {
         let mut out = vec![f32::NAN; expected.len()];
         dequantize_row(dt, &bytes, &mut out).expect("dequantize");
         for (i, (a, e)) in out.iter().zip(&expected).enumerate() {
-            assert_eq!(a.to_bits(), e.to_bits(), "{dt} element {i}: got {a}, gguf-py {e}");
+            assert_eq!(
+                a.to_bits(),
+                e.to_bits(),
+                "{dt} element {i}: got {a}, gguf-py {e}"
+            );
         }
     }
 }
@@ -76,13 +84,26 @@ fn dequantize_matches_gguf_py_bit_exact() {
 #[test]
 fn dot_matches_dequantize_then_multiply() {
     let fx = fixture();
-    for (k, f) in fx["formats"].as_array().expect("formats").iter().enumerate() {
+    for (k, f) in fx["formats"]
+        .as_array()
+        .expect("formats")
+        .iter()
+        .enumerate()
+    {
         let dt = dtype(f["dtype"].as_str().expect("dtype"));
         let bytes = hex(f["bytes_hex"].as_str().expect("hex"));
         let w = f32s(&f["values"]);
         let x = activations(w.len(), k as u64 + 1);
-        let exact: f64 = w.iter().zip(&x).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum();
-        let scale: f64 = w.iter().zip(&x).map(|(a, b)| (f64::from(*a) * f64::from(*b)).abs()).sum();
+        let exact: f64 = w
+            .iter()
+            .zip(&x)
+            .map(|(a, b)| f64::from(*a) * f64::from(*b))
+            .sum();
+        let scale: f64 = w
+            .iter()
+            .zip(&x)
+            .map(|(a, b)| (f64::from(*a) * f64::from(*b)).abs())
+            .sum();
         let tol = 1e-5 * scale + 1e-7;
         let scalar = dot_row_scalar(dt, &bytes, &x);
         assert!(
@@ -91,7 +112,10 @@ fn dot_matches_dequantize_then_multiply() {
         );
         let simd = dot_row_simd(dt, &bytes, &x);
         if let Some(simd) = simd {
-            assert!((f64::from(simd) - exact).abs() <= tol, "{dt} simd {simd} vs {exact} (tol {tol})");
+            assert!(
+                (f64::from(simd) - exact).abs() <= tol,
+                "{dt} simd {simd} vs {exact} (tol {tol})"
+            );
         } else {
             eprintln!("note: no AVX2/FMA/F16C on this CPU; SIMD kernels not exercised");
         }
@@ -103,20 +127,39 @@ fn dot_matches_dequantize_then_multiply() {
 fn dot_longer_rows_simd_vs_scalar() {
     // Rows of many blocks: repeat each fixture row 16 times, with different activations.
     let fx = fixture();
-    for (k, f) in fx["formats"].as_array().expect("formats").iter().enumerate() {
+    for (k, f) in fx["formats"]
+        .as_array()
+        .expect("formats")
+        .iter()
+        .enumerate()
+    {
         let dt = dtype(f["dtype"].as_str().expect("dtype"));
         let one = hex(f["bytes_hex"].as_str().expect("hex"));
         let w1 = f32s(&f["values"]);
         let bytes: Vec<u8> = one.iter().copied().cycle().take(one.len() * 16).collect();
         let w: Vec<f32> = w1.iter().copied().cycle().take(w1.len() * 16).collect();
         let x = activations(w.len(), 100 + k as u64);
-        let exact: f64 = w.iter().zip(&x).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum();
-        let scale: f64 = w.iter().zip(&x).map(|(a, b)| (f64::from(*a) * f64::from(*b)).abs()).sum();
+        let exact: f64 = w
+            .iter()
+            .zip(&x)
+            .map(|(a, b)| f64::from(*a) * f64::from(*b))
+            .sum();
+        let scale: f64 = w
+            .iter()
+            .zip(&x)
+            .map(|(a, b)| (f64::from(*a) * f64::from(*b)).abs())
+            .sum();
         let tol = 1e-5 * scale + 1e-7;
         let s = dot_row_scalar(dt, &bytes, &x);
-        assert!((f64::from(s) - exact).abs() <= tol, "{dt} scalar {s} vs {exact}");
+        assert!(
+            (f64::from(s) - exact).abs() <= tol,
+            "{dt} scalar {s} vs {exact}"
+        );
         if let Some(v) = dot_row_simd(dt, &bytes, &x) {
-            assert!((f64::from(v) - exact).abs() <= tol, "{dt} simd {v} vs {exact}");
+            assert!(
+                (f64::from(v) - exact).abs() <= tol,
+                "{dt} simd {v} vs {exact}"
+            );
         }
     }
 }

@@ -27,6 +27,9 @@
 //! row: an AVX2+FMA+F16C kernel when the CPU has them (runtime detection), else the scalar
 //! reference [`dot_row_scalar`]. The two agree up to f32 summation order.
 
+// Block kernels index several arrays with one loop counter, mirroring ggml's reference code.
+#![allow(clippy::needless_range_loop)]
+
 use crate::ir::DType;
 use half::{bf16, f16};
 use thiserror::Error;
@@ -41,7 +44,11 @@ pub enum QuantError {
         got: usize,
     },
     #[error("{dtype}: {n} elements is not a whole number of {block}-element blocks")]
-    PartialBlock { dtype: DType, n: usize, block: usize },
+    PartialBlock {
+        dtype: DType,
+        n: usize,
+        block: usize,
+    },
     #[error("{0} is not a floating-point or quantized weight type")]
     NotFloat(DType),
     #[error("quantizing to {0} is not implemented")]
@@ -437,7 +444,10 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     fn nibbles(q: __m128i) -> (__m128i, __m128i) {
         let m = _mm_set1_epi8(15);
-        (_mm_and_si128(q, m), _mm_and_si128(_mm_srli_epi16::<4>(q), m))
+        (
+            _mm_and_si128(q, m),
+            _mm_and_si128(_mm_srli_epi16::<4>(q), m),
+        )
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -489,7 +499,8 @@ mod avx2 {
                 for (half, (a, c)) in [(lo0, lo1), (hi0, hi1)].into_iter().enumerate() {
                     let (sc, m) = q4k_scale_min(scales, 2 * j + half);
                     let o = 32 * half;
-                    let (x0, x1, x2, x3) = (ld8(xs, o), ld8(xs, o + 8), ld8(xs, o + 16), ld8(xs, o + 24));
+                    let (x0, x1, x2, x3) =
+                        (ld8(xs, o), ld8(xs, o + 8), ld8(xs, o + 16), ld8(xs, o + 24));
                     let mut s = _mm256_mul_ps(i8lo(a), x0);
                     s = _mm256_fmadd_ps(i8hi(a), x1, s);
                     s = _mm256_fmadd_ps(i8lo(c), x2, s);
@@ -524,8 +535,10 @@ mod avx2 {
                     };
                     let q1 = _mm256_or_si256(_mm256_and_si256(a, m4), hpart(_mm_cvtsi32_si128(0)));
                     let q2 = _mm256_or_si256(_mm256_and_si256(c, m4), hpart(_mm_cvtsi32_si128(2)));
-                    let q3 = _mm256_or_si256(_mm256_srli_epi32::<4>(a), hpart(_mm_cvtsi32_si128(4)));
-                    let q4 = _mm256_or_si256(_mm256_srli_epi32::<4>(c), hpart(_mm_cvtsi32_si128(6)));
+                    let q3 =
+                        _mm256_or_si256(_mm256_srli_epi32::<4>(a), hpart(_mm_cvtsi32_si128(4)));
+                    let q4 =
+                        _mm256_or_si256(_mm256_srli_epi32::<4>(c), hpart(_mm_cvtsi32_si128(6)));
                     for (k, q) in [q1, q2, q3, q4].into_iter().enumerate() {
                         let qf = _mm256_cvtepi32_ps(_mm256_sub_epi32(q, off));
                         let scale = d * (b[sc + is + 2 * k] as i8) as f32;

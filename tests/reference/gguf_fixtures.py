@@ -121,18 +121,24 @@ def pywriter_fixture():
     kv("test.arr_bool", [True, False], V.ARRAY, V.BOOL)
     kv("test.arr_nested", [[1, 2], [3]], V.ARRAY, V.ARRAY)
     # Llama hyper-parameters and tokenizer keys, as llama.cpp's converter writes them.
-    w.add_context_length(128); w.add_embedding_length(64); w.add_block_count(1)
-    w.add_feed_forward_length(96); w.add_head_count(4); w.add_head_count_kv(2)
-    w.add_rope_freq_base(500000.0); w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(16)
-    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR); w.add_rope_scaling_factor(2.0)
-    w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("smollm")
-    w.add_token_list(["<s>", "</s>", "a", "b", "ab"])
-    w.add_token_scores([0.0, 0.0, -1.0, -2.0, -3.0])
-    w.add_token_types([3, 3, 1, 1, 1])
-    w.add_token_merges(["a b"])
-    w.add_bos_token_id(0); w.add_eos_token_id(1); w.add_add_bos_token(False)
-    w.add_chat_template("{{ messages }}")
+    llama = {"context_length": 128, "dim": 64, "n_layers": 1, "ffn_dim": 96, "n_heads": 4,
+             "n_kv_heads": 2, "rope_theta": 500000.0, "norm_eps": 1e-5, "rope_dim": 16,
+             "rope_scaling_type": "linear", "rope_scaling_factor": 2.0,
+             "tokenizer_model": "gpt2", "tokenizer_pre": "smollm",
+             "tokens": ["<s>", "</s>", "a", "b", "ab"], "scores": [0.0, 0.0, -1.0, -2.0, -3.0],
+             "token_type": [3, 3, 1, 1, 1], "merges": ["a b"], "bos": 0, "eos": 1,
+             "add_bos": False, "chat_template": "{{ messages }}"}
+    w.add_context_length(llama["context_length"]); w.add_embedding_length(llama["dim"])
+    w.add_block_count(llama["n_layers"]); w.add_feed_forward_length(llama["ffn_dim"])
+    w.add_head_count(llama["n_heads"]); w.add_head_count_kv(llama["n_kv_heads"])
+    w.add_rope_freq_base(llama["rope_theta"]); w.add_layer_norm_rms_eps(llama["norm_eps"])
+    w.add_rope_dimension_count(llama["rope_dim"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR); w.add_rope_scaling_factor(llama["rope_scaling_factor"])
+    w.add_tokenizer_model(llama["tokenizer_model"]); w.add_tokenizer_pre(llama["tokenizer_pre"])
+    w.add_token_list(llama["tokens"]); w.add_token_scores(llama["scores"])
+    w.add_token_types(llama["token_type"]); w.add_token_merges(llama["merges"])
+    w.add_bos_token_id(llama["bos"]); w.add_eos_token_id(llama["eos"]); w.add_add_bos_token(llama["add_bos"])
+    w.add_chat_template(llama["chat_template"])
 
     tensors = []
 
@@ -173,7 +179,7 @@ def pywriter_fixture():
         assert int(rt.tensor_type) == t["ggml_type"], t["name"]
         assert list(reversed([int(x) for x in rt.shape])) == t["shape"], (t["name"], rt.shape)
     with open(os.path.join(OUT, "pywriter.json"), "w") as f:
-        json.dump({"kv": expect_kv, "tensors": tensors}, f, indent=0)
+        json.dump({"kv": expect_kv, "llama": llama, "tensors": tensors}, f, indent=0)
 
 
 if __name__ == "__main__":
