@@ -13,6 +13,7 @@ pub mod kv;
 pub mod matmul;
 mod matmul_avx2;
 pub mod norm;
+pub mod quant;
 pub mod rope;
 #[cfg(test)]
 pub(crate) mod testutil;

@@ -2,6 +2,8 @@
 //! named tensors whose bytes are, where possible, views into a memory-mapped
 //! file (zero-copy).
 
+pub mod gguf;
+
 use crate::ir::DType;
 use memmap2::Mmap;
 use std::collections::BTreeMap;

@@ -1,0 +1,390 @@
+//! Llama-specific views of a GGUF file: hyper-parameters, tokenizer arrays, and the
+//! mapping of GGUF tensor names to Meta checkpoint names.
+//!
+//! # Q/K row order
+//!
+//! Meta's reference Llama applies RoPE to *adjacent* pairs `(x[2i], x[2i+1])` of each head
+//! (complex multiplication on `view_as_complex`). Hugging Face's conversion script
+//! (`convert_llama_weights_to_hf.py`, `permute(w) = w.view(n_heads, dim1 // n_heads // 2, 2,
+//! dim2).transpose(1, 2)`) reorders the rows of `wq`/`wk` so that HF can use the
+//! "rotate-half" form (pairs `(x[i], x[i + d/2])`). llama.cpp's `convert_hf_to_gguf.py`
+//! (`LlamaModel.permute`: `reshape(n_head, 2, rows // n_head // 2, ...).swapaxes(1, 2)`,
+//! applied to `q_proj` with `n_head` and to `k_proj` with `n_head_kv`) is exactly the inverse
+//! of that, so `attn_q`/`attn_k` in a llama GGUF are back in Meta's interleaved order, and
+//! llama.cpp evaluates `LLM_ARCH_LLAMA` with `LLAMA_ROPE_TYPE_NORM` ("a normal RoPE, operating
+//! on pairs of consecutive head values"). Hence the mapping below does **not** permute any
+//! rows: GGUF `blk.N.attn_q.weight` is Meta `layers.N.attention.wq.weight` as is.
+
+use super::{GgufArray, GgufError, GgufFile, GgufValue};
+use crate::weights::WeightStore;
+
+/// Llama hyper-parameters from `llama.*` metadata keys.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaGgufMeta {
+    /// `general.architecture` (always `"llama"`).
+    pub architecture: String,
+    /// `general.name`, if present.
+    pub name: Option<String>,
+    /// `llama.embedding_length`.
+    pub dim: usize,
+    /// `llama.block_count`.
+    pub n_layers: usize,
+    /// `llama.attention.head_count`.
+    pub n_heads: usize,
+    /// `llama.attention.head_count_kv` (defaults to `n_heads`).
+    pub n_kv_heads: usize,
+    /// `llama.feed_forward_length` (hidden size of the SwiGLU MLP).
+    pub ffn_dim: usize,
+    /// `llama.attention.key_length` if present, else `dim / n_heads`.
+    pub head_dim: usize,
+    /// `llama.rope.freq_base` (default 10000).
+    pub rope_theta: f32,
+    /// `llama.rope.dimension_count` (defaults to `head_dim`).
+    pub rope_dim: usize,
+    /// `llama.attention.layer_norm_rms_epsilon`.
+    pub norm_eps: f32,
+    /// `llama.context_length`.
+    pub context_length: usize,
+    /// `llama.vocab_size`, or the length of `tokenizer.ggml.tokens`.
+    pub vocab_size: usize,
+    /// Rope scaling keys, if `llama.rope.scaling.type` is present and not `"none"`.
+    pub rope_scaling: Option<RopeScaling>,
+    /// True when the file has a `rope_freqs.weight` tensor: llama.cpp's way of storing
+    /// Llama-3.1-style per-frequency rope factors (divide each frequency by the factor).
+    pub has_rope_freqs: bool,
+}
+
+/// `llama.rope.scaling.*` keys.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeScaling {
+    /// `llama.rope.scaling.type`: "linear", "yarn", ... .
+    pub kind: String,
+    /// `llama.rope.scaling.factor` (or 1/`llama.rope.scale_linear` in old files).
+    pub factor: Option<f32>,
+    /// `llama.rope.scaling.original_context_length`.
+    pub original_context_length: Option<usize>,
+    /// `llama.rope.scaling.attn_factor`.
+    pub attn_factor: Option<f32>,
+    /// `llama.rope.scaling.finetuned`.
+    pub finetuned: Option<bool>,
+}
+
+/// The raw tokenizer arrays and ids of a GGUF file (`tokenizer.*` keys), type-checked.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct TokenizerParts {
+    /// `tokenizer.ggml.model`: "llama" (SentencePiece), "gpt2" (byte-level BPE), ...
+    pub model: String,
+    /// `tokenizer.ggml.pre`: pre-tokenizer name ("llama-bpe", "smollm", ...).
+    pub pre: Option<String>,
+    pub tokens: Vec<String>,
+    /// Same length as `tokens` when present.
+    pub scores: Option<Vec<f32>>,
+    /// Same length as `tokens` when present (llama.cpp token attributes: 1 normal,
+    /// 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte).
+    pub token_type: Option<Vec<i32>>,
+    pub merges: Option<Vec<String>>,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_id: Option<u32>,
+    pub eot_token_id: Option<u32>,
+    pub unknown_token_id: Option<u32>,
+    pub padding_token_id: Option<u32>,
+    pub add_bos_token: Option<bool>,
+    pub add_eos_token: Option<bool>,
+    /// `tokenizer.chat_template` (Jinja source).
+    pub chat_template: Option<String>,
+}
+
+fn bad(key: &str, msg: impl Into<String>) -> GgufError {
+    GgufError::BadValue {
+        key: key.to_string(),
+        msg: msg.into(),
+    }
+}
+
+/// Checks `general.architecture == "llama"`.
+pub fn check_llama_architecture(f: &GgufFile) -> Result<String, GgufError> {
+    let arch = f.get_str("general.architecture")?;
+    if arch != "llama" {
+        return Err(GgufError::UnsupportedArchitecture(arch.to_string()));
+    }
+    Ok(arch.to_string())
+}
+
+impl LlamaGgufMeta {
+    pub fn from_file(f: &GgufFile) -> Result<LlamaGgufMeta, GgufError> {
+        let architecture = check_llama_architecture(f)?;
+        let positive = |key: &str| -> Result<usize, GgufError> {
+            let v = f.get_usize(key)?;
+            if v == 0 {
+                return Err(bad(key, "must be positive"));
+            }
+            Ok(v)
+        };
+        let dim = positive("llama.embedding_length")?;
+        let n_layers = positive("llama.block_count")?;
+        let n_heads = positive("llama.attention.head_count")?;
+        let n_kv_heads = match f.opt("llama.attention.head_count_kv", GgufFile::get_usize)? {
+            Some(0) => return Err(bad("llama.attention.head_count_kv", "must be positive")),
+            Some(v) => v,
+            None => n_heads,
+        };
+        if n_heads % n_kv_heads != 0 {
+            return Err(bad(
+                "llama.attention.head_count_kv",
+                format!("{n_kv_heads} does not divide head_count {n_heads}"),
+            ));
+        }
+        let ffn_dim = positive("llama.feed_forward_length")?;
+        let head_dim = match f.opt("llama.attention.key_length", GgufFile::get_usize)? {
+            Some(v) if v > 0 => v,
+            Some(_) => return Err(bad("llama.attention.key_length", "must be positive")),
+            None => {
+                if dim % n_heads != 0 {
+                    return Err(bad(
+                        "llama.attention.head_count",
+                        format!("{n_heads} does not divide embedding_length {dim}"),
+                    ));
+                }
+                dim / n_heads
+            }
+        };
+        let rope_theta = f
+            .opt("llama.rope.freq_base", GgufFile::get_f32)?
+            .unwrap_or(10000.0);
+        if !(rope_theta.is_finite() && rope_theta > 0.0) {
+            return Err(bad(
+                "llama.rope.freq_base",
+                format!("{rope_theta} is not a positive number"),
+            ));
+        }
+        let rope_dim = f
+            .opt("llama.rope.dimension_count", GgufFile::get_usize)?
+            .unwrap_or(head_dim);
+        if rope_dim > head_dim || rope_dim % 2 != 0 {
+            return Err(bad(
+                "llama.rope.dimension_count",
+                format!("{rope_dim} must be even and at most head_dim {head_dim}"),
+            ));
+        }
+        let norm_eps = f.get_f32("llama.attention.layer_norm_rms_epsilon")?;
+        if !(norm_eps.is_finite() && norm_eps >= 0.0) {
+            return Err(bad(
+                "llama.attention.layer_norm_rms_epsilon",
+                format!("{norm_eps} is invalid"),
+            ));
+        }
+        let context_length = positive("llama.context_length")?;
+        let vocab_size = match f.opt("llama.vocab_size", GgufFile::get_usize)? {
+            Some(v) => v,
+            None => match f.get("tokenizer.ggml.tokens") {
+                Some(GgufValue::Array(a)) => a.len(),
+                Some(v) => {
+                    return Err(GgufError::WrongType {
+                        key: "tokenizer.ggml.tokens".into(),
+                        expected: "array<string>",
+                        found: v.type_name(),
+                    })
+                }
+                None => {
+                    return Err(GgufError::MissingKey(
+                        "llama.vocab_size (or tokenizer.ggml.tokens)".into(),
+                    ))
+                }
+            },
+        };
+        if vocab_size == 0 {
+            return Err(bad("llama.vocab_size", "vocabulary is empty"));
+        }
+        let rope_scaling = match f.opt("llama.rope.scaling.type", GgufFile::get_str)? {
+            None | Some("none") => {
+                // Old files: llama.rope.scale_linear = factor.
+                match f.opt("llama.rope.scale_linear", GgufFile::get_f32)? {
+                    Some(s) if s != 1.0 => Some(RopeScaling {
+                        kind: "linear".into(),
+                        factor: Some(s),
+                        original_context_length: None,
+                        attn_factor: None,
+                        finetuned: None,
+                    }),
+                    _ => None,
+                }
+            }
+            Some(kind) => Some(RopeScaling {
+                kind: kind.to_string(),
+                factor: f.opt("llama.rope.scaling.factor", GgufFile::get_f32)?,
+                original_context_length: f.opt(
+                    "llama.rope.scaling.original_context_length",
+                    GgufFile::get_usize,
+                )?,
+                attn_factor: f.opt("llama.rope.scaling.attn_factor", GgufFile::get_f32)?,
+                finetuned: f.opt("llama.rope.scaling.finetuned", GgufFile::get_bool)?,
+            }),
+        };
+        Ok(LlamaGgufMeta {
+            architecture,
+            name: f
+                .opt("general.name", GgufFile::get_str)?
+                .map(str::to_string),
+            dim,
+            n_layers,
+            n_heads,
+            n_kv_heads,
+            ffn_dim,
+            head_dim,
+            rope_theta,
+            rope_dim,
+            norm_eps,
+            context_length,
+            vocab_size,
+            rope_scaling,
+            has_rope_freqs: f.tensors.contains_key("rope_freqs.weight"),
+        })
+    }
+}
+
+impl TokenizerParts {
+    pub fn from_file(f: &GgufFile) -> Result<TokenizerParts, GgufError> {
+        let model = f.get_str("tokenizer.ggml.model")?.to_string();
+        let tokens = f.get_str_array("tokenizer.ggml.tokens")?.to_vec();
+        let n = tokens.len();
+        let scores = f
+            .opt("tokenizer.ggml.scores", GgufFile::get_f32_array)?
+            .map(<[f32]>::to_vec);
+        if let Some(s) = &scores {
+            if s.len() != n {
+                return Err(bad(
+                    "tokenizer.ggml.scores",
+                    format!("{} scores for {n} tokens", s.len()),
+                ));
+            }
+        }
+        let token_type = match f.get("tokenizer.ggml.token_type") {
+            None => None,
+            Some(GgufValue::Array(GgufArray::I32(v))) => Some(v.clone()),
+            Some(v) => {
+                return Err(GgufError::WrongType {
+                    key: "tokenizer.ggml.token_type".into(),
+                    expected: "array<i32>",
+                    found: v.type_name(),
+                })
+            }
+        };
+        if let Some(t) = &token_type {
+            if t.len() != n {
+                return Err(bad(
+                    "tokenizer.ggml.token_type",
+                    format!("{} types for {n} tokens", t.len()),
+                ));
+            }
+        }
+        let merges = f
+            .opt("tokenizer.ggml.merges", GgufFile::get_str_array)?
+            .map(<[String]>::to_vec);
+        let id = |key: &str| -> Result<Option<u32>, GgufError> {
+            let v = f.opt(key, GgufFile::get_u32)?;
+            if let Some(id) = v {
+                if id as usize >= n {
+                    return Err(bad(
+                        key,
+                        format!("token id {id} is outside the vocabulary of {n} tokens"),
+                    ));
+                }
+            }
+            Ok(v)
+        };
+        Ok(TokenizerParts {
+            model,
+            pre: f
+                .opt("tokenizer.ggml.pre", GgufFile::get_str)?
+                .map(str::to_string),
+            bos_token_id: id("tokenizer.ggml.bos_token_id")?,
+            eos_token_id: id("tokenizer.ggml.eos_token_id")?,
+            eot_token_id: id("tokenizer.ggml.eot_token_id")?,
+            unknown_token_id: id("tokenizer.ggml.unknown_token_id")?,
+            padding_token_id: id("tokenizer.ggml.padding_token_id")?,
+            add_bos_token: f.opt("tokenizer.ggml.add_bos_token", GgufFile::get_bool)?,
+            add_eos_token: f.opt("tokenizer.ggml.add_eos_token", GgufFile::get_bool)?,
+            chat_template: f
+                .opt("tokenizer.chat_template", GgufFile::get_str)?
+                .map(str::to_string),
+            tokens,
+            scores,
+            token_type,
+            merges,
+        })
+    }
+}
+
+/// Maps a GGUF (llama.cpp) tensor name to the Meta checkpoint name our graph uses.
+/// Names it does not know are returned unchanged.
+pub fn gguf_to_meta_name(name: &str) -> String {
+    match name {
+        "token_embd.weight" => return "tok_embeddings.weight".into(),
+        "output_norm.weight" => return "norm.weight".into(),
+        "output.weight" => return "output.weight".into(),
+        _ => {}
+    }
+    if let Some(rest) = name.strip_prefix("blk.") {
+        if let Some((layer, suffix)) = rest.split_once('.') {
+            if !layer.is_empty() && layer.bytes().all(|b| b.is_ascii_digit()) {
+                let meta = match suffix {
+                    "attn_norm.weight" => Some("attention_norm.weight"),
+                    "attn_q.weight" => Some("attention.wq.weight"),
+                    "attn_k.weight" => Some("attention.wk.weight"),
+                    "attn_v.weight" => Some("attention.wv.weight"),
+                    "attn_output.weight" => Some("attention.wo.weight"),
+                    "ffn_norm.weight" => Some("ffn_norm.weight"),
+                    "ffn_gate.weight" => Some("feed_forward.w1.weight"),
+                    "ffn_down.weight" => Some("feed_forward.w2.weight"),
+                    "ffn_up.weight" => Some("feed_forward.w3.weight"),
+                    _ => None,
+                };
+                if let Some(m) = meta {
+                    return format!("layers.{layer}.{m}");
+                }
+            }
+        }
+    }
+    name.to_string()
+}
+
+/// A Llama GGUF model: hyper-parameters, tokenizer parts, and weights under Meta names.
+#[derive(Debug, Clone)]
+pub struct LlamaGguf {
+    pub meta: LlamaGgufMeta,
+    pub tokenizer: TokenizerParts,
+    /// Tensors under Meta names (see [`gguf_to_meta_name`]); unknown names kept as-is.
+    pub store: WeightStore,
+    /// True when the file has no `output.weight`: the output projection is tied to
+    /// `tok_embeddings.weight` (which is then *not* duplicated in `store`).
+    pub tied_output: bool,
+    /// GGUF version and the full metadata remain available here.
+    pub file: GgufFile,
+}
+
+impl LlamaGguf {
+    pub fn open(path: impl AsRef<std::path::Path>) -> Result<LlamaGguf, GgufError> {
+        Self::from_file(GgufFile::open(path)?)
+    }
+
+    pub fn from_file(file: GgufFile) -> Result<LlamaGguf, GgufError> {
+        let meta = LlamaGgufMeta::from_file(&file)?;
+        let tokenizer = TokenizerParts::from_file(&file)?;
+        let mut store = WeightStore::default();
+        for (name, t) in file.to_store().tensors {
+            let meta_name = gguf_to_meta_name(&name);
+            if store.tensors.insert(meta_name.clone(), t).is_some() {
+                // Only possible if a file has both a GGUF name and the Meta name it maps to.
+                return Err(GgufError::DuplicateTensor(meta_name));
+            }
+        }
+        let tied_output = !file.tensors.contains_key("output.weight");
+        Ok(LlamaGguf {
+            meta,
+            tokenizer,
+            store,
+            tied_output,
+            file,
+        })
+    }
+}
