@@ -7,12 +7,14 @@
 //! [`ThreadPool`](crate::pool::ThreadPool).
 
 pub mod attention;
+pub mod dispatch;
 pub mod elementwise;
 pub mod embedding;
 pub mod kv;
 pub mod matmul;
 mod matmul_avx2;
 pub mod norm;
+pub mod qmatmul;
 pub mod quant;
 pub mod rope;
 #[cfg(test)]
@@ -22,7 +24,9 @@ pub use attention::{
     attention_fused, attention_fused_scratch_len, attn_scores, attn_values, softmax_rows, AttnShape,
 };
 pub use elementwise::{add, add_inplace, argmax, mul, mul_broadcast_rows, silu, swiglu};
+pub use dispatch::{embedding_any, kv_write_rows, matmul_any};
 pub use embedding::embedding_rows;
+pub use quant::dequantize_row;
 pub use kv::kv_write;
 pub use matmul::{matmul, Epilogue};
 pub use norm::rmsnorm;

@@ -1,0 +1,414 @@
+//! The executor: runs a compiled plan one step at a time.
+//!
+//! Construction does all the work that does not depend on the step: the
+//! schedule is resolved into a flat list of [`Step`]s whose inputs and
+//! output are concrete locations (arena offsets, weight indices, cache
+//! slots), the arena and KV caches are allocated, vector weights are
+//! widened to f32. [`Executor::step`] then binds the symbols (`S`, `P`) and
+//! calls one kernel per step: no allocation, no thread spawn, no lock beyond
+//! the pool's own hand-off.
+
+use super::arena::{Arena, ArenaPtr};
+use super::bind::BoundWeights;
+use crate::ir::{Bindings, CacheKind, DType, Graph, LogitRows, Op, RopeParams, Shape};
+use crate::kernels::{self, AttnShape, Epilogue, KernelError, WeightRef};
+use crate::plan::{ExecPlan, Value};
+use crate::pool::ThreadPool;
+use crate::weights::WeightTensor;
+use std::collections::HashMap;
+use std::io::Write;
+use std::time::{Duration, Instant};
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum ExecError {
+    #[error("{node}: {source}")]
+    Kernel {
+        node: String,
+        #[source]
+        source: KernelError,
+    },
+    #[error("{node}: {message}")]
+    Unsupported { node: String, message: String },
+    #[error("a step of {tokens} tokens at position {pos} does not fit the planned context of {context} (use a larger --ctx-size)")]
+    ContextOverflow { tokens: usize, pos: usize, context: usize },
+    #[error("a step holds 1 to {max} tokens, got {got}")]
+    StepSize { got: usize, max: usize },
+    #[error("the graph has no output")]
+    NoOutput,
+}
+
+/// Where a step's operand lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Loc {
+    Tokens,
+    Weight(usize),
+    /// Index into `Executor::caches` (`2 * layer + kind`).
+    Cache(usize),
+    /// Offset into the arena, in f32 elements.
+    Arena(usize),
+}
+
+#[derive(Debug, Clone)]
+struct Step {
+    name: String,
+    op: Op,
+    ins: Vec<(Loc, Shape)>,
+    out: Loc,
+    shape: Shape,
+}
+
+/// Per-step timing, when profiling is on.
+#[derive(Debug, Clone, Default)]
+pub struct OpProfile {
+    pub name: String,
+    pub op: &'static str,
+    pub calls: u64,
+    pub total: Duration,
+}
+
+/// The logits a step produced: `rows` rows of `vocab` values.
+pub struct Logits<'a> {
+    pub rows: usize,
+    pub vocab: usize,
+    pub data: &'a [f32],
+}
+
+impl Logits<'_> {
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+    pub fn last(&self) -> &[f32] {
+        self.row(self.rows - 1)
+    }
+}
+
+pub struct Executor {
+    steps: Vec<Step>,
+    weights: Vec<WeightTensor>,
+    /// Rank-1 weights (norm scales) widened to f32 once, by weight index.
+    vectors: HashMap<usize, Vec<f32>>,
+    caches: Vec<Vec<f32>>,
+    cache_shape: (usize, usize, usize),
+    arena: Arena,
+    pool: ThreadPool,
+    context: usize,
+    max_chunk: usize,
+    output: (Loc, Shape),
+    trace: Option<Box<dyn Write + Send>>,
+    profile: Option<Vec<OpProfile>>,
+}
+
+fn elems(d: DType) -> usize {
+    match d {
+        DType::F32 | DType::I32 => 1,
+        _ => 0,
+    }
+}
+
+impl Executor {
+    /// Prepares `plan` (compiled from `graph`) to run with `weights` on
+    /// `threads` threads.
+    pub fn new(
+        graph: &Graph,
+        plan: &ExecPlan,
+        weights: BoundWeights,
+        threads: usize,
+    ) -> Result<Executor, ExecError> {
+        let context = plan.max.get(crate::ir::Sym::T);
+        let max_chunk = plan.max.s;
+        let names: Vec<String> = weights.tensors.keys().cloned().collect();
+        let windex: HashMap<&str, usize> = names.iter().enumerate().map(|(i, n)| (n.as_str(), i)).collect();
+        let tensors: Vec<WeightTensor> = weights.tensors.into_values().collect();
+        let mut caches = Vec::new();
+        let mut cache_shape = (0, 0, 0);
+        let loc_of = |v: &Value| -> Result<Loc, String> {
+            Ok(match v {
+                Value::Tokens => Loc::Tokens,
+                Value::Weight(n) => Loc::Weight(*windex.get(n.as_str()).ok_or_else(|| format!("weight `{n}` is not bound"))?),
+                Value::Cache { layer, kind } => Loc::Cache(2 * layer + usize::from(*kind == CacheKind::V)),
+                Value::Arena(b) => {
+                    let off = plan.buffers.buffers[*b].offset;
+                    debug_assert_eq!(off % 4, 0);
+                    Loc::Arena(off / 4)
+                }
+            })
+        };
+        let mut steps = Vec::new();
+        let mut vectors = HashMap::new();
+        for &id in &plan.order {
+            let node = graph.node(id);
+            let unsupported = |m: String| ExecError::Unsupported { node: node.name.clone(), message: m };
+            let out = loc_of(&plan.values[&id]).map_err(unsupported)?;
+            match &node.op {
+                Op::KvCache { layer, .. } => {
+                    let d: Vec<usize> = node.meta.shape.dims().iter().filter_map(|d| d.as_const()).collect();
+                    cache_shape = (d[0], d[1], d[2]);
+                    let slot = 2 * layer + 1;
+                    if caches.len() <= slot {
+                        caches.resize(slot + 1, Vec::new());
+                    }
+                    let Loc::Cache(c) = out else { unreachable!("a cache value is a cache") };
+                    caches[c] = vec![0.0f32; d.iter().product()];
+                    continue;
+                }
+                Op::Weight { .. } => {
+                    if let Loc::Weight(w) = out {
+                        if node.meta.shape.rank() == 1 {
+                            let t = &tensors[w];
+                            let n = t.shape[0];
+                            let mut v = vec![0.0f32; n];
+                            kernels::dequantize_row(t.dtype, t.data.as_bytes(), &mut v)
+                                .map_err(|e| unsupported(e.to_string()))?;
+                            vectors.insert(w, v);
+                        }
+                    }
+                    continue;
+                }
+                Op::Tokens | Op::Reshape => continue,
+                _ => {}
+            }
+            if elems(node.meta.dtype) == 0 {
+                return Err(unsupported(format!("activations of dtype {} are not supported", node.meta.dtype)));
+            }
+            let ins = graph
+                .inputs(id)
+                .into_iter()
+                .map(|i| Ok((loc_of(&plan.values[&i]).map_err(unsupported)?, graph.node(i).meta.shape.clone())))
+                .collect::<Result<Vec<_>, ExecError>>()?;
+            steps.push(Step { name: node.name.clone(), op: node.op.clone(), ins, out, shape: node.meta.shape.clone() });
+        }
+        let out_id = *graph.outputs().first().ok_or(ExecError::NoOutput)?;
+        let output = (
+            loc_of(&plan.values[&out_id]).map_err(|m| ExecError::Unsupported { node: "output".into(), message: m })?,
+            graph.node(out_id).meta.shape.clone(),
+        );
+        Ok(Executor {
+            steps,
+            weights: tensors,
+            vectors,
+            caches,
+            cache_shape,
+            arena: Arena::new(plan.buffers.arena_bytes),
+            pool: ThreadPool::new(threads),
+            context,
+            max_chunk,
+            output,
+            trace: None,
+            profile: None,
+        })
+    }
+
+    /// Writes a line per op as it runs (name, op, shapes) to `w`.
+    pub fn set_trace(&mut self, w: Option<Box<dyn Write + Send>>) {
+        self.trace = w;
+    }
+
+    /// Turns per-op timing on or off.
+    pub fn set_profiling(&mut self, on: bool) {
+        self.profile = on.then(|| {
+            self.steps
+                .iter()
+                .map(|s| OpProfile { name: s.name.clone(), op: s.op.kind(), ..Default::default() })
+                .collect()
+        });
+    }
+
+    pub fn profile(&self) -> Option<&[OpProfile]> {
+        self.profile.as_deref()
+    }
+
+    pub fn context(&self) -> usize {
+        self.context
+    }
+
+    pub fn max_chunk(&self) -> usize {
+        self.max_chunk
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.n_threads()
+    }
+
+    /// Number of kernel calls per step.
+    pub fn n_steps(&self) -> usize {
+        self.steps.len()
+    }
+
+    /// Forgets the cached positions (the caches are overwritten as positions
+    /// are reused, so nothing needs clearing).
+    pub fn reset(&mut self) {}
+
+    /// Runs the graph for `tokens` at positions `pos..pos + tokens.len()`
+    /// and returns the logits.
+    pub fn step(&mut self, tokens: &[i32], pos: usize) -> Result<Logits<'_>, ExecError> {
+        let s = tokens.len();
+        if s == 0 || s > self.max_chunk {
+            return Err(ExecError::StepSize { got: s, max: self.max_chunk });
+        }
+        if pos.checked_add(s).is_none_or(|end| end > self.context) {
+            return Err(ExecError::ContextOverflow { tokens: s, pos, context: self.context });
+        }
+        let b = Bindings::new(s, pos);
+        let arena = self.arena.base();
+        for i in 0..self.steps.len() {
+            let t0 = self.profile.as_ref().map(|_| Instant::now());
+            if let Some(w) = self.trace.as_mut() {
+                let st = &self.steps[i];
+                let ins: Vec<String> = st.ins.iter().map(|(_, sh)| format!("{:?}", sh.eval(&b))).collect();
+                let _ = writeln!(
+                    w,
+                    "[S={s} P={pos}] {} {} {} {} -> {:?}",
+                    st.name,
+                    st.op.kind(),
+                    st.op.params(),
+                    ins.join(" "),
+                    st.shape.eval(&b)
+                );
+            }
+            self.run_step(i, arena, tokens, &b).map_err(|e| match e {
+                RunError::Kernel(source) => ExecError::Kernel { node: self.steps[i].name.clone(), source },
+                RunError::Unsupported(message) => ExecError::Unsupported { node: self.steps[i].name.clone(), message },
+            })?;
+            if let (Some(t0), Some(p)) = (t0, self.profile.as_mut()) {
+                p[i].calls += 1;
+                p[i].total += t0.elapsed();
+            }
+        }
+        let (loc, shape) = &self.output;
+        let rows = shape.dims()[0].eval(&b);
+        let vocab = shape.dims()[1].eval(&b);
+        let Loc::Arena(off) = *loc else {
+            return Err(ExecError::NoOutput);
+        };
+        // SAFETY: the output buffer lies in the arena; no step is running.
+        let data = unsafe { arena.slice(off, rows * vocab) };
+        Ok(Logits { rows, vocab, data })
+    }
+
+    fn weight(&self, loc: Loc) -> Result<WeightRef<'_>, RunError> {
+        match loc {
+            Loc::Weight(w) => {
+                let t = &self.weights[w];
+                Ok(WeightRef::new(t.dtype, t.data.as_bytes()))
+            }
+            _ => Err(RunError::Unsupported("expected a weight operand".into())),
+        }
+    }
+
+    fn run_step(&mut self, i: usize, arena: ArenaPtr, tokens: &[i32], b: &Bindings) -> Result<(), RunError> {
+        let st = &self.steps[i];
+        let pool = &self.pool;
+        let numel = |sh: &Shape| sh.numel(b);
+        let dim = |sh: &Shape, k: usize| sh.dims()[k].eval(b);
+        let out_len = numel(&st.shape);
+        // SAFETY (for every arena slice below): the plan gives each buffer
+        // that is live at this step its own byte range (checked by
+        // `BufferPlan::check`), so the output never overlaps an input except
+        // in place, where the input slice is not created.
+        let input = |k: usize| -> Result<&[f32], RunError> {
+            match st.ins[k].0 {
+                Loc::Arena(off) => Ok(unsafe { arena.slice(off, numel(&st.ins[k].1)) }),
+                Loc::Cache(c) => Ok(&self.caches[c]),
+                _ => Err(RunError::Unsupported("expected an activation operand".into())),
+            }
+        };
+        // Copies input 0 into the output unless they are the same buffer,
+        // so in-place kernels can run on the output.
+        let out_from_input0 = || -> Result<&mut [f32], RunError> {
+            let Loc::Arena(o) = st.out else { return Err(RunError::Unsupported("output is not an activation".into())) };
+            let out = unsafe { arena.slice_mut(o, out_len) };
+            if st.ins[0].0 != st.out {
+                out.copy_from_slice(input(0)?);
+            }
+            Ok(out)
+        };
+        let out_fresh = || -> Result<&mut [f32], RunError> {
+            let Loc::Arena(o) = st.out else { return Err(RunError::Unsupported("output is not an activation".into())) };
+            Ok(unsafe { arena.slice_mut(o, out_len) })
+        };
+        match &st.op {
+            Op::Embedding => {
+                let table = self.weight(st.ins[0].0)?;
+                let (vocab, dim_e) = (dim(&st.ins[0].1, 0), dim(&st.ins[0].1, 1));
+                kernels::embedding_any(table, vocab, dim_e, tokens, out_fresh()?)?;
+            }
+            Op::RopeFreqs(p) => {
+                let RopeParams { head_dim, theta, scaling } = *p;
+                kernels::dispatch::rope_fill_freqs(out_fresh()?, b.s, b.p, head_dim, theta as f32, scaling)?;
+            }
+            Op::RmsNorm { eps } => {
+                let d = dim(&st.shape, st.shape.rank() - 1);
+                kernels::rmsnorm(input(0)?, d, None, *eps as f32, out_fresh()?)?;
+            }
+            Op::MatMul | Op::OutputHead { .. } => {
+                let (xs, ws) = (&st.ins[0].1, &st.ins[1].1);
+                let k = dim(xs, 1);
+                let n = dim(ws, 0);
+                let mut x = input(0)?;
+                let mut s = dim(xs, 0);
+                if let Op::OutputHead { rows: LogitRows::Last } = st.op {
+                    x = &x[(s - 1) * k..];
+                    s = 1;
+                }
+                let w = self.weight(st.ins[1].0)?;
+                kernels::matmul_any(pool, x, s, k, w, n, Epilogue::None, out_fresh()?)?;
+            }
+            Op::Rope => {
+                let (s, h, d) = (dim(&st.shape, 0), dim(&st.shape, 1), dim(&st.shape, 2));
+                let freqs = input(1)?;
+                kernels::dispatch::rope_apply_freqs(out_from_input0()?, s, h, d, freqs)?;
+            }
+            Op::KvWrite => {
+                let Loc::Cache(c) = st.ins[0].0 else { return Err(RunError::Unsupported("KvWrite needs a cache".into())) };
+                let (cap, hkv, d) = self.cache_shape;
+                let Loc::Arena(xo) = st.ins[1].0 else { return Err(RunError::Unsupported("KvWrite reads an activation".into())) };
+                // SAFETY: the input buffer is live and not written by this step.
+                let x = unsafe { arena.slice(xo, numel(&st.ins[1].1)) };
+                let cache = &mut self.caches[c];
+                kernels::kv_write_rows(cache, cap, hkv * d, b.p, x, b.s)?;
+            }
+            Op::AttnScores { n_rep, .. } | Op::AttnValues { n_rep } => {
+                let (_, hkv, d) = self.cache_shape;
+                let shape = AttnShape { s: b.s, pos: b.p, n_heads: hkv * n_rep, n_kv_heads: hkv, head_dim: d };
+                if matches!(st.op, Op::AttnScores { .. }) {
+                    kernels::attn_scores(pool, input(0)?, input(1)?, shape, out_fresh()?)?;
+                } else {
+                    kernels::attn_values(pool, input(0)?, input(1)?, shape, out_fresh()?)?;
+                }
+            }
+            Op::Softmax => {
+                let row = dim(&st.shape, st.shape.rank() - 1);
+                kernels::softmax_rows(pool, out_from_input0()?, row)?;
+            }
+            Op::Silu => kernels::dispatch::silu_inplace(out_from_input0()?),
+            Op::Add => {
+                let bsl = input(1)?;
+                kernels::add_inplace(out_from_input0()?, bsl)?;
+            }
+            Op::Mul => match st.ins[1].0 {
+                Loc::Weight(w) => {
+                    let v = self.vectors.get(&w).ok_or_else(|| RunError::Unsupported("Mul by a matrix weight".into()))?;
+                    kernels::dispatch::mul_broadcast_inplace(out_from_input0()?, v)?;
+                }
+                _ => {
+                    let bsl = input(1)?;
+                    kernels::dispatch::mul_inplace(out_from_input0()?, bsl)?;
+                }
+            },
+            Op::Tokens | Op::Weight { .. } | Op::KvCache { .. } | Op::Reshape => {}
+        }
+        Ok(())
+    }
+}
+
+enum RunError {
+    Kernel(KernelError),
+    Unsupported(String),
+}
+
+impl From<KernelError> for RunError {
+    fn from(e: KernelError) -> Self {
+        RunError::Kernel(e)
+    }
+}

@@ -1,0 +1,7 @@
+//! Running compiled graphs: weight binding, the arena, the executor.
+pub mod arena;
+pub mod bind;
+pub mod executor;
+
+pub use bind::{bind_weights, store_dtypes, BindError, BoundWeights};
+pub use executor::{ExecError, Executor, Logits, OpProfile};

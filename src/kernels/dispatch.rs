@@ -1,0 +1,203 @@
+//! The forms the executor calls: dispatch on the weight dtype (plain or
+//! block-quantized), per-step RoPE angles, single-cache writes and in-place
+//! elementwise ops.
+
+use super::matmul::{matmul, Epilogue};
+use super::qmatmul::qmatmul;
+use super::quant::dequantize_row;
+use super::rope::{rope_freq, RopeScaling};
+use super::{check_len, embedding_rows, mul_dims, KernelError, WeightRef};
+use crate::pool::ThreadPool;
+
+impl From<crate::ir::RopeScaling> for RopeScaling {
+    fn from(s: crate::ir::RopeScaling) -> Self {
+        RopeScaling {
+            factor: s.factor as f32,
+            low_freq_factor: s.low_freq_factor as f32,
+            high_freq_factor: s.high_freq_factor as f32,
+            original_max_position: s.original_context as f32,
+        }
+    }
+}
+
+/// `y = x·Wᵀ` for any weight dtype.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_any(
+    pool: &ThreadPool,
+    x: &[f32],
+    s: usize,
+    k: usize,
+    w: WeightRef<'_>,
+    n: usize,
+    epilogue: Epilogue<'_>,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    if w.dtype.is_quantized() {
+        qmatmul(pool, x, s, k, w, n, epilogue, y)
+    } else {
+        matmul(pool, x, s, k, w, n, epilogue, y)
+    }
+}
+
+/// Embedding rows for any table dtype (quantized rows are dequantized).
+pub fn embedding_any(
+    table: WeightRef<'_>,
+    vocab: usize,
+    dim: usize,
+    ids: &[i32],
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    const OP: &str = "embedding";
+    if !table.dtype.is_quantized() {
+        return embedding_rows(table, vocab, dim, ids, out);
+    }
+    let row_bytes = table.dtype.bytes_for(dim).ok_or(KernelError::Invalid {
+        op: OP,
+        what: "dim is not a whole number of quantization blocks",
+    })?;
+    check_len(OP, "table bytes", mul_dims(OP, "table size overflows", vocab, row_bytes)?, table.bytes.len())?;
+    check_len(OP, "out elements", mul_dims(OP, "ids*dim overflows", ids.len(), dim)?, out.len())?;
+    for (index, (&id, o)) in ids.iter().zip(out.chunks_exact_mut(dim.max(1))).enumerate() {
+        if id < 0 || id as usize >= vocab {
+            return Err(KernelError::IdOutOfRange { op: OP, id: id.into(), index, rows: vocab });
+        }
+        let r = id as usize * row_bytes;
+        dequantize_row(table.dtype, &table.bytes[r..r + row_bytes], o)
+            .map_err(|_| KernelError::Invalid { op: OP, what: "bad quantized row" })?;
+    }
+    Ok(())
+}
+
+/// Fills `out` (`[s, head_dim/2, 2]`) with `(cos, sin)` of `pos * freq_i`
+/// for positions `pos..pos+s`, with the same f32 arithmetic as Meta's
+/// `precompute_freqs_cis`.
+pub fn rope_fill_freqs(
+    out: &mut [f32],
+    s: usize,
+    pos: usize,
+    head_dim: usize,
+    theta: f32,
+    scaling: Option<crate::ir::RopeScaling>,
+) -> Result<(), KernelError> {
+    let half = head_dim / 2;
+    check_len("rope_freqs", "out elements", s * half * 2, out.len())?;
+    let scaling = scaling.map(RopeScaling::from);
+    for i in 0..half {
+        let f = rope_freq(i, head_dim, theta, scaling);
+        for t in 0..s {
+            let c = num_complex::Complex32::from_polar(1.0, (pos + t) as f32 * f);
+            out[(t * half + i) * 2] = c.re;
+            out[(t * half + i) * 2 + 1] = c.im;
+        }
+    }
+    Ok(())
+}
+
+/// Rotates `x` (`[s, heads, head_dim]`) in place by `freqs` (`[s, head_dim/2, 2]`).
+pub fn rope_apply_freqs(
+    x: &mut [f32],
+    s: usize,
+    heads: usize,
+    head_dim: usize,
+    freqs: &[f32],
+) -> Result<(), KernelError> {
+    let half = head_dim / 2;
+    check_len("rope", "x elements", s * heads * head_dim, x.len())?;
+    check_len("rope", "freqs elements", s * half * 2, freqs.len())?;
+    for (t, tok) in x.chunks_exact_mut(heads * head_dim).enumerate() {
+        let f = &freqs[t * half * 2..(t + 1) * half * 2];
+        for head in tok.chunks_exact_mut(head_dim) {
+            for (pair, cs) in head.chunks_exact_mut(2).zip(f.chunks_exact(2)) {
+                let (a, b) = (pair[0], pair[1]);
+                pair[0] = a * cs[0] - b * cs[1];
+                pair[1] = a * cs[1] + b * cs[0];
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes `x` (`[s, row]`) into rows `pos..pos+s` of `cache` (`[capacity, row]`).
+pub fn kv_write_rows(
+    cache: &mut [f32],
+    capacity: usize,
+    row: usize,
+    pos: usize,
+    x: &[f32],
+    s: usize,
+) -> Result<(), KernelError> {
+    const OP: &str = "kv_write";
+    check_len(OP, "cache elements", mul_dims(OP, "cache size overflows", capacity, row)?, cache.len())?;
+    check_len(OP, "x elements", mul_dims(OP, "s*row overflows", s, row)?, x.len())?;
+    match pos.checked_add(s) {
+        Some(end) if end <= capacity => {}
+        _ => return Err(KernelError::CacheOverflow { pos, len: s, capacity }),
+    }
+    cache[pos * row..(pos + s) * row].copy_from_slice(x);
+    Ok(())
+}
+
+/// `x = silu(x)`.
+pub fn silu_inplace(x: &mut [f32]) {
+    for v in x {
+        *v = super::elementwise::silu_f32(*v);
+    }
+}
+
+/// `a *= b` (same shapes).
+pub fn mul_inplace(a: &mut [f32], b: &[f32]) -> Result<(), KernelError> {
+    check_len("mul", "b elements", a.len(), b.len())?;
+    for (x, &y) in a.iter_mut().zip(b) {
+        *x *= y;
+    }
+    Ok(())
+}
+
+/// `x[r, d] *= v[d]`.
+pub fn mul_broadcast_inplace(x: &mut [f32], v: &[f32]) -> Result<(), KernelError> {
+    if v.is_empty() || x.len() % v.len() != 0 {
+        return Err(KernelError::Shape {
+            op: "mul_broadcast",
+            what: "x elements (multiple of vector length)",
+            expected: v.len(),
+            actual: x.len(),
+        });
+    }
+    for row in x.chunks_exact_mut(v.len()) {
+        for (a, &b) in row.iter_mut().zip(v) {
+            *a *= b;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::rope::rope_reference;
+
+    #[test]
+    fn per_step_rope_matches_reference() {
+        let (s, h, d, pos) = (3, 2, 8, 5);
+        let x: Vec<f32> = (0..s * h * d).map(|i| (i as f32 * 0.37).sin()).collect();
+        for scaling in [None, Some(crate::ir::RopeScaling::LLAMA3_1)] {
+            let mut want = x.clone();
+            rope_reference(&mut want, s, h, d, pos, 500000.0, scaling.map(Into::into)).unwrap();
+            let mut f = vec![0f32; s * d];
+            rope_fill_freqs(&mut f, s, pos, d, 500000.0, scaling).unwrap();
+            let mut got = x.clone();
+            rope_apply_freqs(&mut got, s, h, d, &f).unwrap();
+            for (a, b) in got.iter().zip(&want) {
+                assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn cache_write_bounds() {
+        let mut c = vec![0f32; 4 * 2];
+        kv_write_rows(&mut c, 4, 2, 1, &[1.0, 2.0, 3.0, 4.0], 2).unwrap();
+        assert_eq!(c, [0.0, 0.0, 1.0, 2.0, 3.0, 4.0, 0.0, 0.0]);
+        assert!(matches!(kv_write_rows(&mut c, 4, 2, 3, &[1.0; 4], 2), Err(KernelError::CacheOverflow { .. })));
+    }
+}
