@@ -3,6 +3,8 @@
 //! file (zero-copy).
 
 use crate::ir::DType;
+
+pub mod pth;
 use memmap2::Mmap;
 use std::collections::BTreeMap;
 use std::sync::Arc;
