@@ -70,16 +70,8 @@ pub enum PthError {
     },
     #[error("tensor `{tensor}`: shape {shape:?} element count overflows")]
     ShapeOverflow { tensor: String, shape: Vec<u64> },
-    #[error("tensor `{tensor}`: storage offset {offset} with shape {shape:?} stride {stride:?} reaches element {end} but storage `{entry}` has {numel} elements")]
-    OutOfBounds {
-        tensor: String,
-        entry: String,
-        offset: u64,
-        shape: Vec<u64>,
-        stride: Vec<u64>,
-        end: String,
-        numel: u64,
-    },
+    #[error("tensor `{tensor}`: {detail}")]
+    OutOfBounds { tensor: String, detail: String },
     #[error("tensor `{tensor}`: strides {stride:?} for shape {shape:?} overlap (broadcast/expanded tensors are not supported)")]
     OverlappingStrides {
         tensor: String,
@@ -488,14 +480,14 @@ fn check_layout(name: &str, entry: &str, t: &TensorRef) -> Result<Layout, PthErr
     if numel == 0 {
         return Ok(Layout::Empty);
     }
-    let oob = |end: String| PthError::OutOfBounds {
+    let oob = |end: String| {
+        PthError::OutOfBounds {
         tensor: name.to_string(),
-        entry: entry.to_string(),
-        offset: t.storage_offset,
-        shape: t.size.clone(),
-        stride: t.stride.clone(),
-        end,
-        numel: t.storage.numel,
+        detail: format!(
+            "storage offset {} with shape {:?} stride {:?} reaches element {end} but storage `{entry}` has {} elements",
+            t.storage_offset, t.size, t.stride, t.storage.numel
+        ),
+    }
     };
     // Last element index (exclusive end) = offset + sum((size-1)*stride) + 1.
     let mut end = Some(t.storage_offset);
