@@ -5,6 +5,8 @@
 pub mod gguf;
 
 use crate::ir::DType;
+
+pub mod pth;
 use memmap2::Mmap;
 use std::collections::BTreeMap;
 use std::sync::Arc;
