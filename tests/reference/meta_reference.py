@@ -220,6 +220,37 @@ def float64_mode():
         torch.set_default_dtype(old_default)
 
 
+@contextlib.contextmanager
+def patched(attr, fn):
+    """Temporarily replace llama_models.llama3.model.<attr> (sensitivity checks only)."""
+    old = getattr(meta_model, attr)
+    setattr(meta_model, attr, fn)
+    try:
+        yield
+    finally:
+        setattr(meta_model, attr, old)
+
+
+def wrong_rope_rotate_half(xq, xk, freqs_cis):
+    """A WRONG RoPE for Meta weights: pairs (j, j + hd/2) instead of (2j, 2j+1)."""
+
+    def rot(x):
+        hd = x.shape[-1]
+        a, b = x[..., : hd // 2].float(), x[..., hd // 2 :].float()
+        f = freqs_cis[None, :, None, :]
+        c, s_ = f.real, f.imag
+        return torch.cat([a * c - b * s_, a * s_ + b * c], dim=-1).type_as(x)
+
+    return rot(xq), rot(xk)
+
+
+def wrong_repeat_kv_tile(x, n_rep):
+    """A WRONG GQA mapping: query head h uses kv head h % n_kv (instead of h // n_rep)."""
+    if n_rep == 1:
+        return x
+    return x.repeat(1, 1, n_rep, 1)
+
+
 def load_model(case_dir: Path, dtype=torch.float32, params_override=None):
     """Load params.json + consolidated.00.pth like Llama3.build, compute in `dtype`."""
     init_distributed()
@@ -343,6 +374,17 @@ def run_case(name, case, out_dir: Path, write_weights: bool):
     m, _ = load_model(case_dir, torch.float32, {"rope_theta": wrong_theta})
     _, rows_wt, _ = greedy_run(m, prompt, N_GEN, forced=gen1)
     sensitivity[f"max_abs_logit_diff_if_rope_theta_{wrong_theta:g}"] = max_abs(rows1, rows_wt)
+
+    # sensitivity to a wrong RoPE pairing and (GQA only) a wrong kv-head mapping
+    with patched("apply_rotary_emb", wrong_rope_rotate_half):
+        m, _ = load_model(case_dir, torch.float32)
+        _, rows_rh, _ = greedy_run(m, prompt, N_GEN, forced=gen1)
+    sensitivity["max_abs_logit_diff_if_rope_pairs_rotate_half"] = max_abs(rows1, rows_rh)
+    if args.n_kv_heads != args.n_heads and args.n_kv_heads > 1:
+        with patched("repeat_kv", wrong_repeat_kv_tile):
+            m, _ = load_model(case_dir, torch.float32)
+            _, rows_gq, _ = greedy_run(m, prompt, N_GEN, forced=gen1)
+        sensitivity["max_abs_logit_diff_if_kv_head_is_h_mod_n_kv"] = max_abs(rows1, rows_gq)
 
     steps = []
     gaps = []
