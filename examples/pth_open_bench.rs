@@ -10,7 +10,9 @@
 //! Keep DIR outside the repository.
 
 use llama_graph::ir::DType;
-use llama_graph::weights::pth::{generate_random_checkpoint, load_meta_checkpoint, open_pth, MetaParams};
+use llama_graph::weights::pth::{
+    generate_random_checkpoint, load_meta_checkpoint, open_pth, MetaParams,
+};
 use llama_graph::weights::TensorBytes;
 use std::path::PathBuf;
 use std::time::Instant;

@@ -11,6 +11,7 @@ pub mod kernels;
 pub mod model;
 pub mod plan;
 pub mod pool;
+pub mod session;
 pub mod tokenizer;
 pub mod weights;
 

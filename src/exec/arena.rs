@@ -13,7 +13,9 @@ pub struct Arena {
 
 impl Arena {
     pub fn new(bytes: usize) -> Self {
-        Arena { lines: vec![Line([0.0; 16]); bytes.div_ceil(64)] }
+        Arena {
+            lines: vec![Line([0.0; 16]); bytes.div_ceil(64)],
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -25,7 +27,10 @@ impl Arena {
     }
 
     pub fn base(&mut self) -> ArenaPtr {
-        ArenaPtr { ptr: self.lines.as_mut_ptr().cast::<f32>(), len: self.len() }
+        ArenaPtr {
+            ptr: self.lines.as_mut_ptr().cast::<f32>(),
+            len: self.len(),
+        }
     }
 }
 

@@ -31,7 +31,11 @@ pub enum ExecError {
     #[error("{node}: {message}")]
     Unsupported { node: String, message: String },
     #[error("a step of {tokens} tokens at position {pos} does not fit the planned context of {context} (use a larger --ctx-size)")]
-    ContextOverflow { tokens: usize, pos: usize, context: usize },
+    ContextOverflow {
+        tokens: usize,
+        pos: usize,
+        context: usize,
+    },
     #[error("a step holds 1 to {max} tokens, got {got}")]
     StepSize { got: usize, max: usize },
     #[error("the graph has no output")]
@@ -74,11 +78,12 @@ pub struct Logits<'a> {
     pub data: &'a [f32],
 }
 
-impl Logits<'_> {
-    pub fn row(&self, i: usize) -> &[f32] {
-        &self.data[i * self.vocab..(i + 1) * self.vocab]
+impl<'a> Logits<'a> {
+    pub fn row(&self, i: usize) -> &'a [f32] {
+        let d: &'a [f32] = self.data;
+        &d[i * self.vocab..(i + 1) * self.vocab]
     }
-    pub fn last(&self) -> &[f32] {
+    pub fn last(&self) -> &'a [f32] {
         self.row(self.rows - 1)
     }
 }
@@ -118,15 +123,25 @@ impl Executor {
         let context = plan.max.get(crate::ir::Sym::T);
         let max_chunk = plan.max.s;
         let names: Vec<String> = weights.tensors.keys().cloned().collect();
-        let windex: HashMap<&str, usize> = names.iter().enumerate().map(|(i, n)| (n.as_str(), i)).collect();
+        let windex: HashMap<&str, usize> = names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.as_str(), i))
+            .collect();
         let tensors: Vec<WeightTensor> = weights.tensors.into_values().collect();
         let mut caches = Vec::new();
         let mut cache_shape = (0, 0, 0);
         let loc_of = |v: &Value| -> Result<Loc, String> {
             Ok(match v {
                 Value::Tokens => Loc::Tokens,
-                Value::Weight(n) => Loc::Weight(*windex.get(n.as_str()).ok_or_else(|| format!("weight `{n}` is not bound"))?),
-                Value::Cache { layer, kind } => Loc::Cache(2 * layer + usize::from(*kind == CacheKind::V)),
+                Value::Weight(n) => Loc::Weight(
+                    *windex
+                        .get(n.as_str())
+                        .ok_or_else(|| format!("weight `{n}` is not bound"))?,
+                ),
+                Value::Cache { layer, kind } => {
+                    Loc::Cache(2 * layer + usize::from(*kind == CacheKind::V))
+                }
                 Value::Arena(b) => {
                     let off = plan.buffers.buffers[*b].offset;
                     debug_assert_eq!(off % 4, 0);
@@ -138,17 +153,28 @@ impl Executor {
         let mut vectors = HashMap::new();
         for &id in &plan.order {
             let node = graph.node(id);
-            let unsupported = |m: String| ExecError::Unsupported { node: node.name.clone(), message: m };
+            let unsupported = |m: String| ExecError::Unsupported {
+                node: node.name.clone(),
+                message: m,
+            };
             let out = loc_of(&plan.values[&id]).map_err(unsupported)?;
             match &node.op {
                 Op::KvCache { layer, .. } => {
-                    let d: Vec<usize> = node.meta.shape.dims().iter().filter_map(|d| d.as_const()).collect();
+                    let d: Vec<usize> = node
+                        .meta
+                        .shape
+                        .dims()
+                        .iter()
+                        .filter_map(|d| d.as_const())
+                        .collect();
                     cache_shape = (d[0], d[1], d[2]);
                     let slot = 2 * layer + 1;
                     if caches.len() <= slot {
                         caches.resize(slot + 1, Vec::new());
                     }
-                    let Loc::Cache(c) = out else { unreachable!("a cache value is a cache") };
+                    let Loc::Cache(c) = out else {
+                        unreachable!("a cache value is a cache")
+                    };
                     caches[c] = vec![0.0f32; d.iter().product()];
                     continue;
                 }
@@ -169,18 +195,35 @@ impl Executor {
                 _ => {}
             }
             if elems(node.meta.dtype) == 0 {
-                return Err(unsupported(format!("activations of dtype {} are not supported", node.meta.dtype)));
+                return Err(unsupported(format!(
+                    "activations of dtype {} are not supported",
+                    node.meta.dtype
+                )));
             }
             let ins = graph
                 .inputs(id)
                 .into_iter()
-                .map(|i| Ok((loc_of(&plan.values[&i]).map_err(unsupported)?, graph.node(i).meta.shape.clone())))
+                .map(|i| {
+                    Ok((
+                        loc_of(&plan.values[&i]).map_err(unsupported)?,
+                        graph.node(i).meta.shape.clone(),
+                    ))
+                })
                 .collect::<Result<Vec<_>, ExecError>>()?;
-            steps.push(Step { name: node.name.clone(), op: node.op.clone(), ins, out, shape: node.meta.shape.clone() });
+            steps.push(Step {
+                name: node.name.clone(),
+                op: node.op.clone(),
+                ins,
+                out,
+                shape: node.meta.shape.clone(),
+            });
         }
         let out_id = *graph.outputs().first().ok_or(ExecError::NoOutput)?;
         let output = (
-            loc_of(&plan.values[&out_id]).map_err(|m| ExecError::Unsupported { node: "output".into(), message: m })?,
+            loc_of(&plan.values[&out_id]).map_err(|m| ExecError::Unsupported {
+                node: "output".into(),
+                message: m,
+            })?,
             graph.node(out_id).meta.shape.clone(),
         );
         Ok(Executor {
@@ -209,7 +252,11 @@ impl Executor {
         self.profile = on.then(|| {
             self.steps
                 .iter()
-                .map(|s| OpProfile { name: s.name.clone(), op: s.op.kind(), ..Default::default() })
+                .map(|s| OpProfile {
+                    name: s.name.clone(),
+                    op: s.op.kind(),
+                    ..Default::default()
+                })
                 .collect()
         });
     }
@@ -244,10 +291,17 @@ impl Executor {
     pub fn step(&mut self, tokens: &[i32], pos: usize) -> Result<Logits<'_>, ExecError> {
         let s = tokens.len();
         if s == 0 || s > self.max_chunk {
-            return Err(ExecError::StepSize { got: s, max: self.max_chunk });
+            return Err(ExecError::StepSize {
+                got: s,
+                max: self.max_chunk,
+            });
         }
         if pos.checked_add(s).is_none_or(|end| end > self.context) {
-            return Err(ExecError::ContextOverflow { tokens: s, pos, context: self.context });
+            return Err(ExecError::ContextOverflow {
+                tokens: s,
+                pos,
+                context: self.context,
+            });
         }
         let b = Bindings::new(s, pos);
         let arena = self.arena.base();
@@ -255,7 +309,11 @@ impl Executor {
             let t0 = self.profile.as_ref().map(|_| Instant::now());
             if let Some(w) = self.trace.as_mut() {
                 let st = &self.steps[i];
-                let ins: Vec<String> = st.ins.iter().map(|(_, sh)| format!("{:?}", sh.eval(&b))).collect();
+                let ins: Vec<String> = st
+                    .ins
+                    .iter()
+                    .map(|(_, sh)| format!("{:?}", sh.eval(&b)))
+                    .collect();
                 let _ = writeln!(
                     w,
                     "[S={s} P={pos}] {} {} {} {} -> {:?}",
@@ -267,8 +325,14 @@ impl Executor {
                 );
             }
             self.run_step(i, arena, tokens, &b).map_err(|e| match e {
-                RunError::Kernel(source) => ExecError::Kernel { node: self.steps[i].name.clone(), source },
-                RunError::Unsupported(message) => ExecError::Unsupported { node: self.steps[i].name.clone(), message },
+                RunError::Kernel(source) => ExecError::Kernel {
+                    node: self.steps[i].name.clone(),
+                    source,
+                },
+                RunError::Unsupported(message) => ExecError::Unsupported {
+                    node: self.steps[i].name.clone(),
+                    message,
+                },
             })?;
             if let (Some(t0), Some(p)) = (t0, self.profile.as_mut()) {
                 p[i].calls += 1;
@@ -296,7 +360,13 @@ impl Executor {
         }
     }
 
-    fn run_step(&mut self, i: usize, arena: ArenaPtr, tokens: &[i32], b: &Bindings) -> Result<(), RunError> {
+    fn run_step(
+        &mut self,
+        i: usize,
+        arena: ArenaPtr,
+        tokens: &[i32],
+        b: &Bindings,
+    ) -> Result<(), RunError> {
         let st = &self.steps[i];
         let pool = &self.pool;
         let numel = |sh: &Shape| sh.numel(b);
@@ -310,13 +380,17 @@ impl Executor {
             match st.ins[k].0 {
                 Loc::Arena(off) => Ok(unsafe { arena.slice(off, numel(&st.ins[k].1)) }),
                 Loc::Cache(c) => Ok(&self.caches[c]),
-                _ => Err(RunError::Unsupported("expected an activation operand".into())),
+                _ => Err(RunError::Unsupported(
+                    "expected an activation operand".into(),
+                )),
             }
         };
         // Copies input 0 into the output unless they are the same buffer,
         // so in-place kernels can run on the output.
         let out_from_input0 = || -> Result<&mut [f32], RunError> {
-            let Loc::Arena(o) = st.out else { return Err(RunError::Unsupported("output is not an activation".into())) };
+            let Loc::Arena(o) = st.out else {
+                return Err(RunError::Unsupported("output is not an activation".into()));
+            };
             let out = unsafe { arena.slice_mut(o, out_len) };
             if st.ins[0].0 != st.out {
                 out.copy_from_slice(input(0)?);
@@ -324,7 +398,9 @@ impl Executor {
             Ok(out)
         };
         let out_fresh = || -> Result<&mut [f32], RunError> {
-            let Loc::Arena(o) = st.out else { return Err(RunError::Unsupported("output is not an activation".into())) };
+            let Loc::Arena(o) = st.out else {
+                return Err(RunError::Unsupported("output is not an activation".into()));
+            };
             Ok(unsafe { arena.slice_mut(o, out_len) })
         };
         match &st.op {
@@ -334,8 +410,19 @@ impl Executor {
                 kernels::embedding_any(table, vocab, dim_e, tokens, out_fresh()?)?;
             }
             Op::RopeFreqs(p) => {
-                let RopeParams { head_dim, theta, scaling } = *p;
-                kernels::dispatch::rope_fill_freqs(out_fresh()?, b.s, b.p, head_dim, theta as f32, scaling)?;
+                let RopeParams {
+                    head_dim,
+                    theta,
+                    scaling,
+                } = *p;
+                kernels::dispatch::rope_fill_freqs(
+                    out_fresh()?,
+                    b.s,
+                    b.p,
+                    head_dim,
+                    theta as f32,
+                    scaling,
+                )?;
             }
             Op::RmsNorm { eps } => {
                 let d = dim(&st.shape, st.shape.rank() - 1);
@@ -347,7 +434,10 @@ impl Executor {
                 let n = dim(ws, 0);
                 let mut x = input(0)?;
                 let mut s = dim(xs, 0);
-                if let Op::OutputHead { rows: LogitRows::Last } = st.op {
+                if let Op::OutputHead {
+                    rows: LogitRows::Last,
+                } = st.op
+                {
                     x = &x[(s - 1) * k..];
                     s = 1;
                 }
@@ -360,9 +450,13 @@ impl Executor {
                 kernels::dispatch::rope_apply_freqs(out_from_input0()?, s, h, d, freqs)?;
             }
             Op::KvWrite => {
-                let Loc::Cache(c) = st.ins[0].0 else { return Err(RunError::Unsupported("KvWrite needs a cache".into())) };
+                let Loc::Cache(c) = st.ins[0].0 else {
+                    return Err(RunError::Unsupported("KvWrite needs a cache".into()));
+                };
                 let (cap, hkv, d) = self.cache_shape;
-                let Loc::Arena(xo) = st.ins[1].0 else { return Err(RunError::Unsupported("KvWrite reads an activation".into())) };
+                let Loc::Arena(xo) = st.ins[1].0 else {
+                    return Err(RunError::Unsupported("KvWrite reads an activation".into()));
+                };
                 // SAFETY: the input buffer is live and not written by this step.
                 let x = unsafe { arena.slice(xo, numel(&st.ins[1].1)) };
                 let cache = &mut self.caches[c];
@@ -370,7 +464,13 @@ impl Executor {
             }
             Op::AttnScores { n_rep, .. } | Op::AttnValues { n_rep } => {
                 let (_, hkv, d) = self.cache_shape;
-                let shape = AttnShape { s: b.s, pos: b.p, n_heads: hkv * n_rep, n_kv_heads: hkv, head_dim: d };
+                let shape = AttnShape {
+                    s: b.s,
+                    pos: b.p,
+                    n_heads: hkv * n_rep,
+                    n_kv_heads: hkv,
+                    head_dim: d,
+                };
                 if matches!(st.op, Op::AttnScores { .. }) {
                     kernels::attn_scores(pool, input(0)?, input(1)?, shape, out_fresh()?)?;
                 } else {
@@ -388,7 +488,10 @@ impl Executor {
             }
             Op::Mul => match st.ins[1].0 {
                 Loc::Weight(w) => {
-                    let v = self.vectors.get(&w).ok_or_else(|| RunError::Unsupported("Mul by a matrix weight".into()))?;
+                    let v = self
+                        .vectors
+                        .get(&w)
+                        .ok_or_else(|| RunError::Unsupported("Mul by a matrix weight".into()))?;
                     kernels::dispatch::mul_broadcast_inplace(out_from_input0()?, v)?;
                 }
                 _ => {

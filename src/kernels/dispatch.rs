@@ -55,15 +55,34 @@ pub fn embedding_any(
         op: OP,
         what: "dim is not a whole number of quantization blocks",
     })?;
-    check_len(OP, "table bytes", mul_dims(OP, "table size overflows", vocab, row_bytes)?, table.bytes.len())?;
-    check_len(OP, "out elements", mul_dims(OP, "ids*dim overflows", ids.len(), dim)?, out.len())?;
+    check_len(
+        OP,
+        "table bytes",
+        mul_dims(OP, "table size overflows", vocab, row_bytes)?,
+        table.bytes.len(),
+    )?;
+    check_len(
+        OP,
+        "out elements",
+        mul_dims(OP, "ids*dim overflows", ids.len(), dim)?,
+        out.len(),
+    )?;
     for (index, (&id, o)) in ids.iter().zip(out.chunks_exact_mut(dim.max(1))).enumerate() {
         if id < 0 || id as usize >= vocab {
-            return Err(KernelError::IdOutOfRange { op: OP, id: id.into(), index, rows: vocab });
+            return Err(KernelError::IdOutOfRange {
+                op: OP,
+                id: id.into(),
+                index,
+                rows: vocab,
+            });
         }
         let r = id as usize * row_bytes;
-        dequantize_row(table.dtype, &table.bytes[r..r + row_bytes], o)
-            .map_err(|_| KernelError::Invalid { op: OP, what: "bad quantized row" })?;
+        dequantize_row(table.dtype, &table.bytes[r..r + row_bytes], o).map_err(|_| {
+            KernelError::Invalid {
+                op: OP,
+                what: "bad quantized row",
+            }
+        })?;
     }
     Ok(())
 }
@@ -127,11 +146,27 @@ pub fn kv_write_rows(
     s: usize,
 ) -> Result<(), KernelError> {
     const OP: &str = "kv_write";
-    check_len(OP, "cache elements", mul_dims(OP, "cache size overflows", capacity, row)?, cache.len())?;
-    check_len(OP, "x elements", mul_dims(OP, "s*row overflows", s, row)?, x.len())?;
+    check_len(
+        OP,
+        "cache elements",
+        mul_dims(OP, "cache size overflows", capacity, row)?,
+        cache.len(),
+    )?;
+    check_len(
+        OP,
+        "x elements",
+        mul_dims(OP, "s*row overflows", s, row)?,
+        x.len(),
+    )?;
     match pos.checked_add(s) {
         Some(end) if end <= capacity => {}
-        _ => return Err(KernelError::CacheOverflow { pos, len: s, capacity }),
+        _ => {
+            return Err(KernelError::CacheOverflow {
+                pos,
+                len: s,
+                capacity,
+            })
+        }
     }
     cache[pos * row..(pos + s) * row].copy_from_slice(x);
     Ok(())
@@ -198,6 +233,9 @@ mod tests {
         let mut c = vec![0f32; 4 * 2];
         kv_write_rows(&mut c, 4, 2, 1, &[1.0, 2.0, 3.0, 4.0], 2).unwrap();
         assert_eq!(c, [0.0, 0.0, 1.0, 2.0, 3.0, 4.0, 0.0, 0.0]);
-        assert!(matches!(kv_write_rows(&mut c, 4, 2, 3, &[1.0; 4], 2), Err(KernelError::CacheOverflow { .. })));
+        assert!(matches!(
+            kv_write_rows(&mut c, 4, 2, 3, &[1.0; 4], 2),
+            Err(KernelError::CacheOverflow { .. })
+        ));
     }
 }

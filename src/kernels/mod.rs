@@ -23,13 +23,13 @@ pub(crate) mod testutil;
 pub use attention::{
     attention_fused, attention_fused_scratch_len, attn_scores, attn_values, softmax_rows, AttnShape,
 };
-pub use elementwise::{add, add_inplace, argmax, mul, mul_broadcast_rows, silu, swiglu};
 pub use dispatch::{embedding_any, kv_write_rows, matmul_any};
+pub use elementwise::{add, add_inplace, argmax, mul, mul_broadcast_rows, silu, swiglu};
 pub use embedding::embedding_rows;
-pub use quant::dequantize_row;
 pub use kv::kv_write;
 pub use matmul::{matmul, Epilogue};
 pub use norm::rmsnorm;
+pub use quant::dequantize_row;
 pub use rope::{rope_reference, RopeScaling, RopeTable};
 
 use crate::ir::DType;

@@ -25,20 +25,38 @@ pub fn qmatmul(
     y: &mut [f32],
 ) -> Result<(), KernelError> {
     const OP: &str = "qmatmul";
-    let row_bytes = w
-        .dtype
-        .bytes_for(k)
-        .ok_or(KernelError::Invalid { op: OP, what: "k is not a whole number of quantization blocks" })?;
-    check_len(OP, "x elements (s*k)", mul_dims(OP, "s*k overflows", s, k)?, x.len())?;
-    check_len(OP, "weight bytes", mul_dims(OP, "n*row bytes overflows", n, row_bytes)?, w.bytes.len())?;
+    let row_bytes = w.dtype.bytes_for(k).ok_or(KernelError::Invalid {
+        op: OP,
+        what: "k is not a whole number of quantization blocks",
+    })?;
+    check_len(
+        OP,
+        "x elements (s*k)",
+        mul_dims(OP, "s*k overflows", s, k)?,
+        x.len(),
+    )?;
+    check_len(
+        OP,
+        "weight bytes",
+        mul_dims(OP, "n*row bytes overflows", n, row_bytes)?,
+        w.bytes.len(),
+    )?;
     let n_out = match epilogue {
         Epilogue::SwiGlu if n % 2 == 0 => n / 2,
         Epilogue::SwiGlu => {
-            return Err(KernelError::Invalid { op: OP, what: "SwiGlu needs an even number of weight rows" })
+            return Err(KernelError::Invalid {
+                op: OP,
+                what: "SwiGlu needs an even number of weight rows",
+            })
         }
         _ => n,
     };
-    check_len(OP, "y elements", mul_dims(OP, "s*n overflows", s, n_out)?, y.len())?;
+    check_len(
+        OP,
+        "y elements",
+        mul_dims(OP, "s*n overflows", s, n_out)?,
+        y.len(),
+    )?;
     if let Epilogue::AddResidual(r) = epilogue {
         check_len(OP, "residual elements", y.len(), r.len())?;
     }
@@ -78,7 +96,9 @@ mod tests {
         let (s, k, n) = (3, 64, 10);
         let mut seed = 1u64;
         let mut rnd = || {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
         };
         let x: Vec<f32> = (0..s * k).map(|_| rnd()).collect();
@@ -89,26 +109,41 @@ mod tests {
             let rb = dtype.bytes_for(k).unwrap();
             let mut wq = vec![0u8; n * rb];
             for j in 0..n {
-                quantize_row(dtype, &wf[j * k..(j + 1) * k], &mut wq[j * rb..(j + 1) * rb]).unwrap();
+                quantize_row(
+                    dtype,
+                    &wf[j * k..(j + 1) * k],
+                    &mut wq[j * rb..(j + 1) * rb],
+                )
+                .unwrap();
             }
             let mut wd = vec![0f32; n * k];
             for j in 0..n {
-                dequantize_row(dtype, &wq[j * rb..(j + 1) * rb], &mut wd[j * k..(j + 1) * k]).unwrap();
+                dequantize_row(
+                    dtype,
+                    &wq[j * rb..(j + 1) * rb],
+                    &mut wd[j * k..(j + 1) * k],
+                )
+                .unwrap();
             }
-            let naive = |t: usize, j: usize| (0..k).map(|i| x[t * k + i] * wd[j * k + i]).sum::<f32>();
+            let naive =
+                |t: usize, j: usize| (0..k).map(|i| x[t * k + i] * wd[j * k + i]).sum::<f32>();
             let wr = WeightRef::new(dtype, &wq);
             let mut y = vec![0f32; s * n];
             qmatmul(&pool, &x, s, k, wr, n, Epilogue::AddResidual(&r), &mut y).unwrap();
             for t in 0..s {
                 for j in 0..n {
-                    assert!((y[t * n + j] - naive(t, j) - r[t * n + j]).abs() < 1e-4, "{dtype}");
+                    assert!(
+                        (y[t * n + j] - naive(t, j) - r[t * n + j]).abs() < 1e-4,
+                        "{dtype}"
+                    );
                 }
             }
             let mut g = vec![0f32; s * n / 2];
             qmatmul(&pool, &x, s, k, wr, n, Epilogue::SwiGlu, &mut g).unwrap();
             for t in 0..s {
                 for j in 0..n / 2 {
-                    let want = crate::kernels::elementwise::silu_f32(naive(t, j)) * naive(t, j + n / 2);
+                    let want =
+                        crate::kernels::elementwise::silu_f32(naive(t, j)) * naive(t, j + n / 2);
                     assert!((g[t * n / 2 + j] - want).abs() < 1e-4, "{dtype}");
                 }
             }
