@@ -4,6 +4,7 @@
 //! Layout: [`ir`] (the graph), [`model`] (arguments and the Llama builder),
 //! [`weights`] (checkpoint readers), [`tokenizer`], [`kernels`].
 pub mod error;
+pub mod fetch;
 pub mod ir;
 pub mod kernels;
 pub mod model;
