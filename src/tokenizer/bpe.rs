@@ -22,7 +22,10 @@ struct Node<S> {
 
 /// Merge `syms` with `pair(left, right) -> Some((rank, merged))` until no
 /// adjacent pair merges. Lower rank merges first; ties go to the leftmost.
-pub(crate) fn merge<S: Copy>(syms: Vec<S>, mut pair: impl FnMut(S, S) -> Option<(u32, S)>) -> Vec<S> {
+pub(crate) fn merge<S: Copy>(
+    syms: Vec<S>,
+    mut pair: impl FnMut(S, S) -> Option<(u32, S)>,
+) -> Vec<S> {
     let n = syms.len();
     if n < 2 {
         return syms;
@@ -42,19 +45,27 @@ pub(crate) fn merge<S: Copy>(syms: Vec<S>, mut pair: impl FnMut(S, S) -> Option<
     type Entry = Reverse<(u32, usize, u32, usize, u32, usize)>;
     let mut heap: BinaryHeap<Entry> = BinaryHeap::with_capacity(n);
     let mut merged: Vec<S> = Vec::with_capacity(n);
-    let mut push = |nodes: &Vec<Node<S>>, heap: &mut BinaryHeap<Entry>, merged: &mut Vec<S>, l: usize| {
-        if l == NONE {
-            return;
-        }
-        let r = nodes[l].next;
-        if r == NONE {
-            return;
-        }
-        if let Some((rank, m)) = pair(nodes[l].sym, nodes[r].sym) {
-            merged.push(m);
-            heap.push(Reverse((rank, l, nodes[l].ver, r, nodes[r].ver, merged.len() - 1)));
-        }
-    };
+    let mut push =
+        |nodes: &Vec<Node<S>>, heap: &mut BinaryHeap<Entry>, merged: &mut Vec<S>, l: usize| {
+            if l == NONE {
+                return;
+            }
+            let r = nodes[l].next;
+            if r == NONE {
+                return;
+            }
+            if let Some((rank, m)) = pair(nodes[l].sym, nodes[r].sym) {
+                merged.push(m);
+                heap.push(Reverse((
+                    rank,
+                    l,
+                    nodes[l].ver,
+                    r,
+                    nodes[r].ver,
+                    merged.len() - 1,
+                )));
+            }
+        };
     for i in 0..n - 1 {
         push(&nodes, &mut heap, &mut merged, i);
     }
@@ -113,9 +124,14 @@ mod tests {
 
     #[test]
     fn matches_naive_merge() {
-        let vocab = ["ab", "bc", "aa", "abc", "aaa", "ca", "cab", "bca", "aab", "bb"];
-        let ranks: HashMap<String, u32> =
-            vocab.iter().enumerate().map(|(i, s)| (s.to_string(), i as u32)).collect();
+        let vocab = [
+            "ab", "bc", "aa", "abc", "aaa", "ca", "cab", "bca", "aab", "bb",
+        ];
+        let ranks: HashMap<String, u32> = vocab
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.to_string(), i as u32))
+            .collect();
         // Every string over {a,b,c} up to length 7.
         let mut words = vec![String::new()];
         for _ in 0..7 {
@@ -132,7 +148,9 @@ mod tests {
         }
         for w in &words {
             let init: Vec<(usize, usize)> = (0..w.len()).map(|i| (i, i + 1)).collect();
-            let got = merge(init, |a, b| ranks.get(&w[a.0..b.1]).map(|&r| (r, (a.0, b.1))));
+            let got = merge(init, |a, b| {
+                ranks.get(&w[a.0..b.1]).map(|&r| (r, (a.0, b.1)))
+            });
             let got: Vec<String> = got.iter().map(|&(a, b)| w[a..b].to_string()).collect();
             let want = naive(w.chars().map(|c| c.to_string()).collect(), &ranks);
             assert_eq!(got, want, "word {w}");

@@ -75,9 +75,9 @@ enum PreTok {
 fn pre_tok(name: Option<&str>) -> Result<PreTok, String> {
     Ok(match name {
         None | Some("gpt2") | Some("default") => PreTok::Gpt2,
-        Some("smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva") => {
-            PreTok::DigitsGpt2
-        }
+        Some(
+            "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva",
+        ) => PreTok::DigitsGpt2,
         Some("llama3" | "llama-v3" | "llama-bpe" | "smaug-bpe" | "falcon3") => PreTok::Llama3,
         Some(other) => return Err(format!("pre-tokenizer {other:?} is not supported")),
     })
@@ -88,7 +88,8 @@ fn bytes_to_unicode() -> [char; 256] {
     let mut t = ['\0'; 256];
     let mut n = 0u32;
     for b in 0..256usize {
-        let printable = (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
+        let printable =
+            (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
         t[b] = if printable {
             char::from(b as u8)
         } else {
@@ -161,7 +162,9 @@ impl Tokenizer {
         };
         let check = |what: &str, id: Option<u32>| -> Result<Option<u32>, TokenizerError> {
             match id {
-                Some(i) if i as usize >= n => Err(gerr(format!("{what} {i} out of range ({n} tokens)"))),
+                Some(i) if i as usize >= n => {
+                    Err(gerr(format!("{what} {i} out of range ({n} tokens)")))
+                }
                 _ => Ok(id),
             }
         };
@@ -174,7 +177,14 @@ impl Tokenizer {
         for want in EOG_TEXTS {
             if let Some(i) = p.tokens.iter().position(|t| t == want.as_bytes()) {
                 if types[i] == TokenType::Control || types[i] == TokenType::UserDefined {
-                    if eot.is_none() && (want == "<|eot_id|>" || want == "<|im_end|>" || want == "<|end|>" || want == "<end_of_turn>" || want == "<EOT>" || want == "_<EOT>") {
+                    if eot.is_none()
+                        && (want == "<|eot_id|>"
+                            || want == "<|im_end|>"
+                            || want == "<|end|>"
+                            || want == "<end_of_turn>"
+                            || want == "<EOT>"
+                            || want == "_<EOT>")
+                    {
                         eot = Some(i as u32);
                     }
                     stop.push(i as u32);
@@ -211,12 +221,17 @@ impl Tokenizer {
                     let Some((l, r)) = line.split_once(' ') else {
                         return Err(gerr(format!("merge #{rank} {line:?} is not `left right`")));
                     };
-                    let (Some(&li), Some(&ri)) = (ids.get(l.as_bytes()), ids.get(r.as_bytes())) else {
-                        return Err(gerr(format!("merge #{rank} {line:?}: a side is not a token")));
+                    let (Some(&li), Some(&ri)) = (ids.get(l.as_bytes()), ids.get(r.as_bytes()))
+                    else {
+                        return Err(gerr(format!(
+                            "merge #{rank} {line:?}: a side is not a token"
+                        )));
                     };
                     let m = format!("{l}{r}");
                     let Some(&mi) = ids.get(m.as_bytes()) else {
-                        return Err(gerr(format!("merge #{rank} {line:?}: result {m:?} is not a token")));
+                        return Err(gerr(format!(
+                            "merge #{rank} {line:?}: result {m:?} is not a token"
+                        )));
                     };
                     // Earlier merges win when a pair appears twice.
                     merges.entry((li, ri)).or_insert((rank as u32, mi));
@@ -224,30 +239,38 @@ impl Tokenizer {
                 let mut decode = Vec::with_capacity(n);
                 for (i, t) in p.tokens.iter().enumerate() {
                     let bytes = match types[i] {
-                        TokenType::Normal | TokenType::Unused | TokenType::Unknown => match std::str::from_utf8(t) {
-                            Ok(s) => {
-                                // Characters outside the alphabet are kept as UTF-8.
-                                let mut v = Vec::with_capacity(s.len());
-                                for c in s.chars() {
-                                    match inverse.get(&c) {
-                                        Some(&b) => v.push(b),
-                                        None => {
-                                            let mut buf = [0u8; 4];
-                                            v.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+                        TokenType::Normal | TokenType::Unused | TokenType::Unknown => {
+                            match std::str::from_utf8(t) {
+                                Ok(s) => {
+                                    // Characters outside the alphabet are kept as UTF-8.
+                                    let mut v = Vec::with_capacity(s.len());
+                                    for c in s.chars() {
+                                        match inverse.get(&c) {
+                                            Some(&b) => v.push(b),
+                                            None => {
+                                                let mut buf = [0u8; 4];
+                                                v.extend_from_slice(
+                                                    c.encode_utf8(&mut buf).as_bytes(),
+                                                );
+                                            }
                                         }
                                     }
+                                    v
                                 }
-                                v
+                                Err(_) => t.clone(),
                             }
-                            Err(_) => t.clone(),
-                        },
+                        }
                         _ => t.clone(),
                     };
                     decode.push(bytes);
                 }
                 Tokenizer::build(Common {
                     kind: TokenizerKind::Gpt2Bpe,
-                    model: Model::Gpt2(Gpt2Model { pre, byte_ids, merges }),
+                    model: Model::Gpt2(Gpt2Model {
+                        pre,
+                        byte_ids,
+                        merges,
+                    }),
                     texts: p.tokens.clone(),
                     decode,
                     types,
@@ -273,7 +296,12 @@ impl Tokenizer {
                         scores.len()
                     )));
                 }
-                let unk = unk.or_else(|| types.iter().position(|&t| t == TokenType::Unknown).map(|i| i as u32));
+                let unk = unk.or_else(|| {
+                    types
+                        .iter()
+                        .position(|&t| t == TokenType::Unknown)
+                        .map(|i| i as u32)
+                });
                 let has_bytes = (0..=255u8).all(|b| {
                     let name = format!("<0x{b:02X}>");
                     p.tokens.iter().any(|t| t == name.as_bytes())
@@ -352,7 +380,10 @@ mod tests {
         let o = super::super::EncodeOptions::default();
         assert_eq!(t.encode("ab ab", o), vec![3, 4]);
         assert_eq!(t.encode("ba<|x|>", o), vec![1, 0]);
-        let os = super::super::EncodeOptions { parse_special: true, add_bos: false };
+        let os = super::super::EncodeOptions {
+            parse_special: true,
+            add_bos: false,
+        };
         assert_eq!(t.encode("ba<|x|>", os), vec![1, 0, 5]);
         assert_eq!(t.decode(&[3, 4, 5]), "ab ab<|x|>");
         assert_eq!(t.token_to_id("Ġab"), Some(4));

@@ -139,7 +139,10 @@ fn llama3_match(t: &Chars, i: usize) -> usize {
     // case folding: 's' also matches U+017F LATIN SMALL LETTER LONG S.
     if c == '\'' {
         if let Some(c1) = at(i + 1) {
-            if matches!(c1, 's' | 'S' | '\u{17f}' | 't' | 'T' | 'm' | 'M' | 'd' | 'D') {
+            if matches!(
+                c1,
+                's' | 'S' | '\u{17f}' | 't' | 'T' | 'm' | 'M' | 'd' | 'D'
+            ) {
                 return i + 2;
             }
             let c2 = at(i + 2);

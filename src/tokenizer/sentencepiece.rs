@@ -102,7 +102,12 @@ fn perr(msg: String) -> TokenizerError {
 
 impl<'a> Reader<'a> {
     fn new(buf: &'a [u8], base: usize, what: &'static str) -> Self {
-        Reader { buf, pos: 0, base, what }
+        Reader {
+            buf,
+            pos: 0,
+            base,
+            what,
+        }
     }
     fn at(&self) -> usize {
         self.base + self.pos
@@ -126,7 +131,10 @@ impl<'a> Reader<'a> {
                 return Ok(v);
             }
         }
-        Err(perr(format!("{}: varint longer than 10 bytes at offset {start}", self.what)))
+        Err(perr(format!(
+            "{}: varint longer than 10 bytes at offset {start}",
+            self.what
+        )))
     }
     fn take(&mut self, n: usize) -> Result<&'a [u8], TokenizerError> {
         let start = self.at();
@@ -148,7 +156,10 @@ impl<'a> Reader<'a> {
         let key = self.varint()?;
         let field = key >> 3;
         if field == 0 {
-            return Err(perr(format!("{}: field number 0 at offset {at}", self.what)));
+            return Err(perr(format!(
+                "{}: field number 0 at offset {at}",
+                self.what
+            )));
         }
         let v = match key & 7 {
             0 => Value::Varint(self.varint()?),
@@ -159,7 +170,10 @@ impl<'a> Reader<'a> {
             2 => {
                 let len = self.varint()?;
                 let len = usize::try_from(len).map_err(|_| {
-                    perr(format!("{}: length {len} at offset {at} too large", self.what))
+                    perr(format!(
+                        "{}: length {len} at offset {at} too large",
+                        self.what
+                    ))
                 })?;
                 let off = self.at();
                 Value::Bytes(self.take(len)?, off)
@@ -241,12 +255,19 @@ fn parse_piece(b: &[u8], off: usize, index: usize) -> Result<SpmPiece, Tokenizer
             1 => p.piece = as_str(&v, &format!("piece #{index}: text"), at)?,
             2 => match v {
                 Value::Fixed32(x) => p.score = f32::from_bits(x),
-                _ => return Err(perr(format!("piece #{index}: score at offset {at} is not a float"))),
+                _ => {
+                    return Err(perr(format!(
+                        "piece #{index}: score at offset {at} is not a float"
+                    )))
+                }
             },
             3 => {
                 let t = as_i32(&v, &format!("piece #{index}: type"), at)?;
                 p.kind = TokenType::from_i32(t).ok_or_else(|| {
-                    perr(format!("piece #{index} ({:?}): unknown type {t} at offset {at}", p.piece))
+                    perr(format!(
+                        "piece #{index} ({:?}): unknown type {t} at offset {at}",
+                        p.piece
+                    ))
                 })?;
             }
             _ => {}
@@ -284,7 +305,11 @@ fn parse_normalizer(b: &[u8], off: usize, m: &mut SpmModelProto) -> Result<(), T
             1 => m.normalizer_name = as_str(&v, "normalizer_spec.name", at)?,
             2 => match v {
                 Value::Bytes(b, _) => m.precompiled_charsmap_len = b.len(),
-                _ => return Err(perr(format!("precompiled_charsmap at offset {at}: expected bytes"))),
+                _ => {
+                    return Err(perr(format!(
+                        "precompiled_charsmap at offset {at}: expected bytes"
+                    )))
+                }
             },
             3 => m.add_dummy_prefix = as_bool(&v, "add_dummy_prefix", at)?,
             4 => m.remove_extra_whitespaces = as_bool(&v, "remove_extra_whitespaces", at)?,
@@ -348,7 +373,10 @@ impl SpmModel {
         let mut user = Vec::new();
         for (i, (t, ty)) in s.texts.iter().zip(s.types).enumerate() {
             let id = i as u32;
-            let normal = matches!(ty, TokenType::Normal | TokenType::UserDefined | TokenType::Unused);
+            let normal = matches!(
+                ty,
+                TokenType::Normal | TokenType::UserDefined | TokenType::Unused
+            );
             let map = if normal { &mut pieces } else { &mut reserved };
             if map.insert(t.clone(), id).is_some() {
                 return Err(format!(
@@ -371,7 +399,9 @@ impl SpmModel {
             None
         };
         if s.byte_fallback && byte_ids.is_none() {
-            return Err("byte_fallback is set but the 256 <0xNN> byte pieces are not all present".into());
+            return Err(
+                "byte_fallback is set but the 256 <0xNN> byte pieces are not all present".into(),
+            );
         }
         let user_defined = if user.is_empty() {
             None
@@ -495,7 +525,9 @@ impl SpmModel {
                     out.push(id);
                 }
             }
-            Some(id) if self.types[id as usize] == TokenType::Unknown => self.unknown(piece, id, out),
+            Some(id) if self.types[id as usize] == TokenType::Unknown => {
+                self.unknown(piece, id, out)
+            }
             Some(id) => out.push(id),
             None => self.unknown(piece, u32::MAX, out),
         }
@@ -580,11 +612,23 @@ impl Tokenizer {
         }
         let n = m.pieces.len();
         u32::try_from(n).map_err(|_| perr(format!("{n} pieces do not fit in u32")))?;
-        let texts: Vec<Vec<u8>> = m.pieces.iter().map(|p| p.piece.as_bytes().to_vec()).collect();
+        let texts: Vec<Vec<u8>> = m
+            .pieces
+            .iter()
+            .map(|p| p.piece.as_bytes().to_vec())
+            .collect();
         let types: Vec<TokenType> = m.pieces.iter().map(|p| p.kind).collect();
         let scores: Vec<f32> = m.pieces.iter().map(|p| p.score).collect();
-        let unk_id = types.iter().position(|&t| t == TokenType::Unknown).map(|i| i as u32);
-        let valid = |id: i32| usize::try_from(id).ok().filter(|&i| i < n).map(|i| i as u32);
+        let unk_id = types
+            .iter()
+            .position(|&t| t == TokenType::Unknown)
+            .map(|i| i as u32);
+        let valid = |id: i32| {
+            usize::try_from(id)
+                .ok()
+                .filter(|&i| i < n)
+                .map(|i| i as u32)
+        };
         let model = SpmModel::new(SpmSpec {
             texts: &texts,
             types: &types,
@@ -640,8 +684,10 @@ mod tests {
         let e = parse_model_proto(&[0x0a, 0x05, 0x0a, 0x00]).unwrap_err();
         assert!(e.to_string().contains("runs past the end"), "{e}");
         // 11-byte varint.
-        let e = parse_model_proto(&[0x08, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01])
-            .unwrap_err();
+        let e = parse_model_proto(&[
+            0x08, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01,
+        ])
+        .unwrap_err();
         assert!(e.to_string().contains("longer than 10 bytes"), "{e}");
     }
 

@@ -66,16 +66,25 @@ pub fn parse_tiktoken_bpe(data: &[u8]) -> Result<Vec<Vec<u8>>, TokenizerError> {
         }
         let mut parts = line.split_ascii_whitespace();
         let (Some(tok), Some(rank), None) = (parts.next(), parts.next(), parts.next()) else {
-            return Err(err(ln, format!("expected `BASE64 RANK`, got {:?}", clip(line))));
+            return Err(err(
+                ln,
+                format!("expected `BASE64 RANK`, got {:?}", clip(line)),
+            ));
         };
         let bytes = base64::engine::general_purpose::STANDARD
             .decode(tok)
             .map_err(|e| err(ln, format!("bad base64 {:?}: {e}", clip(tok))))?;
-        let rank: u32 = rank
-            .parse()
-            .map_err(|_| err(ln, format!("rank {:?} is not a non-negative integer", clip(rank))))?;
+        let rank: u32 = rank.parse().map_err(|_| {
+            err(
+                ln,
+                format!("rank {:?} is not a non-negative integer", clip(rank)),
+            )
+        })?;
         if let Some(prev) = seen_tok.insert(bytes.clone(), ln) {
-            return Err(err(ln, format!("duplicate token {tok:?} (first on line {prev})")));
+            return Err(err(
+                ln,
+                format!("duplicate token {tok:?} (first on line {prev})"),
+            ));
         }
         entries.push((bytes, rank, ln));
     }
@@ -93,7 +102,10 @@ pub fn parse_tiktoken_bpe(data: &[u8]) -> Result<Vec<Vec<u8>>, TokenizerError> {
             ));
         }
         if let Some((_, prev)) = &by_rank[r] {
-            return Err(err(ln, format!("duplicate rank {rank} (first on line {prev})")));
+            return Err(err(
+                ln,
+                format!("duplicate rank {rank} (first on line {prev})"),
+            ));
         }
         by_rank[r] = Some((bytes, ln));
     }
@@ -126,7 +138,9 @@ impl TiktokenModel {
         }
         let init: Vec<(usize, usize)> = (0..piece.len()).map(|i| (i, i + 1)).collect();
         let parts = bpe::merge(init, |l, r| {
-            self.encoder.get(&piece[l.0..r.1]).map(|&rank| (rank, (l.0, r.1)))
+            self.encoder
+                .get(&piece[l.0..r.1])
+                .map(|&rank| (rank, (l.0, r.1)))
         });
         for (a, b) in parts {
             match self.encoder.get(&piece[a..b]) {
@@ -203,8 +217,9 @@ impl Tokenizer {
             encoder.insert(b.clone(), i as u32);
         }
         let total = n_base + specials.len();
-        u32::try_from(total)
-            .map_err(|_| TokenizerError::TiktokenFile(format!("{total} tokens do not fit in u32")))?;
+        u32::try_from(total).map_err(|_| {
+            TokenizerError::TiktokenFile(format!("{total} tokens do not fit in u32"))
+        })?;
         let mut texts = base;
         let mut types = vec![TokenType::Normal; n_base];
         for s in &specials {
