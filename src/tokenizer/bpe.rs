@@ -132,20 +132,17 @@ mod tests {
             .enumerate()
             .map(|(i, s)| (s.to_string(), i as u32))
             .collect();
-        // Every string over {a,b,c} up to length 7.
-        let mut words = vec![String::new()];
+        // Every string over {a,b,c} of length 1 to 7.
+        let mut words: Vec<String> = Vec::new();
+        let mut layer = vec![String::new()];
         for _ in 0..7 {
-            let mut next = Vec::new();
-            for w in &words {
-                for c in ['a', 'b', 'c'] {
-                    next.push(format!("{w}{c}"));
-                }
-            }
-            words.extend(next.iter().cloned());
-            words = words.into_iter().filter(|w| w.len() <= 7).collect();
-            words.sort();
-            words.dedup();
+            layer = layer
+                .iter()
+                .flat_map(|w| ['a', 'b', 'c'].map(|c| format!("{w}{c}")))
+                .collect();
+            words.extend(layer.iter().cloned());
         }
+        assert_eq!(words.len(), 3 + 9 + 27 + 81 + 243 + 729 + 2187);
         for w in &words {
             let init: Vec<(usize, usize)> = (0..w.len()).map(|i| (i, i + 1)).collect();
             let got = merge(init, |a, b| {

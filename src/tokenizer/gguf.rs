@@ -87,10 +87,10 @@ fn pre_tok(name: Option<&str>) -> Result<PreTok, String> {
 fn bytes_to_unicode() -> [char; 256] {
     let mut t = ['\0'; 256];
     let mut n = 0u32;
-    for b in 0..256usize {
+    for (b, slot) in t.iter_mut().enumerate() {
         let printable =
             (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
-        t[b] = if printable {
+        *slot = if printable {
             char::from(b as u8)
         } else {
             let c = char::from_u32(256 + n).unwrap_or('\0');
@@ -266,11 +266,11 @@ impl Tokenizer {
                 }
                 Tokenizer::build(Common {
                     kind: TokenizerKind::Gpt2Bpe,
-                    model: Model::Gpt2(Gpt2Model {
+                    model: Model::Gpt2(Box::new(Gpt2Model {
                         pre,
                         byte_ids,
                         merges,
-                    }),
+                    })),
                     texts: p.tokens.clone(),
                     decode,
                     types,

@@ -124,7 +124,7 @@ impl Matcher {
 enum Model {
     Tiktoken(tiktoken::TiktokenModel),
     SentencePiece(sentencepiece::SpmModel),
-    Gpt2(gguf::Gpt2Model),
+    Gpt2(Box<gguf::Gpt2Model>),
 }
 
 /// A loaded tokenizer. Cheap to share (`&Tokenizer` is `Sync`).

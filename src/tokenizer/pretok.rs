@@ -146,12 +146,10 @@ fn llama3_match(t: &Chars, i: usize) -> usize {
                 return i + 2;
             }
             let c2 = at(i + 2);
-            let two = match (c1, c2) {
-                ('r' | 'R', Some('e' | 'E')) => true,
-                ('v' | 'V', Some('e' | 'E')) => true,
-                ('l' | 'L', Some('l' | 'L')) => true,
-                _ => false,
-            };
+            let two = matches!(
+                (c1, c2),
+                ('r' | 'R' | 'v' | 'V', Some('e' | 'E')) | ('l' | 'L', Some('l' | 'L'))
+            );
             if two {
                 return i + 3;
             }

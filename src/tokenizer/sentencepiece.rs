@@ -337,6 +337,9 @@ pub(crate) fn byte_piece_value(s: &[u8]) -> Option<u8> {
     }
 }
 
+/// Merged span -> the two spans it was made of (for UNUSED pieces).
+type RevMerge = FxHashMap<(usize, usize), ((usize, usize), (usize, usize))>;
+
 pub(crate) struct SpmModel {
     /// NORMAL, USER_DEFINED and UNUSED pieces: candidates for merging.
     pieces: FxHashMap<Vec<u8>, u32>,
@@ -344,7 +347,7 @@ pub(crate) struct SpmModel {
     reserved: FxHashMap<Vec<u8>, u32>,
     types: Vec<TokenType>,
     scores: Vec<f32>,
-    byte_ids: Option<[u32; 256]>,
+    byte_ids: Option<Box<[u32; 256]>>,
     unk_id: Option<u32>,
     byte_fallback: bool,
     remove_extra_whitespaces: bool,
@@ -394,7 +397,7 @@ impl SpmModel {
             }
         }
         let byte_ids = if byte_ids.iter().all(|&x| x != u32::MAX) {
-            Some(byte_ids)
+            Some(Box::new(byte_ids))
         } else {
             None
         };
@@ -490,8 +493,7 @@ impl SpmModel {
             syms.push((i, i + len, false));
             i += len;
         }
-        let mut rev_merge: FxHashMap<(usize, usize), ((usize, usize), (usize, usize))> =
-            FxHashMap::default();
+        let mut rev_merge: RevMerge = FxHashMap::default();
         let merged = bpe::merge(syms, |l, r| {
             if l.2 || r.2 {
                 return None;
@@ -507,13 +509,7 @@ impl SpmModel {
         }
     }
 
-    fn resegment(
-        &self,
-        norm: &[u8],
-        w: (usize, usize),
-        rev: &FxHashMap<(usize, usize), ((usize, usize), (usize, usize))>,
-        out: &mut Vec<u32>,
-    ) {
+    fn resegment(&self, norm: &[u8], w: (usize, usize), rev: &RevMerge, out: &mut Vec<u32>) {
         let piece = &norm[w.0..w.1];
         let id = self.piece_to_id(piece);
         match id {

@@ -126,7 +126,7 @@ impl TiktokenModel {
         let mut pieces = Vec::new();
         pretok::split_llama3(text, &mut pieces);
         for (a, b) in pieces {
-            let piece = text[a..b].as_bytes();
+            let piece = &text.as_bytes()[a..b];
             self.encode_piece(piece, out);
         }
     }
@@ -143,11 +143,10 @@ impl TiktokenModel {
                 .map(|&rank| (rank, (l.0, r.1)))
         });
         for (a, b) in parts {
-            match self.encoder.get(&piece[a..b]) {
-                Some(&id) => out.push(id),
-                // A vocabulary without some single byte: nothing sensible to
-                // emit (tiktoken would panic). Skip it.
-                None => {}
+            // A vocabulary without some single byte has nothing sensible to
+            // emit for it (tiktoken would panic): skip it.
+            if let Some(&id) = self.encoder.get(&piece[a..b]) {
+                out.push(id);
             }
         }
     }
