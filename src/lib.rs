@@ -5,6 +5,7 @@
 //! [`weights`] (checkpoint readers), [`tokenizer`], [`kernels`].
 pub mod error;
 pub mod exec;
+pub mod fetch;
 pub mod generate;
 pub mod ir;
 pub mod kernels;
