@@ -1004,3 +1004,29 @@ fn smollm2_real_file() {
         .all(|t| matches!(t.data, TensorBytes::Mapped { .. })));
     eprintln!("SmolLM2 meta: {:?}", m.meta);
 }
+
+#[test]
+fn open_errors_name_the_problem() {
+    let dir = std::env::temp_dir().join(format!("llama-graph-gguf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let empty = dir.join("empty.gguf");
+    std::fs::write(&empty, b"").unwrap();
+    assert!(matches!(
+        GgufFile::open(&empty).unwrap_err(),
+        GgufError::BadMagic { .. }
+    ));
+    let missing = dir.join("missing.gguf");
+    let e = GgufFile::open(&missing).unwrap_err();
+    assert!(matches!(e, GgufError::Io { .. }), "{e}");
+    assert!(e.to_string().contains("missing.gguf"), "{e}");
+    // A valid file through the mmap path.
+    let p = dir.join("ok.gguf");
+    all_types_writer(2).write(&p).unwrap();
+    let f = GgufFile::open(&p).unwrap();
+    assert_eq!(f.version, 2);
+    assert!(matches!(
+        f.to_store().tensors["t.f32"].data,
+        TensorBytes::Mapped { .. }
+    ));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
