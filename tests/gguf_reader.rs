@@ -1030,3 +1030,56 @@ fn open_errors_name_the_problem() {
     ));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A complete 1-layer model matching `llama_writer` (dim 8, 2 heads of 4, ffn 16, vocab 3).
+fn complete_model(skip: &str, bad_shape: Option<(&str, &[u64])>) -> GgufWriter {
+    let mut w = llama_writer("llama");
+    let tensors: [(&str, &[u64]); 11] = [
+        ("token_embd.weight", &[8, 3]),
+        ("output_norm.weight", &[8]),
+        ("blk.0.attn_norm.weight", &[8]),
+        ("blk.0.attn_q.weight", &[8, 8]),
+        ("blk.0.attn_k.weight", &[8, 8]),
+        ("blk.0.attn_v.weight", &[8, 8]),
+        ("blk.0.attn_output.weight", &[8, 8]),
+        ("blk.0.ffn_norm.weight", &[8]),
+        ("blk.0.ffn_gate.weight", &[8, 16]),
+        ("blk.0.ffn_down.weight", &[16, 8]),
+        ("blk.0.ffn_up.weight", &[8, 16]),
+    ];
+    for (name, ne) in tensors {
+        if name == skip {
+            continue;
+        }
+        let ne = match bad_shape {
+            Some((n, s)) if n == name => s,
+            _ => ne,
+        };
+        let n: u64 = ne.iter().product();
+        w = w.tensor(name, ggml_type::F32, ne, vec![0; 4 * n as usize]);
+    }
+    w
+}
+
+#[test]
+fn validate_shapes() {
+    let open =
+        |w: GgufWriter| LlamaGguf::from_file(GgufFile::from_bytes(w.to_bytes()).unwrap()).unwrap();
+    open(complete_model("", None))
+        .validate()
+        .expect("complete model");
+    let e = open(complete_model("blk.0.ffn_up.weight", None))
+        .validate()
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "GGUF model is missing tensor \"blk.0.ffn_up.weight\""
+    );
+    let e = open(complete_model("", Some(("blk.0.attn_k.weight", &[8, 4]))))
+        .validate()
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "GGUF tensor \"blk.0.attn_k.weight\" (Meta name \"layers.0.attention.wk.weight\"): shape [4, 8], expected [8, 8]"
+    );
+}

@@ -349,6 +349,7 @@ pub fn gguf_to_meta_name(name: &str) -> String {
 }
 
 /// A Llama GGUF model: hyper-parameters, tokenizer parts, and weights under Meta names.
+/// Construction does not check tensor shapes; call [`LlamaGguf::validate`] for that.
 #[derive(Debug, Clone)]
 pub struct LlamaGguf {
     pub meta: LlamaGgufMeta,
@@ -365,6 +366,13 @@ pub struct LlamaGguf {
 impl LlamaGguf {
     pub fn open(path: impl AsRef<std::path::Path>) -> Result<LlamaGguf, GgufError> {
         Self::from_file(GgufFile::open(path)?)
+    }
+
+    /// Checks that every tensor of the `n_layers` blocks, the embedding and the final norm
+    /// are present with the shapes the hyper-parameters imply (PyTorch order);
+    /// `output.weight` is optional (tied). Errors name the GGUF and the Meta tensor name.
+    pub fn validate(&self) -> Result<(), GgufError> {
+        check_shapes(&self.meta, &self.file)
     }
 
     pub fn from_file(file: GgufFile) -> Result<LlamaGguf, GgufError> {
@@ -387,4 +395,48 @@ impl LlamaGguf {
             file,
         })
     }
+}
+
+/// Checks that every tensor a Llama graph needs is present with the shape the
+/// hyper-parameters imply (PyTorch order). `output.weight` is optional (tied embeddings).
+fn check_shapes(m: &LlamaGgufMeta, f: &GgufFile) -> Result<(), GgufError> {
+    let (d, hd, ff, v) = (m.dim, m.head_dim, m.ffn_dim, m.vocab_size);
+    let q = m.n_heads * hd;
+    let kv = m.n_kv_heads * hd;
+    let mut want: Vec<(String, Vec<usize>, bool)> = vec![
+        ("token_embd.weight".into(), vec![v, d], true),
+        ("output_norm.weight".into(), vec![d], true),
+        ("output.weight".into(), vec![v, d], false),
+    ];
+    for i in 0..m.n_layers {
+        for (n, shape) in [
+            ("attn_norm.weight", vec![d]),
+            ("attn_q.weight", vec![q, d]),
+            ("attn_k.weight", vec![kv, d]),
+            ("attn_v.weight", vec![kv, d]),
+            ("attn_output.weight", vec![d, q]),
+            ("ffn_norm.weight", vec![d]),
+            ("ffn_gate.weight", vec![ff, d]),
+            ("ffn_down.weight", vec![d, ff]),
+            ("ffn_up.weight", vec![ff, d]),
+        ] {
+            want.push((format!("blk.{i}.{n}"), shape, true));
+        }
+    }
+    for (name, expected, required) in want {
+        match f.tensors.get(&name) {
+            None if required => return Err(GgufError::MissingTensor(name)),
+            None => {}
+            Some(t) if t.shape != expected => {
+                return Err(GgufError::ShapeMismatch {
+                    meta_name: gguf_to_meta_name(&name),
+                    name,
+                    expected,
+                    actual: t.shape.clone(),
+                })
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
 }
