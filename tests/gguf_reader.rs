@@ -1082,4 +1082,13 @@ fn validate_shapes() {
         e.to_string(),
         "GGUF tensor \"blk.0.attn_k.weight\" (Meta name \"layers.0.attention.wk.weight\"): shape [4, 8], expected [8, 8]"
     );
+    // Regression (found by the fuzzer): a huge block_count must fail fast, not allocate per layer.
+    let mut w = complete_model("", None);
+    for (k, v) in w.kvs.iter_mut() {
+        if k == "llama.block_count" {
+            *v = GgufValue::U32(u32::MAX);
+        }
+    }
+    let e = open(w).validate().unwrap_err();
+    assert_eq!(e.to_string(), "GGUF model is missing tensor \"blk.1.attn_norm.weight\"");
 }

@@ -42,5 +42,8 @@ fuzz_target!(|data: &[u8]| {
     }
     let store = f.to_store();
     assert_eq!(store.tensors.len(), f.tensors.len());
-    let _ = LlamaGguf::from_file(f);
+    if let Ok(l) = LlamaGguf::from_file(f) {
+        let _ = l.validate();
+        assert_eq!(l.store.tensors.len(), l.file.tensors.len());
+    }
 });

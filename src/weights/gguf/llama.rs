@@ -400,42 +400,40 @@ impl LlamaGguf {
 /// Checks that every tensor a Llama graph needs is present with the shape the
 /// hyper-parameters imply (PyTorch order). `output.weight` is optional (tied embeddings).
 fn check_shapes(m: &LlamaGgufMeta, f: &GgufFile) -> Result<(), GgufError> {
+    // Checked one by one (no list sized by `n_layers`, which comes from the file): the first
+    // missing tensor ends the check, so a huge `block_count` costs nothing.
+    let check = |name: &str, expected: &[usize], required: bool| -> Result<(), GgufError> {
+        match f.tensors.get(name) {
+            None if required => Err(GgufError::MissingTensor(name.to_string())),
+            Some(t) if t.shape != expected => Err(GgufError::ShapeMismatch {
+                name: name.to_string(),
+                meta_name: gguf_to_meta_name(name),
+                expected: expected.to_vec(),
+                actual: t.shape.clone(),
+            }),
+            _ => Ok(()),
+        }
+    };
     let (d, hd, ff, v) = (m.dim, m.head_dim, m.ffn_dim, m.vocab_size);
-    let q = m.n_heads * hd;
-    let kv = m.n_kv_heads * hd;
-    let mut want: Vec<(String, Vec<usize>, bool)> = vec![
-        ("token_embd.weight".into(), vec![v, d], true),
-        ("output_norm.weight".into(), vec![d], true),
-        ("output.weight".into(), vec![v, d], false),
-    ];
+    let q = m.n_heads.saturating_mul(hd);
+    let kv = m.n_kv_heads.saturating_mul(hd);
+    check("token_embd.weight", &[v, d], true)?;
+    check("output_norm.weight", &[d], true)?;
+    check("output.weight", &[v, d], false)?;
     for i in 0..m.n_layers {
         for (n, shape) in [
-            ("attn_norm.weight", vec![d]),
-            ("attn_q.weight", vec![q, d]),
-            ("attn_k.weight", vec![kv, d]),
-            ("attn_v.weight", vec![kv, d]),
-            ("attn_output.weight", vec![d, q]),
-            ("ffn_norm.weight", vec![d]),
-            ("ffn_gate.weight", vec![ff, d]),
-            ("ffn_down.weight", vec![d, ff]),
-            ("ffn_up.weight", vec![ff, d]),
+            ("attn_norm.weight", [d, 0]),
+            ("attn_q.weight", [q, d]),
+            ("attn_k.weight", [kv, d]),
+            ("attn_v.weight", [kv, d]),
+            ("attn_output.weight", [d, q]),
+            ("ffn_norm.weight", [d, 0]),
+            ("ffn_gate.weight", [ff, d]),
+            ("ffn_down.weight", [d, ff]),
+            ("ffn_up.weight", [ff, d]),
         ] {
-            want.push((format!("blk.{i}.{n}"), shape, true));
-        }
-    }
-    for (name, expected, required) in want {
-        match f.tensors.get(&name) {
-            None if required => return Err(GgufError::MissingTensor(name)),
-            None => {}
-            Some(t) if t.shape != expected => {
-                return Err(GgufError::ShapeMismatch {
-                    meta_name: gguf_to_meta_name(&name),
-                    name,
-                    expected,
-                    actual: t.shape.clone(),
-                })
-            }
-            Some(_) => {}
+            let rank = if n.ends_with("norm.weight") { 1 } else { 2 };
+            check(&format!("blk.{i}.{n}"), &shape[..rank], true)?;
         }
     }
     Ok(())
