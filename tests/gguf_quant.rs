@@ -190,3 +190,62 @@ fn quantize_matches_gguf_py() {
 fn dot_row_rejects_wrong_length() {
     let _ = dot_row(DType::Q4_0, &[0u8; 17], &[0f32; 32]);
 }
+
+/// Throughput of the row kernels (run with `cargo test --release --test gguf_quant -- --ignored --nocapture`).
+#[test]
+#[ignore]
+fn bench_dot_rows() {
+    let (rows, cols) = (1536usize, 576 * 4);
+    let x = activations(cols, 7);
+    for dt in [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q4_K,
+        DType::Q6_K,
+    ] {
+        let row_bytes = dt.bytes_for(cols).unwrap();
+        // Deterministic bytes with small f16 scales: quantize where we can, else patterned bytes.
+        let w: Vec<f32> = activations(rows * cols, 3);
+        let mut m = vec![0u8; rows * row_bytes];
+        if quantize_row(dt, &w, &mut m).is_err() {
+            for (i, b) in m.iter_mut().enumerate() {
+                *b = (i * 37 % 251) as u8;
+            }
+            for r in m.chunks_exact_mut(dt.block_bytes()) {
+                let at = if dt == DType::Q6_K { 208 } else { 0 };
+                r[at..at + 2].copy_from_slice(&half::f16::from_f32(0.001).to_le_bytes());
+                if dt == DType::Q4_K {
+                    r[2..4].copy_from_slice(&half::f16::from_f32(0.001).to_le_bytes());
+                }
+            }
+        }
+        for (label, simd) in [("scalar", false), ("simd", true)] {
+            if simd && !simd_available() {
+                continue;
+            }
+            let t = std::time::Instant::now();
+            let mut acc = 0f32;
+            let reps = 5;
+            for _ in 0..reps {
+                for r in m.chunks_exact(row_bytes) {
+                    acc += if simd {
+                        dot_row_simd(dt, r, &x).unwrap()
+                    } else {
+                        dot_row_scalar(dt, r, &x)
+                    };
+                }
+            }
+            let s = t.elapsed().as_secs_f64() / reps as f64;
+            eprintln!(
+                "{dt:>5} {label:>6}: {rows}x{cols} matvec {:.3} ms, {:.2} GB/s weights, {:.2} GFLOP/s (acc {acc:.3})",
+                s * 1e3,
+                m.len() as f64 / s / 1e9,
+                2.0 * (rows * cols) as f64 / s / 1e9
+            );
+        }
+    }
+}

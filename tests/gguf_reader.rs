@@ -1004,3 +1004,91 @@ fn smollm2_real_file() {
         .all(|t| matches!(t.data, TensorBytes::Mapped { .. })));
     eprintln!("SmolLM2 meta: {:?}", m.meta);
 }
+
+#[test]
+fn open_errors_name_the_problem() {
+    let dir = std::env::temp_dir().join(format!("llama-graph-gguf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let empty = dir.join("empty.gguf");
+    std::fs::write(&empty, b"").unwrap();
+    assert!(matches!(
+        GgufFile::open(&empty).unwrap_err(),
+        GgufError::BadMagic { .. }
+    ));
+    let missing = dir.join("missing.gguf");
+    let e = GgufFile::open(&missing).unwrap_err();
+    assert!(matches!(e, GgufError::Io { .. }), "{e}");
+    assert!(e.to_string().contains("missing.gguf"), "{e}");
+    // A valid file through the mmap path.
+    let p = dir.join("ok.gguf");
+    all_types_writer(2).write(&p).unwrap();
+    let f = GgufFile::open(&p).unwrap();
+    assert_eq!(f.version, 2);
+    assert!(matches!(
+        f.to_store().tensors["t.f32"].data,
+        TensorBytes::Mapped { .. }
+    ));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A complete 1-layer model matching `llama_writer` (dim 8, 2 heads of 4, ffn 16, vocab 3).
+fn complete_model(skip: &str, bad_shape: Option<(&str, &[u64])>) -> GgufWriter {
+    let mut w = llama_writer("llama");
+    let tensors: [(&str, &[u64]); 11] = [
+        ("token_embd.weight", &[8, 3]),
+        ("output_norm.weight", &[8]),
+        ("blk.0.attn_norm.weight", &[8]),
+        ("blk.0.attn_q.weight", &[8, 8]),
+        ("blk.0.attn_k.weight", &[8, 8]),
+        ("blk.0.attn_v.weight", &[8, 8]),
+        ("blk.0.attn_output.weight", &[8, 8]),
+        ("blk.0.ffn_norm.weight", &[8]),
+        ("blk.0.ffn_gate.weight", &[8, 16]),
+        ("blk.0.ffn_down.weight", &[16, 8]),
+        ("blk.0.ffn_up.weight", &[8, 16]),
+    ];
+    for (name, ne) in tensors {
+        if name == skip {
+            continue;
+        }
+        let ne = match bad_shape {
+            Some((n, s)) if n == name => s,
+            _ => ne,
+        };
+        let n: u64 = ne.iter().product();
+        w = w.tensor(name, ggml_type::F32, ne, vec![0; 4 * n as usize]);
+    }
+    w
+}
+
+#[test]
+fn validate_shapes() {
+    let open =
+        |w: GgufWriter| LlamaGguf::from_file(GgufFile::from_bytes(w.to_bytes()).unwrap()).unwrap();
+    open(complete_model("", None))
+        .validate()
+        .expect("complete model");
+    let e = open(complete_model("blk.0.ffn_up.weight", None))
+        .validate()
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "GGUF model is missing tensor \"blk.0.ffn_up.weight\""
+    );
+    let e = open(complete_model("", Some(("blk.0.attn_k.weight", &[8, 4]))))
+        .validate()
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "GGUF tensor \"blk.0.attn_k.weight\" (Meta name \"layers.0.attention.wk.weight\"): shape [4, 8], expected [8, 8]"
+    );
+    // Regression (found by the fuzzer): a huge block_count must fail fast, not allocate per layer.
+    let mut w = complete_model("", None);
+    for (k, v) in w.kvs.iter_mut() {
+        if k == "llama.block_count" {
+            *v = GgufValue::U32(u32::MAX);
+        }
+    }
+    let e = open(w).validate().unwrap_err();
+    assert_eq!(e.to_string(), "GGUF model is missing tensor \"blk.1.attn_norm.weight\"");
+}

@@ -349,6 +349,7 @@ pub fn gguf_to_meta_name(name: &str) -> String {
 }
 
 /// A Llama GGUF model: hyper-parameters, tokenizer parts, and weights under Meta names.
+/// Construction does not check tensor shapes; call [`LlamaGguf::validate`] for that.
 #[derive(Debug, Clone)]
 pub struct LlamaGguf {
     pub meta: LlamaGgufMeta,
@@ -365,6 +366,13 @@ pub struct LlamaGguf {
 impl LlamaGguf {
     pub fn open(path: impl AsRef<std::path::Path>) -> Result<LlamaGguf, GgufError> {
         Self::from_file(GgufFile::open(path)?)
+    }
+
+    /// Checks that every tensor of the `n_layers` blocks, the embedding and the final norm
+    /// are present with the shapes the hyper-parameters imply (PyTorch order);
+    /// `output.weight` is optional (tied). Errors name the GGUF and the Meta tensor name.
+    pub fn validate(&self) -> Result<(), GgufError> {
+        check_shapes(&self.meta, &self.file)
     }
 
     pub fn from_file(file: GgufFile) -> Result<LlamaGguf, GgufError> {
@@ -387,4 +395,46 @@ impl LlamaGguf {
             file,
         })
     }
+}
+
+/// Checks that every tensor a Llama graph needs is present with the shape the
+/// hyper-parameters imply (PyTorch order). `output.weight` is optional (tied embeddings).
+fn check_shapes(m: &LlamaGgufMeta, f: &GgufFile) -> Result<(), GgufError> {
+    // Checked one by one (no list sized by `n_layers`, which comes from the file): the first
+    // missing tensor ends the check, so a huge `block_count` costs nothing.
+    let check = |name: &str, expected: &[usize], required: bool| -> Result<(), GgufError> {
+        match f.tensors.get(name) {
+            None if required => Err(GgufError::MissingTensor(name.to_string())),
+            Some(t) if t.shape != expected => Err(GgufError::ShapeMismatch {
+                name: name.to_string(),
+                meta_name: gguf_to_meta_name(name),
+                expected: expected.to_vec(),
+                actual: t.shape.clone(),
+            }),
+            _ => Ok(()),
+        }
+    };
+    let (d, hd, ff, v) = (m.dim, m.head_dim, m.ffn_dim, m.vocab_size);
+    let q = m.n_heads.saturating_mul(hd);
+    let kv = m.n_kv_heads.saturating_mul(hd);
+    check("token_embd.weight", &[v, d], true)?;
+    check("output_norm.weight", &[d], true)?;
+    check("output.weight", &[v, d], false)?;
+    for i in 0..m.n_layers {
+        for (n, shape) in [
+            ("attn_norm.weight", [d, 0]),
+            ("attn_q.weight", [q, d]),
+            ("attn_k.weight", [kv, d]),
+            ("attn_v.weight", [kv, d]),
+            ("attn_output.weight", [d, q]),
+            ("ffn_norm.weight", [d, 0]),
+            ("ffn_gate.weight", [ff, d]),
+            ("ffn_down.weight", [d, ff]),
+            ("ffn_up.weight", [ff, d]),
+        ] {
+            let rank = if n.ends_with("norm.weight") { 1 } else { 2 };
+            check(&format!("blk.{i}.{n}"), &shape[..rank], true)?;
+        }
+    }
+    Ok(())
 }

@@ -226,6 +226,17 @@ pub enum GgufError {
     },
     #[error("GGUF metadata key {key:?}: {msg}")]
     BadValue { key: String, msg: String },
+    #[error("GGUF model is missing tensor {0:?}")]
+    MissingTensor(String),
+    #[error(
+        "GGUF tensor {name:?} (Meta name {meta_name:?}): shape {actual:?}, expected {expected:?}"
+    )]
+    ShapeMismatch {
+        name: String,
+        meta_name: String,
+        expected: Vec<usize>,
+        actual: Vec<usize>,
+    },
     #[error("GGUF general.architecture is {0:?}; only \"llama\" is supported")]
     UnsupportedArchitecture(String),
 }
