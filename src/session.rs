@@ -12,6 +12,9 @@ use crate::ir::{GraphError, LogitRows};
 use crate::model::llama::BuildError;
 use crate::model::{build_llama, BuildOptions, ModelArgs, ParamsError};
 use crate::plan::{compile, ExecPlan};
+use crate::tokenizer::gguf::GgufTokenizerParts;
+use crate::tokenizer::{Tokenizer, TokenizerError};
+use crate::weights::gguf::{GgufError, LlamaGguf};
 use crate::weights::pth::{load_meta_checkpoint, PthError};
 use crate::weights::WeightStore;
 use std::path::{Path, PathBuf};
@@ -29,6 +32,18 @@ pub enum LoadError {
     },
     #[error(transparent)]
     Pth(#[from] PthError),
+    #[error("{path}: {source}")]
+    Gguf {
+        path: String,
+        #[source]
+        source: GgufError,
+    },
+    #[error("{path}: {source}")]
+    Tokenizer {
+        path: String,
+        #[source]
+        source: TokenizerError,
+    },
     #[error("vocab_size disagrees: {0}")]
     Vocab(String),
 }
@@ -56,15 +71,125 @@ pub enum ModelFormat {
     Gguf,
 }
 
-/// A model's arguments and weights.
+/// A model's arguments, weights and (when it has one) tokenizer.
 pub struct Model {
     pub path: PathBuf,
     pub format: ModelFormat,
     pub args: ModelArgs,
     pub weights: WeightStore,
+    pub tokenizer: Option<Tokenizer>,
+    /// The model's own Jinja chat template (GGUF `tokenizer.chat_template`).
+    pub chat_template: Option<String>,
+    /// The model's name, where the file gives one.
+    pub name: Option<String>,
 }
 
 impl Model {
+    /// Opens a Meta checkpoint directory or a GGUF file, whichever `path` is.
+    pub fn open(path: &Path) -> Result<Model, LoadError> {
+        let perr = |message: String| LoadError::Path {
+            path: path.display().to_string(),
+            message,
+        };
+        let meta = std::fs::metadata(path).map_err(|e| perr(format!("cannot open: {e}")))?;
+        if meta.is_dir() {
+            return Model::open_meta_dir(path);
+        }
+        let mut magic = [0u8; 4];
+        use std::io::Read;
+        std::fs::File::open(path)
+            .and_then(|mut f| f.read_exact(&mut magic))
+            .map_err(|e| perr(format!("cannot read: {e}")))?;
+        if &magic == b"GGUF" {
+            return Model::open_gguf(path);
+        }
+        Err(perr(
+            "neither a GGUF file nor a Meta checkpoint directory (params.json + consolidated.*.pth)".into(),
+        ))
+    }
+
+    /// Opens a GGUF file (llama architecture).
+    pub fn open_gguf(path: &Path) -> Result<Model, LoadError> {
+        let gerr = |source| LoadError::Gguf {
+            path: path.display().to_string(),
+            source,
+        };
+        let g = LlamaGguf::open(path).map_err(gerr)?;
+        let m = &g.meta;
+        let perr = |message: String| LoadError::Path {
+            path: path.display().to_string(),
+            message,
+        };
+        if m.head_dim * m.n_heads != m.dim || m.rope_dim != m.head_dim {
+            return Err(perr(format!(
+                "unsupported geometry: head_dim {} x {} heads != dim {} or RoPE over {} of {} dims",
+                m.head_dim, m.n_heads, m.dim, m.rope_dim, m.head_dim
+            )));
+        }
+        let rope_scaling = match (&m.rope_scaling, m.has_rope_freqs) {
+            (None, false) => None,
+            // llama.cpp stores Llama 3.1's per-frequency factors in
+            // `rope_freqs.weight`; they come from the same formula.
+            (None, true) => Some(crate::ir::RopeScaling::LLAMA3_1),
+            (Some(s), _) => {
+                return Err(perr(format!(
+                    "RoPE scaling type `{}` is not supported",
+                    s.kind
+                )))
+            }
+        };
+        let args = ModelArgs {
+            dim: m.dim,
+            n_layers: m.n_layers,
+            n_heads: m.n_heads,
+            n_kv_heads: m.n_kv_heads,
+            vocab_size: Some(m.vocab_size),
+            multiple_of: 1,
+            ffn_dim_multiplier: None,
+            ffn_hidden_dim: m.ffn_dim,
+            norm_eps: m.norm_eps as f64,
+            rope_theta: m.rope_theta as f64,
+            rope_scaling,
+            max_context: Some(m.context_length).filter(|&c| c > 0),
+            tied_embeddings: g.tied_output,
+        };
+        args.validate().map_err(|e| perr(e.to_string()))?;
+        let t = &g.tokenizer;
+        let tokenizer = if t.tokens.is_empty() {
+            None
+        } else {
+            let parts = GgufTokenizerParts {
+                model: t.model.clone(),
+                pre: t.pre.clone(),
+                tokens: t.tokens.iter().map(|s| s.as_bytes().to_vec()).collect(),
+                scores: t.scores.clone(),
+                token_types: t.token_type.clone(),
+                merges: t.merges.clone(),
+                bos_id: t.bos_token_id,
+                eos_id: t.eos_token_id,
+                eot_id: t.eot_token_id,
+                unk_id: t.unknown_token_id,
+                add_bos: t.add_bos_token,
+                add_space_prefix: None,
+            };
+            Some(
+                Tokenizer::from_gguf_parts(parts).map_err(|source| LoadError::Tokenizer {
+                    path: path.display().to_string(),
+                    source,
+                })?,
+            )
+        };
+        Ok(Model {
+            path: path.to_path_buf(),
+            format: ModelFormat::Gguf,
+            args,
+            chat_template: g.tokenizer.chat_template.clone(),
+            name: g.meta.name.clone(),
+            weights: g.store,
+            tokenizer,
+        })
+    }
+
     /// Opens a Meta checkpoint directory.
     pub fn open_meta_dir(dir: &Path) -> Result<Model, LoadError> {
         let pj = dir.join("params.json");
@@ -90,11 +215,43 @@ impl Model {
             }
             _ => {}
         }
+        let tok_path = dir.join("tokenizer.model");
+        let tokenizer = if tok_path.exists() {
+            let data = std::fs::read(&tok_path).map_err(|e| LoadError::Path {
+                path: tok_path.display().to_string(),
+                message: e.to_string(),
+            })?;
+            // SentencePiece files are protobuf (first field tag 0x0a);
+            // Llama 3's tiktoken file is base64 text.
+            let t = if data.first() == Some(&0x0a) {
+                Tokenizer::from_sentencepiece_bytes(&data)
+            } else {
+                Tokenizer::from_tiktoken_bytes(&data)
+            }
+            .map_err(|source| LoadError::Tokenizer {
+                path: tok_path.display().to_string(),
+                source,
+            })?;
+            if let Some(v) = args.vocab_size {
+                if t.n_vocab() > v {
+                    return Err(LoadError::Vocab(format!(
+                        "the tokenizer has {} tokens but the model's vocabulary is {v}",
+                        t.n_vocab()
+                    )));
+                }
+            }
+            Some(t)
+        } else {
+            None
+        };
         Ok(Model {
             path: dir.to_path_buf(),
             format: ModelFormat::MetaDir,
             args,
             weights,
+            tokenizer,
+            chat_template: None,
+            name: None,
         })
     }
 }
@@ -131,6 +288,8 @@ pub struct Session {
     pub unused_weights: Vec<String>,
     pos: usize,
     vocab: usize,
+    /// The current chunk's ids, reused across calls.
+    ids: Vec<i32>,
 }
 
 impl Session {
@@ -162,6 +321,7 @@ impl Session {
             unused_weights,
             pos: 0,
             vocab,
+            ids: Vec::with_capacity(opts.batch),
         })
     }
 
@@ -185,12 +345,11 @@ impl Session {
 
     /// Feeds `tokens` in chunks of at most the batch size and returns the
     /// logits of the last one. Fails before any work if they do not fit.
-    pub fn feed(&mut self, tokens: &[i32]) -> Result<&[f32], SessionError> {
+    pub fn feed(&mut self, tokens: &[u32]) -> Result<&[f32], SessionError> {
         if tokens.is_empty() {
             return Err(SessionError::Invalid("nothing to feed".into()));
         }
-        let end = self.pos + tokens.len();
-        if end > self.context() {
+        if self.pos + tokens.len() > self.context() {
             return Err(ExecError::ContextOverflow {
                 tokens: tokens.len(),
                 pos: self.pos,
@@ -198,18 +357,25 @@ impl Session {
             }
             .into());
         }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.vocab) {
+            return Err(SessionError::Invalid(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                self.vocab
+            )));
+        }
         let chunk = self.exec.max_chunk();
         let n_chunks = tokens.len().div_ceil(chunk);
         for (i, c) in tokens.chunks(chunk).enumerate() {
+            self.ids.clear();
+            self.ids.extend(c.iter().map(|&t| t as i32));
+            let pos = self.pos;
+            self.pos += c.len();
             if i + 1 < n_chunks {
-                self.exec.step(c, self.pos)?;
-                self.pos += c.len();
+                self.exec.step(&self.ids, pos)?;
+            } else {
+                return Ok(self.exec.step(&self.ids, pos)?.last());
             }
         }
-        let last = tokens.chunks(chunk).next_back().unwrap_or(&[]);
-        let pos = self.pos;
-        self.pos += last.len();
-        let logits = self.exec.step(last, pos)?;
-        Ok(logits.last())
+        unreachable!("tokens is not empty")
     }
 }

@@ -1090,5 +1090,8 @@ fn validate_shapes() {
         }
     }
     let e = open(w).validate().unwrap_err();
-    assert_eq!(e.to_string(), "GGUF model is missing tensor \"blk.1.attn_norm.weight\"");
+    assert_eq!(
+        e.to_string(),
+        "GGUF model is missing tensor \"blk.1.attn_norm.weight\""
+    );
 }

@@ -1,5 +1,7 @@
 //! Command-line interface: argument definitions and dispatch.
 mod graph;
+mod model;
+mod run;
 
 use clap::{Parser, Subcommand};
 
@@ -18,6 +20,9 @@ pub enum Command {
     /// Build the forward graph of a model and print a summary, its text dump,
     /// Graphviz DOT or JSON.
     Graph(graph::GraphArgs),
+    /// Generate text from a prompt. Generated text goes to stdout as it
+    /// streams; the statistics go to stderr.
+    Run(run::RunArgs),
 }
 
 pub type CliResult = Result<(), Box<dyn std::error::Error>>;
@@ -25,5 +30,6 @@ pub type CliResult = Result<(), Box<dyn std::error::Error>>;
 pub fn run(cli: Cli) -> CliResult {
     match cli.command {
         Command::Graph(a) => graph::run(a),
+        Command::Run(a) => run::run(a),
     }
 }

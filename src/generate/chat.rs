@@ -1,0 +1,157 @@
+//! Chat prompts.
+//!
+//! * Llama 3 (Meta checkpoints): built in, token for token as Meta's
+//!   `ChatFormat.encode_dialog_prompt` (`llama_models/llama3/chat_format.py`):
+//!   `<|begin_of_text|>`, then per message a header
+//!   (`<|start_header_id|>role<|end_header_id|>` + encoded `"\n\n"`), the
+//!   content encoded on its own, `<|eot_id|>`; finally the assistant header.
+//! * GGUF models: the Jinja template in `tokenizer.chat_template`, rendered
+//!   with minijinja (Python-compatible string methods, bounded fuel).
+
+use crate::tokenizer::{EncodeOptions, Tokenizer};
+use serde::Serialize;
+use thiserror::Error;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+impl Message {
+    pub fn new(role: &str, content: &str) -> Self {
+        Message {
+            role: role.to_string(),
+            content: content.to_string(),
+        }
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum ChatError {
+    #[error("the tokenizer has no `{0}` token, which the Llama 3 chat format needs")]
+    MissingSpecial(&'static str),
+    #[error("chat template: {0}")]
+    Template(String),
+}
+
+/// Meta's Llama 3 dialog prompt, as tokens (exactly one BOS).
+pub fn llama3_dialog_tokens(
+    tok: &Tokenizer,
+    messages: &[Message],
+    add_generation_prompt: bool,
+) -> Result<Vec<u32>, ChatError> {
+    let special = |s: &'static str| tok.token_to_id(s).ok_or(ChatError::MissingSpecial(s));
+    let (bot, sh, eh, eot) = (
+        special("<|begin_of_text|>")?,
+        special("<|start_header_id|>")?,
+        special("<|end_header_id|>")?,
+        special("<|eot_id|>")?,
+    );
+    let plain = EncodeOptions {
+        add_bos: false,
+        parse_special: false,
+    };
+    let header = |out: &mut Vec<u32>, role: &str| {
+        out.push(sh);
+        out.extend(tok.encode(if role == "tool" { "ipython" } else { role }, plain));
+        out.push(eh);
+        out.extend(tok.encode("\n\n", plain));
+    };
+    let mut out = vec![bot];
+    for m in messages {
+        header(&mut out, &m.role);
+        out.extend(tok.encode(&m.content, plain));
+        out.push(eot);
+    }
+    if add_generation_prompt {
+        header(&mut out, "assistant");
+    }
+    Ok(out)
+}
+
+/// A model's own Jinja chat template.
+#[derive(Debug, Clone)]
+pub struct ChatTemplate {
+    pub source: String,
+}
+
+/// Template evaluation budget: generous for real templates, finite for
+/// hostile ones.
+const TEMPLATE_FUEL: u64 = 5_000_000;
+
+impl ChatTemplate {
+    pub fn new(source: impl Into<String>) -> Self {
+        ChatTemplate {
+            source: source.into(),
+        }
+    }
+
+    /// Renders the conversation to text (special tokens spelled out).
+    pub fn render(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+        bos_token: &str,
+        eos_token: &str,
+    ) -> Result<String, ChatError> {
+        let mut env = minijinja::Environment::new();
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_fuel(Some(TEMPLATE_FUEL));
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_template("chat", &self.source)
+            .map_err(|e| ChatError::Template(e.to_string()))?;
+        let t = env
+            .get_template("chat")
+            .map_err(|e| ChatError::Template(e.to_string()))?;
+        t.render(minijinja::context! {
+            messages => minijinja::Value::from(minijinja::value::Serde(messages)),
+            add_generation_prompt => add_generation_prompt,
+            bos_token => bos_token,
+            eos_token => eos_token,
+        })
+        .map_err(|e| ChatError::Template(e.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chatml_template_renders() {
+        let t = ChatTemplate::new(
+            "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
+        );
+        let s = t
+            .render(&[Message::new("user", "Hi")], true, "", "")
+            .unwrap();
+        assert_eq!(s, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+    }
+
+    #[test]
+    fn hostile_templates_fail_cleanly() {
+        let t = ChatTemplate::new(
+            "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+        );
+        assert!(t.render(&[], true, "", "").is_err());
+        let t = ChatTemplate::new("{{ raise_exception('no system role') }}");
+        assert!(t
+            .render(&[], true, "", "")
+            .unwrap_err()
+            .to_string()
+            .contains("no system role"));
+        assert!(ChatTemplate::new("{% if %}")
+            .render(&[], true, "", "")
+            .is_err());
+    }
+}
