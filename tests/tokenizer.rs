@@ -549,3 +549,110 @@ fn gguf_llama_vocab_matches_sentencepiece() {
     let hi = t.encode("hi", PLAIN);
     assert_eq!(ids, [hi.clone(), vec![s], hi].concat());
 }
+
+#[test]
+fn gguf_parts_are_validated() {
+    let base = || GgufTokenizerParts {
+        model: "gpt2".into(),
+        pre: Some("gpt2".into()),
+        tokens: ["a", "b", "ab"]
+            .iter()
+            .map(|s| s.as_bytes().to_vec())
+            .collect(),
+        token_types: Some(vec![1, 1, 1]),
+        merges: Some(vec!["a b".into()]),
+        ..Default::default()
+    };
+    assert!(Tokenizer::from_gguf_parts(base()).is_ok());
+    let cases: Vec<(GgufTokenizerParts, &str)> = vec![
+        (
+            GgufTokenizerParts {
+                tokens: vec![],
+                ..base()
+            },
+            "empty",
+        ),
+        (
+            GgufTokenizerParts {
+                token_types: Some(vec![1, 1]),
+                ..base()
+            },
+            "token_type has 2 entries",
+        ),
+        (
+            GgufTokenizerParts {
+                token_types: Some(vec![1, 9, 1]),
+                ..base()
+            },
+            "token 1: unknown token type 9",
+        ),
+        (
+            GgufTokenizerParts {
+                eos_id: Some(3),
+                ..base()
+            },
+            "eos_token_id 3 out of range",
+        ),
+        (
+            GgufTokenizerParts {
+                merges: None,
+                ..base()
+            },
+            "needs tokenizer.ggml.merges",
+        ),
+        (
+            GgufTokenizerParts {
+                merges: Some(vec!["ab".into()]),
+                ..base()
+            },
+            "merge #0",
+        ),
+        (
+            GgufTokenizerParts {
+                merges: Some(vec!["a c".into()]),
+                ..base()
+            },
+            "not a token",
+        ),
+        (
+            GgufTokenizerParts {
+                merges: Some(vec!["b a".into()]),
+                ..base()
+            },
+            "result \"ba\"",
+        ),
+        (
+            GgufTokenizerParts {
+                pre: Some("mystery".into()),
+                ..base()
+            },
+            "\"mystery\" is not supported",
+        ),
+        (
+            GgufTokenizerParts {
+                model: "bert".into(),
+                ..base()
+            },
+            "\"bert\" is not supported",
+        ),
+        (
+            GgufTokenizerParts {
+                model: "llama".into(),
+                ..base()
+            },
+            "needs tokenizer.ggml.scores",
+        ),
+        (
+            GgufTokenizerParts {
+                model: "llama".into(),
+                scores: Some(vec![0.0]),
+                ..base()
+            },
+            "scores has 1 entries",
+        ),
+    ];
+    for (p, want) in cases {
+        let e = Tokenizer::from_gguf_parts(p).unwrap_err().to_string();
+        assert!(e.contains(want), "expected {want:?} in {e:?}");
+    }
+}
