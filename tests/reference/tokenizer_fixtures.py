@@ -167,17 +167,21 @@ def spm():
         if rng.random() < 0.3:
             line = line.capitalize() + rng.choice([".", "!", "?", ",", ";"])
         lines.append(line)
+    cwd = os.getcwd()
     with tempfile.TemporaryDirectory() as d:
-        inp = Path(d) / "train.txt"
-        inp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        # Relative paths: the trainer stores them in the model, keep it
+        # byte-for-byte reproducible.
+        os.chdir(d)
+        Path("train.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
         sp.SentencePieceTrainer.train(
-            input=str(inp), model_prefix=str(Path(d) / "m"), vocab_size=800,
+            input="train.txt", model_prefix="m", vocab_size=800,
             model_type="bpe", byte_fallback=True, character_coverage=1.0,
             normalization_rule_name="identity", add_dummy_prefix=True,
             remove_extra_whitespaces=False, split_digits=True,
             user_defined_symbols=["<tool>"], control_symbols=["<ctrl>"],
             num_threads=1, minloglevel=2)
-        data = (Path(d) / "m.model").read_bytes()
+        data = Path("m.model").read_bytes()
+        os.chdir(cwd)
     (OUT / "spm_bpe.model").write_bytes(data)
     m = sp.SentencePieceProcessor(model_proto=data)
     cases = []
