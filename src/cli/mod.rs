@@ -1,7 +1,9 @@
 //! Command-line interface: argument definitions and dispatch.
+mod flags;
 mod graph;
 mod model;
 mod run;
+mod tools;
 
 use clap::{Parser, Subcommand};
 
@@ -23,6 +25,14 @@ pub enum Command {
     /// Generate text from a prompt. Generated text goes to stdout as it
     /// streams; the statistics go to stderr.
     Run(run::RunArgs),
+    /// Print the token ids of a text.
+    Tokenize(tools::TokenizeArgs),
+    /// List a model's tensors (dtype, shape, bytes) and derived arguments.
+    Inspect(tools::InspectArgs),
+    /// Fetch the default model (SmolLM2-135M-Instruct Q4_1) into the cache.
+    Pull,
+    /// Write a random-weight Meta checkpoint (any params.json, seeded).
+    GenCheckpoint(tools::GenCheckpointArgs),
 }
 
 pub type CliResult = Result<(), Box<dyn std::error::Error>>;
@@ -31,5 +41,9 @@ pub fn run(cli: Cli) -> CliResult {
     match cli.command {
         Command::Graph(a) => graph::run(a),
         Command::Run(a) => run::run(a),
+        Command::Tokenize(a) => tools::tokenize(a),
+        Command::Inspect(a) => tools::inspect(a),
+        Command::Pull => tools::pull(),
+        Command::GenCheckpoint(a) => tools::gen_checkpoint(a),
     }
 }

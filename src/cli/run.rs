@@ -1,9 +1,10 @@
 //! `llama-graph run`: generate text.
 
+use super::flags::{n_predict, RuntimeFlags, SamplingFlags};
 use super::model::ModelArg;
 use clap::Args;
 use llama_graph::generate::chat::{llama3_dialog_tokens, ChatTemplate, Message};
-use llama_graph::generate::{generate, GenOptions, GenStats, SamplerConfig};
+use llama_graph::generate::{generate, GenOptions, GenStats};
 use llama_graph::ir::LogitRows;
 use llama_graph::session::{Model, ModelFormat, Session, SessionOptions};
 use llama_graph::tokenizer::EncodeOptions;
@@ -48,62 +49,10 @@ pub struct RunArgs {
         allow_negative_numbers = true
     )]
     pub n_predict: i64,
-    /// Context to plan for (KV-cache positions). Default 2048, capped by the
-    /// model's own limit.
-    #[arg(short = 'c', long = "ctx-size", value_name = "N")]
-    pub ctx_size: Option<usize>,
-    /// Prefill chunk: the most prompt tokens processed in one step.
-    #[arg(
-        short = 'b',
-        long = "batch-size",
-        value_name = "N",
-        default_value_t = 512
-    )]
-    pub batch_size: usize,
-    /// Threads (default: all cores).
-    #[arg(short = 't', long = "threads", value_name = "N")]
-    pub threads: Option<usize>,
-    /// Temperature; 0 = greedy.
-    #[arg(
-        long = "temp",
-        value_name = "T",
-        default_value_t = 0.8,
-        allow_negative_numbers = true
-    )]
-    pub temp: f32,
-    /// Keep only the K most likely tokens (0 = off).
-    #[arg(long = "top-k", value_name = "K", default_value_t = 40)]
-    pub top_k: usize,
-    /// Keep the smallest set of tokens whose probability reaches P (1 = off).
-    #[arg(
-        long = "top-p",
-        value_name = "P",
-        default_value_t = 0.95,
-        allow_negative_numbers = true
-    )]
-    pub top_p: f32,
-    /// Drop tokens less likely than P times the most likely one (0 = off).
-    #[arg(
-        long = "min-p",
-        value_name = "P",
-        default_value_t = 0.05,
-        allow_negative_numbers = true
-    )]
-    pub min_p: f32,
-    /// Penalise tokens seen in the last --repeat-last-n tokens (1 = off).
-    #[arg(
-        long = "repeat-penalty",
-        value_name = "X",
-        default_value_t = 1.0,
-        allow_negative_numbers = true
-    )]
-    pub repeat_penalty: f32,
-    /// Window of the repeat penalty.
-    #[arg(long = "repeat-last-n", value_name = "N", default_value_t = 64)]
-    pub repeat_last_n: usize,
-    /// Random seed for sampling (default: from the clock; the seed used is printed).
-    #[arg(short = 's', long = "seed", value_name = "N")]
-    pub seed: Option<u64>,
+    #[command(flatten)]
+    pub runtime: RuntimeFlags,
+    #[command(flatten)]
+    pub sampling: SamplingFlags,
     /// Stop when this text appears (repeatable); it is not printed.
     #[arg(long = "stop", value_name = "TEXT")]
     pub stop: Vec<String>,
@@ -217,45 +166,9 @@ pub fn prompt_tokens(
 pub fn run(a: RunArgs) -> super::CliResult {
     let t_start = Instant::now();
     // Validate everything that does not need the model first.
-    let n_predict = match a.n_predict {
-        -1 => None,
-        n if n >= 1 => Some(n as usize),
-        n => {
-            return Err(format!(
-                "-n must be at least 1, or -1 for \"until the context is full\"; got {n}"
-            )
-            .into())
-        }
-    };
-    let threads = match a.threads {
-        Some(0) => return Err("-t/--threads must be at least 1".into()),
-        Some(t) => t,
-        None => std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1),
-    };
-    if a.batch_size == 0 {
-        return Err("-b/--batch-size must be at least 1".into());
-    }
-    if a.ctx_size == Some(0) {
-        return Err("-c/--ctx-size must be at least 1".into());
-    }
-    let seed = a.seed.unwrap_or_else(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0)
-    });
-    let sampler = SamplerConfig {
-        temperature: a.temp,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        min_p: a.min_p,
-        repeat_penalty: a.repeat_penalty,
-        repeat_last_n: a.repeat_last_n,
-        seed,
-    };
-    sampler.validate()?;
+    let n_predict = n_predict(a.n_predict)?;
+    let threads = a.runtime.threads()?;
+    let sampler = a.sampling.config()?;
     let text = read_prompt(&a)?;
 
     let (model, _) = a.model.open(false)?;
@@ -264,12 +177,12 @@ pub fn run(a: RunArgs) -> super::CliResult {
         (None, Some(t)) => prompt_tokens(&model, t, a.chat, a.system.as_deref())?,
         (None, None) => unreachable!("read_prompt returns a prompt or ids"),
     };
-    let context = model.args.plan_context(a.ctx_size);
+    let context = model.args.plan_context(a.runtime.ctx_size);
     llama_graph::generate::run::check_fits(prompt.len(), n_predict, context)?;
 
     let opts = SessionOptions {
         context: Some(context),
-        batch: a.batch_size,
+        batch: a.runtime.batch_size,
         threads,
         logit_rows: LogitRows::Last,
     };
@@ -295,12 +208,6 @@ pub fn run(a: RunArgs) -> super::CliResult {
         eprintln!("debug: writing every op to debug.log");
     }
     let load_s = t_start.elapsed().as_secs_f64();
-    if a.temp > 0.0 {
-        eprintln!(
-            "sampling: seed {seed} (temp {}, top-k {}, top-p {}, min-p {}, repeat-penalty {})",
-            a.temp, a.top_k, a.top_p, a.min_p, a.repeat_penalty
-        );
-    }
     eprintln!(
         "prompt: {} tokens, context {context}, {threads} threads",
         prompt.len()

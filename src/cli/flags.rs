@@ -1,0 +1,102 @@
+//! Flags shared by the generating subcommands (`run`, `chat`).
+
+use clap::Args;
+use llama_graph::generate::SamplerConfig;
+
+/// Context, batching and threads.
+#[derive(Debug, Args, Clone)]
+pub struct RuntimeFlags {
+    /// Context to plan for (KV-cache positions). Default 2048, capped by the
+    /// model's own limit.
+    #[arg(short = 'c', long = "ctx-size", value_name = "N")]
+    pub ctx_size: Option<usize>,
+    /// Prefill chunk: the most prompt tokens processed in one step.
+    #[arg(short = 'b', long = "batch-size", value_name = "N", default_value_t = 512)]
+    pub batch_size: usize,
+    /// Threads (default: all cores).
+    #[arg(short = 't', long = "threads", value_name = "N")]
+    pub threads: Option<usize>,
+}
+
+impl RuntimeFlags {
+    /// Checks the values and resolves the thread count.
+    pub fn threads(&self) -> Result<usize, String> {
+        if self.batch_size == 0 {
+            return Err("-b/--batch-size must be at least 1".into());
+        }
+        if self.ctx_size == Some(0) {
+            return Err("-c/--ctx-size must be at least 1".into());
+        }
+        match self.threads {
+            Some(0) => Err("-t/--threads must be at least 1".into()),
+            Some(t) => Ok(t),
+            None => Ok(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)),
+        }
+    }
+}
+
+/// Sampling, in the fixed order documented in `generate::sampler`:
+/// repeat penalty, then greedy if --temp 0, else top-k, top-p, min-p,
+/// temperature.
+#[derive(Debug, Args, Clone)]
+pub struct SamplingFlags {
+    /// Temperature; 0 = greedy.
+    #[arg(long = "temp", value_name = "T", default_value_t = 0.8, allow_negative_numbers = true)]
+    pub temp: f32,
+    /// Keep only the K most likely tokens (0 = off).
+    #[arg(long = "top-k", value_name = "K", default_value_t = 40)]
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches P (1 = off).
+    #[arg(long = "top-p", value_name = "P", default_value_t = 0.95, allow_negative_numbers = true)]
+    pub top_p: f32,
+    /// Drop tokens less likely than P times the most likely one (0 = off).
+    #[arg(long = "min-p", value_name = "P", default_value_t = 0.05, allow_negative_numbers = true)]
+    pub min_p: f32,
+    /// Penalise tokens seen in the last --repeat-last-n tokens (1 = off).
+    #[arg(long = "repeat-penalty", value_name = "X", default_value_t = 1.0, allow_negative_numbers = true)]
+    pub repeat_penalty: f32,
+    /// Window of the repeat penalty.
+    #[arg(long = "repeat-last-n", value_name = "N", default_value_t = 64)]
+    pub repeat_last_n: usize,
+    /// Random seed for sampling (default: from the clock; the seed used is printed).
+    #[arg(short = 's', long = "seed", value_name = "N")]
+    pub seed: Option<u64>,
+}
+
+impl SamplingFlags {
+    /// The sampler configuration, validated; prints the seed when sampling.
+    pub fn config(&self) -> Result<SamplerConfig, String> {
+        let seed = self.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0)
+        });
+        let c = SamplerConfig {
+            temperature: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            repeat_last_n: self.repeat_last_n,
+            seed,
+        };
+        c.validate().map_err(|e| e.to_string())?;
+        if c.temperature > 0.0 {
+            eprintln!(
+                "sampling: seed {seed} (temp {}, top-k {}, top-p {}, min-p {}, repeat-penalty {})",
+                c.temperature, c.top_k, c.top_p, c.min_p, c.repeat_penalty
+            );
+        }
+        Ok(c)
+    }
+}
+
+/// `-n`: a positive count, or -1 for "until the context is full".
+pub fn n_predict(n: i64) -> Result<Option<usize>, String> {
+    match n {
+        -1 => Ok(None),
+        n if n >= 1 => Ok(Some(n as usize)),
+        n => Err(format!("-n must be at least 1, or -1 for \"until the context is full\"; got {n}")),
+    }
+}
