@@ -295,6 +295,8 @@ def main():
     p.write_bytes(bytes(raw))
     bad("bad_compressed_oversize.pth", "Entry", "declares 16")
 
+    torch.save({"bcast": torch.arange(3.0).expand(4, 3)}, OUT / "bad_expanded.pth")
+    bad("bad_expanded.pth", "OverlappingStrides", "bcast")
     torch.save({"x": torch.ones(2)}, OUT / "bad_legacy_format.pth", _use_new_zipfile_serialization=False)
     bad("bad_legacy_format.pth", "Zip", "legacy")
     (OUT / "bad_not_zip.pth").write_bytes(b"this is not a zip archive, just text\n" * 3)
