@@ -6,7 +6,9 @@
 //!
 //! DIR defaults to /work/tmp-ckpt/llama-3.2-1b-random. When DIR has no
 //! consolidated.00.pth, a Llama-3.2-1B-shaped random bf16 checkpoint
-//! (~2.5 GB) is generated there first with `generate_random_checkpoint`.
+//! (3.0 GB: Meta's names include output.weight) is generated there first
+//! with `generate_random_checkpoint`; `--preset 8b` generates a
+//! Llama-3-8B-shaped one instead (16 GB, exercises zip64 offsets).
 //! Keep DIR outside the repository.
 
 use llama_graph::ir::DType;
@@ -20,6 +22,10 @@ use std::time::Instant;
 const LLAMA_3_2_1B: &str = r#"{"dim": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8,
   "vocab_size": 128256, "multiple_of": 256, "ffn_dim_multiplier": 1.5, "norm_eps": 1e-05,
   "rope_theta": 500000.0, "use_scaled_rope": true}"#;
+
+const LLAMA_3_8B: &str = r#"{"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8,
+  "vocab_size": 128256, "multiple_of": 1024, "ffn_dim_multiplier": 1.3, "norm_eps": 1e-05,
+  "rope_theta": 500000.0}"#;
 
 /// (VmRSS, RssAnon, RssFile) in KiB from /proc/self/status (Linux).
 fn rss() -> (u64, u64, u64) {
@@ -38,8 +44,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let mut dir = PathBuf::from("/work/tmp-ckpt/llama-3.2-1b-random");
     let mut repeat = 5usize;
+    let mut params = LLAMA_3_2_1B;
     while let Some(a) = args.next() {
-        if a == "--repeat" {
+        if a == "--preset" {
+            params = match args.next().as_deref() {
+                Some("1b") => LLAMA_3_2_1B,
+                Some("8b") => LLAMA_3_8B,
+                _ => return Err("--preset 1b|8b".into()),
+            };
+        } else if a == "--repeat" {
             repeat = args.next().ok_or("--repeat N")?.parse()?;
         } else {
             dir = PathBuf::from(a);
@@ -47,7 +60,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let file = dir.join("consolidated.00.pth");
     if !file.exists() {
-        let p = MetaParams::from_json(LLAMA_3_2_1B)?;
+        let p = MetaParams::from_json(params)?;
         eprintln!("generating {} ...", file.display());
         let t = Instant::now();
         let r0 = rss();

@@ -58,7 +58,12 @@ fn check_store(label: &str, store: &WeightStore, exp: &Value) {
 #[test]
 fn torch_saved_files_read_bit_exact() {
     let exp = expected();
-    for f in ["good.pth", "good_proto4.pth", "handmade_ok.pth"] {
+    for f in [
+        "good.pth",
+        "good_proto4.pth",
+        "good_deflated.pth",
+        "handmade_ok.pth",
+    ] {
         let path = fixtures().join(f);
         let store = open_pth(&path).unwrap_or_else(|e| panic!("{f}: {e}"));
         check_store(f, &store, &exp["tensors"][f]);

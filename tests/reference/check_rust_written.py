@@ -7,6 +7,13 @@ Re-run from the repository root (after regenerating the files with
 
     /work/pyenv/bin/python tests/reference/check_rust_written.py
 
+Optionally spot-check a big generated checkpoint (e.g. the 16 GB 8B-shaped
+one from `cargo run --release --example pth_open_bench -- DIR --preset 8b`,
+seed 0, bf16), loading it with torch.load(mmap=True): names, shapes, and the
+first 256 values of every tensor:
+
+    /work/pyenv/bin/python tests/reference/check_rust_written.py --big DIR [SEED]
+
 Values are recomputed here independently: the formulas of values.pth, and
 the SplitMix64-based generator of generate_random_checkpoint (see
 src/weights/pth/random.rs), with Meta's tensor names/shapes and FFN formula.
@@ -120,7 +127,22 @@ def check_random(sub, seed, dtype):
                            want.view(torch.int16 if dtype != torch.float32 else torch.int32)), name
 
 
+def check_big(d, seed):
+    p = json.loads((d / "params.json").read_text())
+    sd = torch.load(d / "consolidated.00.pth", weights_only=True, mmap=True)
+    shapes = meta_shapes(p)
+    assert list(sd.keys()) == [n for n, _ in shapes]
+    for name, shape in shapes:
+        t = sd[name]
+        assert t.dtype == torch.bfloat16 and tuple(t.shape) == shape, name
+        want = torch.from_numpy(stream(seed, name, 256)).to(torch.bfloat16)
+        assert torch.equal(t.reshape(-1)[:256].view(torch.int16), want.view(torch.int16)), name
+    print(f"torch.load(mmap=True) reads {len(shapes)} tensors of {d} with the expected values")
+
+
 def main():
+    if len(sys.argv) >= 3 and sys.argv[1] == "--big":
+        return check_big(Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 0)
     check_values()
     check_random("random_bf16", 42, torch.bfloat16)
     check_random("random_f32", 7, torch.float32)

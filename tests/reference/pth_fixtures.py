@@ -34,6 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "tests" / "fixtures" / "pth"
 SENTINEL = "/tmp/llama-graph-pth-pwned"
+FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # reproducible zip timestamps
 
 DT = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32", torch.int32: "i32"}
 
@@ -163,7 +164,7 @@ def write_zip(path, entries, prefix="archive", compress=()):
     with zipfile.ZipFile(path, "w") as z:
         for name, data in entries:
             ct = zipfile.ZIP_DEFLATED if name in compress else zipfile.ZIP_STORED
-            z.writestr(f"{prefix}/{name}", data, compress_type=ct)
+            z.writestr(zipfile.ZipInfo(f"{prefix}/{name}", FIXED_TIME), data, compress_type=ct)
 
 
 class Evil:
@@ -188,6 +189,14 @@ def main():
     info = {k: tensor_info(v) for k, v in flat(sd).items()}
     expected["tensors"]["good.pth"] = info
     expected["tensors"]["good_proto4.pth"] = info
+    # Same archive with every entry deflate-compressed (a valid zip that
+    # torch.save itself never writes): tensors must come out identical.
+    with zipfile.ZipFile(OUT / "good.pth") as zin, \
+            zipfile.ZipFile(OUT / "good_deflated.pth", "w", zipfile.ZIP_DEFLATED) as zout:
+        for i in zin.infolist():
+            zout.writestr(zipfile.ZipInfo(i.filename, FIXED_TIME), zin.read(i.filename),
+                          compress_type=zipfile.ZIP_DEFLATED)
+    expected["tensors"]["good_deflated.pth"] = info
     # The handmade writer below must itself be readable by torch (control).
     ctrl = torch.arange(8, dtype=torch.float32)
     write_zip(OUT / "handmade_ok.pth", [
@@ -286,6 +295,10 @@ def main():
     p.write_bytes(bytes(raw))
     bad("bad_compressed_oversize.pth", "Entry", "declares 16")
 
+    torch.save({"bcast": torch.arange(3.0).expand(4, 3)}, OUT / "bad_expanded.pth")
+    bad("bad_expanded.pth", "OverlappingStrides", "bcast")
+    torch.save({"x": torch.ones(2)}, OUT / "bad_legacy_format.pth", _use_new_zipfile_serialization=False)
+    bad("bad_legacy_format.pth", "Zip", "legacy")
     (OUT / "bad_not_zip.pth").write_bytes(b"this is not a zip archive, just text\n" * 3)
     bad("bad_not_zip.pth", "Zip", "")
     g = (OUT / "good.pth").read_bytes()
@@ -294,8 +307,8 @@ def main():
     write_zip(OUT / "bad_no_data_pkl.pth", [("data/0", ctrl.numpy().tobytes()), ("version", b"3\n")])
     bad("bad_no_data_pkl.pth", "NoDataPkl", "data.pkl")
     with zipfile.ZipFile(OUT / "bad_two_data_pkl.pth", "w") as z:
-        z.writestr("a/data.pkl", good_pkl)
-        z.writestr("b/data.pkl", good_pkl)
+        z.writestr(zipfile.ZipInfo("a/data.pkl", FIXED_TIME), good_pkl)
+        z.writestr(zipfile.ZipInfo("b/data.pkl", FIXED_TIME), good_pkl)
     bad("bad_two_data_pkl.pth", "AmbiguousDataPkl", "b/data.pkl")
     write_zip(OUT / "bad_big_endian.pth", [("data.pkl", good_pkl), ("data/0", ctrl.numpy().tobytes()),
                                            ("byteorder", b"big")])

@@ -172,8 +172,18 @@ struct Archive<'a> {
 
 impl<'a> Archive<'a> {
     fn open(bytes: &'a [u8]) -> Result<Self, PthError> {
-        let mut zip =
-            zip::ZipArchive::new(Cursor::new(bytes)).map_err(|e| PthError::Zip(e.to_string()))?;
+        let mut zip = zip::ZipArchive::new(Cursor::new(bytes)).map_err(|e| {
+            // The pre-1.6 format starts with a pickled magic number.
+            if bytes.starts_with(&[0x80, 0x02, 0x8a]) {
+                PthError::Zip(
+                    "legacy (torch < 1.6) non-zip serialization format is not supported; \
+                         re-save it with a current torch"
+                        .into(),
+                )
+            } else {
+                PthError::Zip(e.to_string())
+            }
+        })?;
         let mut entries = HashMap::new();
         for index in 0..zip.len() {
             let f = zip
