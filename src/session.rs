@@ -343,6 +343,12 @@ impl Session {
         self.pos = 0;
     }
 
+    /// Forgets every cached position from `pos` on (to re-feed a changed
+    /// suffix, as a chat does when the template re-renders a turn).
+    pub fn rewind(&mut self, pos: usize) {
+        self.pos = self.pos.min(pos);
+    }
+
     /// Feeds `tokens` in chunks of at most the batch size and returns the
     /// logits of the last one. Fails before any work if they do not fit.
     pub fn feed(&mut self, tokens: &[u32]) -> Result<&[f32], SessionError> {

@@ -11,7 +11,12 @@ pub struct RuntimeFlags {
     #[arg(short = 'c', long = "ctx-size", value_name = "N")]
     pub ctx_size: Option<usize>,
     /// Prefill chunk: the most prompt tokens processed in one step.
-    #[arg(short = 'b', long = "batch-size", value_name = "N", default_value_t = 512)]
+    #[arg(
+        short = 'b',
+        long = "batch-size",
+        value_name = "N",
+        default_value_t = 512
+    )]
     pub batch_size: usize,
     /// Threads (default: all cores).
     #[arg(short = 't', long = "threads", value_name = "N")]
@@ -30,7 +35,9 @@ impl RuntimeFlags {
         match self.threads {
             Some(0) => Err("-t/--threads must be at least 1".into()),
             Some(t) => Ok(t),
-            None => Ok(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)),
+            None => Ok(std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)),
         }
     }
 }
@@ -41,19 +48,39 @@ impl RuntimeFlags {
 #[derive(Debug, Args, Clone)]
 pub struct SamplingFlags {
     /// Temperature; 0 = greedy.
-    #[arg(long = "temp", value_name = "T", default_value_t = 0.8, allow_negative_numbers = true)]
+    #[arg(
+        long = "temp",
+        value_name = "T",
+        default_value_t = 0.8,
+        allow_negative_numbers = true
+    )]
     pub temp: f32,
     /// Keep only the K most likely tokens (0 = off).
     #[arg(long = "top-k", value_name = "K", default_value_t = 40)]
     pub top_k: usize,
     /// Keep the smallest set of tokens whose probability reaches P (1 = off).
-    #[arg(long = "top-p", value_name = "P", default_value_t = 0.95, allow_negative_numbers = true)]
+    #[arg(
+        long = "top-p",
+        value_name = "P",
+        default_value_t = 0.95,
+        allow_negative_numbers = true
+    )]
     pub top_p: f32,
     /// Drop tokens less likely than P times the most likely one (0 = off).
-    #[arg(long = "min-p", value_name = "P", default_value_t = 0.05, allow_negative_numbers = true)]
+    #[arg(
+        long = "min-p",
+        value_name = "P",
+        default_value_t = 0.05,
+        allow_negative_numbers = true
+    )]
     pub min_p: f32,
     /// Penalise tokens seen in the last --repeat-last-n tokens (1 = off).
-    #[arg(long = "repeat-penalty", value_name = "X", default_value_t = 1.0, allow_negative_numbers = true)]
+    #[arg(
+        long = "repeat-penalty",
+        value_name = "X",
+        default_value_t = 1.0,
+        allow_negative_numbers = true
+    )]
     pub repeat_penalty: f32,
     /// Window of the repeat penalty.
     #[arg(long = "repeat-last-n", value_name = "N", default_value_t = 64)]
@@ -97,6 +124,8 @@ pub fn n_predict(n: i64) -> Result<Option<usize>, String> {
     match n {
         -1 => Ok(None),
         n if n >= 1 => Ok(Some(n as usize)),
-        n => Err(format!("-n must be at least 1, or -1 for \"until the context is full\"; got {n}")),
+        n => Err(format!(
+            "-n must be at least 1, or -1 for \"until the context is full\"; got {n}"
+        )),
     }
 }

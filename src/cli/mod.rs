@@ -1,4 +1,5 @@
 //! Command-line interface: argument definitions and dispatch.
+mod chat;
 mod flags;
 mod graph;
 mod model;
@@ -25,6 +26,9 @@ pub enum Command {
     /// Generate text from a prompt. Generated text goes to stdout as it
     /// streams; the statistics go to stderr.
     Run(run::RunArgs),
+    /// Chat interactively; the KV cache is kept across turns. Ctrl-D or
+    /// /exit ends the conversation.
+    Chat(chat::ChatArgs),
     /// Print the token ids of a text.
     Tokenize(tools::TokenizeArgs),
     /// List a model's tensors (dtype, shape, bytes) and derived arguments.
@@ -41,6 +45,7 @@ pub fn run(cli: Cli) -> CliResult {
     match cli.command {
         Command::Graph(a) => graph::run(a),
         Command::Run(a) => run::run(a),
+        Command::Chat(a) => chat::run(a),
         Command::Tokenize(a) => tools::tokenize(a),
         Command::Inspect(a) => tools::inspect(a),
         Command::Pull => tools::pull(),

@@ -105,12 +105,7 @@ pub fn prompt_tokens(
     chat: bool,
     system: Option<&str>,
 ) -> Result<Vec<u32>, String> {
-    let tok = model.tokenizer.as_ref().ok_or_else(|| {
-        format!(
-            "{} has no tokenizer (a Meta directory needs tokenizer.model); use --prompt-tokens to feed ids",
-            model.path.display()
-        )
-    })?;
+    let tok = tokenizer(model)?;
     if !chat {
         let add_bos = tok.add_bos_default();
         return Ok(tok.encode(
@@ -126,23 +121,31 @@ pub fn prompt_tokens(
         messages.push(Message::new("system", s));
     }
     messages.push(Message::new("user", text));
+    chat_prompt_tokens(model, &messages)
+}
+
+fn tokenizer(model: &Model) -> Result<&llama_graph::tokenizer::Tokenizer, String> {
+    model.tokenizer.as_ref().ok_or_else(|| {
+        format!(
+            "{} has no tokenizer (a Meta directory needs tokenizer.model); use --prompt-tokens to feed ids",
+            model.path.display()
+        )
+    })
+}
+
+/// A conversation in the model's chat format, ending with the assistant's
+/// header, as tokens with exactly one BOS.
+pub fn chat_prompt_tokens(model: &Model, messages: &[Message]) -> Result<Vec<u32>, String> {
+    let tok = tokenizer(model)?;
     match (&model.chat_template, model.format) {
         (Some(src), _) => {
-            let bos = tok
-                .bos_id()
-                .and_then(|i| tok.token_bytes(i))
-                .map(|b| String::from_utf8_lossy(b).into_owned());
-            let eos = tok
-                .eos_id()
-                .and_then(|i| tok.token_bytes(i))
-                .map(|b| String::from_utf8_lossy(b).into_owned());
+            let piece = |id: Option<u32>| {
+                id.and_then(|i| tok.token_bytes(i))
+                    .map(|b| String::from_utf8_lossy(b).into_owned())
+                    .unwrap_or_default()
+            };
             let rendered = ChatTemplate::new(src.clone())
-                .render(
-                    &messages,
-                    true,
-                    bos.as_deref().unwrap_or(""),
-                    eos.as_deref().unwrap_or(""),
-                )
+                .render(messages, true, &piece(tok.bos_id()), &piece(tok.eos_id()))
                 .map_err(|e| e.to_string())?;
             // The template spells out any BOS it wants; never add another.
             Ok(tok.encode(
@@ -154,7 +157,7 @@ pub fn prompt_tokens(
             ))
         }
         (None, ModelFormat::MetaDir) => {
-            llama3_dialog_tokens(tok, &messages, true).map_err(|e| e.to_string())
+            llama3_dialog_tokens(tok, messages, true).map_err(|e| e.to_string())
         }
         (None, ModelFormat::Gguf) => Err(
             "this GGUF file has no chat template (tokenizer.chat_template); run without --chat"

@@ -30,7 +30,10 @@ pub struct TokenizeArgs {
 
 pub fn tokenize(a: TokenizeArgs) -> super::CliResult {
     let (model, _) = a.model.open(true)?;
-    let tok = model.tokenizer.as_ref().ok_or("this model has no tokenizer")?;
+    let tok = model
+        .tokenizer
+        .as_ref()
+        .ok_or("this model has no tokenizer")?;
     let add_bos = if a.bos {
         true
     } else if a.no_bos {
@@ -38,7 +41,13 @@ pub fn tokenize(a: TokenizeArgs) -> super::CliResult {
     } else {
         tok.add_bos_default()
     };
-    let ids = tok.encode(&a.text, EncodeOptions { add_bos, parse_special: a.parse_special });
+    let ids = tok.encode(
+        &a.text,
+        EncodeOptions {
+            add_bos,
+            parse_special: a.parse_special,
+        },
+    );
     if a.json {
         println!("{}", serde_json::to_string(&ids)?);
     } else {
@@ -62,9 +71,19 @@ pub fn inspect(a: InspectArgs) -> super::CliResult {
     if let Some(n) = &model.name {
         println!("name        {n}");
     }
-    print!("{}", super::graph::args_summary(args, args.plan_context(None)));
+    print!(
+        "{}",
+        super::graph::args_summary(args, args.plan_context(None))
+    );
     if let Some(t) = &model.tokenizer {
-        println!("tokenizer   {:?}, {} tokens, bos {:?}, eos {:?}, eot {:?}", t.kind(), t.n_vocab(), t.bos_id(), t.eos_id(), t.eot_id());
+        println!(
+            "tokenizer   {:?}, {} tokens, bos {:?}, eos {:?}, eot {:?}",
+            t.kind(),
+            t.n_vocab(),
+            t.bos_id(),
+            t.eos_id(),
+            t.eot_id()
+        );
     } else {
         println!("tokenizer   none");
     }
@@ -72,7 +91,12 @@ pub fn inspect(a: InspectArgs) -> super::CliResult {
     let mut total = 0usize;
     for (name, t) in &model.weights.tensors {
         total += t.data.len();
-        println!("  {name:<44} {:<6} {:<18} {:>12} bytes", t.dtype.to_string(), format!("{:?}", t.shape), t.data.len());
+        println!(
+            "  {name:<44} {:<6} {:<18} {:>12} bytes",
+            t.dtype.to_string(),
+            format!("{:?}", t.shape),
+            t.data.len()
+        );
     }
     println!("total {total} bytes ({:.1} MiB)", total as f64 / 1048576.0);
     Ok(())
@@ -109,9 +133,11 @@ pub struct GenCheckpointArgs {
 
 /// Writes a random-weight Meta checkpoint for tests and benchmarks.
 pub fn gen_checkpoint(a: GenCheckpointArgs) -> super::CliResult {
-    let text = std::fs::read_to_string(&a.params).map_err(|e| format!("{}: {e}", a.params.display()))?;
+    let text =
+        std::fs::read_to_string(&a.params).map_err(|e| format!("{}: {e}", a.params.display()))?;
     // Validate with the same rules as loading, for one clear message.
-    llama_graph::model::ModelArgs::from_params_json(&text).map_err(|e| format!("{}: {e}", a.params.display()))?;
+    llama_graph::model::ModelArgs::from_params_json(&text)
+        .map_err(|e| format!("{}: {e}", a.params.display()))?;
     let params = MetaParams::from_json(&text)?;
     let dtype = match a.dtype {
         GenDType::Bf16 => DType::BF16,
@@ -120,6 +146,10 @@ pub fn gen_checkpoint(a: GenCheckpointArgs) -> super::CliResult {
     };
     let t0 = std::time::Instant::now();
     generate_random_checkpoint(&a.out, &params, a.seed, dtype)?;
-    eprintln!("wrote {} in {:.1} s", a.out.display(), t0.elapsed().as_secs_f64());
+    eprintln!(
+        "wrote {} in {:.1} s",
+        a.out.display(),
+        t0.elapsed().as_secs_f64()
+    );
     Ok(())
 }

@@ -1,0 +1,142 @@
+//! `llama-graph chat`: an interactive conversation that keeps the KV cache
+//! across turns.
+//!
+//! Each turn renders the whole conversation with the model's chat format,
+//! finds how much of it the cache already holds (the longest common token
+//! prefix), rewinds to there and feeds only the rest.
+
+use super::flags::{n_predict, RuntimeFlags, SamplingFlags};
+use super::model::ModelArg;
+use super::run::chat_prompt_tokens;
+use clap::Args;
+use llama_graph::generate::chat::Message;
+use llama_graph::generate::{generate, GenOptions};
+use llama_graph::ir::LogitRows;
+use llama_graph::session::{Session, SessionOptions};
+use std::io::{BufRead, IsTerminal, Write};
+
+#[derive(Debug, Args)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// A system message for the whole conversation.
+    #[arg(long = "system", value_name = "TEXT")]
+    pub system: Option<String>,
+    /// Tokens to generate per reply at most; -1 = until the context is full.
+    #[arg(
+        short = 'n',
+        long = "n-predict",
+        value_name = "N",
+        default_value_t = 512,
+        allow_negative_numbers = true
+    )]
+    pub n_predict: i64,
+    #[command(flatten)]
+    pub runtime: RuntimeFlags,
+    #[command(flatten)]
+    pub sampling: SamplingFlags,
+}
+
+pub fn run(a: ChatArgs) -> super::CliResult {
+    let n_predict = n_predict(a.n_predict)?;
+    let threads = a.runtime.threads()?;
+    let sampler = a.sampling.config()?;
+    let (model, _) = a.model.open(false)?;
+    let tok = model
+        .tokenizer
+        .as_ref()
+        .ok_or("this model has no tokenizer, which chat needs")?;
+    let context = model.args.plan_context(a.runtime.ctx_size);
+    let opts = SessionOptions {
+        context: Some(context),
+        batch: a.runtime.batch_size,
+        threads,
+        logit_rows: LogitRows::Last,
+    };
+    let mut session = Session::new(&model, &opts)?;
+    let interactive = std::io::stdin().is_terminal();
+    if interactive {
+        eprintln!(
+            "chat: type a message and press Enter; /exit or Ctrl-D to quit, /reset to start over."
+        );
+    }
+    let mut messages: Vec<Message> = a.system.iter().map(|s| Message::new("system", s)).collect();
+    let mut cached: Vec<u32> = Vec::new();
+    let stdin = std::io::stdin();
+    let mut lines = stdin.lock().lines();
+    loop {
+        if interactive {
+            eprint!("> ");
+            let _ = std::io::stderr().flush();
+        }
+        let Some(line) = lines.next() else { break };
+        let line = line.map_err(|e| format!("reading stdin: {e}"))?;
+        let text = line.trim();
+        match text {
+            "" => continue,
+            "/exit" | "/quit" => break,
+            "/reset" => {
+                messages.retain(|m| m.role == "system");
+                cached.clear();
+                session.reset();
+                eprintln!("(conversation cleared)");
+                continue;
+            }
+            _ => {}
+        }
+        messages.push(Message::new("user", text));
+        let full = chat_prompt_tokens(&model, &messages)?;
+        let keep = cached
+            .iter()
+            .zip(&full)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(full.len() - 1);
+        session.rewind(keep);
+        let gen = GenOptions {
+            n_predict,
+            sampler,
+            stop_strings: Vec::new(),
+            record_top: false,
+        };
+        let stdout = std::io::stdout();
+        let mut out = stdout.lock();
+        let mut emit = |s: &str| {
+            let _ = out.write_all(s.as_bytes());
+            let _ = out.flush();
+        };
+        let stats = match generate(&mut session, Some(tok), &full[keep..], &gen, &mut emit) {
+            Ok(s) => s,
+            Err(e) => {
+                drop(out);
+                eprintln!("\nerror: {e}");
+                messages.pop();
+                continue;
+            }
+        };
+        drop(out);
+        println!();
+        // The cache now holds the prompt and every generated token but the
+        // final stop token, which was sampled but not fed.
+        cached = full;
+        let fed = match stats.stop_reason {
+            Some(llama_graph::generate::StopReason::Eos) => {
+                &stats.generated_tokens[..stats.generated_tokens.len() - 1]
+            }
+            _ => &stats.generated_tokens[..],
+        };
+        cached.extend_from_slice(fed);
+        cached.truncate(session.position());
+        messages.push(Message::new("assistant", &tok.decode(fed)));
+        eprintln!(
+            "[{} prompt tokens at {:.1} t/s, {} generated at {:.1} t/s, {} of {} context used]",
+            stats.prompt_tokens.len(),
+            stats.prefill_tokens_per_s(),
+            stats.generated_tokens.len(),
+            stats.decode_tokens_per_s(),
+            session.position(),
+            session.context()
+        );
+    }
+    Ok(())
+}
