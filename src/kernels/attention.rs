@@ -222,7 +222,36 @@ pub fn attn_values(
     Ok(())
 }
 
-#[inline]
+/// Dot products of `q` with four rows at once (four independent
+/// accumulator chains, one load of `q` per step).
+#[inline(always)]
+fn dot_x4(q: &[f32], k: [&[f32]; 4]) -> [f32; 4] {
+    let n = q.len();
+    let (k0, k1, k2, k3) = (&k[0][..n], &k[1][..n], &k[2][..n], &k[3][..n]);
+    let mut acc = [[0f32; 8]; 4];
+    let mut e = 0;
+    while e + 8 <= n {
+        for l in 0..8 {
+            let qv = q[e + l];
+            acc[0][l] += qv * k0[e + l];
+            acc[1][l] += qv * k1[e + l];
+            acc[2][l] += qv * k2[e + l];
+            acc[3][l] += qv * k3[e + l];
+        }
+        e += 8;
+    }
+    let mut out = [0f32; 4];
+    for (o, (a, kr)) in out.iter_mut().zip(acc.iter().zip([k0, k1, k2, k3])) {
+        let mut s = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+        for i in e..n {
+            s += q[i] * kr[i];
+        }
+        *o = s;
+    }
+    out
+}
+
+#[inline(always)]
 fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     for (yi, &xi) in y.iter_mut().zip(x) {
         *yi += a * xi;
@@ -276,6 +305,8 @@ pub fn attention_fused(
     let sp = SyncPtr::new(scratch);
     let op = SyncPtr::new(out);
     let out_len = out_len(&shape);
+    #[cfg(target_arch = "x86_64")]
+    let avx2 = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
     pool.run_indexed(shape.n_kv_heads * n_qb, &|c, tid| {
         let g = c / n_qb;
         let s0 = (c % n_qb) * Q_BLOCK;
@@ -283,6 +314,12 @@ pub fn attention_fused(
         // SAFETY: thread `tid` is the only user of its scratch slice during
         // this job; work item c writes only out[s0..s1, heads of group g, :].
         let scr = unsafe { sp.slice(tid * per, per) };
+        #[cfg(target_arch = "x86_64")]
+        if avx2 {
+            // SAFETY: AVX2 and FMA were detected at run time.
+            unsafe { fused_item_avx2(q, k_cache, v_cache, &shape, g, s0, s1, op, out_len, scr) };
+            return;
+        }
         fused_item(q, k_cache, v_cache, &shape, g, s0, s1, op, out_len, scr);
     });
     Ok(())
@@ -292,7 +329,28 @@ fn out_len(shape: &AttnShape) -> usize {
     shape.s * shape.n_heads * shape.head_dim
 }
 
+/// [`fused_item`] compiled with AVX2+FMA enabled, so its dot products and
+/// axpys vectorise 8 lanes wide.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
+unsafe fn fused_item_avx2(
+    q: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    sh: &AttnShape,
+    g: usize,
+    s0: usize,
+    s1: usize,
+    out: SyncPtr<f32>,
+    out_len: usize,
+    scr: &mut [f32],
+) {
+    fused_item(q, kc, vc, sh, g, s0, s1, out, out_len, scr)
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
 fn fused_item(
     q: &[f32],
     kc: &[f32],
@@ -328,7 +386,23 @@ fn fused_item(
         let t1 = (t0 + K_TILE).min(t_end);
         let nt = t1 - t0;
         // Scores for the tile: each key row is loaded once for all rows.
-        for t in t0..t1 {
+        let mut t = t0;
+        while t + 4 <= t1 {
+            let k4 = [0, 1, 2, 3].map(|i| &kc[(t + i) * kv_row + g * d..][..d]);
+            for r in 0..rows {
+                let limit = sh.pos + s0 + r % nq;
+                let dots = dot_x4(qrow(r), k4);
+                for (i, &v) in dots.iter().enumerate() {
+                    sc[r * K_TILE + (t + i - t0)] = if t + i <= limit {
+                        v * scale
+                    } else {
+                        f32::NEG_INFINITY
+                    };
+                }
+            }
+            t += 4;
+        }
+        for t in t..t1 {
             let krow = &kc[t * kv_row + g * d..][..d];
             for r in 0..rows {
                 let limit = sh.pos + s0 + r % nq;

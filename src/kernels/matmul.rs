@@ -27,11 +27,11 @@ pub enum Epilogue<'a> {
 }
 
 /// Tokens per block in the S>1 path (a multiple of the 3-token SIMD tile).
-pub const TOKEN_BLOCK: usize = 12;
+pub const TOKEN_BLOCK: usize = 24;
 /// Largest number of output columns per chunk.
 const MAX_CHUNK_ROWS: usize = 64;
 /// Target bytes of weights per chunk (kept in L2 across token blocks).
-const CHUNK_WEIGHT_BYTES: usize = 128 * 1024;
+const CHUNK_WEIGHT_BYTES: usize = 256 * 1024;
 
 /// Which implementation of the tile kernels to use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -238,7 +238,7 @@ fn block_portable(
 }
 
 /// Dot product with 8 independent partial sums (vectorisable).
-#[inline]
+#[inline(always)]
 pub(crate) fn dot8(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let mut ca = a.chunks_exact(8);
@@ -339,6 +339,7 @@ mod tests {
         check(&pool, 2, 576, 64, 5);
         check(&pool, 13, 67, 30, 6); // token tiles 3,3,3,3,1; row tails
         check(&pool, 29, 576, 100, 7); // > one token block
+        check(&pool, 4, 300, 20, 12); // K block + scalar tail
         let pool1 = ThreadPool::new(1);
         check(&pool1, 5, 96, 44, 8);
     }

@@ -116,6 +116,115 @@ mod x86 {
         }
     }
 
+    /// K-block of the multi-token path, in elements (x block and weight
+    /// tile stay in L1).
+    pub(super) const KB: usize = 128;
+    /// Tokens packed per K block in the multi-token path.
+    pub(super) const MAX_NS: usize = 24;
+
+    /// out[t*os + i] += dot(x[t*xs..][..kl], w[i*ws..][..kl]) for i < R, t < T,
+    /// all f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn tile_acc<const R: usize, const T: usize>(
+        x: *const f32,
+        xs: usize,
+        w: *const f32,
+        ws: usize,
+        kl: usize,
+        out: *mut f32,
+        os: usize,
+    ) {
+        // SAFETY (whole body): x has T rows (stride xs) of kl floats, w has R
+        // rows (stride ws) of kl floats, out has T rows of stride os >= R.
+        unsafe {
+            let mut acc = [[_mm256_setzero_ps(); T]; R];
+            let k8 = kl & !7;
+            let mut kk = 0;
+            while kk < k8 {
+                let mut xv = [_mm256_setzero_ps(); T];
+                for (j, v) in xv.iter_mut().enumerate() {
+                    *v = _mm256_loadu_ps(x.add(j * xs + kk));
+                }
+                for (i, a) in acc.iter_mut().enumerate() {
+                    let wv = _mm256_loadu_ps(w.add(i * ws + kk));
+                    for j in 0..T {
+                        a[j] = _mm256_fmadd_ps(wv, xv[j], a[j]);
+                    }
+                }
+                kk += 8;
+            }
+            if R == 4 {
+                // Reduce the 4 rows of each token together (3 hadds).
+                for j in 0..T {
+                    let mut v = hsum4(acc[0][j], acc[1][j], acc[2][j], acc[3][j]);
+                    if k8 < kl {
+                        let mut tail = [0f32; 4];
+                        for (i, t) in tail.iter_mut().enumerate() {
+                            for e in k8..kl {
+                                *t += *w.add(i * ws + e) * *x.add(j * xs + e);
+                            }
+                        }
+                        v = _mm_add_ps(v, _mm_loadu_ps(tail.as_ptr()));
+                    }
+                    let o = out.add(j * os);
+                    _mm_storeu_ps(o, _mm_add_ps(_mm_loadu_ps(o), v));
+                }
+                return;
+            }
+            for (i, a) in acc.iter().enumerate() {
+                for j in 0..T {
+                    let mut s = hsum(a[j]);
+                    for e in k8..kl {
+                        s += *w.add(i * ws + e) * *x.add(j * xs + e);
+                    }
+                    *out.add(j * os + i) += s;
+                }
+            }
+        }
+    }
+
+    /// Horizontal sums of four vectors: `[sum(a), sum(b), sum(c), sum(d)]`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
+        let t0 = _mm256_hadd_ps(a, b);
+        let t1 = _mm256_hadd_ps(c, d);
+        let t2 = _mm256_hadd_ps(t0, t1);
+        _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps::<1>(t2))
+    }
+
+    /// Token tiles of 3 (then 2 or 1) over `ns` tokens for one R-row weight
+    /// tile and one K block.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn tokens_acc<const R: usize>(
+        x: *const f32,
+        xs: usize,
+        ns: usize,
+        w: *const f32,
+        ws: usize,
+        kl: usize,
+        out: *mut f32,
+        os: usize,
+    ) {
+        // SAFETY: forwards the caller's bounds (ns rows of x and out).
+        unsafe {
+            let mut t = 0;
+            while t + 3 <= ns {
+                tile_acc::<R, 3>(x.add(t * xs), xs, w, ws, kl, out.add(t * os), os);
+                t += 3;
+            }
+            match ns - t {
+                2 => tile_acc::<R, 2>(x.add(t * xs), xs, w, ws, kl, out.add(t * os), os),
+                1 => tile_acc::<R, 1>(x.add(t * xs), xs, w, ws, kl, out.add(t * os), os),
+                _ => {}
+            }
+        }
+    }
+
     macro_rules! tile_kernels {
         ($m:ident, $es:expr, $load:ident, $one:ident) => {
             pub(super) mod $m {
@@ -188,6 +297,90 @@ mod x86 {
                     }
                 }
 
+                /// Several tokens, K-blocked: per K block, the x block (up to
+                /// 12 tokens) is packed contiguously and each 4-row weight
+                /// tile is widened/copied to f32 once, then reused for all
+                /// tokens from L1 (packing also avoids the cache-set
+                /// conflicts of power-of-two row strides).
+                #[target_feature(enable = "avx2,fma,f16c")]
+                unsafe fn block_multi(
+                    x: *const f32,
+                    ns: usize,
+                    k: usize,
+                    w: *const u8,
+                    nr: usize,
+                    out: *mut f32,
+                ) {
+                    // SAFETY: x: ns*k floats, w: nr rows of k elements, out: ns*nr.
+                    unsafe {
+                        for i in 0..ns * nr {
+                            *out.add(i) = 0.0;
+                        }
+                        let wrb = k * ES;
+                        let mut wbuf = [0f32; 4 * KB];
+                        let mut xbuf = [0f32; MAX_NS * KB];
+                        let mut t0 = 0;
+                        while t0 < ns {
+                            let nt = (ns - t0).min(MAX_NS);
+                            let mut k0 = 0;
+                            while k0 < k {
+                                let kl = (k - k0).min(KB);
+                                for t in 0..nt {
+                                    std::ptr::copy_nonoverlapping(
+                                        x.add((t0 + t) * k + k0),
+                                        xbuf.as_mut_ptr().add(t * KB),
+                                        kl,
+                                    );
+                                }
+                                let mut r = 0;
+                                while r < nr {
+                                    let rt = if r + 4 <= nr { 4 } else { 1 };
+                                    for i in 0..rt {
+                                        let src = w.add((r + i) * wrb + k0 * ES);
+                                        let dst = wbuf.as_mut_ptr().add(i * KB);
+                                        let mut e = 0;
+                                        while e + 8 <= kl {
+                                            _mm256_storeu_ps(dst.add(e), $load(src.add(e * ES)));
+                                            e += 8;
+                                        }
+                                        while e < kl {
+                                            *dst.add(e) = $one(src.add(e * ES));
+                                            e += 1;
+                                        }
+                                    }
+                                    let o = out.add(t0 * nr + r);
+                                    if rt == 4 {
+                                        tokens_acc::<4>(
+                                            xbuf.as_ptr(),
+                                            KB,
+                                            nt,
+                                            wbuf.as_ptr(),
+                                            KB,
+                                            kl,
+                                            o,
+                                            nr,
+                                        );
+                                    } else {
+                                        tokens_acc::<1>(
+                                            xbuf.as_ptr(),
+                                            KB,
+                                            nt,
+                                            wbuf.as_ptr(),
+                                            KB,
+                                            kl,
+                                            o,
+                                            nr,
+                                        );
+                                    }
+                                    r += rt;
+                                }
+                                k0 += kl;
+                            }
+                            t0 += nt;
+                        }
+                    }
+                }
+
                 /// out[t*nr + r] = dot(x[t], w[r]) for t < ns, r < nr.
                 #[target_feature(enable = "avx2,fma,f16c")]
                 pub(crate) unsafe fn block(
@@ -200,13 +393,14 @@ mod x86 {
                 ) {
                     // SAFETY: x: ns*k floats, w: nr rows of k elements, out: ns*nr.
                     unsafe {
+                        if ns > 1 {
+                            return block_multi(x, ns, k, w, nr, out);
+                        }
                         let wrb = k * ES;
                         let mut r = 0;
-                        if ns == 1 {
-                            while r + 8 <= nr {
-                                tile::<8, 1>(x, k, w.add(r * wrb), out.add(r), nr);
-                                r += 8;
-                            }
+                        while r + 8 <= nr {
+                            tile::<8, 1>(x, k, w.add(r * wrb), out.add(r), nr);
+                            r += 8;
                         }
                         while r + 4 <= nr {
                             rows_tile::<4>(x, ns, k, w.add(r * wrb), out.add(r), nr);
