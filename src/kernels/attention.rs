@@ -9,7 +9,7 @@
 //! streaming-softmax kernel that never materialises the score matrix and
 //! reads each kv head once per query block for all of its query heads.
 
-use super::matmul::dot8;
+use super::matmul::{dot8, Isa};
 use super::{check_len, mul_dims, KernelError};
 use crate::pool::{SyncPtr, ThreadPool};
 
@@ -222,6 +222,153 @@ pub fn attn_values(
     Ok(())
 }
 
+/// The inner vector operations of the fused kernel, so the same loop nest
+/// runs with portable code or with AVX2+FMA intrinsics.
+trait AttnOps {
+    /// Dot products of `q` with four key rows.
+    fn dot_x4(q: &[f32], k: [&[f32]; 4]) -> [f32; 4];
+    /// `acc += sum_t p[t] * v[t * stride .. + acc.len()]` for `t < p.len()`.
+    fn pv(acc: &mut [f32], p: &[f32], v: &[f32], stride: usize);
+}
+
+struct Portable;
+
+impl AttnOps for Portable {
+    #[inline(always)]
+    fn dot_x4(q: &[f32], k: [&[f32]; 4]) -> [f32; 4] {
+        dot_x4(q, k)
+    }
+    #[inline(always)]
+    fn pv(acc: &mut [f32], p: &[f32], v: &[f32], stride: usize) {
+        let d = acc.len();
+        for (t, &pt) in p.iter().enumerate() {
+            if pt != 0.0 {
+                axpy(acc, pt, &v[t * stride..t * stride + d]);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+struct Avx2;
+
+#[cfg(target_arch = "x86_64")]
+impl AttnOps for Avx2 {
+    #[inline(always)]
+    fn dot_x4(q: &[f32], k: [&[f32]; 4]) -> [f32; 4] {
+        let n = q.len();
+        assert!(k.iter().all(|r| r.len() >= n));
+        // SAFETY: only reached from `fused_item_avx2` (AVX2+FMA detected);
+        // every row has at least n elements.
+        unsafe { x86::dot_x4(q.as_ptr(), k.map(|r| r.as_ptr()), n) }
+    }
+    #[inline(always)]
+    fn pv(acc: &mut [f32], p: &[f32], v: &[f32], stride: usize) {
+        let d = acc.len();
+        if p.is_empty() {
+            return;
+        }
+        assert!(stride >= d && v.len() >= (p.len() - 1) * stride + d);
+        // SAFETY: as above; reads v rows t*stride..+d for t < p.len().
+        unsafe { x86::pv(acc.as_mut_ptr(), d, p.as_ptr(), p.len(), v.as_ptr(), stride) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+    }
+
+    /// Four dot products of length n sharing the loads of `q`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot_x4(q: *const f32, k: [*const f32; 4], n: usize) -> [f32; 4] {
+        // SAFETY: caller guarantees n readable floats at q and each k[i].
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let n8 = n & !7;
+            let mut e = 0;
+            while e < n8 {
+                let qv = _mm256_loadu_ps(q.add(e));
+                for i in 0..4 {
+                    acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[i].add(e)), acc[i]);
+                }
+                e += 8;
+            }
+            let mut out = [0f32; 4];
+            for i in 0..4 {
+                let mut s = hsum(acc[i]);
+                for j in n8..n {
+                    s += *q.add(j) * *k[i].add(j);
+                }
+                out[i] = s;
+            }
+            out
+        }
+    }
+
+    /// acc[..d] += sum_t p[t] * v[t*stride..][..d], accumulating 64 columns
+    /// at a time in registers.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn pv(
+        acc: *mut f32,
+        d: usize,
+        p: *const f32,
+        nt: usize,
+        v: *const f32,
+        stride: usize,
+    ) {
+        // SAFETY: caller guarantees acc[..d], p[..nt] and nt rows of v.
+        unsafe {
+            let mut c0 = 0;
+            while c0 + 64 <= d {
+                let mut a = [_mm256_setzero_ps(); 8];
+                for (i, ai) in a.iter_mut().enumerate() {
+                    *ai = _mm256_loadu_ps(acc.add(c0 + 8 * i));
+                }
+                for t in 0..nt {
+                    let pt = _mm256_set1_ps(*p.add(t));
+                    let row = v.add(t * stride + c0);
+                    for (i, ai) in a.iter_mut().enumerate() {
+                        *ai = _mm256_fmadd_ps(pt, _mm256_loadu_ps(row.add(8 * i)), *ai);
+                    }
+                }
+                for (i, ai) in a.iter().enumerate() {
+                    _mm256_storeu_ps(acc.add(c0 + 8 * i), *ai);
+                }
+                c0 += 64;
+            }
+            while c0 + 8 <= d {
+                let mut a = _mm256_loadu_ps(acc.add(c0));
+                for t in 0..nt {
+                    a = _mm256_fmadd_ps(
+                        _mm256_set1_ps(*p.add(t)),
+                        _mm256_loadu_ps(v.add(t * stride + c0)),
+                        a,
+                    );
+                }
+                _mm256_storeu_ps(acc.add(c0), a);
+                c0 += 8;
+            }
+            for c in c0..d {
+                let mut a = *acc.add(c);
+                for t in 0..nt {
+                    a += *p.add(t) * *v.add(t * stride + c);
+                }
+                *acc.add(c) = a;
+            }
+        }
+    }
+}
+
 /// Dot products of `q` with four rows at once (four independent
 /// accumulator chains, one load of `q` per step).
 #[inline(always)]
@@ -286,6 +433,21 @@ pub fn attention_fused(
     out: &mut [f32],
     scratch: &mut [f32],
 ) -> Result<(), KernelError> {
+    attention_fused_with(pool, Isa::Auto, q, k_cache, v_cache, shape, out, scratch)
+}
+
+/// [`attention_fused`] with an explicit choice of implementation.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_fused_with(
+    pool: &ThreadPool,
+    isa: Isa,
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    shape: AttnShape,
+    out: &mut [f32],
+    scratch: &mut [f32],
+) -> Result<(), KernelError> {
     const OP: &str = "attention_fused";
     shape.check(OP, q, k_cache, v_cache, out.len())?;
     let per = fused_per_thread(&shape);
@@ -305,8 +467,12 @@ pub fn attention_fused(
     let sp = SyncPtr::new(scratch);
     let op = SyncPtr::new(out);
     let out_len = out_len(&shape);
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
     #[cfg(target_arch = "x86_64")]
-    let avx2 = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
+    let avx2 = isa == Isa::Auto
+        && std::is_x86_feature_detected!("avx2")
+        && std::is_x86_feature_detected!("fma");
     pool.run_indexed(shape.n_kv_heads * n_qb, &|c, tid| {
         let g = c / n_qb;
         let s0 = (c % n_qb) * Q_BLOCK;
@@ -320,7 +486,7 @@ pub fn attention_fused(
             unsafe { fused_item_avx2(q, k_cache, v_cache, &shape, g, s0, s1, op, out_len, scr) };
             return;
         }
-        fused_item(q, k_cache, v_cache, &shape, g, s0, s1, op, out_len, scr);
+        fused_item::<Portable>(q, k_cache, v_cache, &shape, g, s0, s1, op, out_len, scr);
     });
     Ok(())
 }
@@ -346,12 +512,12 @@ unsafe fn fused_item_avx2(
     out_len: usize,
     scr: &mut [f32],
 ) {
-    fused_item(q, kc, vc, sh, g, s0, s1, out, out_len, scr)
+    fused_item::<Avx2>(q, kc, vc, sh, g, s0, s1, out, out_len, scr)
 }
 
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn fused_item(
+fn fused_item<O: AttnOps>(
     q: &[f32],
     kc: &[f32],
     vc: &[f32],
@@ -391,7 +557,7 @@ fn fused_item(
             let k4 = [0, 1, 2, 3].map(|i| &kc[(t + i) * kv_row + g * d..][..d]);
             for r in 0..rows {
                 let limit = sh.pos + s0 + r % nq;
-                let dots = dot_x4(qrow(r), k4);
+                let dots = O::dot_x4(qrow(r), k4);
                 for (i, &v) in dots.iter().enumerate() {
                     sc[r * K_TILE + (t + i - t0)] = if t + i <= limit {
                         v * scale
@@ -435,15 +601,16 @@ fn fused_item(
             l[r] += sum;
             m[r] = m_new;
         }
-        // Values: each value row loaded once for all rows.
-        for t in t0..t1 {
-            let vrow = &vc[t * kv_row + g * d..][..d];
-            for r in 0..rows {
-                let p = sc[r * K_TILE + (t - t0)];
-                if p != 0.0 {
-                    axpy(&mut acc[r * d..(r + 1) * d], p, vrow);
-                }
-            }
+        // Values: per row, the accumulator stays in registers across the
+        // tile; the tile's value rows (≤ 64 × D) stay in L1 for all rows.
+        let vbase = &vc[t0 * kv_row + g * d..(t1 - 1) * kv_row + g * d + d];
+        for r in 0..rows {
+            O::pv(
+                &mut acc[r * d..(r + 1) * d],
+                &sc[r * K_TILE..r * K_TILE + nt],
+                vbase,
+                kv_row,
+            );
         }
         t0 = t1;
     }
@@ -520,11 +687,13 @@ mod tests {
         assert_close(&out_a, &want, 1e-5, 1e-4, "unfused vs naive");
         // Fused.
         let mut scratch = vec![f32::NAN; attention_fused_scratch_len(&sh, pool.n_threads())];
-        let mut out_b = vec![f32::NAN; q.len()];
-        attention_fused(&pool, &q, &kc, &vc, sh, &mut out_b, &mut scratch).unwrap();
-        assert_close(&out_b, &want, 1e-5, 1e-4, "fused vs naive");
-        let a64: Vec<f64> = out_a.iter().map(|&v| v as f64).collect();
-        assert_close(&out_b, &a64, 1e-5, 1e-4, "fused vs unfused");
+        for isa in [Isa::Auto, Isa::Portable] {
+            let mut out_b = vec![f32::NAN; q.len()];
+            attention_fused_with(&pool, isa, &q, &kc, &vc, sh, &mut out_b, &mut scratch).unwrap();
+            assert_close(&out_b, &want, 1e-5, 1e-4, "fused vs naive");
+            let a64: Vec<f64> = out_a.iter().map(|&v| v as f64).collect();
+            assert_close(&out_b, &a64, 1e-5, 1e-4, "fused vs unfused");
+        }
     }
 
     #[test]

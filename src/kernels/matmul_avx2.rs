@@ -1,10 +1,15 @@
 //! AVX2 + FMA + F16C tile kernels for [`super::matmul`].
 //!
 //! A tile computes `R` weight rows × `T` tokens of dot products with `R·T`
-//! 8-lane accumulators: per 8 elements of K it loads `T` x vectors and, per
-//! weight row, one weight vector (widened from F16/BF16 in registers) that
-//! feeds `T` FMAs. Shapes: 4×3 (12 accumulators) for several tokens, 8×1 for
-//! a single token (GEMV), 1×T for leftover rows.
+//! 8-lane accumulators. One token (GEMV, memory-bound): 8×1 / 4×1 / 1×1
+//! tiles over the full K, weights widened from F16/BF16 in registers.
+//! Several tokens: K blocks of [`x86::KB`] elements; per block the x rows
+//! are packed contiguously and each 4-row weight tile is widened to f32 once
+//! into a stack buffer, then 4×3 tiles (12 accumulators, 7 loads per 12
+//! FMAs) run from L1, partial sums reduced with `hadd` into the output.
+
+// Register tiles are indexed explicitly on purpose.
+#![allow(clippy::needless_range_loop)]
 
 use super::WeightRef;
 use crate::ir::DType;
@@ -273,30 +278,6 @@ mod x86 {
                     }
                 }
 
-                #[target_feature(enable = "avx2,fma,f16c")]
-                unsafe fn rows_tile<const R: usize>(
-                    x: *const f32,
-                    ns: usize,
-                    k: usize,
-                    w: *const u8,
-                    out: *mut f32,
-                    os: usize,
-                ) {
-                    // SAFETY: forwards the caller's bounds to `tile`.
-                    unsafe {
-                        let mut t = 0;
-                        while t + 3 <= ns {
-                            tile::<R, 3>(x.add(t * k), k, w, out.add(t * os), os);
-                            t += 3;
-                        }
-                        match ns - t {
-                            2 => tile::<R, 2>(x.add(t * k), k, w, out.add(t * os), os),
-                            1 => tile::<R, 1>(x.add(t * k), k, w, out.add(t * os), os),
-                            _ => {}
-                        }
-                    }
-                }
-
                 /// Several tokens, K-blocked: per K block, the x block (up to
                 /// 12 tokens) is packed contiguously and each 4-row weight
                 /// tile is widened/copied to f32 once, then reused for all
@@ -403,11 +384,11 @@ mod x86 {
                             r += 8;
                         }
                         while r + 4 <= nr {
-                            rows_tile::<4>(x, ns, k, w.add(r * wrb), out.add(r), nr);
+                            tile::<4, 1>(x, k, w.add(r * wrb), out.add(r), nr);
                             r += 4;
                         }
                         while r < nr {
-                            rows_tile::<1>(x, ns, k, w.add(r * wrb), out.add(r), nr);
+                            tile::<1, 1>(x, k, w.add(r * wrb), out.add(r), nr);
                             r += 1;
                         }
                     }

@@ -23,7 +23,7 @@ pub use attention::{
 pub use elementwise::{add, add_inplace, argmax, mul, mul_broadcast_rows, silu, swiglu};
 pub use embedding::embedding_rows;
 pub use kv::kv_write;
-pub use matmul::{matmul, Epilogue};
+pub use matmul::{matmul, matmul_with, Epilogue, Isa};
 pub use norm::rmsnorm;
 pub use rope::{rope_reference, RopeScaling, RopeTable};
 
