@@ -229,11 +229,22 @@ trait AttnOps {
     fn dot_x4(q: &[f32], k: [&[f32]; 4]) -> [f32; 4];
     /// `acc += sum_t p[t] * v[t * stride .. + acc.len()]` for `t < p.len()`.
     fn pv(acc: &mut [f32], p: &[f32], v: &[f32], stride: usize);
+    /// `row[i] = exp(row[i] - m)` (exactly 0 for `-inf`); returns the sum.
+    fn exp_sub_sum(row: &mut [f32], m: f32) -> f32;
 }
 
 struct Portable;
 
 impl AttnOps for Portable {
+    #[inline(always)]
+    fn exp_sub_sum(row: &mut [f32], m: f32) -> f32 {
+        let mut sum = 0f32;
+        for p in row.iter_mut() {
+            *p = (*p - m).exp();
+            sum += *p;
+        }
+        sum
+    }
     #[inline(always)]
     fn dot_x4(q: &[f32], k: [&[f32]; 4]) -> [f32; 4] {
         dot_x4(q, k)
@@ -254,6 +265,11 @@ struct Avx2;
 
 #[cfg(target_arch = "x86_64")]
 impl AttnOps for Avx2 {
+    #[inline(always)]
+    fn exp_sub_sum(row: &mut [f32], m: f32) -> f32 {
+        // SAFETY: only reached from `fused_item_avx2` (AVX2+FMA detected).
+        unsafe { x86::exp_sub_sum(row.as_mut_ptr(), row.len(), m) }
+    }
     #[inline(always)]
     fn dot_x4(q: &[f32], k: [&[f32]; 4]) -> [f32; 4] {
         let n = q.len();
@@ -284,6 +300,62 @@ mod x86 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+    }
+
+    /// exp(x) for x <= ~0 (Cephes-style range reduction and degree-6
+    /// polynomial, ~1 ulp); lanes below -87 (incl. -inf) give exactly 0.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn exp_ps(x: __m256) -> __m256 {
+        let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.0));
+        let x = _mm256_min_ps(
+            _mm256_max_ps(x, _mm256_set1_ps(-87.0)),
+            _mm256_set1_ps(88.0),
+        );
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm256_set1_ps(1.987_569_1e-4);
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.398_2e-3));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.333_452e-3));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.166_579_6e-2));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.166_666_65));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5));
+        let r2 = _mm256_mul_ps(r, r);
+        let y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0));
+        let pow2 = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(n),
+            _mm256_set1_epi32(127),
+        ));
+        _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2)))
+    }
+
+    /// row[i] = exp(row[i] - m) for i < n; returns the sum.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn exp_sub_sum(row: *mut f32, n: usize, m: f32) -> f32 {
+        // SAFETY: caller guarantees n writable floats at row.
+        unsafe {
+            let mv = _mm256_set1_ps(m);
+            let mut acc = _mm256_setzero_ps();
+            let mut i = 0;
+            while i + 8 <= n {
+                let e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(row.add(i)), mv));
+                _mm256_storeu_ps(row.add(i), e);
+                acc = _mm256_add_ps(acc, e);
+                i += 8;
+            }
+            let mut sum = hsum(acc);
+            while i < n {
+                let e = (*row.add(i) - m).exp();
+                *row.add(i) = e;
+                sum += e;
+                i += 1;
+            }
+            sum
+        }
     }
 
     /// Four dot products of length n sharing the loads of `q`.
@@ -593,12 +665,7 @@ fn fused_item<O: AttnOps>(
                 l[r] *= corr;
                 acc[r * d..(r + 1) * d].iter_mut().for_each(|a| *a *= corr);
             }
-            let mut sum = 0f32;
-            for p in row.iter_mut() {
-                *p = (*p - m_new).exp();
-                sum += *p;
-            }
-            l[r] += sum;
+            l[r] += O::exp_sub_sum(row, m_new);
             m[r] = m_new;
         }
         // Values: per row, the accumulator stays in registers across the
@@ -750,6 +817,45 @@ mod tests {
             8,
             5,
         );
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_exp_accuracy() {
+        if !(std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")) {
+            return;
+        }
+        // Special values first (vector lanes), then a range, then a scalar tail.
+        let mut row = vec![
+            f32::NEG_INFINITY,
+            -100.0,
+            -87.5,
+            0.0,
+            -1e-8,
+            -0.5,
+            -86.9,
+            -3.3,
+        ];
+        row.extend((0..2000).map(|i| -(i as f32) * 0.05));
+        row.extend([f32::NEG_INFINITY, -0.25, -2.0]);
+        let orig = row.clone();
+        let sum = <Avx2 as AttnOps>::exp_sub_sum(&mut row, 0.0);
+        let mut want_sum = 0f64;
+        for (&x, &e) in orig.iter().zip(&row) {
+            let want = (x as f64).exp();
+            want_sum += e as f64;
+            if x == f32::NEG_INFINITY {
+                assert_eq!(e, 0.0, "exp({x})");
+            } else if x < -87.0 {
+                assert!(e < 1e-37, "exp({x}) = {e}");
+            } else {
+                assert!(
+                    ((e as f64) - want).abs() <= 4e-7 * want,
+                    "exp({x}) = {e}, want {want}"
+                );
+            }
+        }
+        assert!((sum as f64 - want_sum).abs() < 1e-5 * want_sum);
     }
 
     #[test]
