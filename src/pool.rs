@@ -416,6 +416,25 @@ mod tests {
     }
 
     #[test]
+    fn every_chunk_panicking_on_all_threads() {
+        let pool = ThreadPool::new(2);
+        for _ in 0..20 {
+            let r = catch_unwind(AssertUnwindSafe(|| {
+                pool.run(50, &|_| {
+                    std::thread::sleep(std::time::Duration::from_micros(50));
+                    panic!("boom")
+                })
+            }));
+            assert!(r.is_err());
+        }
+        let count = AtomicUsize::new(0);
+        pool.run(7, &|_| {
+            count.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(count.load(Ordering::Relaxed), 7);
+    }
+
+    #[test]
     fn nested_run_does_not_deadlock() {
         let pool = ThreadPool::new(2);
         let count = AtomicUsize::new(0);

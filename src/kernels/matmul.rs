@@ -340,6 +340,7 @@ mod tests {
         check(&pool, 13, 67, 30, 6); // token tiles 3,3,3,3,1; row tails
         check(&pool, 29, 576, 100, 7); // > one token block
         check(&pool, 4, 300, 20, 12); // K block + scalar tail
+        check(&pool, 5, 576, 1536, 13); // model-sized, S > 1
         let pool1 = ThreadPool::new(1);
         check(&pool1, 5, 96, 44, 8);
     }
