@@ -2,12 +2,13 @@
 //! `[N, K]` (PyTorch order) in F32, F16 or BF16, plus fused epilogues.
 //!
 //! Work is split over output columns (weight rows) in chunks run on the
-//! pool. Inside a chunk, tokens are processed in blocks of [`TOKEN_BLOCK`]
-//! and weight rows in small tiles, so each weight tile is read once per
-//! token block (not once per token) while it sits in L1/L2; F16/BF16 weights
-//! are widened to f32 in registers. With AVX2+FMA+F16C (detected at run
-//! time) the tile kernels are SIMD; otherwise a portable path computes the
-//! same sums (within f32 rounding).
+//! pool (about four chunks per thread). Inside a chunk, tokens are processed
+//! in blocks of [`TOKEN_BLOCK`], so each weight element is read once per
+//! token block, not once per token; within a block the SIMD path works in
+//! K blocks with packed x rows and weight tiles widened to f32 once (see
+//! `matmul_avx2`). With AVX2+FMA+F16C (detected at run time) the tile
+//! kernels are SIMD; otherwise a portable path computes the same sums
+//! (within f32 rounding). Epilogues are applied as each block is stored.
 
 use super::{check_len, matmul_avx2, mul_dims, KernelError, WeightRef};
 use crate::pool::{SyncPtr, ThreadPool};
@@ -28,10 +29,14 @@ pub enum Epilogue<'a> {
 
 /// Tokens per block in the S>1 path (a multiple of the 3-token SIMD tile).
 pub const TOKEN_BLOCK: usize = 24;
-/// Largest number of output columns per chunk.
-const MAX_CHUNK_ROWS: usize = 64;
-/// Target bytes of weights per chunk (kept in L2 across token blocks).
-const CHUNK_WEIGHT_BYTES: usize = 256 * 1024;
+/// Largest number of output columns per chunk (half of it with SwiGLU,
+/// whose chunks compute gate and up columns). Large chunks amortise packing
+/// the x block; weights are read once per token block either way, which at
+/// 24 tokens is far below memory bandwidth.
+const MAX_CHUNK_ROWS: usize = 256;
+/// Largest chunk for a single token (GEMV is memory-bound; smaller chunks
+/// balance better).
+const MAX_GEMV_CHUNK_ROWS: usize = 64;
 
 /// Which implementation of the tile kernels to use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -76,7 +81,7 @@ pub fn matmul_with(
     y: &mut [f32],
 ) -> Result<(), KernelError> {
     const OP: &str = "matmul";
-    let es = w.elem_size(OP)?;
+    w.elem_size(OP)?;
     check_len(
         OP,
         "x elements (s*k)",
@@ -116,11 +121,12 @@ pub fn matmul_with(
         return Ok(());
     }
     let simd = isa == Isa::Auto && matmul_avx2::available();
-    let rows = chunk_rows(
-        n_out,
-        k * es * if n_out == n { 1 } else { 2 },
-        pool.n_threads(),
-    );
+    let max_rows = match (s, epilogue) {
+        (1, _) => MAX_GEMV_CHUNK_ROWS,
+        (_, Epilogue::SwiGlu) => MAX_CHUNK_ROWS / 2,
+        _ => MAX_CHUNK_ROWS,
+    };
+    let rows = chunk_rows(n_out, max_rows, pool.n_threads());
     let n_chunks = n_out.div_ceil(rows);
     let yp = SyncPtr::new(y);
     pool.run(n_chunks, &|c| {
@@ -134,12 +140,11 @@ pub fn matmul_with(
     Ok(())
 }
 
-/// Output columns per chunk: weights of one chunk fit the cache budget, and
-/// there are a few chunks per thread for load balance. Multiple of 8.
-fn chunk_rows(n_out: usize, bytes_per_col: usize, threads: usize) -> usize {
-    let by_cache = (CHUNK_WEIGHT_BYTES / bytes_per_col.max(1)).clamp(8, MAX_CHUNK_ROWS) & !7;
+/// Output columns per chunk: at most `max_rows`, and about four chunks per
+/// thread for load balance. Multiple of 8.
+fn chunk_rows(n_out: usize, max_rows: usize, threads: usize) -> usize {
     let by_balance = n_out.div_ceil(threads * 4).div_ceil(8) * 8;
-    by_cache.min(by_balance).max(8)
+    by_balance.clamp(8, max_rows)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -156,8 +161,13 @@ fn run_chunk(
     y: &mut [f32],
 ) {
     let nr = r1 - r0;
-    let mut acc = [0f32; TOKEN_BLOCK * MAX_CHUNK_ROWS];
-    let mut acc_up = [0f32; TOKEN_BLOCK * MAX_CHUNK_ROWS];
+    // Gate (or plain) sums in the first half, SwiGLU up sums in the second.
+    let mut buf = [0f32; TOKEN_BLOCK * MAX_CHUNK_ROWS];
+    let (acc, acc_up): (&mut [f32], &mut [f32]) = if matches!(epilogue, Epilogue::SwiGlu) {
+        buf.split_at_mut(TOKEN_BLOCK * MAX_CHUNK_ROWS / 2)
+    } else {
+        (&mut buf[..], &mut [])
+    };
     let mut s0 = 0;
     while s0 < s {
         let ns = (s - s0).min(TOKEN_BLOCK);

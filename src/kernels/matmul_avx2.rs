@@ -123,7 +123,7 @@ mod x86 {
 
     /// K-block of the multi-token path, in elements (x block and weight
     /// tile stay in L1).
-    pub(super) const KB: usize = 128;
+    pub(super) const KB: usize = 256;
     /// Tokens packed per K block in the multi-token path.
     pub(super) const MAX_NS: usize = 24;
 
