@@ -132,10 +132,7 @@ pub fn matmul_with(
     pool.run(n_chunks, &|c| {
         let r0 = c * rows;
         let r1 = (r0 + rows).min(n_out);
-        // SAFETY: chunk `c` writes only columns r0..r1 of every row of y,
-        // disjoint from all other chunks; y outlives `run`.
-        let y = unsafe { yp.slice(0, y_len) };
-        run_chunk(simd, x, s, k, w, n_out, r0, r1, epilogue, y);
+        run_chunk(simd, x, s, k, w, n_out, r0, r1, epilogue, yp);
     });
     Ok(())
 }
@@ -158,7 +155,7 @@ fn run_chunk(
     r0: usize,
     r1: usize,
     epilogue: Epilogue<'_>,
-    y: &mut [f32],
+    y: SyncPtr<f32>,
 ) {
     let nr = r1 - r0;
     // Gate (or plain) sums in the first half, SwiGLU up sums in the second.
@@ -178,7 +175,9 @@ fn run_chunk(
             block(simd, xb, ns, k, w, n_out + r0, nr, &mut acc_up[..ns * nr]);
         }
         for t in 0..ns {
-            let yrow = &mut y[(s0 + t) * n_out + r0..(s0 + t) * n_out + r1];
+            // SAFETY: this chunk alone owns columns r0..r1 of each row of y
+            // (`y` has s * n_out elements and r1 <= n_out); y outlives `run`.
+            let yrow = unsafe { y.slice((s0 + t) * n_out + r0, nr) };
             let arow = &acc[t * nr..(t + 1) * nr];
             match epilogue {
                 Epilogue::None => yrow.copy_from_slice(arow),
