@@ -7,6 +7,8 @@
 //! [`ThreadPool`](crate::pool::ThreadPool).
 
 pub mod attention;
+pub mod attention_fused;
+mod attention_ops;
 pub mod elementwise;
 pub mod embedding;
 pub mod kv;
@@ -17,9 +19,8 @@ pub mod rope;
 #[cfg(test)]
 pub(crate) mod testutil;
 
-pub use attention::{
-    attention_fused, attention_fused_scratch_len, attn_scores, attn_values, softmax_rows, AttnShape,
-};
+pub use attention::{attn_scores, attn_scores_len, attn_values, softmax_rows, AttnShape};
+pub use attention_fused::{attention_fused, attention_fused_scratch_len, attention_fused_with};
 pub use elementwise::{add, add_inplace, argmax, mul, mul_broadcast_rows, silu, swiglu};
 pub use embedding::embedding_rows;
 pub use kv::kv_write;
