@@ -47,6 +47,25 @@ fn time_it(budget: Duration, mut f: impl FnMut()) -> f64 {
     samples[2]
 }
 
+/// Latency of a `run` whose workers have parked (slept past the spin phase).
+fn pool_wake_latency() {
+    let pool = ThreadPool::new(2);
+    let mut v = Vec::new();
+    for _ in 0..30 {
+        std::thread::sleep(Duration::from_millis(3));
+        let t = Instant::now();
+        pool.run(2, &|i| {
+            black_box(i);
+        });
+        v.push(t.elapsed().as_secs_f64());
+    }
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    println!(
+        "pool.run after workers parked (threads=2, chunks=2): median {:.1} us",
+        v[v.len() / 2] * 1e6
+    );
+}
+
 fn pool_overhead() {
     for threads in [1, 2] {
         let pool = ThreadPool::new(threads);
@@ -157,6 +176,7 @@ fn main() {
     fma_peak();
     if !args.iter().any(|a| a == "nopool") {
         pool_overhead();
+        pool_wake_latency();
         attention_bench();
     }
     let sizes: &[(usize, usize)] = if quick {
