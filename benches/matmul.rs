@@ -209,17 +209,25 @@ fn main() {
                     }
                     let pool = ThreadPool::new(threads);
                     let budget = Duration::from_millis(if s == 1 { 400 } else { 1200 });
-                    let t = time_it(budget, || {
-                        matmul_with(&pool, isa, &x, s, k, w, n, Epilogue::None, &mut y).unwrap();
-                        black_box(&y);
-                    });
-                    let gbs = (wb.len() as f64) / t / 1e9;
-                    println!(
-                        "matmul {isa:?} {dtype:>4} N={n:>5} K={k} S={s:>3} threads={threads}: {:7.2} GFLOP/s  {:8.3} ms  (weights {:6.2} GB/s)",
-                        flops(s, n, k) / t / 1e9,
-                        t * 1e3,
-                        gbs
-                    );
+                    let isas: &[Isa] = if dtype == DType::BF16 && !portable {
+                        &[isa, Isa::Bf16Dot]
+                    } else {
+                        &[isa]
+                    };
+                    for &isa in isas {
+                        let t = time_it(budget, || {
+                            matmul_with(&pool, isa, &x, s, k, w, n, Epilogue::None, &mut y)
+                                .unwrap();
+                            black_box(&y);
+                        });
+                        let gbs = (wb.len() as f64) / t / 1e9;
+                        println!(
+                            "matmul {isa:>8?} {dtype:>4} N={n:>5} K={k} S={s:>3} threads={threads}: {:7.2} GFLOP/s  {:8.3} ms  (weights {:6.2} GB/s)",
+                            flops(s, n, k) / t / 1e9,
+                            t * 1e3,
+                            gbs
+                        );
+                    }
                 }
             }
         }

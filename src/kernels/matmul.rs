@@ -10,7 +10,8 @@
 //! kernels are SIMD; otherwise a portable path computes the same sums
 //! (within f32 rounding). Epilogues are applied as each block is stored.
 
-use super::{check_len, matmul_avx2, mul_dims, KernelError, WeightRef};
+use super::{check_len, matmul_avx2, matmul_bf16dot, mul_dims, KernelError, WeightRef};
+use crate::ir::DType;
 use crate::pool::{SyncPtr, ThreadPool};
 
 /// What to do with the raw products before storing them in `y`.
@@ -27,8 +28,10 @@ pub enum Epilogue<'a> {
     SwiGlu,
 }
 
-/// Tokens per block in the S>1 path (a multiple of the 3-token SIMD tile).
+/// Tokens per block in the S>1 path (a multiple of the 3- and 6-token
+/// SIMD tiles).
 pub const TOKEN_BLOCK: usize = 24;
+const _: () = assert!(TOKEN_BLOCK <= matmul_bf16dot::MAX_NS);
 /// Largest number of output columns per chunk (half of it with SwiGLU,
 /// whose chunks compute gate and up columns). Large chunks amortise packing
 /// the x block; weights are read once per token block either way, which at
@@ -41,10 +44,23 @@ const MAX_GEMV_CHUNK_ROWS: usize = 64;
 /// Which implementation of the tile kernels to use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
-    /// The best available on this CPU.
+    /// The best exact-f32 implementation available on this CPU.
     Auto,
     /// Portable Rust (no explicit SIMD).
     Portable,
+    /// For BF16 weights on CPUs with AVX-512 BF16: round activations to
+    /// bf16 and use `VDPBF16PS` (about 2× the arithmetic rate; results differ
+    /// by the activation rounding, as in llama.cpp's BF16 path). Other
+    /// dtypes or CPUs fall back to [`Isa::Auto`].
+    Bf16Dot,
+}
+
+/// The tile implementation chosen for one call.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Path {
+    Portable,
+    Avx2,
+    Bf16Dot,
 }
 
 /// Computes `x·Wᵀ` with `epilogue` into `y`.
@@ -120,7 +136,12 @@ pub fn matmul_with(
         }
         return Ok(());
     }
-    let simd = isa == Isa::Auto && matmul_avx2::available();
+    let path = match isa {
+        Isa::Portable => Path::Portable,
+        Isa::Bf16Dot if w.dtype == DType::BF16 && matmul_bf16dot::available() => Path::Bf16Dot,
+        _ if matmul_avx2::available() => Path::Avx2,
+        _ => Path::Portable,
+    };
     let max_rows = match (s, epilogue) {
         (1, _) => MAX_GEMV_CHUNK_ROWS,
         (_, Epilogue::SwiGlu) => MAX_CHUNK_ROWS / 2,
@@ -132,7 +153,7 @@ pub fn matmul_with(
     pool.run(n_chunks, &|c| {
         let r0 = c * rows;
         let r1 = (r0 + rows).min(n_out);
-        run_chunk(simd, x, s, k, w, n_out, r0, r1, epilogue, yp);
+        run_chunk(path, x, s, k, w, n_out, r0, r1, epilogue, yp);
     });
     Ok(())
 }
@@ -146,7 +167,7 @@ fn chunk_rows(n_out: usize, max_rows: usize, threads: usize) -> usize {
 
 #[allow(clippy::too_many_arguments)]
 fn run_chunk(
-    simd: bool,
+    path: Path,
     x: &[f32],
     s: usize,
     k: usize,
@@ -170,9 +191,9 @@ fn run_chunk(
         let ns = (s - s0).min(TOKEN_BLOCK);
         let xb = &x[s0 * k..(s0 + ns) * k];
         let out = &mut acc[..ns * nr];
-        block(simd, xb, ns, k, w, r0, nr, out);
+        block(path, xb, ns, k, w, r0, nr, out);
         if let Epilogue::SwiGlu = epilogue {
-            block(simd, xb, ns, k, w, n_out + r0, nr, &mut acc_up[..ns * nr]);
+            block(path, xb, ns, k, w, n_out + r0, nr, &mut acc_up[..ns * nr]);
         }
         for t in 0..ns {
             // SAFETY: this chunk alone owns columns r0..r1 of each row of y
@@ -203,7 +224,7 @@ fn run_chunk(
 /// `out[t * nr + r] = dot(x[t], W[row0 + r])` for `t < ns`, `r < nr`.
 #[allow(clippy::too_many_arguments)]
 fn block(
-    simd: bool,
+    path: Path,
     x: &[f32],
     ns: usize,
     k: usize,
@@ -212,10 +233,10 @@ fn block(
     nr: usize,
     out: &mut [f32],
 ) {
-    if simd {
-        matmul_avx2::block(x, ns, k, w, row0, nr, out);
-    } else {
-        block_portable(x, ns, k, w, row0, nr, out);
+    match path {
+        Path::Avx2 => matmul_avx2::block(x, ns, k, w, row0, nr, out),
+        Path::Bf16Dot => matmul_bf16dot::block(x, ns, k, w.bytes, row0, nr, out),
+        Path::Portable => block_portable(x, ns, k, w, row0, nr, out),
     }
 }
 
@@ -352,6 +373,90 @@ mod tests {
         check(&pool, 5, 576, 1536, 13); // model-sized, S > 1
         let pool1 = ThreadPool::new(1);
         check(&pool1, 5, 96, 44, 8);
+    }
+
+    #[test]
+    fn bf16_dot_path() {
+        // Expected: exact sums of bf16(x) * bf16(w); on CPUs without
+        // AVX-512 BF16 the call falls back to the exact path, which must
+        // then match the unrounded-x reference instead.
+        let pool = ThreadPool::new(2);
+        let has = matmul_bf16dot::available();
+        for (i, &(s, k, n)) in [
+            (1, 576, 72),
+            (5, 67, 20),
+            (13, 300, 64),
+            (24, 1100, 36),
+            (29, 2048, 9),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let mut rng = Rng::new(100 + i as u64);
+            let x = rng.vec(s * k);
+            let wf = rng.vec(n * k);
+            let wb = encode(&wf, DType::BF16);
+            let xr = if has {
+                decoded(&x, DType::BF16)
+            } else {
+                x.clone()
+            };
+            let want = naive(&xr, s, k, &decoded(&wf, DType::BF16), n);
+            let mut y = vec![f32::NAN; s * n];
+            let w = WeightRef::new(DType::BF16, &wb);
+            matmul_with(&pool, Isa::Bf16Dot, &x, s, k, w, n, Epilogue::None, &mut y).unwrap();
+            assert_close(
+                &y,
+                &want,
+                tol(k),
+                1e-5,
+                &format!("bf16dot s={s} k={k} n={n}"),
+            );
+            // SwiGLU epilogue through the same path.
+            let mut ys = vec![f32::NAN; s * n / 2];
+            if n % 2 == 0 {
+                matmul_with(
+                    &pool,
+                    Isa::Bf16Dot,
+                    &x,
+                    s,
+                    k,
+                    w,
+                    n,
+                    Epilogue::SwiGlu,
+                    &mut ys,
+                )
+                .unwrap();
+                let f = n / 2;
+                for t in 0..s {
+                    for j in 0..f {
+                        let (g, u) = (want[t * n + j], want[t * n + f + j]);
+                        let e = g / (1.0 + (-g).exp()) * u;
+                        assert!(
+                            (ys[t * f + j] as f64 - e).abs() < 4.0 * tol(k),
+                            "swiglu bf16dot"
+                        );
+                    }
+                }
+            }
+        }
+        // F32 weights with Bf16Dot requested use the exact path.
+        let x = vec![0.3f32; 2 * 9];
+        let w = vec![1.0f32 / 3.0; 4 * 9];
+        let mut y = vec![0.0; 8];
+        matmul_with(
+            &pool,
+            Isa::Bf16Dot,
+            &x,
+            2,
+            9,
+            WeightRef::from_f32(&w),
+            4,
+            Epilogue::None,
+            &mut y,
+        )
+        .unwrap();
+        assert!(y.iter().all(|&v| (v - 0.9).abs() < 1e-6));
     }
 
     #[test]

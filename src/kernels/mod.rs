@@ -14,6 +14,7 @@ pub mod embedding;
 pub mod kv;
 pub mod matmul;
 mod matmul_avx2;
+mod matmul_bf16dot;
 pub mod norm;
 pub mod rope;
 #[cfg(test)]
