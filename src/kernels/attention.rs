@@ -38,7 +38,10 @@ impl AttnShape {
         v_cache: &[f32],
         out_len: usize,
     ) -> Result<(), KernelError> {
-        if self.n_kv_heads == 0 || self.head_dim == 0 || self.n_heads % self.n_kv_heads != 0 {
+        if self.n_kv_heads == 0
+            || self.head_dim == 0
+            || !self.n_heads.is_multiple_of(self.n_kv_heads)
+        {
             return Err(KernelError::Invalid {
                 op,
                 what: "need n_kv_heads > 0, head_dim > 0 and n_heads a multiple of n_kv_heads",
@@ -142,7 +145,7 @@ pub fn softmax_rows(pool: &ThreadPool, x: &mut [f32], row_len: usize) -> Result<
     if row_len == 0 {
         return check_len(OP, "elements (row_len is 0)", 0, x.len());
     }
-    if x.len() % row_len != 0 {
+    if !x.len().is_multiple_of(row_len) {
         return Err(KernelError::Shape {
             op: OP,
             what: "elements (multiple of row_len)",

@@ -107,7 +107,7 @@ pub fn matmul_with(
     w.check_elems(OP, mul_dims(OP, "n*k overflows", n, k)?)?;
     let n_out = match epilogue {
         Epilogue::SwiGlu => {
-            if n % 2 != 0 {
+            if !n.is_multiple_of(2) {
                 return Err(KernelError::Invalid {
                     op: OP,
                     what: "SwiGlu needs an even number of weight rows (gate and up)",
@@ -336,7 +336,7 @@ mod tests {
                 matmul_with(pool, isa, &x, s, k, w, n, Epilogue::Accumulate, &mut y2).unwrap();
                 assert_close(&y2, &want_r, tol(k), 1e-5, &what);
                 // SwiGLU over the same weights seen as [gate; up].
-                if n % 2 == 0 {
+                if n.is_multiple_of(2) {
                     let f = n / 2;
                     let mut ys = vec![f32::NAN; s * f];
                     matmul_with(pool, isa, &x, s, k, w, n, Epilogue::SwiGlu, &mut ys).unwrap();

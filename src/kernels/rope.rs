@@ -64,7 +64,7 @@ fn check_x(
     n_heads: usize,
     head_dim: usize,
 ) -> Result<(), KernelError> {
-    if head_dim == 0 || head_dim % 2 != 0 {
+    if head_dim == 0 || !head_dim.is_multiple_of(2) {
         return Err(KernelError::Invalid {
             op,
             what: "head_dim must be even and non-zero",
@@ -124,7 +124,7 @@ impl RopeTable {
         max_pos: usize,
     ) -> Result<Self, KernelError> {
         const OP: &str = "RopeTable::new";
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(KernelError::Invalid {
                 op: OP,
                 what: "head_dim must be even and non-zero",
