@@ -66,6 +66,60 @@ fn pool_wake_latency() {
     );
 }
 
+/// Single-thread streaming read bandwidth over a 64 MiB buffer (DRAM).
+fn read_bandwidth() {
+    let buf: Vec<u64> = (0..8usize << 20).map(|i| i as u64).collect();
+    let t = time_it(Duration::from_millis(500), || {
+        let mut acc = [0u64; 8];
+        for c in buf.chunks_exact(8) {
+            for i in 0..8 {
+                acc[i] = acc[i].wrapping_add(c[i]);
+            }
+        }
+        black_box(acc);
+    });
+    println!(
+        "read bandwidth (1 thread, 64 MiB): {:.1} GB/s",
+        (buf.len() * 8) as f64 / t / 1e9
+    );
+}
+
+/// Two chunks of pure arithmetic (~1 ms each) on 1 and 2 threads: shows
+/// whether a second core is actually available while benchmarking.
+fn pool_scaling() {
+    fn work(seed: usize) -> f64 {
+        let mut x = seed as f64;
+        for i in 0..1_500_000 {
+            x = x * 0.999_999 + (i & 7) as f64;
+        }
+        x
+    }
+    for threads in [1, 2] {
+        let pool = ThreadPool::new(threads);
+        let t = time_it(Duration::from_millis(300), || {
+            pool.run(2, &|i| {
+                black_box(work(black_box(i)));
+            })
+        });
+        println!(
+            "pool scaling: 2 x compute chunk, threads={threads}: {:.3} ms",
+            t * 1e3
+        );
+    }
+    // Baseline without the pool: a scoped thread per chunk (spawned per call).
+    let t = time_it(Duration::from_millis(300), || {
+        std::thread::scope(|sc| {
+            let h = sc.spawn(|| black_box(work(black_box(1))));
+            black_box(work(black_box(0)));
+            black_box(h.join().ok());
+        })
+    });
+    println!(
+        "pool scaling baseline: 2 x compute chunk, std::thread::scope: {:.3} ms",
+        t * 1e3
+    );
+}
+
 fn pool_overhead() {
     for threads in [1, 2] {
         let pool = ThreadPool::new(threads);
@@ -174,9 +228,11 @@ fn main() {
         given.is_empty() || given.iter().any(|a| a.as_str() == tag)
     };
     fma_peak();
+    read_bandwidth();
     if !args.iter().any(|a| a == "nopool") {
         pool_overhead();
         pool_wake_latency();
+        pool_scaling();
         attention_bench();
     }
     let sizes: &[(usize, usize)] = if quick {

@@ -361,6 +361,7 @@ mod tests {
         check(&pool, 1, 1536, 576, 2);
         check(&pool, 1, 13, 37, 3);
         check(&pool, 1, 8, 9, 4);
+        check(&pool, 1, 32, 45, 14); // permuted BF16 GEMV with a row remainder
     }
 
     #[test]

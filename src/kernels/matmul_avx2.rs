@@ -55,6 +55,9 @@ pub(crate) fn block(
             match w.dtype {
                 DType::F32 => x86::f32w::block(x.as_ptr(), ns, k, wp, nr, out.as_mut_ptr()),
                 DType::F16 => x86::f16w::block(x.as_ptr(), ns, k, wp, nr, out.as_mut_ptr()),
+                DType::BF16 if ns == 1 && k % 16 == 0 && k <= x86::GEMV_PERM_MAX_K => {
+                    x86::gemv_bf16_perm(x.as_ptr(), k, wp, nr, out.as_mut_ptr())
+                }
                 DType::BF16 => x86::bf16w::block(x.as_ptr(), ns, k, wp, nr, out.as_mut_ptr()),
                 _ => unreachable!("dtype checked by matmul"),
             }
@@ -395,6 +398,80 @@ mod x86 {
                 }
             }
         };
+    }
+
+    /// Largest K for [`gemv_bf16_perm`] (its permuted copy of x lives on
+    /// the stack).
+    pub(super) const GEMV_PERM_MAX_K: usize = 16384;
+
+    /// BF16 GEMV without shuffles: 16 bf16 weights (one 32-byte load) give
+    /// the even elements as f32 via a 16-bit left shift and the odd ones by
+    /// masking the low halves; x is permuted once into matching
+    /// [8 evens, 8 odds] groups. 4 rows × 2 accumulators.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn gemv_bf16_perm(
+        x: *const f32,
+        k: usize,
+        w: *const u8,
+        nr: usize,
+        out: *mut f32,
+    ) {
+        // SAFETY: x has k floats (k % 16 == 0, k <= GEMV_PERM_MAX_K), w has
+        // nr rows of k bf16, out has nr floats.
+        unsafe {
+            let mut xp_mem = std::mem::MaybeUninit::<[f32; GEMV_PERM_MAX_K]>::uninit();
+            let xp = xp_mem.as_mut_ptr().cast::<f32>();
+            let mut e = 0;
+            while e < k {
+                for i in 0..8 {
+                    *xp.add(e + i) = *x.add(e + 2 * i);
+                    *xp.add(e + 8 + i) = *x.add(e + 2 * i + 1);
+                }
+                e += 16;
+            }
+            let wrb = k * 2;
+            let hi_mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+            let mut r = 0;
+            while r + 4 <= nr {
+                let mut ae = [_mm256_setzero_ps(); 4];
+                let mut ao = [_mm256_setzero_ps(); 4];
+                let mut e = 0;
+                while e < k {
+                    let xe = _mm256_loadu_ps(xp.add(e));
+                    let xo = _mm256_loadu_ps(xp.add(e + 8));
+                    for i in 0..4 {
+                        let v = _mm256_loadu_si256(w.add((r + i) * wrb + e * 2).cast());
+                        let lo = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v));
+                        let hi = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
+                        ae[i] = _mm256_fmadd_ps(lo, xe, ae[i]);
+                        ao[i] = _mm256_fmadd_ps(hi, xo, ao[i]);
+                    }
+                    e += 16;
+                }
+                let v = hsum4(
+                    _mm256_add_ps(ae[0], ao[0]),
+                    _mm256_add_ps(ae[1], ao[1]),
+                    _mm256_add_ps(ae[2], ao[2]),
+                    _mm256_add_ps(ae[3], ao[3]),
+                );
+                _mm_storeu_ps(out.add(r), v);
+                r += 4;
+            }
+            while r < nr {
+                let mut a = _mm256_setzero_ps();
+                let mut e = 0;
+                while e < k {
+                    let v = _mm256_loadu_si256(w.add(r * wrb + e * 2).cast());
+                    let lo = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v));
+                    let hi = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
+                    a = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xp.add(e)), a);
+                    a = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xp.add(e + 8)), a);
+                    e += 16;
+                }
+                *out.add(r) = hsum(a);
+                r += 1;
+            }
+        }
     }
 
     tile_kernels!(f32w, 4, load_f32, one_f32);
