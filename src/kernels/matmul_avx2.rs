@@ -55,7 +55,7 @@ pub(crate) fn block(
             match w.dtype {
                 DType::F32 => x86::f32w::block(x.as_ptr(), ns, k, wp, nr, out.as_mut_ptr()),
                 DType::F16 => x86::f16w::block(x.as_ptr(), ns, k, wp, nr, out.as_mut_ptr()),
-                DType::BF16 if ns == 1 && k % 16 == 0 && k <= x86::GEMV_PERM_MAX_K => {
+                DType::BF16 if ns == 1 && k.is_multiple_of(16) && k <= x86::GEMV_PERM_MAX_K => {
                     x86::gemv_bf16_perm(x.as_ptr(), k, wp, nr, out.as_mut_ptr())
                 }
                 DType::BF16 => x86::bf16w::block(x.as_ptr(), ns, k, wp, nr, out.as_mut_ptr()),
