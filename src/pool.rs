@@ -20,23 +20,35 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, TryLockError};
 use std::thread::JoinHandle;
 
-/// Busy-wait iterations before an idle worker (or the waiting caller) sleeps.
-const SPIN_ITERS: u32 = 1 << 14;
+/// Busy-wait iterations before an idle worker sleeps (~0.1 ms).
+const SPIN_ITERS: u32 = 1 << 12;
+/// Busy-wait iterations before the caller, waiting for workers still inside
+/// a chunk, sleeps.
+const WAIT_SPIN_ITERS: u32 = 1 << 16;
 
 type Job = *const (dyn Fn(usize, usize) + Sync + 'static);
 
+/// Job state word: bits 0..32 count workers inside the job, bit 32 is set
+/// once the job is closed to joiners, bits 33.. hold the job's epoch.
+const ACTIVE_MASK: u64 = (1 << 32) - 1;
+const CLOSED: u64 = 1 << 32;
+const EPOCH_SHIFT: u32 = 33;
+
+fn epoch_of(st: u64) -> u64 {
+    st >> EPOCH_SHIFT
+}
+
 struct Shared {
-    /// Incremented (by the caller) each time a new job is published.
-    epoch: AtomicU64,
-    /// The current job; written only by the caller while no worker is inside
-    /// a job, read by workers after they observe a new `epoch`.
+    /// See [`ACTIVE_MASK`], [`CLOSED`], [`EPOCH_SHIFT`].
+    state: AtomicU64,
+    /// The current job; written by the caller only while the previous job is
+    /// closed with no worker inside and the next is not yet open; read by a
+    /// worker only after it joined an open job (and before it leaves).
     job: UnsafeCell<Option<Job>>,
     n_chunks: AtomicUsize,
     next_chunk: AtomicUsize,
-    /// Workers that have not yet finished the current job.
-    pending: AtomicUsize,
-    /// Workers currently asleep on `wake_cv` (so the caller can skip the
-    /// notify syscall when everybody is spinning).
+    /// Workers asleep on `wake_cv` (the caller skips the notify syscall when
+    /// everybody is spinning).
     sleepers: AtomicUsize,
     caller_sleeping: AtomicBool,
     shutdown: AtomicBool,
@@ -47,11 +59,11 @@ struct Shared {
     panic: Mutex<Option<Box<dyn Any + Send + 'static>>>,
 }
 
-// SAFETY: `job` is only written by the thread holding `run_lock` while no
-// worker can read it (all workers have decremented `pending` for the previous
-// epoch and the new epoch is not yet published); workers read it only between
-// observing a new epoch (Acquire) and decrementing `pending` (Release). The
-// pointee is `Sync`.
+// SAFETY: `job` is accessed under the join/close protocol described on the
+// field: the caller's write happens-before a worker's read (Release store of
+// the open state / Acquire CAS that joins), and the worker's last use
+// happens-before the caller's next write (AcqRel decrement of the active
+// count, observed by the caller with Acquire). The pointee is `Sync`.
 unsafe impl Sync for Shared {}
 // SAFETY: see above; the raw pointer is only dereferenced under that protocol.
 unsafe impl Send for Shared {}
@@ -63,6 +75,8 @@ pub struct ThreadPool {
     n_threads: usize,
     /// Serialises `run`; a failed `try_lock` means nested/concurrent use.
     run_lock: Mutex<()>,
+    /// Epoch of the next job (only touched under `run_lock`).
+    next_epoch: AtomicU64,
 }
 
 impl std::fmt::Debug for ThreadPool {
@@ -79,11 +93,10 @@ impl ThreadPool {
     pub fn new(n_threads: usize) -> Self {
         let n_threads = n_threads.max(1);
         let shared = Arc::new(Shared {
-            epoch: AtomicU64::new(0),
+            state: AtomicU64::new(CLOSED),
             job: UnsafeCell::new(None),
             n_chunks: AtomicUsize::new(0),
             next_chunk: AtomicUsize::new(0),
-            pending: AtomicUsize::new(0),
             sleepers: AtomicUsize::new(0),
             caller_sleeping: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
@@ -106,6 +119,7 @@ impl ThreadPool {
             workers,
             n_threads,
             run_lock: Mutex::new(()),
+            next_epoch: AtomicU64::new(1),
         }
     }
 
@@ -132,6 +146,10 @@ impl ThreadPool {
     /// any moment each index is used by at most one thread of this job.
     /// (Nested or concurrent calls run inline with index 0; per-thread
     /// scratch handed out as `&mut` cannot be shared with them anyway.)
+    ///
+    /// Workers join a job only while it is open; the caller closes it once
+    /// every chunk has been taken, so a worker that is not scheduled in time
+    /// never delays the caller.
     pub fn run_indexed<F: Fn(usize, usize) + Sync>(&self, n_chunks: usize, f: &F) {
         if n_chunks == 0 {
             return;
@@ -154,18 +172,19 @@ impl ThreadPool {
         let s = &*self.shared;
         let dyn_f: &(dyn Fn(usize, usize) + Sync) = f;
         // SAFETY: erasing the lifetime is sound because this function does not
-        // return (normally or by unwinding) before every worker has
-        // decremented `pending`, after which no worker touches the job.
+        // return (normally or by unwinding) before the job is closed and every
+        // worker that joined it has left; no worker touches the job after.
         let job: Job = unsafe {
             std::mem::transmute::<*const (dyn Fn(usize, usize) + Sync + '_), Job>(dyn_f as *const _)
         };
-        // SAFETY: no worker reads `job` now: all of them finished the previous
-        // epoch (pending == 0) and the new epoch is not yet published.
+        // SAFETY: the previous job is closed with no worker inside, and the
+        // new one is not open yet, so nobody reads `job` concurrently.
         unsafe { *s.job.get() = Some(job) };
         s.n_chunks.store(n_chunks, Ordering::Relaxed);
         s.next_chunk.store(0, Ordering::Relaxed);
-        s.pending.store(self.workers.len(), Ordering::Relaxed);
-        s.epoch.fetch_add(1, Ordering::SeqCst);
+        let epoch =
+            self.next_epoch.fetch_add(1, Ordering::Relaxed) & ((1 << (64 - EPOCH_SHIFT)) - 1);
+        s.state.store(epoch << EPOCH_SHIFT, Ordering::SeqCst); // open, 0 active
         if s.sleepers.load(Ordering::SeqCst) > 0 {
             let _l = s.lock.lock().unwrap_or_else(|p| p.into_inner());
             s.wake_cv.notify_all();
@@ -173,22 +192,24 @@ impl ThreadPool {
 
         run_chunks(s, f, 0);
 
-        // Wait for all workers to leave the job.
+        // Every chunk is taken: close the job to late joiners, then wait for
+        // the workers inside to finish their chunks.
+        s.state.fetch_or(CLOSED, Ordering::SeqCst);
         let mut spins = 0u32;
-        while s.pending.load(Ordering::Acquire) != 0 {
-            if spins < SPIN_ITERS {
+        while s.state.load(Ordering::Acquire) & ACTIVE_MASK != 0 {
+            if spins < WAIT_SPIN_ITERS {
                 spins += 1;
                 std::hint::spin_loop();
                 continue;
             }
             let mut l = s.lock.lock().unwrap_or_else(|p| p.into_inner());
             s.caller_sleeping.store(true, Ordering::SeqCst);
-            while s.pending.load(Ordering::SeqCst) != 0 {
+            while s.state.load(Ordering::SeqCst) & ACTIVE_MASK != 0 {
                 l = s.done_cv.wait(l).unwrap_or_else(|p| p.into_inner());
             }
             s.caller_sleeping.store(false, Ordering::SeqCst);
         }
-        // SAFETY: all workers are out of the job; clear the dangling pointer.
+        // SAFETY: closed and no worker inside; clear the dangling pointer.
         unsafe { *s.job.get() = None };
         let payload = s.panic.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(p) = payload {
@@ -209,7 +230,7 @@ fn run_chunks(s: &Shared, f: &(dyn Fn(usize, usize) + Sync), tid: usize) {
         f(i, tid);
     }));
     if let Err(p) = r {
-        // Stop handing out chunks (saturating far above n).
+        // Stop handing out chunks (far above n, no overflow on later adds).
         s.next_chunk.store(usize::MAX / 2, Ordering::Relaxed);
         let mut slot = s.panic.lock().unwrap_or_else(|p| p.into_inner());
         if slot.is_none() {
@@ -218,17 +239,44 @@ fn run_chunks(s: &Shared, f: &(dyn Fn(usize, usize) + Sync), tid: usize) {
     }
 }
 
-fn worker_loop(s: &Shared, tid: usize) {
-    let mut seen = 0u64;
+/// Tries to enter the open job whose epoch differs from `seen`. Returns the
+/// joined epoch, or `Err(epoch)` if the newest job is already closed.
+fn try_join(s: &Shared, seen: u64) -> Option<Result<u64, u64>> {
+    let mut st = s.state.load(Ordering::Acquire);
     loop {
-        // Wait for a new epoch or shutdown.
+        if epoch_of(st) == seen {
+            return None;
+        }
+        if st & CLOSED != 0 {
+            return Some(Err(epoch_of(st)));
+        }
+        match s
+            .state
+            .compare_exchange_weak(st, st + 1, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => return Some(Ok(epoch_of(st))),
+            Err(cur) => st = cur,
+        }
+    }
+}
+
+fn worker_loop(s: &Shared, tid: usize) {
+    let mut seen = epoch_of(s.state.load(Ordering::Acquire));
+    loop {
+        // Wait for a job with a new epoch (or shutdown).
         let mut spins = 0u32;
-        loop {
+        let joined = loop {
             if s.shutdown.load(Ordering::Acquire) {
                 return;
             }
-            if s.epoch.load(Ordering::Acquire) != seen {
-                break;
+            match try_join(s, seen) {
+                Some(Ok(e)) => break e,
+                Some(Err(e)) => {
+                    // Missed that job entirely; wait for the next one.
+                    seen = e;
+                    continue;
+                }
+                None => {}
             }
             if spins < SPIN_ITERS {
                 spins += 1;
@@ -237,21 +285,23 @@ fn worker_loop(s: &Shared, tid: usize) {
             }
             let mut l = s.lock.lock().unwrap_or_else(|p| p.into_inner());
             s.sleepers.fetch_add(1, Ordering::SeqCst);
-            while s.epoch.load(Ordering::SeqCst) == seen && !s.shutdown.load(Ordering::SeqCst) {
+            while epoch_of(s.state.load(Ordering::SeqCst)) == seen
+                && !s.shutdown.load(Ordering::SeqCst)
+            {
                 l = s.wake_cv.wait(l).unwrap_or_else(|p| p.into_inner());
             }
             s.sleepers.fetch_sub(1, Ordering::SeqCst);
-        }
-        seen = s.epoch.load(Ordering::Acquire);
-        // SAFETY: the caller published `job` before bumping `epoch` (we
-        // observed it with Acquire) and keeps the closure alive until we
-        // decrement `pending` below.
+            spins = 0;
+        };
+        seen = joined;
+        // SAFETY: we joined an open job: the caller published `job` before
+        // opening it and keeps the closure alive until we leave below.
         if let Some(job) = unsafe { *s.job.get() } {
             // SAFETY: as above, the pointee outlives this use.
             run_chunks(s, unsafe { &*job }, tid);
         }
-        if s.pending.fetch_sub(1, Ordering::SeqCst) == 1 && s.caller_sleeping.load(Ordering::SeqCst)
-        {
+        let prev = s.state.fetch_sub(1, Ordering::SeqCst);
+        if prev & ACTIVE_MASK == 1 && s.caller_sleeping.load(Ordering::SeqCst) {
             let _l = s.lock.lock().unwrap_or_else(|p| p.into_inner());
             s.done_cv.notify_all();
         }
@@ -363,6 +413,25 @@ mod tests {
                 .sum::<usize>(),
             1000
         );
+    }
+
+    #[test]
+    fn every_chunk_panicking_on_all_threads() {
+        let pool = ThreadPool::new(2);
+        for _ in 0..20 {
+            let r = catch_unwind(AssertUnwindSafe(|| {
+                pool.run(50, &|_| {
+                    std::thread::sleep(std::time::Duration::from_micros(50));
+                    panic!("boom")
+                })
+            }));
+            assert!(r.is_err());
+        }
+        let count = AtomicUsize::new(0);
+        pool.run(7, &|_| {
+            count.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(count.load(Ordering::Relaxed), 7);
     }
 
     #[test]

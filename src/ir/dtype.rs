@@ -52,7 +52,7 @@ impl DType {
     /// Bytes needed for `n` elements, or `None` when `n` is not a whole
     /// number of blocks or the size overflows.
     pub fn bytes_for(self, n: usize) -> Option<usize> {
-        if n % self.block_elems() != 0 {
+        if !n.is_multiple_of(self.block_elems()) {
             return None;
         }
         (n / self.block_elems()).checked_mul(self.block_bytes())

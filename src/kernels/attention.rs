@@ -4,10 +4,10 @@
 //! `0..P+S`; query `s` (absolute position `P+s`) attends keys `0..=P+s`;
 //! head `h` reads kv head `h / (H / Hkv)`; scores are scaled by `1/sqrt(D)`.
 //!
-//! Two forms: the unfused pieces [`attn_scores`] → [`softmax_rows`] →
-//! [`attn_values`] (materialising `[H, S, T]`), and [`attention_fused`], a
-//! streaming-softmax kernel that never materialises the score matrix and
-//! reads each kv head once per query block for all of its query heads.
+//! Two forms: the unfused pieces here, [`attn_scores`] → [`softmax_rows`] →
+//! [`attn_values`] (materialising `[H, S, T]`), and
+//! [`attention_fused`](super::attention_fused::attention_fused), a
+//! streaming-softmax kernel that never materialises the score matrix.
 
 use super::matmul::dot8;
 use super::{check_len, mul_dims, KernelError};
@@ -30,7 +30,7 @@ impl AttnShape {
     pub fn n_keys(&self) -> usize {
         self.pos + self.s
     }
-    fn check(
+    pub(super) fn check(
         &self,
         op: &'static str,
         q: &[f32],
@@ -38,7 +38,10 @@ impl AttnShape {
         v_cache: &[f32],
         out_len: usize,
     ) -> Result<(), KernelError> {
-        if self.n_kv_heads == 0 || self.head_dim == 0 || self.n_heads % self.n_kv_heads != 0 {
+        if self.n_kv_heads == 0
+            || self.head_dim == 0
+            || !self.n_heads.is_multiple_of(self.n_kv_heads)
+        {
             return Err(KernelError::Invalid {
                 op,
                 what: "need n_kv_heads > 0, head_dim > 0 and n_heads a multiple of n_kv_heads",
@@ -84,7 +87,7 @@ impl AttnShape {
         }
         Ok(())
     }
-    fn scale(&self) -> f32 {
+    pub(super) fn scale(&self) -> f32 {
         1.0 / (self.head_dim as f32).sqrt()
     }
 }
@@ -142,7 +145,7 @@ pub fn softmax_rows(pool: &ThreadPool, x: &mut [f32], row_len: usize) -> Result<
     if row_len == 0 {
         return check_len(OP, "elements (row_len is 0)", 0, x.len());
     }
-    if x.len() % row_len != 0 {
+    if !x.len().is_multiple_of(row_len) {
         return Err(KernelError::Shape {
             op: OP,
             what: "elements (multiple of row_len)",
@@ -222,174 +225,20 @@ pub fn attn_values(
     Ok(())
 }
 
-#[inline]
-fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+#[inline(always)]
+pub(super) fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     for (yi, &xi) in y.iter_mut().zip(x) {
         *yi += a * xi;
-    }
-}
-
-/// Query tokens per work item of the fused kernel.
-const Q_BLOCK: usize = 16;
-/// Keys per tile of the fused kernel.
-const K_TILE: usize = 64;
-
-fn fused_per_thread(shape: &AttnShape) -> usize {
-    let rows = (shape.n_heads / shape.n_kv_heads.max(1)) * Q_BLOCK.min(shape.s.max(1));
-    rows * (shape.head_dim + K_TILE + 2)
-}
-
-/// Scratch elements [`attention_fused`] needs for a pool of `n_threads`.
-pub fn attention_fused_scratch_len(shape: &AttnShape, n_threads: usize) -> usize {
-    fused_per_thread(shape) * n_threads.max(1)
-}
-
-/// Fused causal GQA attention with an online softmax; `out` is `[S, H, D]`.
-/// `scratch` needs at least [`attention_fused_scratch_len`]`(shape,
-/// pool.n_threads())` elements. Work items are (kv head, block of 16
-/// queries); each loads every key/value row once for all `n_rep` heads.
-pub fn attention_fused(
-    pool: &ThreadPool,
-    q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
-    shape: AttnShape,
-    out: &mut [f32],
-    scratch: &mut [f32],
-) -> Result<(), KernelError> {
-    const OP: &str = "attention_fused";
-    shape.check(OP, q, k_cache, v_cache, out.len())?;
-    let per = fused_per_thread(&shape);
-    let need = attention_fused_scratch_len(&shape, pool.n_threads());
-    if scratch.len() < need {
-        return Err(KernelError::Shape {
-            op: OP,
-            what: "scratch elements (attention_fused_scratch_len)",
-            expected: need,
-            actual: scratch.len(),
-        });
-    }
-    if shape.s == 0 {
-        return Ok(());
-    }
-    let n_qb = shape.s.div_ceil(Q_BLOCK);
-    let sp = SyncPtr::new(scratch);
-    let op = SyncPtr::new(out);
-    let out_len = out_len(&shape);
-    pool.run_indexed(shape.n_kv_heads * n_qb, &|c, tid| {
-        let g = c / n_qb;
-        let s0 = (c % n_qb) * Q_BLOCK;
-        let s1 = (s0 + Q_BLOCK).min(shape.s);
-        // SAFETY: thread `tid` is the only user of its scratch slice during
-        // this job; work item c writes only out[s0..s1, heads of group g, :].
-        let scr = unsafe { sp.slice(tid * per, per) };
-        fused_item(q, k_cache, v_cache, &shape, g, s0, s1, op, out_len, scr);
-    });
-    Ok(())
-}
-
-fn out_len(shape: &AttnShape) -> usize {
-    shape.s * shape.n_heads * shape.head_dim
-}
-
-#[allow(clippy::too_many_arguments)]
-fn fused_item(
-    q: &[f32],
-    kc: &[f32],
-    vc: &[f32],
-    sh: &AttnShape,
-    g: usize,
-    s0: usize,
-    s1: usize,
-    out: SyncPtr<f32>,
-    out_len: usize,
-    scr: &mut [f32],
-) {
-    let d = sh.head_dim;
-    let n_rep = sh.n_heads / sh.n_kv_heads;
-    let nq = s1 - s0;
-    let rows = n_rep * nq;
-    let (acc, rest) = scr.split_at_mut(rows * d);
-    let (m, rest) = rest.split_at_mut(rows);
-    let (l, rest) = rest.split_at_mut(rows);
-    let sc = &mut rest[..rows * K_TILE];
-    acc.fill(0.0);
-    m.fill(f32::NEG_INFINITY);
-    l.fill(0.0);
-    let kv_row = sh.n_kv_heads * d;
-    let scale = sh.scale();
-    let qrow = |r: usize| {
-        let (rep, qi) = (r / nq, r % nq);
-        &q[((s0 + qi) * sh.n_heads + g * n_rep + rep) * d..][..d]
-    };
-    let t_end = sh.pos + s1;
-    let mut t0 = 0;
-    while t0 < t_end {
-        let t1 = (t0 + K_TILE).min(t_end);
-        let nt = t1 - t0;
-        // Scores for the tile: each key row is loaded once for all rows.
-        for t in t0..t1 {
-            let krow = &kc[t * kv_row + g * d..][..d];
-            for r in 0..rows {
-                let limit = sh.pos + s0 + r % nq;
-                sc[r * K_TILE + (t - t0)] = if t <= limit {
-                    dot8(qrow(r), krow) * scale
-                } else {
-                    f32::NEG_INFINITY
-                };
-            }
-        }
-        // Online softmax update.
-        for r in 0..rows {
-            let row = &mut sc[r * K_TILE..r * K_TILE + nt];
-            let mt = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            if mt == f32::NEG_INFINITY {
-                row.fill(0.0);
-                continue;
-            }
-            let m_new = m[r].max(mt);
-            let corr = (m[r] - m_new).exp();
-            if corr != 1.0 {
-                l[r] *= corr;
-                acc[r * d..(r + 1) * d].iter_mut().for_each(|a| *a *= corr);
-            }
-            let mut sum = 0f32;
-            for p in row.iter_mut() {
-                *p = (*p - m_new).exp();
-                sum += *p;
-            }
-            l[r] += sum;
-            m[r] = m_new;
-        }
-        // Values: each value row loaded once for all rows.
-        for t in t0..t1 {
-            let vrow = &vc[t * kv_row + g * d..][..d];
-            for r in 0..rows {
-                let p = sc[r * K_TILE + (t - t0)];
-                if p != 0.0 {
-                    axpy(&mut acc[r * d..(r + 1) * d], p, vrow);
-                }
-            }
-        }
-        t0 = t1;
-    }
-    for r in 0..rows {
-        let (rep, qi) = (r / nq, r % nq);
-        let h = g * n_rep + rep;
-        let start = ((s0 + qi) * sh.n_heads + h) * d;
-        debug_assert!(start + d <= out_len);
-        // SAFETY: (s0+qi, h) belongs to this work item only; in bounds.
-        let o = unsafe { out.slice(start, d) };
-        let inv = 1.0 / l[r];
-        for (oi, &a) in o.iter_mut().zip(&acc[r * d..(r + 1) * d]) {
-            *oi = a * inv;
-        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::attention_fused::{
+        attention_fused, attention_fused_scratch_len, attention_fused_with,
+    };
+    use crate::kernels::matmul::Isa;
     use crate::kernels::testutil::{assert_close, Rng};
 
     fn naive(q: &[f32], kc: &[f32], vc: &[f32], sh: &AttnShape) -> Vec<f64> {
@@ -446,11 +295,13 @@ mod tests {
         assert_close(&out_a, &want, 1e-5, 1e-4, "unfused vs naive");
         // Fused.
         let mut scratch = vec![f32::NAN; attention_fused_scratch_len(&sh, pool.n_threads())];
-        let mut out_b = vec![f32::NAN; q.len()];
-        attention_fused(&pool, &q, &kc, &vc, sh, &mut out_b, &mut scratch).unwrap();
-        assert_close(&out_b, &want, 1e-5, 1e-4, "fused vs naive");
-        let a64: Vec<f64> = out_a.iter().map(|&v| v as f64).collect();
-        assert_close(&out_b, &a64, 1e-5, 1e-4, "fused vs unfused");
+        for isa in [Isa::Auto, Isa::Portable] {
+            let mut out_b = vec![f32::NAN; q.len()];
+            attention_fused_with(&pool, isa, &q, &kc, &vc, sh, &mut out_b, &mut scratch).unwrap();
+            assert_close(&out_b, &want, 1e-5, 1e-4, "fused vs naive");
+            let a64: Vec<f64> = out_a.iter().map(|&v| v as f64).collect();
+            assert_close(&out_b, &a64, 1e-5, 1e-4, "fused vs unfused");
+        }
     }
 
     #[test]

@@ -68,7 +68,7 @@ pub fn mul_broadcast_rows(x: &[f32], v: &[f32], out: &mut [f32]) -> Result<(), K
             x.len(),
         );
     }
-    if x.len() % v.len() != 0 {
+    if !x.len().is_multiple_of(v.len()) {
         return Err(KernelError::Shape {
             op: "mul_broadcast_rows",
             what: "x elements (multiple of vector length)",

@@ -2,14 +2,16 @@
 //! `[N, K]` (PyTorch order) in F32, F16 or BF16, plus fused epilogues.
 //!
 //! Work is split over output columns (weight rows) in chunks run on the
-//! pool. Inside a chunk, tokens are processed in blocks of [`TOKEN_BLOCK`]
-//! and weight rows in small tiles, so each weight tile is read once per
-//! token block (not once per token) while it sits in L1/L2; F16/BF16 weights
-//! are widened to f32 in registers. With AVX2+FMA+F16C (detected at run
-//! time) the tile kernels are SIMD; otherwise a portable path computes the
-//! same sums (within f32 rounding).
+//! pool (about four chunks per thread). Inside a chunk, tokens are processed
+//! in blocks of [`TOKEN_BLOCK`], so each weight element is read once per
+//! token block, not once per token; within a block the SIMD path works in
+//! K blocks with packed x rows and weight tiles widened to f32 once (see
+//! `matmul_avx2`). With AVX2+FMA+F16C (detected at run time) the tile
+//! kernels are SIMD; otherwise a portable path computes the same sums
+//! (within f32 rounding). Epilogues are applied as each block is stored.
 
-use super::{check_len, matmul_avx2, mul_dims, KernelError, WeightRef};
+use super::{check_len, matmul_avx2, matmul_bf16dot, mul_dims, KernelError, WeightRef};
+use crate::ir::DType;
 use crate::pool::{SyncPtr, ThreadPool};
 
 /// What to do with the raw products before storing them in `y`.
@@ -26,20 +28,39 @@ pub enum Epilogue<'a> {
     SwiGlu,
 }
 
-/// Tokens per block in the S>1 path (a multiple of the 3-token SIMD tile).
-pub const TOKEN_BLOCK: usize = 12;
-/// Largest number of output columns per chunk.
-const MAX_CHUNK_ROWS: usize = 64;
-/// Target bytes of weights per chunk (kept in L2 across token blocks).
-const CHUNK_WEIGHT_BYTES: usize = 128 * 1024;
+/// Tokens per block in the S>1 path (a multiple of the 3- and 6-token
+/// SIMD tiles).
+pub const TOKEN_BLOCK: usize = 24;
+const _: () = assert!(TOKEN_BLOCK <= matmul_bf16dot::MAX_NS);
+/// Largest number of output columns per chunk (half of it with SwiGLU,
+/// whose chunks compute gate and up columns). Large chunks amortise packing
+/// the x block; weights are read once per token block either way, which at
+/// 24 tokens is far below memory bandwidth.
+const MAX_CHUNK_ROWS: usize = 256;
+/// Largest chunk for a single token (GEMV is memory-bound; smaller chunks
+/// balance better).
+const MAX_GEMV_CHUNK_ROWS: usize = 64;
 
 /// Which implementation of the tile kernels to use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
-    /// The best available on this CPU.
+    /// The best exact-f32 implementation available on this CPU.
     Auto,
     /// Portable Rust (no explicit SIMD).
     Portable,
+    /// For BF16 weights on CPUs with AVX-512 BF16: round activations to
+    /// bf16 and use `VDPBF16PS` (about 2× the arithmetic rate; results differ
+    /// by the activation rounding, as in llama.cpp's BF16 path). Other
+    /// dtypes or CPUs fall back to [`Isa::Auto`].
+    Bf16Dot,
+}
+
+/// The tile implementation chosen for one call.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Path {
+    Portable,
+    Avx2,
+    Bf16Dot,
 }
 
 /// Computes `x·Wᵀ` with `epilogue` into `y`.
@@ -76,7 +97,7 @@ pub fn matmul_with(
     y: &mut [f32],
 ) -> Result<(), KernelError> {
     const OP: &str = "matmul";
-    let es = w.elem_size(OP)?;
+    w.elem_size(OP)?;
     check_len(
         OP,
         "x elements (s*k)",
@@ -86,7 +107,7 @@ pub fn matmul_with(
     w.check_elems(OP, mul_dims(OP, "n*k overflows", n, k)?)?;
     let n_out = match epilogue {
         Epilogue::SwiGlu => {
-            if n % 2 != 0 {
+            if !n.is_multiple_of(2) {
                 return Err(KernelError::Invalid {
                     op: OP,
                     what: "SwiGlu needs an even number of weight rows (gate and up)",
@@ -115,36 +136,38 @@ pub fn matmul_with(
         }
         return Ok(());
     }
-    let simd = isa == Isa::Auto && matmul_avx2::available();
-    let rows = chunk_rows(
-        n_out,
-        k * es * if n_out == n { 1 } else { 2 },
-        pool.n_threads(),
-    );
+    let path = match isa {
+        Isa::Portable => Path::Portable,
+        Isa::Bf16Dot if w.dtype == DType::BF16 && matmul_bf16dot::available() => Path::Bf16Dot,
+        _ if matmul_avx2::available() => Path::Avx2,
+        _ => Path::Portable,
+    };
+    let max_rows = match (s, epilogue) {
+        (1, _) => MAX_GEMV_CHUNK_ROWS,
+        (_, Epilogue::SwiGlu) => MAX_CHUNK_ROWS / 2,
+        _ => MAX_CHUNK_ROWS,
+    };
+    let rows = chunk_rows(n_out, max_rows, pool.n_threads());
     let n_chunks = n_out.div_ceil(rows);
     let yp = SyncPtr::new(y);
     pool.run(n_chunks, &|c| {
         let r0 = c * rows;
         let r1 = (r0 + rows).min(n_out);
-        // SAFETY: chunk `c` writes only columns r0..r1 of every row of y,
-        // disjoint from all other chunks; y outlives `run`.
-        let y = unsafe { yp.slice(0, y_len) };
-        run_chunk(simd, x, s, k, w, n_out, r0, r1, epilogue, y);
+        run_chunk(path, x, s, k, w, n_out, r0, r1, epilogue, yp);
     });
     Ok(())
 }
 
-/// Output columns per chunk: weights of one chunk fit the cache budget, and
-/// there are a few chunks per thread for load balance. Multiple of 8.
-fn chunk_rows(n_out: usize, bytes_per_col: usize, threads: usize) -> usize {
-    let by_cache = (CHUNK_WEIGHT_BYTES / bytes_per_col.max(1)).clamp(8, MAX_CHUNK_ROWS) & !7;
+/// Output columns per chunk: at most `max_rows`, and about four chunks per
+/// thread for load balance. Multiple of 8.
+fn chunk_rows(n_out: usize, max_rows: usize, threads: usize) -> usize {
     let by_balance = n_out.div_ceil(threads * 4).div_ceil(8) * 8;
-    by_cache.min(by_balance).max(8)
+    by_balance.clamp(8, max_rows)
 }
 
 #[allow(clippy::too_many_arguments)]
 fn run_chunk(
-    simd: bool,
+    path: Path,
     x: &[f32],
     s: usize,
     k: usize,
@@ -153,22 +176,29 @@ fn run_chunk(
     r0: usize,
     r1: usize,
     epilogue: Epilogue<'_>,
-    y: &mut [f32],
+    y: SyncPtr<f32>,
 ) {
     let nr = r1 - r0;
-    let mut acc = [0f32; TOKEN_BLOCK * MAX_CHUNK_ROWS];
-    let mut acc_up = [0f32; TOKEN_BLOCK * MAX_CHUNK_ROWS];
+    // Gate (or plain) sums in the first half, SwiGLU up sums in the second.
+    let mut buf = [0f32; TOKEN_BLOCK * MAX_CHUNK_ROWS];
+    let (acc, acc_up): (&mut [f32], &mut [f32]) = if matches!(epilogue, Epilogue::SwiGlu) {
+        buf.split_at_mut(TOKEN_BLOCK * MAX_CHUNK_ROWS / 2)
+    } else {
+        (&mut buf[..], &mut [])
+    };
     let mut s0 = 0;
     while s0 < s {
         let ns = (s - s0).min(TOKEN_BLOCK);
         let xb = &x[s0 * k..(s0 + ns) * k];
         let out = &mut acc[..ns * nr];
-        block(simd, xb, ns, k, w, r0, nr, out);
+        block(path, xb, ns, k, w, r0, nr, out);
         if let Epilogue::SwiGlu = epilogue {
-            block(simd, xb, ns, k, w, n_out + r0, nr, &mut acc_up[..ns * nr]);
+            block(path, xb, ns, k, w, n_out + r0, nr, &mut acc_up[..ns * nr]);
         }
         for t in 0..ns {
-            let yrow = &mut y[(s0 + t) * n_out + r0..(s0 + t) * n_out + r1];
+            // SAFETY: this chunk alone owns columns r0..r1 of each row of y
+            // (`y` has s * n_out elements and r1 <= n_out); y outlives `run`.
+            let yrow = unsafe { y.slice((s0 + t) * n_out + r0, nr) };
             let arow = &acc[t * nr..(t + 1) * nr];
             match epilogue {
                 Epilogue::None => yrow.copy_from_slice(arow),
@@ -194,7 +224,7 @@ fn run_chunk(
 /// `out[t * nr + r] = dot(x[t], W[row0 + r])` for `t < ns`, `r < nr`.
 #[allow(clippy::too_many_arguments)]
 fn block(
-    simd: bool,
+    path: Path,
     x: &[f32],
     ns: usize,
     k: usize,
@@ -203,10 +233,10 @@ fn block(
     nr: usize,
     out: &mut [f32],
 ) {
-    if simd {
-        matmul_avx2::block(x, ns, k, w, row0, nr, out);
-    } else {
-        block_portable(x, ns, k, w, row0, nr, out);
+    match path {
+        Path::Avx2 => matmul_avx2::block(x, ns, k, w, row0, nr, out),
+        Path::Bf16Dot => matmul_bf16dot::block(x, ns, k, w.bytes, row0, nr, out),
+        Path::Portable => block_portable(x, ns, k, w, row0, nr, out),
     }
 }
 
@@ -238,7 +268,7 @@ fn block_portable(
 }
 
 /// Dot product with 8 independent partial sums (vectorisable).
-#[inline]
+#[inline(always)]
 pub(crate) fn dot8(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let mut ca = a.chunks_exact(8);
@@ -306,7 +336,7 @@ mod tests {
                 matmul_with(pool, isa, &x, s, k, w, n, Epilogue::Accumulate, &mut y2).unwrap();
                 assert_close(&y2, &want_r, tol(k), 1e-5, &what);
                 // SwiGLU over the same weights seen as [gate; up].
-                if n % 2 == 0 {
+                if n.is_multiple_of(2) {
                     let f = n / 2;
                     let mut ys = vec![f32::NAN; s * f];
                     matmul_with(pool, isa, &x, s, k, w, n, Epilogue::SwiGlu, &mut ys).unwrap();
@@ -331,6 +361,7 @@ mod tests {
         check(&pool, 1, 1536, 576, 2);
         check(&pool, 1, 13, 37, 3);
         check(&pool, 1, 8, 9, 4);
+        check(&pool, 1, 32, 45, 14); // permuted BF16 GEMV with a row remainder
     }
 
     #[test]
@@ -339,8 +370,94 @@ mod tests {
         check(&pool, 2, 576, 64, 5);
         check(&pool, 13, 67, 30, 6); // token tiles 3,3,3,3,1; row tails
         check(&pool, 29, 576, 100, 7); // > one token block
+        check(&pool, 4, 300, 20, 12); // K block + scalar tail
+        check(&pool, 5, 576, 1536, 13); // model-sized, S > 1
         let pool1 = ThreadPool::new(1);
         check(&pool1, 5, 96, 44, 8);
+    }
+
+    #[test]
+    fn bf16_dot_path() {
+        // Expected: exact sums of bf16(x) * bf16(w); on CPUs without
+        // AVX-512 BF16 the call falls back to the exact path, which must
+        // then match the unrounded-x reference instead.
+        let pool = ThreadPool::new(2);
+        let has = matmul_bf16dot::available();
+        for (i, &(s, k, n)) in [
+            (1, 576, 72),
+            (5, 67, 20),
+            (13, 300, 64),
+            (24, 1100, 36),
+            (29, 2048, 9),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let mut rng = Rng::new(100 + i as u64);
+            let x = rng.vec(s * k);
+            let wf = rng.vec(n * k);
+            let wb = encode(&wf, DType::BF16);
+            let xr = if has {
+                decoded(&x, DType::BF16)
+            } else {
+                x.clone()
+            };
+            let want = naive(&xr, s, k, &decoded(&wf, DType::BF16), n);
+            let mut y = vec![f32::NAN; s * n];
+            let w = WeightRef::new(DType::BF16, &wb);
+            matmul_with(&pool, Isa::Bf16Dot, &x, s, k, w, n, Epilogue::None, &mut y).unwrap();
+            assert_close(
+                &y,
+                &want,
+                tol(k),
+                1e-5,
+                &format!("bf16dot s={s} k={k} n={n}"),
+            );
+            // SwiGLU epilogue through the same path.
+            let mut ys = vec![f32::NAN; s * n / 2];
+            if n % 2 == 0 {
+                matmul_with(
+                    &pool,
+                    Isa::Bf16Dot,
+                    &x,
+                    s,
+                    k,
+                    w,
+                    n,
+                    Epilogue::SwiGlu,
+                    &mut ys,
+                )
+                .unwrap();
+                let f = n / 2;
+                for t in 0..s {
+                    for j in 0..f {
+                        let (g, u) = (want[t * n + j], want[t * n + f + j]);
+                        let e = g / (1.0 + (-g).exp()) * u;
+                        assert!(
+                            (ys[t * f + j] as f64 - e).abs() < 4.0 * tol(k),
+                            "swiglu bf16dot"
+                        );
+                    }
+                }
+            }
+        }
+        // F32 weights with Bf16Dot requested use the exact path.
+        let x = vec![0.3f32; 2 * 9];
+        let w = vec![1.0f32 / 3.0; 4 * 9];
+        let mut y = vec![0.0; 8];
+        matmul_with(
+            &pool,
+            Isa::Bf16Dot,
+            &x,
+            2,
+            9,
+            WeightRef::from_f32(&w),
+            4,
+            Epilogue::None,
+            &mut y,
+        )
+        .unwrap();
+        assert!(y.iter().all(|&v| (v - 0.9).abs() < 1e-6));
     }
 
     #[test]

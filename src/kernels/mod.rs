@@ -7,12 +7,15 @@
 //! [`ThreadPool`](crate::pool::ThreadPool).
 
 pub mod attention;
+pub mod attention_fused;
+mod attention_ops;
 pub mod dispatch;
 pub mod elementwise;
 pub mod embedding;
 pub mod kv;
 pub mod matmul;
 mod matmul_avx2;
+mod matmul_bf16dot;
 pub mod norm;
 pub mod qmatmul;
 pub mod quant;
@@ -20,14 +23,13 @@ pub mod rope;
 #[cfg(test)]
 pub(crate) mod testutil;
 
-pub use attention::{
-    attention_fused, attention_fused_scratch_len, attn_scores, attn_values, softmax_rows, AttnShape,
-};
+pub use attention::{attn_scores, attn_scores_len, attn_values, softmax_rows, AttnShape};
+pub use attention_fused::{attention_fused, attention_fused_scratch_len, attention_fused_with};
 pub use dispatch::{embedding_any, kv_write_rows, matmul_any};
 pub use elementwise::{add, add_inplace, argmax, mul, mul_broadcast_rows, silu, swiglu};
 pub use embedding::embedding_rows;
 pub use kv::kv_write;
-pub use matmul::{matmul, Epilogue};
+pub use matmul::{matmul, matmul_with, Epilogue, Isa};
 pub use norm::rmsnorm;
 pub use quant::dequantize_row;
 pub use rope::{rope_reference, RopeScaling, RopeTable};

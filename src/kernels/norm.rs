@@ -20,7 +20,7 @@ pub fn rmsnorm(
         });
     }
     check_len(OP, "out elements", x.len(), out.len())?;
-    if x.len() % dim != 0 {
+    if !x.len().is_multiple_of(dim) {
         return Err(KernelError::Shape {
             op: OP,
             what: "x elements (multiple of dim)",

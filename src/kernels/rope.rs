@@ -64,7 +64,7 @@ fn check_x(
     n_heads: usize,
     head_dim: usize,
 ) -> Result<(), KernelError> {
-    if head_dim == 0 || head_dim % 2 != 0 {
+    if head_dim == 0 || !head_dim.is_multiple_of(2) {
         return Err(KernelError::Invalid {
             op,
             what: "head_dim must be even and non-zero",
@@ -124,7 +124,7 @@ impl RopeTable {
         max_pos: usize,
     ) -> Result<Self, KernelError> {
         const OP: &str = "RopeTable::new";
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(KernelError::Invalid {
                 op: OP,
                 what: "head_dim must be even and non-zero",
@@ -239,6 +239,54 @@ mod tests {
             let (a, b) = (x0[2 * i] as f64, x0[2 * i + 1] as f64);
             assert!((x[2 * i] as f64 - (a * cs - b * sn)).abs() < 1e-5);
             assert!((x[2 * i + 1] as f64 - (a * sn + b * cs)).abs() < 1e-5);
+        }
+    }
+
+    /// Against Meta's llama_models code (fixture from
+    /// tests/reference/rope_fixture.py).
+    #[test]
+    fn matches_meta_fixture() {
+        let text = include_str!("../../tests/fixtures/kernels/rope_meta.json");
+        let cases: serde_json::Value = serde_json::from_str(text).unwrap();
+        for c in cases.as_array().unwrap() {
+            let get = |k: &str| c[k].as_u64().unwrap() as usize;
+            let (d, h, s, pos) = (get("head_dim"), get("n_heads"), get("s"), get("pos"));
+            let theta = c["theta"].as_f64().unwrap() as f32;
+            let scaling = c["scaled"]
+                .as_bool()
+                .unwrap()
+                .then_some(RopeScaling::LLAMA3_1);
+            let vec = |k: &str| -> Vec<f32> {
+                c[k].as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_f64().unwrap() as f32)
+                    .collect()
+            };
+            let (x, y) = (vec("x"), vec("y"));
+            let mut a = x.clone();
+            rope_reference(&mut a, s, h, d, pos, theta, scaling).unwrap();
+            let mut b = x.clone();
+            RopeTable::new(d, theta, scaling, pos + s)
+                .unwrap()
+                .apply(&mut b, s, h, pos)
+                .unwrap();
+            for i in 0..y.len() {
+                assert!(
+                    (a[i] - y[i]).abs() <= 2e-5,
+                    "{}: ref element {i}: {} vs meta {}",
+                    c["name"],
+                    a[i],
+                    y[i]
+                );
+                assert!(
+                    (b[i] - y[i]).abs() <= 2e-5,
+                    "{}: table element {i}: {} vs meta {}",
+                    c["name"],
+                    b[i],
+                    y[i]
+                );
+            }
         }
     }
 

@@ -1,0 +1,291 @@
+//! Matmul throughput and pool overhead (std::time, no harness).
+//!
+//! Run: `cargo bench --bench matmul` (optionally `-- quick` for fewer sizes).
+//! Prints GFLOP/s (2·S·N·K per call) for F32/F16/BF16 weights at S=1 (GEMV)
+//! and S=128, N×K = 2048×2048 and 8192×2048, on 1 and 2 threads, and the
+//! per-`run` overhead of the pool with empty chunks.
+
+use llama_graph::ir::DType;
+use llama_graph::kernels::attention::attn_scores_len;
+use llama_graph::kernels::matmul::{flops, matmul_with, Isa};
+use llama_graph::kernels::{
+    attention_fused, attention_fused_scratch_len, attn_scores, attn_values, softmax_rows,
+    AttnShape, Epilogue, WeightRef,
+};
+use llama_graph::pool::ThreadPool;
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
+    let mut out = Vec::with_capacity(v.len() * 4);
+    for &x in v {
+        match dtype {
+            DType::F32 => out.extend_from_slice(&x.to_le_bytes()),
+            DType::F16 => out.extend_from_slice(&half::f16::from_f32(x).to_le_bytes()),
+            _ => out.extend_from_slice(&half::bf16::from_f32(x).to_le_bytes()),
+        }
+    }
+    out
+}
+
+/// Median seconds per call over repeated timed batches (~`budget` total).
+fn time_it(budget: Duration, mut f: impl FnMut()) -> f64 {
+    f(); // warm-up
+    let t = Instant::now();
+    f();
+    let one = t.elapsed().as_secs_f64().max(1e-9);
+    let per_batch = ((budget.as_secs_f64() / 5.0 / one) as usize).max(1);
+    let mut samples = Vec::new();
+    for _ in 0..5 {
+        let t = Instant::now();
+        for _ in 0..per_batch {
+            f();
+        }
+        samples.push(t.elapsed().as_secs_f64() / per_batch as f64);
+    }
+    samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    samples[2]
+}
+
+/// Latency of a `run` whose workers have parked (slept past the spin phase).
+fn pool_wake_latency() {
+    let pool = ThreadPool::new(2);
+    let mut v = Vec::new();
+    for _ in 0..30 {
+        std::thread::sleep(Duration::from_millis(3));
+        let t = Instant::now();
+        pool.run(2, &|i| {
+            black_box(i);
+        });
+        v.push(t.elapsed().as_secs_f64());
+    }
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    println!(
+        "pool.run after workers parked (threads=2, chunks=2): median {:.1} us",
+        v[v.len() / 2] * 1e6
+    );
+}
+
+/// Single-thread streaming read bandwidth over a 64 MiB buffer (DRAM).
+fn read_bandwidth() {
+    let buf: Vec<u64> = (0..8usize << 20).map(|i| i as u64).collect();
+    let t = time_it(Duration::from_millis(500), || {
+        let mut acc = [0u64; 8];
+        for c in buf.chunks_exact(8) {
+            for i in 0..8 {
+                acc[i] = acc[i].wrapping_add(c[i]);
+            }
+        }
+        black_box(acc);
+    });
+    println!(
+        "read bandwidth (1 thread, 64 MiB): {:.1} GB/s",
+        (buf.len() * 8) as f64 / t / 1e9
+    );
+}
+
+/// Two chunks of pure arithmetic (~1 ms each) on 1 and 2 threads: shows
+/// whether a second core is actually available while benchmarking.
+fn pool_scaling() {
+    fn work(seed: usize) -> f64 {
+        let mut x = seed as f64;
+        for i in 0..1_500_000 {
+            x = x * 0.999_999 + (i & 7) as f64;
+        }
+        x
+    }
+    for threads in [1, 2] {
+        let pool = ThreadPool::new(threads);
+        let t = time_it(Duration::from_millis(300), || {
+            pool.run(2, &|i| {
+                black_box(work(black_box(i)));
+            })
+        });
+        println!(
+            "pool scaling: 2 x compute chunk, threads={threads}: {:.3} ms",
+            t * 1e3
+        );
+    }
+    // Baseline without the pool: a scoped thread per chunk (spawned per call).
+    let t = time_it(Duration::from_millis(300), || {
+        std::thread::scope(|sc| {
+            let h = sc.spawn(|| black_box(work(black_box(1))));
+            black_box(work(black_box(0)));
+            black_box(h.join().ok());
+        })
+    });
+    println!(
+        "pool scaling baseline: 2 x compute chunk, std::thread::scope: {:.3} ms",
+        t * 1e3
+    );
+}
+
+fn pool_overhead() {
+    for threads in [1, 2] {
+        let pool = ThreadPool::new(threads);
+        for chunks in [1, 2, 16] {
+            let t = time_it(Duration::from_millis(300), || {
+                pool.run(chunks, &|i| {
+                    black_box(i);
+                })
+            });
+            println!(
+                "pool.run overhead: threads={threads} chunks={chunks:>2}: {:8.3} us/run",
+                t * 1e6
+            );
+        }
+    }
+}
+
+/// Single-thread peak of independent 8-lane FMAs (12 chains), GFLOP/s.
+#[cfg(target_arch = "x86_64")]
+fn fma_peak() {
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn chains(iters: usize) -> f32 {
+        use std::arch::x86_64::*;
+        let mut acc = [_mm256_set1_ps(0.0); 12];
+        let a = _mm256_set1_ps(0.999_999);
+        let b = _mm256_set1_ps(1e-7);
+        for _ in 0..iters {
+            for v in acc.iter_mut() {
+                *v = _mm256_fmadd_ps(*v, a, b);
+            }
+        }
+        let mut s = 0.0;
+        for v in acc {
+            let mut o = [0f32; 8];
+            _mm256_storeu_ps(o.as_mut_ptr(), v);
+            s += o.iter().sum::<f32>();
+        }
+        s
+    }
+    if !(std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")) {
+        return;
+    }
+    let iters = 2_000_000;
+    let t = time_it(Duration::from_millis(300), || {
+        // SAFETY: features checked above.
+        black_box(unsafe { chains(black_box(iters)) });
+    });
+    println!(
+        "fma peak (1 thread, 12 chains x 8 lanes): {:.1} GFLOP/s",
+        (iters * 12 * 16) as f64 / t / 1e9
+    );
+}
+#[cfg(not(target_arch = "x86_64"))]
+fn fma_peak() {}
+
+/// Fused vs unfused attention, Llama-3.2-1B-like heads (32 q, 8 kv, D=64).
+fn attention_bench() {
+    for (s, pos) in [(1usize, 1023usize), (128, 0)] {
+        let sh = AttnShape {
+            s,
+            pos,
+            n_heads: 32,
+            n_kv_heads: 8,
+            head_dim: 64,
+        };
+        let cap = pos + s;
+        let q: Vec<f32> = (0..s * 32 * 64)
+            .map(|i| ((i % 17) as f32 - 8.0) * 0.05)
+            .collect();
+        let kc: Vec<f32> = (0..cap * 8 * 64)
+            .map(|i| ((i % 13) as f32 - 6.0) * 0.05)
+            .collect();
+        let vc = kc.clone();
+        let mut out = vec![0f32; q.len()];
+        for threads in [1, 2] {
+            let pool = ThreadPool::new(threads);
+            let mut scratch = vec![0f32; attention_fused_scratch_len(&sh, threads)];
+            let tf = time_it(Duration::from_millis(300), || {
+                attention_fused(&pool, &q, &kc, &vc, sh, &mut out, &mut scratch).unwrap();
+            });
+            let mut sc = vec![0f32; attn_scores_len(&sh)];
+            let tu = time_it(Duration::from_millis(300), || {
+                attn_scores(&pool, &q, &kc, sh, &mut sc).unwrap();
+                softmax_rows(&pool, &mut sc, sh.n_keys()).unwrap();
+                attn_values(&pool, &sc, &vc, sh, &mut out).unwrap();
+            });
+            println!(
+                "attention S={s:>3} P={pos:>4} H=32 Hkv=8 D=64 threads={threads}: fused {:8.1} us, unfused {:8.1} us",
+                tf * 1e6,
+                tu * 1e6
+            );
+        }
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "quick");
+    let portable = args.iter().any(|a| a == "portable");
+    // Optional filters: dtype name (f32/f16/bf16), "s1"/"s128", "t1"/"t2".
+    let want = |tag: &str, group: &[&str]| {
+        let given: Vec<&String> = args
+            .iter()
+            .filter(|a| group.contains(&a.as_str()))
+            .collect();
+        given.is_empty() || given.iter().any(|a| a.as_str() == tag)
+    };
+    fma_peak();
+    read_bandwidth();
+    if !args.iter().any(|a| a == "nopool") {
+        pool_overhead();
+        pool_wake_latency();
+        pool_scaling();
+        attention_bench();
+    }
+    let sizes: &[(usize, usize)] = if quick {
+        &[(2048, 2048)]
+    } else {
+        &[(2048, 2048), (8192, 2048)]
+    };
+    let isa = if portable { Isa::Portable } else { Isa::Auto };
+    for &(n, k) in sizes {
+        let wf: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3)
+            .collect();
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            if !want(dtype.name(), &["f32", "f16", "bf16"]) {
+                continue;
+            }
+            let wb = encode(&wf, dtype);
+            let w = WeightRef::new(dtype, &wb);
+            for s in [1usize, 128] {
+                if !want(&format!("s{s}"), &["s1", "s128"]) {
+                    continue;
+                }
+                let x: Vec<f32> = (0..s * k)
+                    .map(|i| ((i * 31 % 100) as f32 - 50.0) * 1e-2)
+                    .collect();
+                let mut y = vec![0f32; s * n];
+                for threads in [1, 2] {
+                    if !want(&format!("t{threads}"), &["t1", "t2"]) {
+                        continue;
+                    }
+                    let pool = ThreadPool::new(threads);
+                    let budget = Duration::from_millis(if s == 1 { 400 } else { 1200 });
+                    let isas: &[Isa] = if dtype == DType::BF16 && !portable {
+                        &[isa, Isa::Bf16Dot]
+                    } else {
+                        &[isa]
+                    };
+                    for &isa in isas {
+                        let t = time_it(budget, || {
+                            matmul_with(&pool, isa, &x, s, k, w, n, Epilogue::None, &mut y)
+                                .unwrap();
+                            black_box(&y);
+                        });
+                        let gbs = (wb.len() as f64) / t / 1e9;
+                        println!(
+                            "matmul {isa:>8?} {dtype:>4} N={n:>5} K={k} S={s:>3} threads={threads}: {:7.2} GFLOP/s  {:8.3} ms  (weights {:6.2} GB/s)",
+                            flops(s, n, k) / t / 1e9,
+                            t * 1e3,
+                            gbs
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
