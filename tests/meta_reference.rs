@@ -39,11 +39,11 @@ fn check_case(case: &str, batch: usize, threads: usize, rows: LogitRows) {
         logit_rows: rows,
     };
     let mut sess = Session::new(&model, &opts).unwrap();
-    let prompt: Vec<i32> = expected["prompt_tokens"]
+    let prompt: Vec<u32> = expected["prompt_tokens"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|v| v.as_i64().unwrap() as i32)
+        .map(|v| v.as_u64().unwrap() as u32)
         .collect();
     if batch < 64 {
         assert!(
@@ -51,11 +51,11 @@ fn check_case(case: &str, batch: usize, threads: usize, rows: LogitRows) {
             "the prompt must span several prefill chunks"
         );
     }
-    let want_tokens: Vec<i32> = expected["generated_tokens"]
+    let want_tokens: Vec<u32> = expected["generated_tokens"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|v| v.as_i64().unwrap() as i32)
+        .map(|v| v.as_u64().unwrap() as u32)
         .collect();
     let steps = expected["steps"].as_array().unwrap();
     assert!(steps.len() >= 16);
@@ -90,7 +90,7 @@ fn check_case(case: &str, batch: usize, threads: usize, rows: LogitRows) {
             .collect();
         let got = top10(&logits);
         assert_eq!(
-            got[0].0 as i32, want_tokens[i],
+            got[0].0 as u32, want_tokens[i],
             "{case} step {i}: greedy token"
         );
         for (&(id, l), &(wid, wl)) in got.iter().zip(&want) {

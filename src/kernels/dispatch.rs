@@ -190,7 +190,7 @@ pub fn mul_inplace(a: &mut [f32], b: &[f32]) -> Result<(), KernelError> {
 
 /// `x[r, d] *= v[d]`.
 pub fn mul_broadcast_inplace(x: &mut [f32], v: &[f32]) -> Result<(), KernelError> {
-    if v.is_empty() || x.len() % v.len() != 0 {
+    if v.is_empty() || !x.len().is_multiple_of(v.len()) {
         return Err(KernelError::Shape {
             op: "mul_broadcast",
             what: "x elements (multiple of vector length)",

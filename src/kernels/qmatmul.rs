@@ -42,7 +42,7 @@ pub fn qmatmul(
         w.bytes.len(),
     )?;
     let n_out = match epilogue {
-        Epilogue::SwiGlu if n % 2 == 0 => n / 2,
+        Epilogue::SwiGlu if n.is_multiple_of(2) => n / 2,
         Epilogue::SwiGlu => {
             return Err(KernelError::Invalid {
                 op: OP,

@@ -218,7 +218,7 @@ impl ModelArgs {
         if self.dim == 0 {
             return Err(field_err("dim", "must be positive"));
         }
-        if self.n_heads == 0 || self.dim % self.n_heads != 0 {
+        if self.n_heads == 0 || !self.dim.is_multiple_of(self.n_heads) {
             return Err(field_err(
                 "n_heads",
                 format!(
@@ -227,7 +227,7 @@ impl ModelArgs {
                 ),
             ));
         }
-        if self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+        if self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err(field_err(
                 "n_kv_heads",
                 format!(
@@ -236,7 +236,7 @@ impl ModelArgs {
                 ),
             ));
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             return Err(field_err(
                 "n_heads",
                 format!(

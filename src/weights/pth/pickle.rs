@@ -440,7 +440,7 @@ impl<'a> Vm<'a> {
     }
 
     fn set_items(&mut self, items: Vec<Value>) -> Result<(), PickleError> {
-        if items.len() % 2 != 0 {
+        if !items.len().is_multiple_of(2) {
             return Err(self.malformed("SETITEMS with an odd number of items"));
         }
         let max_depth = self.limits.max_depth;

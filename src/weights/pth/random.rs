@@ -58,14 +58,14 @@ impl MetaParams {
         if self.dim == 0 || self.n_heads == 0 || self.n_layers == 0 || self.multiple_of == 0 {
             return bad("dim, n_layers, n_heads and multiple_of must be positive".into());
         }
-        if self.dim % self.n_heads != 0 {
+        if !self.dim.is_multiple_of(self.n_heads) {
             return bad(format!(
                 "dim {} is not a multiple of n_heads {}",
                 self.dim, self.n_heads
             ));
         }
         let kv = self.n_kv_heads();
-        if kv == 0 || self.n_heads % kv != 0 {
+        if kv == 0 || !self.n_heads.is_multiple_of(kv) {
             return bad(format!(
                 "n_heads {} is not a multiple of n_kv_heads {kv}",
                 self.n_heads
