@@ -3,10 +3,10 @@
 use super::flags::{n_predict, RuntimeFlags, SamplingFlags};
 use super::model::ModelArg;
 use clap::Args;
-use llama_graph::generate::chat::{llama3_dialog_tokens, ChatTemplate, Message};
+use llama_graph::generate::chat::{conversation_tokens, Message};
 use llama_graph::generate::{generate, GenOptions, GenStats};
 use llama_graph::ir::LogitRows;
-use llama_graph::session::{Model, ModelFormat, Session, SessionOptions};
+use llama_graph::session::{Model, Session, SessionOptions};
 use llama_graph::tokenizer::EncodeOptions;
 use serde_json::json;
 use std::io::{IsTerminal, Read, Write};
@@ -95,6 +95,12 @@ fn read_prompt(a: &RunArgs) -> Result<Option<String>, String> {
         .lock()
         .read_to_string(&mut s)
         .map_err(|e| format!("reading the prompt from stdin: {e}"))?;
+    if s.is_empty() {
+        return Err(
+            "no prompt: standard input was empty; give -p TEXT, -f FILE or --prompt-tokens IDS"
+                .into(),
+        );
+    }
     Ok(Some(s))
 }
 
@@ -133,37 +139,9 @@ fn tokenizer(model: &Model) -> Result<&llama_graph::tokenizer::Tokenizer, String
     })
 }
 
-/// A conversation in the model's chat format, ending with the assistant's
-/// header, as tokens with exactly one BOS.
+/// A conversation in the model's chat format, as tokens.
 pub fn chat_prompt_tokens(model: &Model, messages: &[Message]) -> Result<Vec<u32>, String> {
-    let tok = tokenizer(model)?;
-    match (&model.chat_template, model.format) {
-        (Some(src), _) => {
-            let piece = |id: Option<u32>| {
-                id.and_then(|i| tok.token_bytes(i))
-                    .map(|b| String::from_utf8_lossy(b).into_owned())
-                    .unwrap_or_default()
-            };
-            let rendered = ChatTemplate::new(src.clone())
-                .render(messages, true, &piece(tok.bos_id()), &piece(tok.eos_id()))
-                .map_err(|e| e.to_string())?;
-            // The template spells out any BOS it wants; never add another.
-            Ok(tok.encode(
-                &rendered,
-                EncodeOptions {
-                    add_bos: false,
-                    parse_special: true,
-                },
-            ))
-        }
-        (None, ModelFormat::MetaDir) => {
-            llama3_dialog_tokens(tok, messages, true).map_err(|e| e.to_string())
-        }
-        (None, ModelFormat::Gguf) => Err(
-            "this GGUF file has no chat template (tokenizer.chat_template); run without --chat"
-                .into(),
-        ),
-    }
+    conversation_tokens(model, messages).map_err(|e| e.to_string())
 }
 
 pub fn run(a: RunArgs) -> super::CliResult {

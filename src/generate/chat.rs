@@ -8,6 +8,7 @@
 //! * GGUF models: the Jinja template in `tokenizer.chat_template`, rendered
 //!   with minijinja (Python-compatible string methods, bounded fuel).
 
+use crate::session::{Model, ModelFormat};
 use crate::tokenizer::{EncodeOptions, Tokenizer};
 use serde::Serialize;
 use thiserror::Error;
@@ -33,6 +34,45 @@ pub enum ChatError {
     MissingSpecial(&'static str),
     #[error("chat template: {0}")]
     Template(String),
+    #[error("{0} has no tokenizer, which a chat needs")]
+    NoTokenizer(String),
+    #[error("this GGUF file has no chat template (tokenizer.chat_template); run without --chat")]
+    NoTemplate,
+}
+
+/// A conversation in the model's own chat format, ending with the
+/// assistant's header, as tokens with exactly one BOS: the GGUF's Jinja
+/// template when it has one, Meta's Llama 3 format for Meta checkpoints.
+pub fn conversation_tokens(model: &Model, messages: &[Message]) -> Result<Vec<u32>, ChatError> {
+    let tok = model
+        .tokenizer
+        .as_ref()
+        .ok_or_else(|| ChatError::NoTokenizer(model.path.display().to_string()))?;
+    match (&model.chat_template, model.format) {
+        (Some(src), _) => {
+            let piece = |id: Option<u32>| {
+                id.and_then(|i| tok.token_bytes(i))
+                    .map(|b| String::from_utf8_lossy(b).into_owned())
+                    .unwrap_or_default()
+            };
+            let rendered = ChatTemplate::new(src.clone()).render(
+                messages,
+                true,
+                &piece(tok.bos_id()),
+                &piece(tok.eos_id()),
+            )?;
+            // The template spells out any BOS it wants; never add another.
+            Ok(tok.encode(
+                &rendered,
+                EncodeOptions {
+                    add_bos: false,
+                    parse_special: true,
+                },
+            ))
+        }
+        (None, ModelFormat::MetaDir) => llama3_dialog_tokens(tok, messages, true),
+        (None, ModelFormat::Gguf) => Err(ChatError::NoTemplate),
+    }
 }
 
 /// Meta's Llama 3 dialog prompt, as tokens (exactly one BOS).
