@@ -15,7 +15,10 @@ use std::time::Instant;
 
 fn arg(name: &str, default: &str) -> String {
     let args: Vec<String> = std::env::args().collect();
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned()).unwrap_or_else(|| default.to_string())
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
+        .unwrap_or_else(|| default.to_string())
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -28,20 +31,38 @@ fn main() {
         .map(PathBuf::from)
         .unwrap_or_else(|| cache_dir().join("bench/llama-3.2-1b"));
     if !dir.join("consolidated.00.pth").exists() {
-        let params = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/graphs/llama-3.2-1b/params.json")).unwrap();
+        let params = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/graphs/llama-3.2-1b/params.json"
+        ))
+        .unwrap();
         eprintln!("generating {} (once)...", dir.display());
-        generate_random_checkpoint(&dir, &MetaParams::from_json(&params).unwrap(), 0, DType::BF16).unwrap();
+        generate_random_checkpoint(
+            &dir,
+            &MetaParams::from_json(&params).unwrap(),
+            0,
+            DType::BF16,
+        )
+        .unwrap();
     }
     let runs: usize = arg("--runs", "3").parse().unwrap();
     let n_decode: usize = arg("--decode", "32").parse().unwrap();
     let n_prefill: usize = arg("--prefill", "128").parse().unwrap();
-    let threads: Vec<usize> = arg("--threads", "1,2").split(',').map(|t| t.parse().unwrap()).collect();
+    let threads: Vec<usize> = arg("--threads", "1,2")
+        .split(',')
+        .map(|t| t.parse().unwrap())
+        .collect();
     let model = Model::open(&dir).unwrap();
     let weight_bytes: usize = model.weights.tensors.values().map(|t| t.data.len()).sum();
     let mut sessions: Vec<(usize, Session)> = threads
         .iter()
         .map(|&t| {
-            let opts = SessionOptions { context: Some(1024), batch: n_prefill, threads: t, logit_rows: LogitRows::Last };
+            let opts = SessionOptions {
+                context: Some(1024),
+                batch: n_prefill,
+                threads: t,
+                logit_rows: LogitRows::Last,
+            };
             (t, Session::new(&model, &opts).unwrap())
         })
         .collect();
@@ -70,8 +91,15 @@ fn main() {
             decode[i].push(n_decode as f64 / t0.elapsed().as_secs_f64());
         }
     }
-    println!("llama-3.2-1b-shaped bf16, {:.2} GB of weights, {} runs (medians)", weight_bytes as f64 / 1e9, runs);
-    println!("{:>8} {:>14} {:>14} {:>16}", "threads", "prefill tok/s", "decode tok/s", "decode GB/s eff.");
+    println!(
+        "llama-3.2-1b-shaped bf16, {:.2} GB of weights, {} runs (medians)",
+        weight_bytes as f64 / 1e9,
+        runs
+    );
+    println!(
+        "{:>8} {:>14} {:>14} {:>16}",
+        "threads", "prefill tok/s", "decode tok/s", "decode GB/s eff."
+    );
     let base = median(decode[0].clone());
     for (i, (t, _)) in sessions.iter().enumerate() {
         let d = median(decode[i].clone());

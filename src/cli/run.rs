@@ -14,7 +14,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 #[derive(Debug, Args)]
-#[command(after_help = "Sampling order (fixed): repeat penalty, then greedy if --temp 0, else top-k, top-p, min-p, temperature, draw.\nStops at the model's end-of-sequence/end-of-turn token (not printed), at -n tokens, at a --stop string, or when the context is full.")]
+#[command(
+    after_help = "Sampling order (fixed): repeat penalty, then greedy if --temp 0, else top-k, top-p, min-p, temperature, draw.\nStops at the model's end-of-sequence/end-of-turn token (not printed), at -n tokens, at a --stop string, or when the context is full."
+)]
 pub struct RunArgs {
     #[command(flatten)]
     pub model: ModelArg,
