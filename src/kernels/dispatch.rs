@@ -136,42 +136,6 @@ pub fn rope_apply_freqs(
     Ok(())
 }
 
-/// Writes `x` (`[s, row]`) into rows `pos..pos+s` of `cache` (`[capacity, row]`).
-pub fn kv_write_rows(
-    cache: &mut [f32],
-    capacity: usize,
-    row: usize,
-    pos: usize,
-    x: &[f32],
-    s: usize,
-) -> Result<(), KernelError> {
-    const OP: &str = "kv_write";
-    check_len(
-        OP,
-        "cache elements",
-        mul_dims(OP, "cache size overflows", capacity, row)?,
-        cache.len(),
-    )?;
-    check_len(
-        OP,
-        "x elements",
-        mul_dims(OP, "s*row overflows", s, row)?,
-        x.len(),
-    )?;
-    match pos.checked_add(s) {
-        Some(end) if end <= capacity => {}
-        _ => {
-            return Err(KernelError::CacheOverflow {
-                pos,
-                len: s,
-                capacity,
-            })
-        }
-    }
-    cache[pos * row..(pos + s) * row].copy_from_slice(x);
-    Ok(())
-}
-
 /// `x = silu(x)`.
 pub fn silu_inplace(x: &mut [f32]) {
     for v in x {
@@ -226,16 +190,5 @@ mod tests {
                 assert!((a - b).abs() < 1e-6, "{a} vs {b}");
             }
         }
-    }
-
-    #[test]
-    fn cache_write_bounds() {
-        let mut c = vec![0f32; 4 * 2];
-        kv_write_rows(&mut c, 4, 2, 1, &[1.0, 2.0, 3.0, 4.0], 2).unwrap();
-        assert_eq!(c, [0.0, 0.0, 1.0, 2.0, 3.0, 4.0, 0.0, 0.0]);
-        assert!(matches!(
-            kv_write_rows(&mut c, 4, 2, 3, &[1.0; 4], 2),
-            Err(KernelError::CacheOverflow { .. })
-        ));
     }
 }

@@ -1,30 +1,31 @@
-//! Writing new keys/values into a per-layer KV cache `[C, Hkv, D]`.
+//! Writing new keys or values into one layer's KV cache `[C, Hkv, D]`.
 
 use super::{check_len, mul_dims, KernelError};
 
-/// Copies `k`, `v` (`[s, n_kv_heads, head_dim]`) into rows `pos..pos+s` of
-/// `k_cache`, `v_cache` (`[capacity, n_kv_heads, head_dim]`). Returns
+/// Copies `x` (`[s, row]`, `row = n_kv_heads * head_dim`) into rows
+/// `pos..pos+s` of `cache` (`[capacity, row]`). Returns
 /// [`KernelError::CacheOverflow`] if `pos + s > capacity`.
-#[allow(clippy::too_many_arguments)]
-pub fn kv_write(
-    k_cache: &mut [f32],
-    v_cache: &mut [f32],
+pub fn kv_write_rows(
+    cache: &mut [f32],
     capacity: usize,
-    n_kv_heads: usize,
-    head_dim: usize,
+    row: usize,
     pos: usize,
-    k: &[f32],
-    v: &[f32],
+    x: &[f32],
     s: usize,
 ) -> Result<(), KernelError> {
     const OP: &str = "kv_write";
-    let row = mul_dims(OP, "n_kv_heads*head_dim overflows", n_kv_heads, head_dim)?;
-    let cache_len = mul_dims(OP, "cache size overflows", capacity, row)?;
-    check_len(OP, "k cache elements", cache_len, k_cache.len())?;
-    check_len(OP, "v cache elements", cache_len, v_cache.len())?;
-    let n = mul_dims(OP, "s*row overflows", s, row)?;
-    check_len(OP, "k elements", n, k.len())?;
-    check_len(OP, "v elements", n, v.len())?;
+    check_len(
+        OP,
+        "cache elements",
+        mul_dims(OP, "cache size overflows", capacity, row)?,
+        cache.len(),
+    )?;
+    check_len(
+        OP,
+        "x elements",
+        mul_dims(OP, "s*row overflows", s, row)?,
+        x.len(),
+    )?;
     match pos.checked_add(s) {
         Some(end) if end <= capacity => {}
         _ => {
@@ -35,8 +36,7 @@ pub fn kv_write(
             })
         }
     }
-    k_cache[pos * row..pos * row + n].copy_from_slice(k);
-    v_cache[pos * row..pos * row + n].copy_from_slice(v);
+    cache[pos * row..(pos + s) * row].copy_from_slice(x);
     Ok(())
 }
 
@@ -46,16 +46,13 @@ mod tests {
 
     #[test]
     fn writes_rows_and_checks_bounds() {
-        let (c, h, d) = (5, 2, 3);
-        let mut kc = vec![0.0; c * h * d];
-        let mut vc = vec![0.0; c * h * d];
-        let k: Vec<f32> = (0..2 * h * d).map(|i| i as f32 + 1.0).collect();
-        let v: Vec<f32> = k.iter().map(|x| -x).collect();
-        kv_write(&mut kc, &mut vc, c, h, d, 3, &k, &v, 2).unwrap();
-        assert!(kc[..3 * h * d].iter().all(|&x| x == 0.0));
-        assert_eq!(&kc[3 * h * d..], &k[..]);
-        assert_eq!(&vc[3 * h * d..], &v[..]);
-        let e = kv_write(&mut kc, &mut vc, c, h, d, 4, &k, &v, 2).unwrap_err();
+        let (c, row) = (5, 6);
+        let mut kc = vec![0.0; c * row];
+        let k: Vec<f32> = (0..2 * row).map(|i| i as f32 + 1.0).collect();
+        kv_write_rows(&mut kc, c, row, 3, &k, 2).unwrap();
+        assert!(kc[..3 * row].iter().all(|&x| x == 0.0));
+        assert_eq!(&kc[3 * row..], &k[..]);
+        let e = kv_write_rows(&mut kc, c, row, 4, &k, 2).unwrap_err();
         assert!(matches!(
             e,
             KernelError::CacheOverflow {
@@ -64,7 +61,7 @@ mod tests {
                 capacity: 5
             }
         ));
-        assert!(kv_write(&mut kc, &mut vc, c, h, d, usize::MAX, &k, &v, 2).is_err());
-        assert!(kv_write(&mut kc, &mut vc, c, h, d, 0, &k[1..], &v, 2).is_err());
+        assert!(kv_write_rows(&mut kc, c, row, usize::MAX, &k, 2).is_err());
+        assert!(kv_write_rows(&mut kc, c, row, 0, &k[1..], 2).is_err());
     }
 }

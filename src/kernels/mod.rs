@@ -25,10 +25,10 @@ pub(crate) mod testutil;
 
 pub use attention::{attn_scores, attn_scores_len, attn_values, softmax_rows, AttnShape};
 pub use attention_fused::{attention_fused, attention_fused_scratch_len, attention_fused_with};
-pub use dispatch::{embedding_any, kv_write_rows, matmul_any};
+pub use dispatch::{embedding_any, matmul_any};
 pub use elementwise::{add, add_inplace, argmax, mul, mul_broadcast_rows, silu, swiglu};
 pub use embedding::embedding_rows;
-pub use kv::kv_write;
+pub use kv::kv_write_rows;
 pub use matmul::{matmul, matmul_with, Epilogue, Isa};
 pub use norm::rmsnorm;
 pub use quant::dequantize_row;
