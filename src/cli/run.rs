@@ -5,6 +5,7 @@ use clap::Args;
 use llama_graph::generate::chat::{llama3_dialog_tokens, ChatTemplate, Message};
 use llama_graph::generate::{generate, GenOptions, GenStats, SamplerConfig};
 use llama_graph::ir::LogitRows;
+use llama_graph::passes::PassList;
 use llama_graph::session::{Model, ModelFormat, Session, SessionOptions};
 use llama_graph::tokenizer::EncodeOptions;
 use serde_json::json;
@@ -63,6 +64,14 @@ pub struct RunArgs {
     /// Threads (default: all cores).
     #[arg(short = 't', long = "threads", value_name = "N")]
     pub threads: Option<usize>,
+    /// Optimisation passes: `all`, `none` or a comma-separated list of pass
+    /// names (see `llama-graph graph --help`); they run in declared order.
+    #[arg(long = "passes", value_name = "LIST", default_value = "all", value_parser = parse_passes)]
+    pub passes: String,
+    /// Exact f32 activations in every matmul (no int8 activation shortcut
+    /// for quantized weights).
+    #[arg(long = "exact")]
+    pub exact: bool,
     /// Temperature; 0 = greedy.
     #[arg(
         long = "temp",
@@ -272,6 +281,8 @@ pub fn run(a: RunArgs) -> super::CliResult {
         batch: a.batch_size,
         threads,
         logit_rows: LogitRows::Last,
+        passes: PassList::parse(&a.passes)?,
+        exact: a.exact,
     };
     let mut session = Session::new(&model, &opts)?;
     if a.verbose {
@@ -372,4 +383,9 @@ pub fn report(stats: &GenStats, load_s: f64, json_path: Option<&PathBuf>) -> sup
             .map_err(|e| format!("{}: {e}", p.display()))?;
     }
     Ok(())
+}
+
+/// Validates `--passes`.
+pub fn parse_passes(s: &str) -> Result<String, String> {
+    PassList::parse(s).map(|_| s.to_string())
 }
