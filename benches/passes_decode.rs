@@ -16,11 +16,11 @@
 //! Environment: `BENCH_THREADS` (default 2), `BENCH_ROUNDS` (default 5),
 //! `BENCH_DECODE` (default 32).
 
+use llama_graph::ir::{DType, LogitRows};
 use llama_graph::kernels::argmax;
 use llama_graph::passes::PassList;
 use llama_graph::session::{Model, Session, SessionOptions};
 use llama_graph::weights::pth::{generate_random_checkpoint, MetaParams};
-use llama_graph::ir::{DType, LogitRows};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -67,7 +67,10 @@ fn main() {
         let text = std::fs::read_to_string(root.join("graphs/llama-3.2-1b/params.json"))
             .expect("graphs/llama-3.2-1b/params.json");
         let params = MetaParams::from_json(&text).expect("params");
-        eprintln!("generating the random checkpoint into {} ...", dir.display());
+        eprintln!(
+            "generating the random checkpoint into {} ...",
+            dir.display()
+        );
         let t0 = Instant::now();
         generate_random_checkpoint(&dir, &params, 1, DType::BF16).expect("generate");
         eprintln!("generated in {:.0} s", t0.elapsed().as_secs_f64());
@@ -111,7 +114,10 @@ fn main() {
     for r in 0..rounds {
         let (x, _) = decode(&mut fused, &prompt, n_decode);
         let (y, _) = decode(&mut plain, &prompt, n_decode);
-        println!("round {r}: all {x:.2} tok/s, none {y:.2} tok/s, ratio {:.2}", x / y);
+        println!(
+            "round {r}: all {x:.2} tok/s, none {y:.2} tok/s, ratio {:.2}",
+            x / y
+        );
         fa.push(x);
         no.push(y);
     }

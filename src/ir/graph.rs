@@ -349,6 +349,55 @@ impl Graph {
         Ok(order)
     }
 
+    /// The same graph with node ids renumbered so that id order is a
+    /// readable schedule: compute nodes in topological order, each source
+    /// placed just before its first reader (unread sources last). Passes
+    /// leave freed ids behind that new nodes reuse; renumbering after a
+    /// rewrite keeps dumps and schedules in builder-like order.
+    pub fn renumbered(&self) -> Result<Graph, GraphError> {
+        let order = self.topo_order()?;
+        let mut seq: Vec<NodeId> = Vec::with_capacity(order.len());
+        let mut placed = std::collections::HashSet::new();
+        for &id in &order {
+            if self.g[id].op.is_source() {
+                continue;
+            }
+            for i in self.inputs(id) {
+                if self.g[i].op.is_source() && placed.insert(i) {
+                    seq.push(i);
+                }
+            }
+            placed.insert(id);
+            seq.push(id);
+        }
+        for &id in &order {
+            if placed.insert(id) {
+                seq.push(id);
+            }
+        }
+        let mut out = Graph::new();
+        let mut map = BTreeMap::new();
+        for &old in &seq {
+            let n = out.g.add_node(self.g[old].clone());
+            out.names.insert(self.g[old].name.clone(), n);
+            map.insert(old, n);
+        }
+        for &old in &seq {
+            let mut ins: Vec<(usize, NodeId)> = self
+                .g
+                .edges_directed(old, Direction::Incoming)
+                .map(|e| (e.weight().slot, e.source()))
+                .collect();
+            ins.sort_unstable();
+            for (slot, src) in ins {
+                out.g.add_edge(map[&src], map[&old], Edge { slot });
+            }
+        }
+        out.outputs = self.outputs.iter().map(|o| map[o]).collect();
+        out.packed = self.packed.clone();
+        Ok(out)
+    }
+
     /// Checks the whole graph: acyclic, unique names, every node's arity and
     /// inferred type consistent with its inputs, outputs present.
     pub fn verify(&self) -> Result<(), GraphError> {

@@ -214,6 +214,7 @@ pub fn run_pipeline(
             source,
         };
         let stats = (p.run)(graph).map_err(wrap)?;
+        *graph = graph.renumbered().map_err(wrap)?;
         graph.verify().map_err(wrap)?;
         records.push(PassRecord {
             name: p.name,
