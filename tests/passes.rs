@@ -379,3 +379,89 @@ fn packed_weights_are_byte_concatenations_for_any_dtype() {
         assert!(e.contains("missing tensor `b`"), "{e}");
     }
 }
+
+fn graph_cli(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_llama-graph"))
+        .arg("graph")
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn cli_stats_json_and_dot_after_a_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    let stats = dir.path().join("stats.json");
+    let params = common::root().join("graphs/llama-3.1-8b/params.json");
+    let out = graph_cli(&[
+        "--params",
+        params.to_str().unwrap(),
+        "-c",
+        "8192",
+        "-b",
+        "512",
+        "--passes",
+        "all",
+        "--stats-json",
+        stats.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let n = |k: &str| v[k].as_u64().unwrap_or_else(|| panic!("key {k}"));
+    assert_eq!(n("nodes_per_layer_before"), 37);
+    assert!(n("nodes_per_layer_after") * 2 <= n("nodes_per_layer_before"));
+    assert!(n("nodes_after") < n("nodes_before"));
+    assert!(n("arena_bytes") * 4 <= n("naive_activation_bytes"));
+    assert_eq!(v["plan_check"], "ok");
+    assert_eq!(v["unoptimised"]["plan_check"], "ok");
+    let passes = v["passes"].as_array().unwrap();
+    assert_eq!(passes.len(), PASSES.len());
+    assert_eq!(passes[0]["nodes_before"].as_u64(), Some(n("nodes_before")));
+    assert_eq!(
+        passes.last().unwrap()["nodes_after"].as_u64(),
+        Some(n("nodes_after"))
+    );
+
+    let tiny = common::root().join("graphs/tiny/params.json");
+    let out = graph_cli(&[
+        "--params",
+        tiny.to_str().unwrap(),
+        "--dot",
+        "--after",
+        "fuse_qkv",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let dot = String::from_utf8(out.stdout).unwrap();
+    assert!(dot.starts_with("digraph"), "{dot}");
+    assert!(dot.contains("layers.0.attention.wqkv.weight") && dot.contains("SliceCols"));
+    assert!(dot.contains("RmsNormScaled"), "earlier passes ran");
+    assert!(!dot.contains("MatMulSwiGlu"), "later passes did not");
+
+    let out = graph_cli(&[
+        "--params",
+        tiny.to_str().unwrap(),
+        "--passes",
+        "fuse_qkv",
+        "--after",
+        "dead_code",
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("dead_code"));
+    let out = graph_cli(&[
+        "--params",
+        tiny.to_str().unwrap(),
+        "--passes",
+        "fuse_everything",
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("fuse_everything"));
+}
