@@ -62,6 +62,7 @@ fn main() {
                 batch: n_prefill,
                 threads: t,
                 logit_rows: LogitRows::Last,
+                ..SessionOptions::default()
             };
             (t, Session::new(&model, &opts).unwrap())
         })

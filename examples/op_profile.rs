@@ -18,6 +18,7 @@ fn main() {
         batch: 16,
         threads,
         logit_rows: LogitRows::Last,
+        ..SessionOptions::default()
     };
     let mut s = Session::new(&model, &opts).unwrap();
     let mut tok = argmax(s.feed(&[1, 2, 3, 4]).unwrap()) as u32;

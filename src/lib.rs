@@ -10,6 +10,7 @@ pub mod generate;
 pub mod ir;
 pub mod kernels;
 pub mod model;
+pub mod passes;
 pub mod plan;
 pub mod pool;
 pub mod session;

@@ -7,10 +7,11 @@
 //! into a plan, binds the weights and prepares an executor. The session
 //! keeps the KV-cache position across calls.
 
-use crate::exec::{bind_weights, store_dtypes, BindError, ExecError, Executor};
-use crate::ir::{GraphError, LogitRows};
+use crate::exec::{bind_weights, materialize_packed, store_dtypes, BindError, ExecError, Executor};
+use crate::ir::{Graph, GraphError, LogitRows};
 use crate::model::llama::BuildError;
 use crate::model::{build_llama, BuildOptions, ModelArgs, ParamsError};
+use crate::passes::{run_pipeline, PassError, PassList, PipelineReport};
 use crate::plan::{compile, ExecPlan};
 use crate::tokenizer::gguf::GgufTokenizerParts;
 use crate::tokenizer::{Tokenizer, TokenizerError};
@@ -54,6 +55,8 @@ pub enum SessionError {
     Build(#[from] BuildError),
     #[error(transparent)]
     Graph(#[from] GraphError),
+    #[error(transparent)]
+    Pass(#[from] PassError),
     #[error(transparent)]
     Bind(#[from] BindError),
     #[error(transparent)]
@@ -266,6 +269,12 @@ pub struct SessionOptions {
     pub threads: usize,
     /// Logits for every position of a step, or only the last.
     pub logit_rows: LogitRows,
+    /// Optimisation passes to run (default: all). With
+    /// `logit_rows: All`, `last_logits` is skipped.
+    pub passes: PassList,
+    /// Exact f32 activations in matmuls (`--exact`); when false, kernels
+    /// may use faster approximate activations where they have them.
+    pub exact: bool,
 }
 
 impl Default for SessionOptions {
@@ -277,6 +286,8 @@ impl Default for SessionOptions {
                 .map(|n| n.get())
                 .unwrap_or(1),
             logit_rows: LogitRows::Last,
+            passes: PassList::all(),
+            exact: false,
         }
     }
 }
@@ -285,6 +296,10 @@ impl Default for SessionOptions {
 pub struct Session {
     pub exec: Executor,
     pub plan: ExecPlan,
+    /// The compiled graph (after the passes).
+    pub graph: Graph,
+    /// What the passes did.
+    pub passes: PipelineReport,
     pub unused_weights: Vec<String>,
     pos: usize,
     vocab: usize,
@@ -308,16 +323,28 @@ impl Session {
         let mut bo = BuildOptions::new(context);
         bo.weight_dtypes = store_dtypes(&model.weights);
         bo.logit_rows = opts.logit_rows;
-        let graph = build_llama(&model.args, &bo)?;
+        let mut graph = build_llama(&model.args, &bo)?;
+        // Check every tensor against the builder's graph, where each has its
+        // own checkpoint name and shape, before passes pack any of them.
+        let unused_weights = bind_weights(&graph, &model.weights)?.unused;
+        let passes = match opts.logit_rows {
+            LogitRows::All => opts.passes.clone().without("last_logits"),
+            LogitRows::Last => opts.passes.clone(),
+        };
+        let report = run_pipeline(&mut graph, &passes, |_, _| {})?;
         let plan = compile(&graph, opts.batch, context)?;
         plan.buffers.check().map_err(SessionError::Invalid)?;
-        let bound = bind_weights(&graph, &model.weights)?;
-        let unused_weights = bound.unused.clone();
-        let exec = Executor::new(&graph, &plan, bound, opts.threads)?;
+        // Packed weights are made once, here.
+        let store = materialize_packed(&graph, &model.weights)?;
+        let bound = bind_weights(&graph, &store)?;
+        let mut exec = Executor::new(&graph, &plan, bound, opts.threads)?;
+        exec.set_exact(opts.exact);
         let vocab = model.args.vocab_size.unwrap_or(0);
         Ok(Session {
             exec,
             plan,
+            graph,
+            passes: report,
             unused_weights,
             pos: 0,
             vocab,

@@ -17,6 +17,7 @@ fn bind_error(m: &Model) -> String {
         batch: 8,
         threads: 1,
         logit_rows: LogitRows::Last,
+        ..SessionOptions::default()
     };
     match Session::new(m, &opts) {
         Err(SessionError::Bind(e)) => e.to_string(),
@@ -65,6 +66,7 @@ fn unsupported_dtype_and_wrong_size_are_named() {
         batch: 8,
         threads: 1,
         logit_rows: LogitRows::Last,
+        ..SessionOptions::default()
     };
     let err = Session::new(&m, &opts)
         .err()
@@ -94,6 +96,7 @@ fn unused_tensors_are_reported() {
         batch: 8,
         threads: 1,
         logit_rows: LogitRows::Last,
+        ..SessionOptions::default()
     };
     let s = Session::new(&m, &opts).unwrap();
     assert_eq!(s.unused_weights, vec!["rope.freqs".to_string()]);

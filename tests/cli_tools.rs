@@ -88,30 +88,35 @@ fn chat_keeps_the_conversation() {
 
 #[test]
 fn debug_log_names_every_op_with_shapes() {
-    let tmp = tempfile::tempdir().unwrap();
     let dir = common::root().join("tests/fixtures/meta/gqa_scaled");
-    let out = bin()
-        .current_dir(tmp.path())
-        .args([
-            "run",
-            "--prompt-tokens",
-            "1,2,3",
-            "-n",
-            "2",
-            "--temp",
-            "0",
-            "-v",
-            "-m",
-        ])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let log = std::fs::read_to_string(tmp.path().join("debug.log")).unwrap();
+    let log_of = |passes: &str| {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = bin()
+            .current_dir(tmp.path())
+            .args([
+                "run",
+                "--prompt-tokens",
+                "1,2,3",
+                "-n",
+                "2",
+                "--temp",
+                "0",
+                "-v",
+                "--passes",
+                passes,
+                "-m",
+            ])
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::fs::read_to_string(tmp.path().join("debug.log")).unwrap()
+    };
+    let log = log_of("none");
     assert!(
         log.contains("[S=3 P=0] layers.0.attention.wq MatMul"),
         "{}",
@@ -125,5 +130,16 @@ fn debug_log_names_every_op_with_shapes() {
         log.contains("[3, 64]"),
         "shapes are bound: {}",
         &log[..log.len().min(500)]
+    );
+    let log = log_of("all");
+    assert!(
+        log.contains("[S=3 P=0] layers.0.attention.wqkv QkvRopeCache"),
+        "{}",
+        &log[..log.len().min(2000)]
+    );
+    assert!(
+        log.contains("[S=1 P=3] layers.1.attention.attend Attention"),
+        "{}",
+        &log[..log.len().min(2000)]
     );
 }

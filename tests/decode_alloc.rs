@@ -37,6 +37,7 @@ fn decode_steps_do_not_allocate() {
             batch: 16,
             threads,
             logit_rows: LogitRows::Last,
+            ..SessionOptions::default()
         };
         let mut sess = Session::new(&model, &opts).unwrap();
         let vocab = sess.vocab();

@@ -16,6 +16,7 @@
 mod common;
 
 use llama_graph::ir::LogitRows;
+use llama_graph::passes::PassList;
 use llama_graph::session::{Model, Session, SessionOptions};
 use serde_json::Value;
 
@@ -27,8 +28,30 @@ fn top10(logits: &[f32]) -> Vec<(usize, f32)> {
     idx.into_iter().take(10).map(|i| (i, logits[i])).collect()
 }
 
+/// Runs the case with every pass and with none; both must match the
+/// reference and give identical greedy tokens.
 fn check_case(case: &str, batch: usize, threads: usize, rows: LogitRows) {
-    let dir = common::root().join("tests/fixtures/meta").join(case);
+    let fused = run_case(case, batch, threads, rows, PassList::all());
+    let unfused = run_case(case, batch, threads, rows, PassList::none());
+    assert_eq!(
+        fused, unfused,
+        "{case}: greedy tokens with --passes all vs none"
+    );
+}
+
+/// Returns the greedy tokens.
+fn run_case(
+    case: &str,
+    batch: usize,
+    threads: usize,
+    rows: LogitRows,
+    passes: PassList,
+) -> Vec<usize> {
+    let label = format!("{case} (passes: {:?})", passes.names());
+    let case = label.as_str();
+    let dir = common::root()
+        .join("tests/fixtures/meta")
+        .join(case.split(' ').next().unwrap());
     let expected: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
     let model = Model::open_meta_dir(&dir).unwrap();
@@ -37,6 +60,8 @@ fn check_case(case: &str, batch: usize, threads: usize, rows: LogitRows) {
         batch,
         threads,
         logit_rows: rows,
+        passes,
+        exact: true,
     };
     let mut sess = Session::new(&model, &opts).unwrap();
     let prompt: Vec<u32> = expected["prompt_tokens"]
@@ -58,6 +83,7 @@ fn check_case(case: &str, batch: usize, threads: usize, rows: LogitRows) {
         .map(|v| v.as_u64().unwrap() as u32)
         .collect();
     let steps = expected["steps"].as_array().unwrap();
+    let mut greedy = Vec::new();
     assert!(steps.len() >= 16);
 
     let full: Vec<f32> = expected["logits_last_prompt_full"]
@@ -89,6 +115,7 @@ fn check_case(case: &str, batch: usize, threads: usize, rows: LogitRows) {
             })
             .collect();
         let got = top10(&logits);
+        greedy.push(got[0].0);
         assert_eq!(
             got[0].0 as u32, want_tokens[i],
             "{case} step {i}: greedy token"
@@ -104,6 +131,7 @@ fn check_case(case: &str, batch: usize, threads: usize, rows: LogitRows) {
             logits = sess.feed(&[want_tokens[i]]).unwrap().to_vec();
         }
     }
+    greedy
 }
 
 #[test]

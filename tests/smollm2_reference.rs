@@ -57,6 +57,8 @@ fn prompts_greedy_tokens_and_logits_match_transformers() {
         batch: 64,
         threads: 2,
         logit_rows: LogitRows::Last,
+        exact: true,
+        ..SessionOptions::default()
     };
     let mut sess = Session::new(&model, &opts).unwrap();
     let mut worst = 0.0f32;

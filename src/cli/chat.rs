@@ -11,8 +11,7 @@ use super::run::chat_prompt_tokens;
 use clap::Args;
 use llama_graph::generate::chat::Message;
 use llama_graph::generate::{generate, GenOptions};
-use llama_graph::ir::LogitRows;
-use llama_graph::session::{Session, SessionOptions};
+use llama_graph::session::Session;
 use std::io::{BufRead, IsTerminal, Write};
 
 #[derive(Debug, Args)]
@@ -47,12 +46,7 @@ pub fn run(a: ChatArgs) -> super::CliResult {
         .as_ref()
         .ok_or("this model has no tokenizer, which chat needs")?;
     let context = model.args.plan_context(a.runtime.ctx_size);
-    let opts = SessionOptions {
-        context: Some(context),
-        batch: a.runtime.batch_size,
-        threads,
-        logit_rows: LogitRows::Last,
-    };
+    let opts = a.runtime.session_options(context, threads)?;
     let mut session = Session::new(&model, &opts)?;
     let interactive = std::io::stdin().is_terminal();
     if interactive {

@@ -2,6 +2,9 @@
 
 use clap::Args;
 use llama_graph::generate::SamplerConfig;
+use llama_graph::ir::LogitRows;
+use llama_graph::passes::PassList;
+use llama_graph::session::SessionOptions;
 
 /// Context, batching and threads.
 #[derive(Debug, Args, Clone)]
@@ -21,9 +24,39 @@ pub struct RuntimeFlags {
     /// Threads (default: all cores).
     #[arg(short = 't', long = "threads", value_name = "N")]
     pub threads: Option<usize>,
+    /// Optimisation passes: `all`, `none` or a comma-separated list of pass
+    /// names (see `llama-graph graph --help`); they run in declared order.
+    #[arg(long = "passes", value_name = "LIST", default_value = "all", value_parser = parse_passes)]
+    pub passes: String,
+    /// Exact f32 activations in every matmul (no int8 activation shortcut
+    /// for quantized weights): results match a float reference on the same
+    /// weights within rounding.
+    #[arg(long = "exact")]
+    pub exact: bool,
+}
+
+/// Validates `--passes`.
+pub fn parse_passes(s: &str) -> Result<String, String> {
+    PassList::parse(s).map(|_| s.to_string())
 }
 
 impl RuntimeFlags {
+    /// The session options these flags ask for.
+    pub fn session_options(
+        &self,
+        context: usize,
+        threads: usize,
+    ) -> Result<SessionOptions, String> {
+        Ok(SessionOptions {
+            context: Some(context),
+            batch: self.batch_size,
+            threads,
+            logit_rows: LogitRows::Last,
+            passes: PassList::parse(&self.passes)?,
+            exact: self.exact,
+        })
+    }
+
     /// Checks the values and resolves the thread count.
     pub fn threads(&self) -> Result<usize, String> {
         if self.batch_size == 0 {

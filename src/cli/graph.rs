@@ -4,6 +4,8 @@ use clap::Args;
 use llama_graph::ir::dot::{to_dot, DotOptions};
 use llama_graph::ir::{print, Bindings, Graph};
 use llama_graph::model::{build_llama, BuildOptions, ModelArgs};
+use llama_graph::passes::{run_pipeline, PassList, PipelineReport};
+use llama_graph::plan::compile;
 use std::path::PathBuf;
 
 #[derive(Debug, Args)]
@@ -33,6 +35,23 @@ pub struct GraphArgs {
     /// Print the canonical text dump, one line per node (the snapshot format).
     #[arg(long)]
     pub text: bool,
+    /// Optimisation passes to run before showing the graph: `all`, `none` or
+    /// a comma-separated list (they always run in declared order). Default:
+    /// none (the builder's graph), or all when --after is given. Passes:
+    /// fold_rope_table, fold_norm_weight, fuse_qkv, fuse_gate_up,
+    /// fuse_residual, fuse_attention, fuse_rope_cache, last_logits, dead_code.
+    #[arg(long = "passes", value_name = "LIST", value_parser = super::flags::parse_passes)]
+    pub passes: Option<String>,
+    /// Show the graph as it is right after this pass (one of the selected
+    /// passes), e.g. `--dot --after fuse_qkv`.
+    #[arg(long = "after", value_name = "PASS")]
+    pub after: Option<String>,
+    /// Write statistics as JSON: node counts before/after each pass, op
+    /// counts and the buffer plan's figures for -b/-c (keys nodes_before,
+    /// nodes_after, nodes_per_layer_before, nodes_per_layer_after,
+    /// naive_activation_bytes, arena_bytes, passes, ...).
+    #[arg(long = "stats-json", value_name = "FILE")]
+    pub stats_json: Option<PathBuf>,
 }
 
 pub fn load_params(path: &PathBuf) -> Result<ModelArgs, String> {
@@ -51,8 +70,39 @@ pub fn run(a: GraphArgs) -> super::CliResult {
         // Show what can be derived before saying why there is no graph.
         print!("{}", args_summary(&args, ctx));
     }
-    let graph = build_llama(&args, &BuildOptions::new(ctx))
+    let mut graph = build_llama(&args, &BuildOptions::new(ctx))
         .map_err(|e| format!("{e} (pass --vocab-size N)"))?;
+    let mut passes = match (&a.passes, &a.after) {
+        (Some(p), _) => PassList::parse(p)?,
+        (None, Some(_)) => PassList::all(),
+        (None, None) => PassList::none(),
+    };
+    if let Some(after) = &a.after {
+        if !passes.contains(after) {
+            return Err(format!(
+                "--after {after}: not one of the selected passes ({})",
+                passes.names().join(", ")
+            )
+            .into());
+        }
+        let keep: Vec<&str> = passes
+            .names()
+            .into_iter()
+            .take_while(|n| n != after)
+            .chain([after.as_str()])
+            .collect();
+        passes = PassList::parse(&keep.join(","))?;
+    }
+    let unoptimised = if a.stats_json.is_some() {
+        Some(graph.clone())
+    } else {
+        None
+    };
+    let report = run_pipeline(&mut graph, &passes, |_, _| {}).map_err(|e| e.to_string())?;
+    if let (Some(path), Some(before)) = (&a.stats_json, &unoptimised) {
+        let json = stats_json(&graph, before, &report, &passes, ctx, a.batch_size as usize)?;
+        std::fs::write(path, json).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
     if a.dot {
         print!(
             "{}",
@@ -163,4 +213,51 @@ pub fn summary(args: &ModelArgs, g: &Graph, ctx: usize, chunk: usize) -> Result<
         }
     }
     Ok(s)
+}
+
+/// The `--stats-json` document.
+pub fn stats_json(
+    graph: &Graph,
+    before: &Graph,
+    report: &PipelineReport,
+    passes: &PassList,
+    ctx: usize,
+    chunk: usize,
+) -> Result<String, String> {
+    let plan = compile(graph, chunk, ctx).map_err(|e| e.to_string())?;
+    let base = compile(before, chunk, ctx).map_err(|e| e.to_string())?;
+    let b = &plan.buffers;
+    let check = |p: &llama_graph::plan::BufferPlan| match p.check() {
+        Ok(()) => "ok".to_string(),
+        Err(e) => e,
+    };
+    let packed: Vec<_> = graph.packed().collect();
+    let v = serde_json::json!({
+        "context": ctx,
+        "batch": plan.max.s,
+        "passes_selected": passes.names(),
+        "nodes_before": report.nodes_before,
+        "nodes_after": report.nodes_after,
+        "nodes_per_layer_before": report.nodes_per_layer_before,
+        "nodes_per_layer_after": report.nodes_per_layer_after,
+        "op_counts_before": report.op_counts_before,
+        "op_counts_after": report.op_counts_after,
+        "naive_activation_bytes": b.naive_activation_bytes,
+        "arena_bytes": b.arena_bytes,
+        "arena_fraction_of_naive": b.arena_bytes as f64 / b.naive_activation_bytes.max(1) as f64,
+        "peak_live_bytes": b.peak_live_bytes,
+        "in_place": b.in_place,
+        "buffers": b.buffers.len(),
+        "plan_check": check(b),
+        "kernel_calls_per_step": plan.order.iter().filter(|&&id| !graph.node(id).op.is_source()).count(),
+        "unoptimised": {
+            "naive_activation_bytes": base.buffers.naive_activation_bytes,
+            "arena_bytes": base.buffers.arena_bytes,
+            "peak_live_bytes": base.buffers.peak_live_bytes,
+            "plan_check": check(&base.buffers),
+        },
+        "packed_weights": packed,
+        "passes": report.passes,
+    });
+    serde_json::to_string_pretty(&v).map_err(|e| e.to_string())
 }

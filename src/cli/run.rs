@@ -5,8 +5,7 @@ use super::model::ModelArg;
 use clap::Args;
 use llama_graph::generate::chat::{conversation_tokens, Message};
 use llama_graph::generate::{generate, GenOptions, GenStats};
-use llama_graph::ir::LogitRows;
-use llama_graph::session::{Model, Session, SessionOptions};
+use llama_graph::session::{Model, Session};
 use llama_graph::tokenizer::EncodeOptions;
 use serde_json::json;
 use std::io::{IsTerminal, Read, Write};
@@ -164,12 +163,7 @@ pub fn run(a: RunArgs) -> super::CliResult {
     let context = model.args.plan_context(a.runtime.ctx_size);
     llama_graph::generate::run::check_fits(prompt.len(), n_predict, context)?;
 
-    let opts = SessionOptions {
-        context: Some(context),
-        batch: a.runtime.batch_size,
-        threads,
-        logit_rows: LogitRows::Last,
-    };
+    let opts = a.runtime.session_options(context, threads)?;
     let mut session = Session::new(&model, &opts)?;
     if a.verbose {
         let b = &session.plan.buffers;

@@ -1,8 +1,9 @@
 //! Binding the graph's weight nodes to loaded tensors.
 
 use crate::ir::{DType, Graph, Op};
-use crate::weights::{WeightStore, WeightTensor};
+use crate::weights::{TensorBytes, WeightStore, WeightTensor};
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use thiserror::Error;
 
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -21,6 +22,8 @@ pub enum BindError {
         expected: DType,
         actual: DType,
     },
+    #[error("packed weight `{packed}`: {message}")]
+    Packed { packed: String, message: String },
     #[error("tensor `{tensor}` holds {actual} bytes, but {dtype}{shape:?} needs {expected}")]
     Size {
         tensor: String,
@@ -97,6 +100,84 @@ pub fn bind_weights(graph: &Graph, store: &WeightStore) -> Result<BoundWeights, 
         .cloned()
         .collect();
     Ok(BoundWeights { tensors, unused })
+}
+
+/// Materialises the graph's packed weights (see
+/// [`crate::ir::PackedWeight`]) once: each is the byte concatenation of its
+/// parts' whole rows (axis 0), which is exact for every dtype, quantized
+/// block formats included. Returns a store with the packed tensors added
+/// (the parts stay available; other tensors are shared, not copied).
+pub fn materialize_packed(graph: &Graph, store: &WeightStore) -> Result<WeightStore, BindError> {
+    let mut out = store.clone();
+    for p in graph.packed() {
+        let err = |message: String| BindError::Packed {
+            packed: p.name.clone(),
+            message,
+        };
+        if p.axis != 0 {
+            return Err(err(format!("only axis 0 is supported, got {}", p.axis)));
+        }
+        let mut rows = 0usize;
+        let mut cols = None;
+        let mut dtype = None;
+        let mut total = 0usize;
+        for part in &p.parts {
+            let t = store.tensors.get(part).ok_or_else(|| BindError::Missing {
+                tensor: part.clone(),
+                expected: format!("a part of `{}`", p.name),
+            })?;
+            if t.shape.len() != 2 {
+                return Err(err(format!(
+                    "part `{part}` has shape {:?}, not 2-D",
+                    t.shape
+                )));
+            }
+            if cols.is_some_and(|c| c != t.shape[1]) || dtype.is_some_and(|d| d != t.dtype) {
+                return Err(err(format!(
+                    "part `{part}` is {}{:?}, unlike the first part",
+                    t.dtype, t.shape
+                )));
+            }
+            let want = t
+                .shape
+                .iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d))
+                .and_then(|n| t.dtype.bytes_for(n));
+            if want != Some(t.data.len()) {
+                return Err(BindError::Size {
+                    tensor: part.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    expected: want.unwrap_or(usize::MAX),
+                    actual: t.data.len(),
+                });
+            }
+            cols = Some(t.shape[1]);
+            dtype = Some(t.dtype);
+            rows = rows
+                .checked_add(t.shape[0])
+                .ok_or_else(|| err("row count overflows".into()))?;
+            total = total
+                .checked_add(t.data.len())
+                .ok_or_else(|| err("size overflows".into()))?;
+        }
+        let (Some(cols), Some(dtype)) = (cols, dtype) else {
+            return Err(err("no parts".into()));
+        };
+        let mut bytes = Vec::with_capacity(total);
+        for part in &p.parts {
+            bytes.extend_from_slice(store.tensors[part].data.as_bytes());
+        }
+        out.tensors.insert(
+            p.name.clone(),
+            WeightTensor {
+                dtype,
+                shape: vec![rows, cols],
+                data: TensorBytes::Owned(Arc::new(bytes)),
+            },
+        );
+    }
+    Ok(out)
 }
 
 /// The weight dtypes of a store, for building a graph that matches it.

@@ -51,6 +51,8 @@ enum Loc {
     Cache(usize),
     /// Offset into the arena, in f32 elements.
     Arena(usize),
+    /// Index into `Executor::tables` (a constant-folded RoPE table).
+    Table(usize),
 }
 
 #[derive(Debug, Clone)]
@@ -95,6 +97,15 @@ pub struct Executor {
     vectors: HashMap<usize, Vec<f32>>,
     caches: Vec<Vec<f32>>,
     cache_shape: (usize, usize, usize),
+    /// Constant-folded RoPE tables, computed once here.
+    tables: Vec<kernels::RopeTable>,
+    /// Scratch of the fused attention kernel (sized for the largest step).
+    attn_scratch: Vec<f32>,
+    /// Scratch holding the packed `[S, (H + 2Hkv)·D]` result of a fused
+    /// QKV projection before its epilogue scatters it.
+    qkv_scratch: Vec<f32>,
+    /// Exact f32 activations in matmuls (see `kernels::dispatch::matmul_any_exact`).
+    exact: bool,
     arena: Arena,
     pool: ThreadPool,
     context: usize,
@@ -131,6 +142,26 @@ impl Executor {
         let tensors: Vec<WeightTensor> = weights.tensors.into_values().collect();
         let mut caches = Vec::new();
         let mut cache_shape = (0, 0, 0);
+        // Constants first: every RoPE table, computed once.
+        let mut tables = Vec::new();
+        let mut table_index: HashMap<String, usize> = HashMap::new();
+        for &id in &plan.order {
+            let node = graph.node(id);
+            if let Op::RopeTable { params, max_pos } = &node.op {
+                let t = kernels::RopeTable::new(
+                    params.head_dim,
+                    params.theta as f32,
+                    params.scaling.map(Into::into),
+                    *max_pos,
+                )
+                .map_err(|e| ExecError::Unsupported {
+                    node: node.name.clone(),
+                    message: e.to_string(),
+                })?;
+                table_index.insert(node.name.clone(), tables.len());
+                tables.push(t);
+            }
+        }
         let loc_of = |v: &Value| -> Result<Loc, String> {
             Ok(match v {
                 Value::Tokens => Loc::Tokens,
@@ -147,6 +178,11 @@ impl Executor {
                     debug_assert_eq!(off % 4, 0);
                     Loc::Arena(off / 4)
                 }
+                Value::Constant(n) => Loc::Table(
+                    *table_index
+                        .get(n)
+                        .ok_or_else(|| format!("constant `{n}` is not computed"))?,
+                ),
             })
         };
         let mut steps = Vec::new();
@@ -191,7 +227,7 @@ impl Executor {
                     }
                     continue;
                 }
-                Op::Tokens | Op::Reshape => continue,
+                Op::Tokens | Op::Reshape | Op::RopeTable { .. } => continue,
                 _ => {}
             }
             if elems(node.meta.dtype) == 0 {
@@ -218,6 +254,32 @@ impl Executor {
                 shape: node.meta.shape.clone(),
             });
         }
+        // Scratch for the fused ops, sized once for the largest step.
+        let mut attn_len = 0usize;
+        let mut qkv_len = 0usize;
+        for st in &steps {
+            match st.op {
+                Op::Attention { n_rep, .. } => {
+                    let (_, hkv, d) = cache_shape;
+                    let shape = AttnShape {
+                        s: max_chunk,
+                        pos: 0,
+                        n_heads: hkv * n_rep,
+                        n_kv_heads: hkv,
+                        head_dim: d,
+                    };
+                    attn_len = attn_len.max(kernels::attention_fused_scratch_len(&shape, threads));
+                }
+                Op::QkvRopeCache {
+                    n_heads,
+                    n_kv_heads,
+                    head_dim,
+                } => {
+                    qkv_len = qkv_len.max(max_chunk * (n_heads + 2 * n_kv_heads) * head_dim);
+                }
+                _ => {}
+            }
+        }
         let out_id = *graph.outputs().first().ok_or(ExecError::NoOutput)?;
         let output = (
             loc_of(&plan.values[&out_id]).map_err(|m| ExecError::Unsupported {
@@ -232,6 +294,10 @@ impl Executor {
             vectors,
             caches,
             cache_shape,
+            tables,
+            attn_scratch: vec![0.0; attn_len],
+            qkv_scratch: vec![0.0; qkv_len],
+            exact: true,
             arena: Arena::new(plan.buffers.arena_bytes),
             pool: ThreadPool::new(threads),
             context,
@@ -240,6 +306,16 @@ impl Executor {
             trace: None,
             profile: None,
         })
+    }
+
+    /// Chooses exact f32 activations for matmuls (the default) or, where the
+    /// kernels offer it, faster approximate ones (`--exact` off).
+    pub fn set_exact(&mut self, exact: bool) {
+        self.exact = exact;
+    }
+
+    pub fn exact(&self) -> bool {
+        self.exact
     }
 
     /// Writes a line per op as it runs (name, op, shapes) to `w`.
@@ -369,6 +445,21 @@ impl Executor {
     ) -> Result<(), RunError> {
         let st = &self.steps[i];
         let pool = &self.pool;
+        let exact = self.exact;
+        #[allow(clippy::too_many_arguments)]
+        fn matmul(
+            pool: &ThreadPool,
+            x: &[f32],
+            s: usize,
+            k: usize,
+            w: WeightRef<'_>,
+            n: usize,
+            e: Epilogue<'_>,
+            y: &mut [f32],
+            exact: bool,
+        ) -> Result<(), KernelError> {
+            kernels::dispatch::matmul_any_exact(pool, x, s, k, w, n, e, y, exact)
+        }
         let numel = |sh: &Shape| sh.numel(b);
         let dim = |sh: &Shape, k: usize| sh.dims()[k].eval(b);
         let out_len = numel(&st.shape);
@@ -442,12 +533,175 @@ impl Executor {
                     s = 1;
                 }
                 let w = self.weight(st.ins[1].0)?;
-                kernels::matmul_any(pool, x, s, k, w, n, Epilogue::None, out_fresh()?)?;
+                matmul(pool, x, s, k, w, n, Epilogue::None, out_fresh()?, exact)?;
+            }
+            Op::MatMulAdd => {
+                let (xs, ws) = (&st.ins[1].1, &st.ins[2].1);
+                let (s, k, n) = (dim(xs, 0), dim(xs, 1), dim(ws, 0));
+                let w = self.weight(st.ins[2].0)?;
+                let x = input(1)?;
+                if st.ins[0].0 == st.out {
+                    matmul(
+                        pool,
+                        x,
+                        s,
+                        k,
+                        w,
+                        n,
+                        Epilogue::Accumulate,
+                        out_fresh()?,
+                        exact,
+                    )?;
+                } else {
+                    let r = input(0)?;
+                    matmul(
+                        pool,
+                        x,
+                        s,
+                        k,
+                        w,
+                        n,
+                        Epilogue::AddResidual(r),
+                        out_fresh()?,
+                        exact,
+                    )?;
+                }
+            }
+            Op::MatMulSwiGlu => {
+                let (xs, ws) = (&st.ins[0].1, &st.ins[1].1);
+                let (s, k, n) = (dim(xs, 0), dim(xs, 1), dim(ws, 0));
+                let w = self.weight(st.ins[1].0)?;
+                matmul(
+                    pool,
+                    input(0)?,
+                    s,
+                    k,
+                    w,
+                    n,
+                    Epilogue::SwiGlu,
+                    out_fresh()?,
+                    exact,
+                )?;
+            }
+            Op::SliceCols { start, len } => {
+                let n = dim(&st.ins[0].1, 1);
+                let x = input(0)?;
+                let out = out_fresh()?;
+                for (o, xr) in out.chunks_exact_mut(*len).zip(x.chunks_exact(n)) {
+                    o.copy_from_slice(&xr[*start..*start + *len]);
+                }
+            }
+            Op::LastRow => {
+                let (s, e) = (dim(&st.ins[0].1, 0), dim(&st.ins[0].1, 1));
+                let x = input(0)?;
+                out_fresh()?.copy_from_slice(&x[(s - 1) * e..s * e]);
+            }
+            Op::RmsNormScaled { eps } => {
+                let d = dim(&st.shape, st.shape.rank() - 1);
+                let Loc::Weight(w) = st.ins[1].0 else {
+                    return Err(RunError::Unsupported(
+                        "the norm weight must be a weight".into(),
+                    ));
+                };
+                let v = self
+                    .vectors
+                    .get(&w)
+                    .ok_or_else(|| RunError::Unsupported("norm weight is not a vector".into()))?;
+                let wr = kernels::WeightRef::from_f32(v);
+                kernels::rmsnorm(input(0)?, d, Some(wr), *eps as f32, out_fresh()?)?;
+            }
+            Op::Attention { n_rep, .. } => {
+                let (_, hkv, d) = self.cache_shape;
+                let shape = AttnShape {
+                    s: b.s,
+                    pos: b.p,
+                    n_heads: hkv * n_rep,
+                    n_kv_heads: hkv,
+                    head_dim: d,
+                };
+                let scratch = &mut self.attn_scratch;
+                kernels::attention_fused(
+                    pool,
+                    input(0)?,
+                    input(1)?,
+                    input(2)?,
+                    shape,
+                    out_fresh()?,
+                    scratch,
+                )?;
+            }
+            Op::QkvRopeCache {
+                n_heads,
+                n_kv_heads,
+                head_dim,
+            } => {
+                let (h, hkv, d) = (*n_heads, *n_kv_heads, *head_dim);
+                let (xs, ws) = (&st.ins[0].1, &st.ins[1].1);
+                let (s, k, n) = (dim(xs, 0), dim(xs, 1), dim(ws, 0));
+                let Loc::Arena(xo) = st.ins[0].0 else {
+                    return Err(RunError::Unsupported("x must be an activation".into()));
+                };
+                let Loc::Weight(wi) = st.ins[1].0 else {
+                    return Err(RunError::Unsupported("expected a weight operand".into()));
+                };
+                let (Loc::Cache(ck), Loc::Cache(cv)) = (st.ins[3].0, st.ins[4].0) else {
+                    return Err(RunError::Unsupported("expected the two caches".into()));
+                };
+                let Loc::Arena(o) = st.out else {
+                    return Err(RunError::Unsupported("output is not an activation".into()));
+                };
+                // SAFETY: x and the output are distinct live buffers of the plan.
+                let x = unsafe { arena.slice(xo, s * k) };
+                let q_out = unsafe { arena.slice_mut(o, s * h * d) };
+                let t = &self.weights[wi];
+                let w = WeightRef::new(t.dtype, t.data.as_bytes());
+                let y = &mut self.qkv_scratch[..s * n];
+                matmul(pool, x, s, k, w, n, Epilogue::None, y, exact)?;
+                // Epilogue: scatter q to the output, k and v into the caches
+                // at positions P..P+S, then rotate q and the new keys.
+                let (qn, kn) = (h * d, hkv * d);
+                let (cap, _, _) = self.cache_shape;
+                if b.p + s > cap || ck == cv {
+                    return Err(RunError::Unsupported(
+                        "the step does not fit the caches".into(),
+                    ));
+                }
+                let (lo, hi) = self.caches.split_at_mut(ck.max(cv));
+                let (kc, vc) = if ck < cv {
+                    (&mut lo[ck], &mut hi[0])
+                } else {
+                    (&mut hi[0], &mut lo[cv])
+                };
+                let krows = &mut kc[b.p * kn..(b.p + s) * kn];
+                let vrows = &mut vc[b.p * kn..(b.p + s) * kn];
+                for (t, row) in y.chunks_exact(n).enumerate() {
+                    q_out[t * qn..(t + 1) * qn].copy_from_slice(&row[..qn]);
+                    krows[t * kn..(t + 1) * kn].copy_from_slice(&row[qn..qn + kn]);
+                    vrows[t * kn..(t + 1) * kn].copy_from_slice(&row[qn + kn..qn + 2 * kn]);
+                }
+                match st.ins[2].0 {
+                    Loc::Table(ti) => {
+                        let table = &self.tables[ti];
+                        table.apply(q_out, s, h, b.p)?;
+                        table.apply(krows, s, hkv, b.p)?;
+                    }
+                    Loc::Arena(fo) => {
+                        // SAFETY: the per-step angles are a live buffer of the plan.
+                        let f = unsafe { arena.slice(fo, s * d) };
+                        kernels::dispatch::rope_apply_freqs(q_out, s, h, d, f)?;
+                        kernels::dispatch::rope_apply_freqs(krows, s, hkv, d, f)?;
+                    }
+                    _ => return Err(RunError::Unsupported("bad RoPE angles operand".into())),
+                }
             }
             Op::Rope => {
                 let (s, h, d) = (dim(&st.shape, 0), dim(&st.shape, 1), dim(&st.shape, 2));
-                let freqs = input(1)?;
-                kernels::dispatch::rope_apply_freqs(out_from_input0()?, s, h, d, freqs)?;
+                if let Loc::Table(t) = st.ins[1].0 {
+                    self.tables[t].apply(out_from_input0()?, s, h, b.p)?;
+                } else {
+                    let freqs = input(1)?;
+                    kernels::dispatch::rope_apply_freqs(out_from_input0()?, s, h, d, freqs)?;
+                }
             }
             Op::KvWrite => {
                 let Loc::Cache(c) = st.ins[0].0 else {
@@ -499,7 +753,11 @@ impl Executor {
                     kernels::dispatch::mul_inplace(out_from_input0()?, bsl)?;
                 }
             },
-            Op::Tokens | Op::Weight { .. } | Op::KvCache { .. } | Op::Reshape => {}
+            Op::Tokens
+            | Op::Weight { .. }
+            | Op::KvCache { .. }
+            | Op::Reshape
+            | Op::RopeTable { .. } => {}
         }
         Ok(())
     }

@@ -3,5 +3,5 @@ pub mod arena;
 pub mod bind;
 pub mod executor;
 
-pub use bind::{bind_weights, store_dtypes, BindError, BoundWeights};
+pub use bind::{bind_weights, materialize_packed, store_dtypes, BindError, BoundWeights};
 pub use executor::{ExecError, Executor, Logits, OpProfile};

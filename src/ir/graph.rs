@@ -73,11 +73,26 @@ impl GraphError {
     }
 }
 
+/// A weight that does not exist in the checkpoint but is made from tensors
+/// that do: `parts` concatenated along `axis` (0: whole rows of `[out, in]`
+/// matrices, which is a byte concatenation for every dtype, quantized ones
+/// included). Passes that pack weights record them here; binding
+/// materialises each once, when a session is prepared.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PackedWeight {
+    pub name: String,
+    pub parts: Vec<String>,
+    pub axis: usize,
+}
+
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Graph {
     g: StableDiGraph<Node, Edge>,
     names: BTreeMap<String, NodeId>,
     outputs: Vec<NodeId>,
+    /// Packed weights the graph reads, by name.
+    #[serde(default)]
+    packed: BTreeMap<String, PackedWeight>,
 }
 
 impl Graph {
@@ -190,6 +205,33 @@ impl Graph {
         &self.outputs
     }
 
+    /// Records a packed weight (see [`PackedWeight`]).
+    pub fn add_packed(&mut self, p: PackedWeight) {
+        self.packed.insert(p.name.clone(), p);
+    }
+
+    /// The packed weights still read by a weight node.
+    pub fn packed(&self) -> impl Iterator<Item = &PackedWeight> + '_ {
+        self.packed.values()
+    }
+
+    /// The packed weight of this name, if any.
+    pub fn packed_weight(&self, name: &str) -> Option<&PackedWeight> {
+        self.packed.get(name)
+    }
+
+    /// Renames a node (the new name must be free).
+    pub fn rename(&mut self, id: NodeId, name: impl Into<String>) -> Result<(), GraphError> {
+        let name = name.into();
+        if self.names.contains_key(&name) {
+            return Err(GraphError::DuplicateName(name));
+        }
+        let old = std::mem::replace(&mut self.g[id].name, name.clone());
+        self.names.remove(&old);
+        self.names.insert(name, id);
+        Ok(())
+    }
+
     pub fn node(&self, id: NodeId) -> &Node {
         &self.g[id]
     }
@@ -238,7 +280,21 @@ impl Graph {
         if let Some(n) = self.g.remove_node(id) {
             self.names.remove(&n.name);
             self.outputs.retain(|&o| o != id);
+            if let Op::Weight { tensor } = &n.op {
+                if !self
+                    .g
+                    .node_weights()
+                    .any(|m| matches!(&m.op, Op::Weight { tensor: t } if t == tensor))
+                {
+                    self.packed.remove(tensor);
+                }
+            }
         }
+    }
+
+    /// Whether `id` is still a node of the graph.
+    pub fn contains(&self, id: NodeId) -> bool {
+        self.g.contains_node(id)
     }
 
     /// Points every use of `old` at `new` (including graph outputs).
@@ -291,6 +347,55 @@ impl Graph {
             return Err(GraphError::Cycle(stuck));
         }
         Ok(order)
+    }
+
+    /// The same graph with node ids renumbered so that id order is a
+    /// readable schedule: compute nodes in topological order, each source
+    /// placed just before its first reader (unread sources last). Passes
+    /// leave freed ids behind that new nodes reuse; renumbering after a
+    /// rewrite keeps dumps and schedules in builder-like order.
+    pub fn renumbered(&self) -> Result<Graph, GraphError> {
+        let order = self.topo_order()?;
+        let mut seq: Vec<NodeId> = Vec::with_capacity(order.len());
+        let mut placed = std::collections::HashSet::new();
+        for &id in &order {
+            if self.g[id].op.is_source() {
+                continue;
+            }
+            for i in self.inputs(id) {
+                if self.g[i].op.is_source() && placed.insert(i) {
+                    seq.push(i);
+                }
+            }
+            placed.insert(id);
+            seq.push(id);
+        }
+        for &id in &order {
+            if placed.insert(id) {
+                seq.push(id);
+            }
+        }
+        let mut out = Graph::new();
+        let mut map = BTreeMap::new();
+        for &old in &seq {
+            let n = out.g.add_node(self.g[old].clone());
+            out.names.insert(self.g[old].name.clone(), n);
+            map.insert(old, n);
+        }
+        for &old in &seq {
+            let mut ins: Vec<(usize, NodeId)> = self
+                .g
+                .edges_directed(old, Direction::Incoming)
+                .map(|e| (e.weight().slot, e.source()))
+                .collect();
+            ins.sort_unstable();
+            for (slot, src) in ins {
+                out.g.add_edge(map[&src], map[&old], Edge { slot });
+            }
+        }
+        out.outputs = self.outputs.iter().map(|o| map[o]).collect();
+        out.packed = self.packed.clone();
+        Ok(out)
     }
 
     /// Checks the whole graph: acyclic, unique names, every node's arity and

@@ -36,6 +36,19 @@ fn mismatch(what: &str, expected: &Shape, actual: &Shape) -> String {
     format!("{what}: expected shape {expected}, got {actual}")
 }
 
+/// RoPE angles for `rows` positions of `head_dim`: a per-step `[S, D/2, 2]`
+/// or a table over constant positions `[C, D/2, 2]`.
+fn check_freqs(what: &str, f: &TensorMeta, rows: Dim, head_dim: usize) -> Result<(), String> {
+    expect_f32(what, f)?;
+    let want = Shape::new([rows, Dim::Const(head_dim / 2), Dim::Const(2)]);
+    let table =
+        f.shape.rank() == 3 && f.shape.0[0].as_const().is_some() && f.shape.0[1..] == want.0[1..];
+    if !head_dim.is_multiple_of(2) || (f.shape != want && !table) {
+        return Err(mismatch(what, &want, &f.shape));
+    }
+    Ok(())
+}
+
 /// Infers the output type of `op` over `inputs`. Sources and `Reshape` take
 /// the `declared` type, which is validated.
 pub fn infer(
@@ -154,10 +167,7 @@ pub fn infer(
             let d = x.shape.0[2]
                 .as_const()
                 .ok_or("x (input 0): head_dim must be constant")?;
-            let want = Shape::new([x.shape.0[0], Dim::Const(d / 2), Dim::Const(2)]);
-            if f.shape != want || d % 2 != 0 {
-                return Err(mismatch("freqs (input 1)", &want, &f.shape));
-            }
+            check_freqs("freqs (input 1)", f, x.shape.0[0], d)?;
             f32m(x.shape.clone())
         }
         Op::KvWrite => {
@@ -233,6 +243,138 @@ pub fn infer(
                 expect_f32("b (input 1)", b)?;
             }
             f32m(a.shape.clone())
+        }
+        Op::RopeTable { params, max_pos } => {
+            if params.head_dim == 0 || params.head_dim % 2 != 0 {
+                return Err(format!(
+                    "RoPE needs an even head_dim, got {}",
+                    params.head_dim
+                ));
+            }
+            if *max_pos == 0 {
+                return Err("a RoPE table needs at least one position".into());
+            }
+            f32m(Shape::constant(&[*max_pos, params.head_dim / 2, 2]))
+        }
+        Op::RmsNormScaled { eps } => {
+            let x = inputs[0];
+            let out = infer(&Op::RmsNorm { eps: *eps }, &[x], None)?;
+            let w = inputs[1];
+            let last = x.shape.last().ok_or("x (input 0): needs an axis")?;
+            if w.shape != Shape::new([last]) {
+                return Err(mismatch("weight (input 1)", &Shape::new([last]), &w.shape));
+            }
+            Ok(out)
+        }
+        Op::SliceCols { start, len } => {
+            let x = inputs[0];
+            expect_f32("x (input 0)", x)?;
+            expect_rank("x (input 0)", x, 2)?;
+            let n = x.shape.0[1]
+                .as_const()
+                .ok_or("x (input 0): columns must be constant")?;
+            if *len == 0 || start.checked_add(*len).is_none_or(|e| e > n) {
+                return Err(format!(
+                    "columns {start}..{} are not inside the {n} columns of x",
+                    start.saturating_add(*len)
+                ));
+            }
+            f32m(Shape::new([x.shape.0[0], Dim::Const(*len)]))
+        }
+        Op::MatMulAdd => {
+            let r = inputs[0];
+            let out = infer(&Op::MatMul, &inputs[1..], None)?;
+            expect_f32("residual (input 0)", r)?;
+            if r.shape != out.shape {
+                return Err(mismatch("residual (input 0)", &out.shape, &r.shape));
+            }
+            Ok(out)
+        }
+        Op::MatMulSwiGlu => {
+            let out = infer(&Op::MatMul, inputs, None)?;
+            let n = out.shape.0[1]
+                .as_const()
+                .ok_or("weight (input 1): rows must be constant")?;
+            if n % 2 != 0 {
+                return Err(format!(
+                    "weight (input 1): a packed gate/up weight needs an even row count, got {n}"
+                ));
+            }
+            f32m(Shape::new([out.shape.0[0], Dim::Const(n / 2)]))
+        }
+        Op::QkvRopeCache {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+        } => {
+            let (x, w, f, ck, cv) = (inputs[0], inputs[1], inputs[2], inputs[3], inputs[4]);
+            let qkv = infer(&Op::MatMul, &[x, w], None)?;
+            let rows = n_heads
+                .checked_add(n_kv_heads.saturating_mul(2))
+                .and_then(|h| h.checked_mul(*head_dim))
+                .ok_or("head counts overflow")?;
+            expect_dim(
+                "weight (input 1) axis 0",
+                qkv.shape.0[1],
+                Dim::Const(rows),
+                &w.shape,
+            )?;
+            if *n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
+                return Err(format!(
+                    "n_heads {n_heads} must be a positive multiple of n_kv_heads {n_kv_heads}"
+                ));
+            }
+            check_freqs("freqs (input 2)", f, x.shape.0[0], *head_dim)?;
+            for (what, c) in [("cache_k (input 3)", ck), ("cache_v (input 4)", cv)] {
+                expect_f32(what, c)?;
+                expect_rank(what, c, 3)?;
+                if c.shape.0[0].as_const().is_none()
+                    || c.shape.0[1] != Dim::Const(*n_kv_heads)
+                    || c.shape.0[2] != Dim::Const(*head_dim)
+                {
+                    return Err(format!(
+                        "{what}: expected [C, {n_kv_heads}, {head_dim}], got {}",
+                        c.shape
+                    ));
+                }
+            }
+            f32m(Shape::new([
+                x.shape.0[0],
+                Dim::Const(*n_heads),
+                Dim::Const(*head_dim),
+            ]))
+        }
+        Op::Attention { n_rep, scale } => {
+            let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
+            // The same checks as the unfused pair, with the cache either as
+            // its valid prefix [T, ..] or whole [C, ..].
+            let as_t = |m: &TensorMeta| {
+                let mut m = m.clone();
+                if m.shape.rank() == 3 && m.shape.0[0].as_const().is_some() {
+                    m.shape.0[0] = Dim::T;
+                }
+                m
+            };
+            let (kt, vt) = (as_t(k), as_t(v));
+            if k.shape.0.first() != v.shape.0.first() {
+                return Err(mismatch("v (input 2)", &k.shape, &v.shape));
+            }
+            let scores = infer(
+                &Op::AttnScores {
+                    n_rep: *n_rep,
+                    scale: *scale,
+                },
+                &[q, &kt],
+                None,
+            )?;
+            infer(&Op::AttnValues { n_rep: *n_rep }, &[&scores, &vt], None)
+                .map_err(|e| e.replace("v (input 1)", "v (input 2)"))
+        }
+        Op::LastRow => {
+            let x = inputs[0];
+            expect_f32("x (input 0)", x)?;
+            expect_rank("x (input 0)", x, 2)?;
+            f32m(Shape::new([Dim::Const(1), x.shape.0[1]]))
         }
         Op::Add => {
             let (a, b) = (inputs[0], inputs[1]);

@@ -9,6 +9,6 @@ pub mod print;
 pub mod shape;
 
 pub use dtype::DType;
-pub use graph::{Edge, Graph, GraphError, Node, NodeId, TensorMeta};
+pub use graph::{Edge, Graph, GraphError, Node, NodeId, PackedWeight, TensorMeta};
 pub use op::{CacheKind, LogitRows, Op, RopeParams, RopeScaling};
 pub use shape::{Bindings, Dim, Shape, Sym};

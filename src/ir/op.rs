@@ -69,6 +69,10 @@ pub enum Op {
     /// Rotation angles for positions `P..P+S`: `f32[S, head_dim/2, 2]`
     /// (cos, sin) of `pos * freq_i`, as Meta's `freqs_cis` complex numbers.
     RopeFreqs(RopeParams),
+    /// Constant-folded RoPE angles for every position `0..max_pos`:
+    /// `f32[max_pos, head_dim/2, 2]` (cos, sin), computed once when the
+    /// executor is prepared instead of per step (pass `fold_rope_table`).
+    RopeTable { params: RopeParams, max_pos: usize },
 
     // ---- compute ----
     /// Row gather: (`table[V, E]`, `tokens i32[S]`) -> `f32[S, E]`.
@@ -103,6 +107,39 @@ pub enum Op {
     Add,
     /// The output head: (`x[S, E]`, `w[V, E]`) -> `f32[S, V]` or `f32[1, V]`.
     OutputHead { rows: LogitRows },
+
+    // ---- fused ops (created by `crate::passes`) ----
+    /// RMSNorm with its weight multiply folded in:
+    /// (`x[.., E]`, `w[E]`) -> same as x.
+    RmsNormScaled { eps: f64 },
+    /// Columns `start..start+len` of a matrix: (`x[S, N]`) -> `f32[S, len]`.
+    SliceCols { start: usize, len: usize },
+    /// Linear layer with the residual add in its epilogue:
+    /// (`r[S, N]`, `x[S, K]`, `w[N, K]`) -> `f32[S, N]` = `r + x · wᵀ`.
+    /// The residual is input 0 so its buffer can be accumulated in place.
+    MatMulAdd,
+    /// Linear layer over a packed gate/up weight with the SwiGLU epilogue:
+    /// (`x[S, K]`, `w[2F, K]`, gate rows first) -> `f32[S, F]` =
+    /// `silu(x·gateᵀ) * (x·upᵀ)`, computed in the output loop.
+    MatMulSwiGlu,
+    /// The fused QKV projection with RoPE and the KV-cache write in its
+    /// epilogue: (`x[S, K]`, `wqkv[(H+2Hkv)·D, K]`, `freqs` (a per-step
+    /// `[S, D/2, 2]` or a table `[C, D/2, 2]`), `cache_k[C, Hkv, D]`,
+    /// `cache_v[C, Hkv, D]`) -> rotated `q[S, H, D]`. As a side effect the
+    /// rotated keys and the values are written to the caches at `P..P+S`
+    /// before the output is available, so readers of q may read the caches.
+    QkvRopeCache {
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+    },
+    /// Fused causal GQA attention with a streaming softmax (never
+    /// materialises `[H, S, T]`): (`q[S, H, D]`, `k`, `v`) -> `[S, H, D]`,
+    /// where `k`, `v` are the valid cache prefix `[T, Hkv, D]` or the whole
+    /// cache `[C, Hkv, D]` of which the first `T` rows are read.
+    Attention { n_rep: usize, scale: f64 },
+    /// The last row of a matrix: (`x[S, E]`) -> `f32[1, E]`.
+    LastRow,
 }
 
 impl Op {
@@ -126,14 +163,30 @@ impl Op {
             Op::Mul => "Mul",
             Op::Add => "Add",
             Op::OutputHead { .. } => "OutputHead",
+            Op::RopeTable { .. } => "RopeTable",
+            Op::RmsNormScaled { .. } => "RmsNormScaled",
+            Op::SliceCols { .. } => "SliceCols",
+            Op::MatMulAdd => "MatMulAdd",
+            Op::MatMulSwiGlu => "MatMulSwiGlu",
+            Op::QkvRopeCache { .. } => "QkvRopeCache",
+            Op::Attention { .. } => "Attention",
+            Op::LastRow => "LastRow",
         }
     }
 
     /// Number of inputs the op takes.
     pub fn arity(&self) -> usize {
         match self {
-            Op::Tokens | Op::Weight { .. } | Op::KvCache { .. } | Op::RopeFreqs(_) => 0,
+            Op::Tokens
+            | Op::Weight { .. }
+            | Op::KvCache { .. }
+            | Op::RopeFreqs(_)
+            | Op::RopeTable { .. } => 0,
             Op::RmsNorm { .. } | Op::Reshape | Op::Softmax | Op::Silu => 1,
+            Op::SliceCols { .. } | Op::LastRow => 1,
+            Op::RmsNormScaled { .. } | Op::MatMulSwiGlu => 2,
+            Op::MatMulAdd | Op::Attention { .. } => 3,
+            Op::QkvRopeCache { .. } => 5,
             Op::Embedding
             | Op::MatMul
             | Op::Rope
@@ -152,12 +205,16 @@ impl Op {
         self.arity() == 0
     }
 
+    /// Whether running the op changes state outside its output (the KV
+    /// caches). Such nodes are roots for dead-code elimination.
+    pub fn has_side_effects(&self) -> bool {
+        matches!(self, Op::KvWrite | Op::QkvRopeCache { .. })
+    }
+
     /// Parameters worth showing next to the op name in dumps.
     pub fn params(&self) -> String {
-        match self {
-            Op::Weight { tensor } => format!("tensor={tensor}"),
-            Op::KvCache { layer, kind } => format!("layer={layer}, {kind:?}"),
-            Op::RopeFreqs(p) => match p.scaling {
+        fn rope(p: &RopeParams) -> String {
+            match p.scaling {
                 None => format!("head_dim={}, theta={}", p.head_dim, p.theta),
                 Some(s) => format!(
                     "head_dim={}, theta={}, scaled(factor={}, low={}, high={}, orig_ctx={})",
@@ -168,7 +225,27 @@ impl Op {
                     s.high_freq_factor,
                     s.original_context
                 ),
-            },
+            }
+        }
+        match self {
+            Op::Weight { tensor } => format!("tensor={tensor}"),
+            Op::KvCache { layer, kind } => format!("layer={layer}, {kind:?}"),
+            Op::RopeFreqs(p) => rope(p),
+            Op::RopeTable { params, max_pos } => format!("{}, positions={max_pos}", rope(params)),
+            Op::RmsNormScaled { eps } => format!("eps={eps:e}"),
+            Op::SliceCols { start, len } => format!("cols={start}..{}", start + len),
+            Op::MatMulAdd => "epilogue=residual".into(),
+            Op::MatMulSwiGlu => "epilogue=silu(gate)*up".into(),
+            Op::QkvRopeCache {
+                n_heads,
+                n_kv_heads,
+                head_dim,
+            } => format!(
+                "heads={n_heads}, kv_heads={n_kv_heads}, head_dim={head_dim}, epilogue=rope+cache_write"
+            ),
+            Op::Attention { n_rep, scale } => {
+                format!("n_rep={n_rep}, scale={scale:.6}, causal, online_softmax")
+            }
             Op::RmsNorm { eps } => format!("eps={eps:e}"),
             Op::AttnScores { n_rep, scale } => format!("n_rep={n_rep}, scale={scale:.6}, causal"),
             Op::AttnValues { n_rep } => format!("n_rep={n_rep}"),

@@ -39,6 +39,26 @@ pub fn matmul_any(
     }
 }
 
+/// [`matmul_any`] with a choice of activation precision: `exact` keeps f32
+/// activations; otherwise a kernel may use faster approximate activations
+/// (e.g. int8 for quantized weights) where it has them. Today both are the
+/// same path.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_any_exact(
+    pool: &ThreadPool,
+    x: &[f32],
+    s: usize,
+    k: usize,
+    w: WeightRef<'_>,
+    n: usize,
+    epilogue: Epilogue<'_>,
+    y: &mut [f32],
+    exact: bool,
+) -> Result<(), KernelError> {
+    let _ = exact;
+    matmul_any(pool, x, s, k, w, n, epilogue, y)
+}
+
 /// Embedding rows for any table dtype (quantized rows are dequantized).
 pub fn embedding_any(
     table: WeightRef<'_>,

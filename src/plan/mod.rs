@@ -23,6 +23,9 @@ pub enum Value {
     Weight(String),
     /// Persistent KV-cache state.
     Cache { layer: usize, kind: CacheKind },
+    /// A constant computed once when the executor is prepared (a RoPE
+    /// table), by node name.
+    Constant(String),
     /// A buffer of the arena (index into [`BufferPlan::buffers`]).
     Arena(usize),
 }
@@ -95,8 +98,12 @@ pub struct ExecPlan {
 
 /// Ops that may write their output over their first input when that input
 /// dies at this node: elementwise or row-local ops whose kernels work in place.
+/// `MatMulAdd` accumulates into its residual (input 0).
 fn in_place_ok(op: &Op) -> bool {
-    matches!(op, Op::Add | Op::Mul | Op::Silu | Op::Softmax | Op::Rope)
+    matches!(
+        op,
+        Op::Add | Op::Mul | Op::Silu | Op::Softmax | Op::Rope | Op::MatMulAdd
+    )
 }
 
 fn elem_bytes(d: DType) -> usize {
@@ -149,6 +156,7 @@ pub fn compile(graph: &Graph, max_chunk: usize, context: usize) -> Result<ExecPl
                 layer: *layer,
                 kind: *kind,
             },
+            Op::RopeTable { .. } => Value::Constant(node.name.clone()),
             // Views: the output is the input's storage.
             Op::Reshape | Op::KvWrite => values[&inputs[0]].clone(),
             op => {

@@ -1,0 +1,146 @@
+//! Decode speed with `--passes all` against `--passes none`.
+//!
+//! Uses a random bf16 checkpoint shaped like Llama 3.2 1B
+//! (`graphs/llama-3.2-1b/params.json`), generated once (2.5 GB, a few
+//! minutes) into the directory named by `LLAMA_GRAPH_1B_DIR`, outside the
+//! repository:
+//!
+//! ```text
+//! LLAMA_GRAPH_1B_DIR=/work/tmp-1b cargo bench --bench passes_decode
+//! ```
+//!
+//! Both sessions are prepared once; then rounds alternate (all, none, all,
+//! none, ...) so load from other processes on the machine affects both
+//! alike, and the medians are reported. Each round resets the cache, feeds a
+//! short prompt and times greedy decoding of `DECODE` tokens.
+//! Environment: `BENCH_THREADS` (default 2), `BENCH_ROUNDS` (default 5),
+//! `BENCH_DECODE` (default 32).
+
+use llama_graph::ir::{DType, LogitRows};
+use llama_graph::kernels::argmax;
+use llama_graph::passes::PassList;
+use llama_graph::session::{Model, Session, SessionOptions};
+use llama_graph::weights::pth::{generate_random_checkpoint, MetaParams};
+use std::path::PathBuf;
+use std::time::Instant;
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Greedy decode of `n` tokens after `prompt`; returns tokens per second.
+fn decode(sess: &mut Session, prompt: &[u32], n: usize) -> (f64, Vec<u32>) {
+    sess.reset();
+    let mut next = argmax(sess.feed(prompt).expect("prefill")).expect("logits") as u32;
+    let mut out = Vec::with_capacity(n);
+    let t0 = Instant::now();
+    for _ in 0..n {
+        out.push(next);
+        next = argmax(sess.feed(&[next]).expect("decode")).expect("logits") as u32;
+    }
+    (n as f64 / t0.elapsed().as_secs_f64(), out)
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let Some(dir) = std::env::var_os("LLAMA_GRAPH_1B_DIR").map(PathBuf::from) else {
+        eprintln!("passes_decode: set LLAMA_GRAPH_1B_DIR to a directory for the generated 1B-shaped checkpoint; skipping");
+        return;
+    };
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    if !dir.join("consolidated.00.pth").exists() {
+        let text = std::fs::read_to_string(root.join("graphs/llama-3.2-1b/params.json"))
+            .expect("graphs/llama-3.2-1b/params.json");
+        let params = MetaParams::from_json(&text).expect("params");
+        eprintln!(
+            "generating the random checkpoint into {} ...",
+            dir.display()
+        );
+        let t0 = Instant::now();
+        generate_random_checkpoint(&dir, &params, 1, DType::BF16).expect("generate");
+        eprintln!("generated in {:.0} s", t0.elapsed().as_secs_f64());
+    }
+    if std::env::args().any(|a| a == "--generate-only") {
+        return;
+    }
+    let threads = env_usize("BENCH_THREADS", 2);
+    let rounds = env_usize("BENCH_ROUNDS", 5);
+    let n_decode = env_usize("BENCH_DECODE", 32);
+    let model = Model::open_meta_dir(&dir).expect("open checkpoint");
+    let opts = |passes: PassList| SessionOptions {
+        context: Some(256),
+        batch: 64,
+        threads,
+        logit_rows: LogitRows::Last,
+        passes,
+        exact: true,
+    };
+    let t0 = Instant::now();
+    let mut fused = Session::new(&model, &opts(PassList::all())).expect("session (all)");
+    let t_fused = t0.elapsed().as_secs_f64();
+    let mut plain = Session::new(&model, &opts(PassList::none())).expect("session (none)");
+    let per_layer = |s: &Session| s.graph.nodes_per_layer().into_iter().max().unwrap_or(0);
+    println!(
+        "nodes per layer: all {} / none {}; nodes: all {} / none {}; kernel calls per step: all {} / none {}",
+        per_layer(&fused),
+        per_layer(&plain),
+        fused.graph.node_count(),
+        plain.graph.node_count(),
+        fused.exec.n_steps(),
+        plain.exec.n_steps()
+    );
+    println!("session with passes (incl. packing weights): {t_fused:.1} s");
+    let prompt: Vec<u32> = (0..8u32).map(|i| 1000 + 37 * i).collect();
+    // Warm-up (page in the weights) and check both give the same tokens.
+    let (_, a) = decode(&mut fused, &prompt, 4);
+    let (_, b) = decode(&mut plain, &prompt, 4);
+    println!("warm-up tokens: all {a:?} / none {b:?}");
+    let (mut fa, mut no) = (Vec::new(), Vec::new());
+    for r in 0..rounds {
+        let (x, _) = decode(&mut fused, &prompt, n_decode);
+        let (y, _) = decode(&mut plain, &prompt, n_decode);
+        println!(
+            "round {r}: all {x:.2} tok/s, none {y:.2} tok/s, ratio {:.2}",
+            x / y
+        );
+        fa.push(x);
+        no.push(y);
+    }
+    if std::env::var_os("BENCH_PROFILE").is_some() {
+        for (label, sess) in [("all", &mut fused), ("none", &mut plain)] {
+            sess.exec.set_profiling(true);
+            decode(sess, &prompt, n_decode);
+            let mut by: std::collections::BTreeMap<&str, (u64, f64)> = Default::default();
+            for p in sess.exec.profile().unwrap_or(&[]) {
+                let e = by.entry(p.op).or_default();
+                e.0 += p.calls;
+                e.1 += p.total.as_secs_f64();
+            }
+            println!("profile ({label}), includes the prompt:");
+            for (op, (calls, t)) in by {
+                println!("  {op:<14} {calls:>7} calls {:>9.1} ms", t * 1e3);
+            }
+            sess.exec.set_profiling(false);
+        }
+    }
+    let (ma, mn) = (median(&mut fa), median(&mut no));
+    println!(
+        "median decode ({threads} threads, {n_decode} tokens, {rounds} rounds): all {ma:.2} tok/s, none {mn:.2} tok/s, speed-up {:.2}x",
+        ma / mn
+    );
+}

@@ -1,0 +1,250 @@
+//! Optimisation passes over the graph IR.
+//!
+//! Each pass is a plain named function `fn(&mut Graph) -> Result<PassStats,
+//! GraphError>` that rewrites what the builder emits. [`PASSES`] lists them
+//! in their declared order; [`run_pipeline`] runs a selection of them in
+//! that order, verifies the graph after each one and records node counts,
+//! so every rewrite can be seen (`llama-graph graph --passes .. --after ..`),
+//! diffed (snapshots) and trusted (fused-vs-unfused tests).
+//!
+//! Fused ops are variants of the closed [`Op`] enum; the unfused graph
+//! (no passes) remains a complete reference path.
+
+mod fuse;
+
+use crate::ir::{Graph, GraphError};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use thiserror::Error;
+
+pub use fuse::{
+    dead_code, fold_norm_weight, fold_rope_table, fuse_attention, fuse_gate_up, fuse_qkv,
+    fuse_residual, fuse_rope_cache, last_logits,
+};
+
+/// What one pass did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PassStats {
+    /// Pattern instances rewritten (for `dead_code`: nodes removed).
+    pub rewrites: usize,
+}
+
+/// A named pass.
+#[derive(Debug, Clone, Copy)]
+pub struct Pass {
+    /// The CLI name.
+    pub name: &'static str,
+    /// One line on what it does.
+    pub summary: &'static str,
+    pub run: fn(&mut Graph) -> Result<PassStats, GraphError>,
+}
+
+/// Every pass, in the order the pipeline runs them.
+pub const PASSES: &[Pass] = &[
+    Pass {
+        name: "fold_rope_table",
+        summary: "RoPE cos/sin for every position of the planned context, computed once (constant folding)",
+        run: fold_rope_table,
+    },
+    Pass {
+        name: "fold_norm_weight",
+        summary: "RmsNorm followed by a Mul by its weight -> RmsNormScaled",
+        run: fold_norm_weight,
+    },
+    Pass {
+        name: "fuse_qkv",
+        summary: "wq/wk/wv MatMuls on one input -> one MatMul over a packed wqkv weight + column slices",
+        run: fuse_qkv,
+    },
+    Pass {
+        name: "fuse_gate_up",
+        summary: "silu(x·w1ᵀ) * (x·w3ᵀ) -> MatMulSwiGlu over a packed w13 weight (SwiGLU epilogue)",
+        run: fuse_gate_up,
+    },
+    Pass {
+        name: "fuse_residual",
+        summary: "Add(h, MatMul(..)) -> MatMulAdd (residual add in the matmul epilogue)",
+        run: fuse_residual,
+    },
+    Pass {
+        name: "fuse_attention",
+        summary: "AttnScores -> Softmax -> AttnValues -> Attention (online softmax, no S×T matrix)",
+        run: fuse_attention,
+    },
+    Pass {
+        name: "fuse_rope_cache",
+        summary: "packed QKV MatMul + slices + RoPE + KV writes -> QkvRopeCache (RoPE and cache write in the epilogue)",
+        run: fuse_rope_cache,
+    },
+    Pass {
+        name: "last_logits",
+        summary: "final norm and output head on the last position only",
+        run: last_logits,
+    },
+    Pass {
+        name: "dead_code",
+        summary: "drop nodes whose results are unused (cache writes are roots)",
+        run: dead_code,
+    },
+];
+
+/// The passes to run, in declared order.
+#[derive(Debug, Clone)]
+pub struct PassList(Vec<Pass>);
+
+impl PassList {
+    pub fn all() -> Self {
+        PassList(PASSES.to_vec())
+    }
+    pub fn none() -> Self {
+        PassList(Vec::new())
+    }
+    /// Parses `all`, `none` or a comma-separated list of pass names. The
+    /// passes always run in their declared order, whatever the list order.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "all" => return Ok(Self::all()),
+            "none" | "" => return Ok(Self::none()),
+            _ => {}
+        }
+        let mut want = Vec::new();
+        for name in s.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            if !PASSES.iter().any(|p| p.name == name) {
+                return Err(format!(
+                    "unknown pass `{name}`; the passes are: {} (or all, none)",
+                    names().join(", ")
+                ));
+            }
+            want.push(name);
+        }
+        Ok(PassList(
+            PASSES
+                .iter()
+                .filter(|p| want.contains(&p.name))
+                .copied()
+                .collect(),
+        ))
+    }
+    /// The same list without the named pass.
+    pub fn without(mut self, name: &str) -> Self {
+        self.0.retain(|p| p.name != name);
+        self
+    }
+    pub fn passes(&self) -> &[Pass] {
+        &self.0
+    }
+    pub fn contains(&self, name: &str) -> bool {
+        self.0.iter().any(|p| p.name == name)
+    }
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+    pub fn names(&self) -> Vec<&'static str> {
+        self.0.iter().map(|p| p.name).collect()
+    }
+}
+
+impl Default for PassList {
+    fn default() -> Self {
+        Self::all()
+    }
+}
+
+/// All pass names in declared order.
+pub fn names() -> Vec<&'static str> {
+    PASSES.iter().map(|p| p.name).collect()
+}
+
+/// The record of one pass in a pipeline run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PassRecord {
+    pub name: &'static str,
+    pub rewrites: usize,
+    pub nodes_before: usize,
+    pub nodes_after: usize,
+    /// Nodes of the first layer after the pass.
+    pub nodes_per_layer_after: usize,
+    pub op_counts_after: BTreeMap<&'static str, usize>,
+}
+
+/// What a pipeline run did.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PipelineReport {
+    pub nodes_before: usize,
+    pub nodes_after: usize,
+    pub nodes_per_layer_before: usize,
+    pub nodes_per_layer_after: usize,
+    pub op_counts_before: BTreeMap<&'static str, usize>,
+    pub op_counts_after: BTreeMap<&'static str, usize>,
+    pub passes: Vec<PassRecord>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum PassError {
+    #[error("pass `{pass}`: {source}")]
+    Pass {
+        pass: &'static str,
+        #[source]
+        source: GraphError,
+    },
+    #[error("the graph before the passes: {0}")]
+    Input(GraphError),
+}
+
+fn first_layer(g: &Graph) -> usize {
+    g.nodes_per_layer().into_iter().max().unwrap_or(0)
+}
+
+/// Runs `passes` over `graph` in declared order, verifying the graph after
+/// each, and calls `after(pass_name, graph)` after each pass.
+pub fn run_pipeline(
+    graph: &mut Graph,
+    passes: &PassList,
+    mut after: impl FnMut(&str, &Graph),
+) -> Result<PipelineReport, PassError> {
+    graph.verify().map_err(PassError::Input)?;
+    let nodes_before = graph.node_count();
+    let per_layer_before = first_layer(graph);
+    let op_counts_before = graph.op_counts();
+    let mut records = Vec::new();
+    for p in passes.passes() {
+        let before = graph.node_count();
+        let wrap = |source| PassError::Pass {
+            pass: p.name,
+            source,
+        };
+        let stats = (p.run)(graph).map_err(wrap)?;
+        *graph = graph.renumbered().map_err(wrap)?;
+        graph.verify().map_err(wrap)?;
+        records.push(PassRecord {
+            name: p.name,
+            rewrites: stats.rewrites,
+            nodes_before: before,
+            nodes_after: graph.node_count(),
+            nodes_per_layer_after: first_layer(graph),
+            op_counts_after: graph.op_counts(),
+        });
+        after(p.name, graph);
+    }
+    Ok(PipelineReport {
+        nodes_before,
+        nodes_after: graph.node_count(),
+        nodes_per_layer_before: per_layer_before,
+        nodes_per_layer_after: first_layer(graph),
+        op_counts_before,
+        op_counts_after: graph.op_counts(),
+        passes: records,
+    })
+}
+
+/// Whether any node of the graph has op kind `kind`.
+pub fn count_kind(g: &Graph, kind: &str) -> usize {
+    g.node_ids()
+        .filter(|&i| g.node(i).op.kind() == kind)
+        .count()
+}
+
+/// Side-effecting ops are roots for dead-code elimination.
+pub(crate) fn is_root(g: &Graph, id: crate::ir::NodeId) -> bool {
+    g.outputs().contains(&id) || g.node(id).op.has_side_effects()
+}

@@ -1,0 +1,467 @@
+//! Optimisation passes: each fusion gives the same outputs as the unfused
+//! graph on random weights, rewrites what it should (op counts), and the
+//! optimised graphs are pinned by snapshots next to the unoptimised ones.
+mod common;
+
+use llama_graph::exec::materialize_packed;
+use llama_graph::ir::{print, DType, Graph, LogitRows, Op, PackedWeight, RopeScaling};
+use llama_graph::kernels::quant::quantize_row;
+use llama_graph::model::{build_llama, BuildOptions, ModelArgs};
+use llama_graph::passes::{count_kind, run_pipeline, PassList, PASSES};
+use llama_graph::plan::compile;
+use llama_graph::session::{Model, ModelFormat, Session, SessionOptions};
+use llama_graph::weights::{TensorBytes, WeightStore, WeightTensor};
+use std::sync::Arc;
+
+/// SplitMix64, mapped to roughly uniform [-1, 1).
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+fn encode(dtype: DType, v: &[f32]) -> Vec<u8> {
+    let mut out = vec![0u8; dtype.bytes_for(v.len()).unwrap()];
+    quantize_row(dtype, v, &mut out).unwrap();
+    out
+}
+
+/// A model with random weights for `args`: matrices in `dtype`, norm
+/// weights in f32 (as GGUF files have them).
+fn random_model(args: &ModelArgs, dtype: DType, seed: u64) -> Model {
+    let g = build_llama(args, &BuildOptions::new(16)).unwrap();
+    let mut rng = Rng(seed);
+    let mut store = WeightStore::default();
+    for id in g.node_ids() {
+        let n = g.node(id);
+        let Op::Weight { tensor } = &n.op else {
+            continue;
+        };
+        let shape: Vec<usize> = n
+            .meta
+            .shape
+            .dims()
+            .iter()
+            .map(|d| d.as_const().unwrap())
+            .collect();
+        let numel: usize = shape.iter().product();
+        let (dt, vals): (DType, Vec<f32>) = if shape.len() == 1 {
+            (
+                DType::F32,
+                (0..numel).map(|_| 1.0 + 0.2 * rng.next()).collect(),
+            )
+        } else {
+            let scale = 1.5 / (shape[1] as f32).sqrt();
+            (dtype, (0..numel).map(|_| scale * rng.next()).collect())
+        };
+        store.tensors.insert(
+            tensor.clone(),
+            WeightTensor {
+                dtype: dt,
+                shape,
+                data: TensorBytes::Owned(Arc::new(encode(dt, &vals))),
+            },
+        );
+    }
+    Model {
+        path: "random".into(),
+        format: ModelFormat::MetaDir,
+        args: args.clone(),
+        weights: store,
+        tokenizer: None,
+        chat_template: None,
+        name: None,
+    }
+}
+
+fn tiny_args(scaled_rope: bool) -> ModelArgs {
+    let mut a = common::graph_params("tiny");
+    if scaled_rope {
+        a.rope_scaling = Some(RopeScaling {
+            original_context: 16,
+            ..RopeScaling::LLAMA3_1
+        });
+        a.rope_theta = 500000.0;
+    }
+    a
+}
+
+/// Logits of the last position after a multi-chunk prompt and after each
+/// of a few single-token steps.
+fn run(model: &Model, passes: &str, rows: LogitRows) -> (Vec<Vec<f32>>, Session) {
+    let opts = SessionOptions {
+        context: Some(48),
+        batch: 5,
+        threads: 2,
+        logit_rows: rows,
+        passes: PassList::parse(passes).unwrap(),
+        exact: true,
+    };
+    let mut s = Session::new(model, &opts).unwrap();
+    let prompt: Vec<u32> = (0..13).map(|i| (i * 37 + 11) % 256).collect();
+    let mut out = vec![s.feed(&prompt).unwrap().to_vec()];
+    for t in [7u32, 200, 31, 99] {
+        out.push(s.feed(&[t]).unwrap().to_vec());
+    }
+    (out, s)
+}
+
+fn assert_close(a: &[Vec<f32>], b: &[Vec<f32>], what: &str) {
+    assert_eq!(a.len(), b.len());
+    for (step, (x, y)) in a.iter().zip(b).enumerate() {
+        assert_eq!(x.len(), y.len());
+        let scale = y.iter().fold(0f32, |m, v| m.max(v.abs())).max(1.0);
+        let diff = x.iter().zip(y).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+        assert!(
+            diff <= 2e-5 * scale,
+            "{what}: step {step}: max |diff| {diff} (logit scale {scale})"
+        );
+        // The comparison is not vacuous: the logits vary.
+        let spread = y.iter().fold(0f32, |m, v| m.max((v - y[0]).abs()));
+        assert!(spread > 1e-3, "{what}: degenerate logits");
+    }
+}
+
+/// Every pass alone (and the dependent chain for fuse_rope_cache) gives
+/// the unfused graph's logits, for f32, bf16 and block-quantized (Q8_0,
+/// Q4_1) weights, which packing concatenates byte-wise.
+#[test]
+fn each_fusion_matches_the_unfused_graph() {
+    // fuse_rope_cache alone finds nothing (it needs fuse_qkv and
+    // fuse_attention first), so it is tested in that chain.
+    let singles: Vec<String> = PASSES
+        .iter()
+        .map(|p| p.name.to_string())
+        .filter(|n| n != "fuse_rope_cache")
+        .collect();
+    let mut configs: Vec<String> = singles.clone();
+    configs.push("fuse_qkv,fuse_attention,fuse_rope_cache".into());
+    configs.push("all".into());
+    for (dtype, scaled) in [
+        (DType::F32, true),
+        (DType::BF16, false),
+        (DType::Q8_0, true),
+        (DType::Q4_1, false),
+    ] {
+        let model = random_model(&tiny_args(scaled), dtype, 42);
+        let (want, _) = run(&model, "none", LogitRows::Last);
+        for c in &configs {
+            let (got, sess) = run(&model, c, LogitRows::Last);
+            let rewrites: usize = sess.passes.passes.iter().map(|p| p.rewrites).sum();
+            // dead_code has nothing to remove in the builder's graph.
+            if c != "dead_code" {
+                assert!(rewrites > 0, "{c} rewrote nothing");
+            }
+            assert_close(&got, &want, &format!("{dtype} {c}"));
+        }
+    }
+}
+
+#[test]
+fn all_logit_rows_skip_last_logits_and_match() {
+    let model = random_model(&tiny_args(false), DType::F32, 7);
+    let (want, _) = run(&model, "none", LogitRows::All);
+    let (got, sess) = run(&model, "all", LogitRows::All);
+    assert!(!sess.passes.passes.iter().any(|p| p.name == "last_logits"));
+    assert_eq!(count_kind(&sess.graph, "LastRow"), 0);
+    assert_close(&got, &want, "rows=All");
+}
+
+fn build(arch: &str) -> Graph {
+    let args = common::graph_params(arch);
+    let ctx = args.plan_context(None);
+    build_llama(&args, &BuildOptions::new(ctx)).unwrap()
+}
+
+fn optimised(arch: &str) -> Graph {
+    let mut g = build(arch);
+    run_pipeline(&mut g, &PassList::all(), |_, _| {}).unwrap();
+    g
+}
+
+#[test]
+fn fusion_counts() {
+    for arch in ["llama-3.1-8b", "smollm2-135m", "llama-3.2-1b"] {
+        let n = common::graph_params(arch).n_layers;
+        let before = build(arch);
+        let single = |name: &str| {
+            let mut g = before.clone();
+            let r = run_pipeline(&mut g, &PassList::parse(name).unwrap(), |_, _| {}).unwrap();
+            (g, r.passes[0].rewrites)
+        };
+        let (g, r) = single("fuse_attention");
+        assert_eq!(r, n);
+        assert_eq!(count_kind(&g, "Softmax"), 0, "{arch}");
+        assert_eq!(count_kind(&g, "AttnScores"), 0);
+        assert_eq!(count_kind(&g, "Attention"), n);
+        let (g, r) = single("fold_norm_weight");
+        assert_eq!(r, 2 * n + 1);
+        assert_eq!(count_kind(&g, "Mul"), n, "only the SwiGLU products remain");
+        let (g, r) = single("fuse_qkv");
+        assert_eq!(r, n);
+        assert_eq!(count_kind(&g, "SliceCols"), 3 * n);
+        assert_eq!(g.packed().count(), n);
+        let (g, _) = single("fuse_gate_up");
+        assert_eq!(count_kind(&g, "MatMulSwiGlu"), n);
+        assert_eq!(count_kind(&g, "Silu"), 0);
+        let (g, _) = single("fuse_residual");
+        assert_eq!(count_kind(&g, "MatMulAdd"), 2 * n);
+        assert_eq!(count_kind(&g, "Add"), 0);
+        let (g, _) = single("fold_rope_table");
+        assert_eq!(count_kind(&g, "RopeFreqs"), 0);
+        assert_eq!(count_kind(&g, "RopeTable"), 1);
+        let (_, r) = single("fuse_rope_cache");
+        assert_eq!(r, 0, "needs fuse_qkv and fuse_attention first");
+        let (g, r) = single("dead_code");
+        assert_eq!((r, g.node_count()), (0, before.node_count()));
+
+        let g = optimised(arch);
+        let c = g.op_counts();
+        let get = |k: &str| c.get(k).copied().unwrap_or(0);
+        assert_eq!(get("QkvRopeCache"), n, "{arch}");
+        assert_eq!(get("Attention"), n);
+        assert_eq!(get("MatMulSwiGlu"), n);
+        assert_eq!(get("MatMulAdd"), 2 * n);
+        assert_eq!(get("RmsNormScaled"), 2 * n + 1);
+        assert_eq!(get("LastRow"), 1);
+        for gone in [
+            "MatMul",
+            "Softmax",
+            "KvWrite",
+            "Rope",
+            "Mul",
+            "Add",
+            "Silu",
+            "RopeFreqs",
+        ] {
+            assert_eq!(get(gone), 0, "{arch}: {gone} left");
+        }
+        // Weights: the packed ones replace wq/wk/wv and w1/w3.
+        assert_eq!(get("Weight"), count_kind(&before, "Weight") - 3 * n);
+        let (b, a) = (before.nodes_per_layer(), g.nodes_per_layer());
+        assert!(
+            a[0] * 2 <= b[0],
+            "{arch}: {} vs {} nodes per layer",
+            a[0],
+            b[0]
+        );
+        assert!(a.iter().all(|&x| x == a[0]));
+        let out = g.node(g.outputs()[0]);
+        assert_eq!(
+            out.op,
+            Op::OutputHead {
+                rows: LogitRows::Last
+            }
+        );
+        assert_eq!(
+            out.meta.to_string(),
+            format!("f32[1, {}]", common::graph_params(arch).vocab_size.unwrap())
+        );
+    }
+}
+
+#[test]
+fn pipeline_records_each_pass_and_verifies() {
+    let mut g = build("tiny");
+    let before = g.node_count();
+    let mut seen = Vec::new();
+    let r = run_pipeline(&mut g, &PassList::all(), |name, g| {
+        g.verify().unwrap();
+        seen.push((name.to_string(), g.node_count()));
+    })
+    .unwrap();
+    assert_eq!(r.nodes_before, before);
+    assert_eq!(r.nodes_after, g.node_count());
+    assert_eq!(r.passes.len(), PASSES.len());
+    for (rec, (name, count)) in r.passes.iter().zip(&seen) {
+        assert_eq!(rec.name, name);
+        assert_eq!(rec.nodes_after, *count);
+    }
+    for w in r.passes.windows(2) {
+        assert_eq!(w[0].nodes_after, w[1].nodes_before);
+    }
+    // The graph survives serialisation with its packed weights.
+    let back = Graph::from_json(&g.to_json().unwrap()).unwrap();
+    assert_eq!(print::dump(&back).unwrap(), print::dump(&g).unwrap());
+    assert_eq!(back.packed().count(), g.packed().count());
+}
+
+#[test]
+fn pass_lists_parse_in_declared_order() {
+    let l = PassList::parse("dead_code, fuse_qkv").unwrap();
+    assert_eq!(l.names(), ["fuse_qkv", "dead_code"]);
+    assert!(PassList::parse("none").unwrap().is_empty());
+    assert_eq!(PassList::parse("all").unwrap().names().len(), PASSES.len());
+    let e = PassList::parse("fuse_qkv,fuse_everything").unwrap_err();
+    assert!(
+        e.contains("fuse_everything") && e.contains("fuse_gate_up"),
+        "{e}"
+    );
+}
+
+#[test]
+fn snapshots_of_optimised_graphs() {
+    let settings = common::snapshot_settings();
+    settings.bind(|| {
+        for arch in ["llama-3.1-8b", "smollm2-135m"] {
+            let g = optimised(arch);
+            insta::assert_snapshot!(format!("graph_{arch}_optimised"), print::dump(&g).unwrap());
+        }
+    });
+}
+
+/// Issue 5's acceptance figure: the 8B graph at chunk 512, context 8192.
+#[test]
+fn optimised_8b_plan_is_small_and_checked() {
+    let mut g = build_llama(
+        &common::graph_params("llama-3.1-8b"),
+        &BuildOptions::new(8192),
+    )
+    .unwrap();
+    run_pipeline(&mut g, &PassList::all(), |_, _| {}).unwrap();
+    let plan = compile(&g, 512, 8192).unwrap();
+    let b = &plan.buffers;
+    b.check().unwrap();
+    eprintln!(
+        "optimised 8B: arena {} MiB, naive {} MiB, ratio {:.4}, in place {}",
+        b.arena_bytes >> 20,
+        b.naive_activation_bytes >> 20,
+        b.arena_bytes as f64 / b.naive_activation_bytes as f64,
+        b.in_place
+    );
+    assert!(b.arena_bytes * 4 <= b.naive_activation_bytes);
+    assert!(b.arena_bytes >= b.peak_live_bytes);
+    // The residual adds accumulate in place.
+    assert!(b.in_place >= 64, "{}", b.in_place);
+}
+
+fn raw(dtype: DType, shape: &[usize], fill: u8) -> WeightTensor {
+    let n: usize = shape.iter().product();
+    let len = dtype.bytes_for(n).unwrap();
+    WeightTensor {
+        dtype,
+        shape: shape.to_vec(),
+        data: TensorBytes::Owned(Arc::new((0..len).map(|i| fill ^ (i as u8)).collect())),
+    }
+}
+
+#[test]
+fn packed_weights_are_byte_concatenations_for_any_dtype() {
+    for dtype in [DType::BF16, DType::Q4_0, DType::Q4_K, DType::Q6_K] {
+        let k = 256;
+        let mut store = WeightStore::default();
+        store.tensors.insert("a".into(), raw(dtype, &[4, k], 1));
+        store.tensors.insert("b".into(), raw(dtype, &[2, k], 2));
+        let mut g = build("tiny");
+        g.add_packed(PackedWeight {
+            name: "ab".into(),
+            parts: vec!["a".into(), "b".into()],
+            axis: 0,
+        });
+        let out = materialize_packed(&g, &store).unwrap();
+        let ab = &out.tensors["ab"];
+        assert_eq!((ab.dtype, ab.shape.clone()), (dtype, vec![6, k]));
+        let mut want = store.tensors["a"].data.as_bytes().to_vec();
+        want.extend_from_slice(store.tensors["b"].data.as_bytes());
+        assert_eq!(ab.data.as_bytes(), &want[..]);
+        // Mismatched parts are refused with a message naming them.
+        store.tensors.insert("b".into(), raw(dtype, &[2, 2 * k], 2));
+        let e = materialize_packed(&g, &store).unwrap_err().to_string();
+        assert!(e.contains("`ab`") && e.contains("`b`"), "{e}");
+        store.tensors.remove("b");
+        let e = materialize_packed(&g, &store).unwrap_err().to_string();
+        assert!(e.contains("missing tensor `b`"), "{e}");
+    }
+}
+
+fn graph_cli(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_llama-graph"))
+        .arg("graph")
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn cli_stats_json_and_dot_after_a_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    let stats = dir.path().join("stats.json");
+    let params = common::root().join("graphs/llama-3.1-8b/params.json");
+    let out = graph_cli(&[
+        "--params",
+        params.to_str().unwrap(),
+        "-c",
+        "8192",
+        "-b",
+        "512",
+        "--passes",
+        "all",
+        "--stats-json",
+        stats.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let n = |k: &str| v[k].as_u64().unwrap_or_else(|| panic!("key {k}"));
+    assert_eq!(n("nodes_per_layer_before"), 37);
+    assert!(n("nodes_per_layer_after") * 2 <= n("nodes_per_layer_before"));
+    assert!(n("nodes_after") < n("nodes_before"));
+    assert!(n("arena_bytes") * 4 <= n("naive_activation_bytes"));
+    assert_eq!(v["plan_check"], "ok");
+    assert_eq!(v["unoptimised"]["plan_check"], "ok");
+    let passes = v["passes"].as_array().unwrap();
+    assert_eq!(passes.len(), PASSES.len());
+    assert_eq!(passes[0]["nodes_before"].as_u64(), Some(n("nodes_before")));
+    assert_eq!(
+        passes.last().unwrap()["nodes_after"].as_u64(),
+        Some(n("nodes_after"))
+    );
+
+    let tiny = common::root().join("graphs/tiny/params.json");
+    let out = graph_cli(&[
+        "--params",
+        tiny.to_str().unwrap(),
+        "--dot",
+        "--after",
+        "fuse_qkv",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let dot = String::from_utf8(out.stdout).unwrap();
+    assert!(dot.starts_with("digraph"), "{dot}");
+    assert!(dot.contains("layers.0.attention.wqkv.weight") && dot.contains("SliceCols"));
+    assert!(dot.contains("RmsNormScaled"), "earlier passes ran");
+    assert!(!dot.contains("MatMulSwiGlu"), "later passes did not");
+
+    let out = graph_cli(&[
+        "--params",
+        tiny.to_str().unwrap(),
+        "--passes",
+        "fuse_qkv",
+        "--after",
+        "dead_code",
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("dead_code"));
+    let out = graph_cli(&[
+        "--params",
+        tiny.to_str().unwrap(),
+        "--passes",
+        "fuse_everything",
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("fuse_everything"));
+}
