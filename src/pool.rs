@@ -105,15 +105,23 @@ impl ThreadPool {
             done_cv: Condvar::new(),
             panic: Mutex::new(None),
         });
+        // Every worker has started (and done its thread start-up, which
+        // allocates) before `new` returns, so the pool is quiet from then on.
+        let started = Arc::new(std::sync::Barrier::new(n_threads));
         let workers = (1..n_threads)
             .map(|i| {
                 let s = Arc::clone(&shared);
+                let started = Arc::clone(&started);
                 std::thread::Builder::new()
                     .name(format!("llama-graph-worker-{i}"))
-                    .spawn(move || worker_loop(&s, i))
+                    .spawn(move || {
+                        started.wait();
+                        worker_loop(&s, i)
+                    })
                     .expect("failed to spawn pool worker thread")
             })
             .collect();
+        started.wait();
         ThreadPool {
             shared,
             workers,
