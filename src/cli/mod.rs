@@ -1,4 +1,5 @@
 //! Command-line interface: argument definitions and dispatch.
+mod bench;
 mod graph;
 mod model;
 mod run;
@@ -23,6 +24,8 @@ pub enum Command {
     /// Generate text from a prompt. Generated text goes to stdout as it
     /// streams; the statistics go to stderr.
     Run(run::RunArgs),
+    /// Measure prompt-processing (ppN) and generation (tgN) throughput with llama-bench's flags and rows.
+    Bench(bench::BenchArgs),
 }
 
 pub type CliResult = Result<(), Box<dyn std::error::Error>>;
@@ -31,5 +34,6 @@ pub fn run(cli: Cli) -> CliResult {
     match cli.command {
         Command::Graph(a) => graph::run(a),
         Command::Run(a) => run::run(a),
+        Command::Bench(a) => bench::run(a),
     }
 }
