@@ -13,6 +13,7 @@
 
 use super::model::ModelArg;
 use clap::{Args, ValueEnum};
+use llama_graph::kernels::MatmulMode;
 use llama_graph::session::{Session, SessionOptions};
 use serde::Serialize;
 use std::time::Instant;
@@ -63,6 +64,10 @@ pub struct BenchArgs {
     /// Skip the untimed warm-up run of each test.
     #[arg(long = "no-warmup")]
     pub no_warmup: bool,
+    /// Exact quantized matmuls (f32 activations) instead of the fast path
+    /// (activations quantized to 8 bits, as llama.cpp does).
+    #[arg(long = "exact")]
+    pub exact: bool,
     /// Seed of the synthetic token ids.
     #[arg(long = "seed", default_value_t = 1234)]
     pub seed: u64,
@@ -87,6 +92,8 @@ pub struct BenchRow {
     pub samples_ts: Vec<f64>,
     /// Seconds to open the model and compile the session (not in llama-bench).
     pub load_s: f64,
+    /// Exact (f32-activation) quantized matmuls (not in llama-bench).
+    pub exact: bool,
 }
 
 /// Mean and sample standard deviation (0 for fewer than two samples).
@@ -144,6 +151,11 @@ pub fn run(a: BenchArgs) -> super::CliResult {
     if a.threads.contains(&0) {
         return Err("-t: thread counts must be at least 1".into());
     }
+    llama_graph::kernels::dispatch::set_default_matmul_mode(if a.exact {
+        MatmulMode::Exact
+    } else {
+        MatmulMode::Fast
+    });
     let t_load = Instant::now();
     let (model, _) = a.model.open(true)?;
     let model_size: u64 = model
@@ -227,6 +239,7 @@ pub fn run(a: BenchArgs) -> super::CliResult {
                 samples_ns: ns.iter().map(|&v| v as u64).collect(),
                 samples_ts: ts,
                 load_s,
+                exact: a.exact,
             };
             if matches!(a.output, OutputFormat::Md) {
                 println!(

@@ -3,11 +3,14 @@
 //! elementwise ops.
 
 use super::matmul::{matmul, Epilogue};
+use super::qfast::{self, Q8Act};
 use super::qmatmul::qmatmul;
 use super::quant::dequantize_row;
 use super::rope::{rope_freq, RopeScaling};
 use super::{check_len, embedding_rows, mul_dims, KernelError, WeightRef};
 use crate::pool::ThreadPool;
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 impl From<crate::ir::RopeScaling> for RopeScaling {
     fn from(s: crate::ir::RopeScaling) -> Self {
@@ -20,7 +23,43 @@ impl From<crate::ir::RopeScaling> for RopeScaling {
     }
 }
 
-/// `y = x·Wᵀ` for any weight dtype.
+/// How quantized matmuls treat the activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MatmulMode {
+    /// f32 activations, weights dequantized in registers ([`qmatmul`]).
+    #[default]
+    Exact,
+    /// Activations quantized once per row into 8-bit blocks and integer
+    /// block dot products ([`qfast::qmatmul_fast`]) for Q8_0/Q4_0/Q4_1
+    /// weights; other dtypes use the exact kernels.
+    Fast,
+}
+
+/// The mode [`matmul_any`] uses (process-wide; `false` = Exact).
+static DEFAULT_FAST: AtomicBool = AtomicBool::new(false);
+
+/// Sets the mode [`matmul_any`] uses when the caller does not pick one.
+pub fn set_default_matmul_mode(mode: MatmulMode) {
+    DEFAULT_FAST.store(mode == MatmulMode::Fast, Ordering::Relaxed);
+}
+
+/// The mode [`matmul_any`] uses.
+pub fn default_matmul_mode() -> MatmulMode {
+    if DEFAULT_FAST.load(Ordering::Relaxed) {
+        MatmulMode::Fast
+    } else {
+        MatmulMode::Exact
+    }
+}
+
+thread_local! {
+    /// Quantized-activation scratch of the fast path; grows to the largest
+    /// `s*k/32` seen on this thread and is then reused (no allocation per call).
+    static ACT_SCRATCH: RefCell<Vec<Q8Act>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `y = x·Wᵀ` for any weight dtype, in the process-wide default mode
+/// ([`set_default_matmul_mode`]; Exact unless changed).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_any(
     pool: &ThreadPool,
@@ -32,6 +71,33 @@ pub fn matmul_any(
     epilogue: Epilogue<'_>,
     y: &mut [f32],
 ) -> Result<(), KernelError> {
+    matmul_any_with(pool, x, s, k, w, n, epilogue, y, default_matmul_mode())
+}
+
+/// `y = x·Wᵀ` for any weight dtype in the given mode.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_any_with(
+    pool: &ThreadPool,
+    x: &[f32],
+    s: usize,
+    k: usize,
+    w: WeightRef<'_>,
+    n: usize,
+    epilogue: Epilogue<'_>,
+    y: &mut [f32],
+    mode: MatmulMode,
+) -> Result<(), KernelError> {
+    if mode == MatmulMode::Fast && qfast::supports(w.dtype) {
+        if let Some(need) = qfast::scratch_len(s, k) {
+            return ACT_SCRATCH.with(|cell| {
+                let mut scratch = cell.borrow_mut();
+                if scratch.len() < need {
+                    scratch.resize(need, Q8Act::default());
+                }
+                qfast::qmatmul_fast(pool, x, s, k, w, n, epilogue, y, &mut scratch)
+            });
+        }
+    }
     if w.dtype.is_quantized() {
         qmatmul(pool, x, s, k, w, n, epilogue, y)
     } else {

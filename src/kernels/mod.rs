@@ -14,6 +14,7 @@ pub mod kv;
 pub mod matmul;
 mod matmul_avx2;
 pub mod norm;
+pub mod qfast;
 pub mod qmatmul;
 pub mod quant;
 pub mod rope;
@@ -23,7 +24,7 @@ pub(crate) mod testutil;
 pub use attention::{
     attention_fused, attention_fused_scratch_len, attn_scores, attn_values, softmax_rows, AttnShape,
 };
-pub use dispatch::{embedding_any, kv_write_rows, matmul_any};
+pub use dispatch::{embedding_any, kv_write_rows, matmul_any, matmul_any_with, MatmulMode};
 pub use elementwise::{add, add_inplace, argmax, mul, mul_broadcast_rows, silu, swiglu};
 pub use embedding::embedding_rows;
 pub use kv::kv_write;
