@@ -1,4 +1,5 @@
 //! Command-line interface: argument definitions and dispatch.
+mod bench;
 mod chat;
 mod flags;
 mod graph;
@@ -26,6 +27,8 @@ pub enum Command {
     /// Generate text from a prompt. Generated text goes to stdout as it
     /// streams; the statistics go to stderr.
     Run(run::RunArgs),
+    /// Measure prompt-processing (ppN) and generation (tgN) throughput with llama-bench's flags and rows.
+    Bench(bench::BenchArgs),
     /// Chat interactively; the KV cache is kept across turns. Ctrl-D or
     /// /exit ends the conversation.
     Chat(chat::ChatArgs),
@@ -45,6 +48,7 @@ pub fn run(cli: Cli) -> CliResult {
     match cli.command {
         Command::Graph(a) => graph::run(a),
         Command::Run(a) => run::run(a),
+        Command::Bench(a) => bench::run(a),
         Command::Chat(a) => chat::run(a),
         Command::Tokenize(a) => tools::tokenize(a),
         Command::Inspect(a) => tools::inspect(a),

@@ -11,7 +11,7 @@
 use super::arena::{Arena, ArenaPtr};
 use super::bind::BoundWeights;
 use crate::ir::{Bindings, CacheKind, DType, Graph, LogitRows, Op, RopeParams, Shape};
-use crate::kernels::{self, AttnShape, Epilogue, KernelError, WeightRef};
+use crate::kernels::{self, AttnShape, Epilogue, KernelError, MatmulMode, WeightRef};
 use crate::plan::{ExecPlan, Value};
 use crate::pool::ThreadPool;
 use crate::weights::WeightTensor;
@@ -104,7 +104,7 @@ pub struct Executor {
     /// Scratch holding the packed `[S, (H + 2Hkv)·D]` result of a fused
     /// QKV projection before its epilogue scatters it.
     qkv_scratch: Vec<f32>,
-    /// Exact f32 activations in matmuls (see `kernels::dispatch::matmul_any_exact`).
+    /// Exact f32 activations in matmuls (`kernels::MatmulMode::Exact`; otherwise `Fast`).
     exact: bool,
     arena: Arena,
     pool: ThreadPool,
@@ -458,7 +458,21 @@ impl Executor {
             y: &mut [f32],
             exact: bool,
         ) -> Result<(), KernelError> {
-            kernels::dispatch::matmul_any_exact(pool, x, s, k, w, n, e, y, exact)
+            kernels::dispatch::matmul_any(
+                pool,
+                x,
+                s,
+                k,
+                w,
+                n,
+                e,
+                y,
+                if exact {
+                    MatmulMode::Exact
+                } else {
+                    MatmulMode::Fast
+                },
+            )
         }
         let numel = |sh: &Shape| sh.numel(b);
         let dim = |sh: &Shape, k: usize| sh.dims()[k].eval(b);

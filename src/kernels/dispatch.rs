@@ -3,11 +3,13 @@
 //! elementwise ops.
 
 use super::matmul::{matmul, Epilogue};
+use super::qfast::{self, Q8Act};
 use super::qmatmul::qmatmul;
 use super::quant::dequantize_row;
 use super::rope::{rope_freq, RopeScaling};
 use super::{check_len, embedding_rows, mul_dims, KernelError, WeightRef};
 use crate::pool::ThreadPool;
+use std::cell::RefCell;
 
 impl From<crate::ir::RopeScaling> for RopeScaling {
     fn from(s: crate::ir::RopeScaling) -> Self {
@@ -20,7 +22,25 @@ impl From<crate::ir::RopeScaling> for RopeScaling {
     }
 }
 
-/// `y = x·Wᵀ` for any weight dtype.
+/// How quantized matmuls treat the activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MatmulMode {
+    /// f32 activations, weights dequantized in registers ([`qmatmul`]).
+    #[default]
+    Exact,
+    /// Activations quantized once per row into 8-bit blocks and integer
+    /// block dot products ([`qfast::qmatmul_fast`]) for Q8_0/Q4_0/Q4_1
+    /// weights; other dtypes use the exact kernels.
+    Fast,
+}
+
+thread_local! {
+    /// Quantized-activation scratch of the fast path; grows to the largest
+    /// `s*k/32` seen on this thread and is then reused (no allocation per call).
+    static ACT_SCRATCH: RefCell<Vec<Q8Act>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `y = x·Wᵀ` for any weight dtype in the given mode.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_any(
     pool: &ThreadPool,
@@ -31,32 +51,24 @@ pub fn matmul_any(
     n: usize,
     epilogue: Epilogue<'_>,
     y: &mut [f32],
+    mode: MatmulMode,
 ) -> Result<(), KernelError> {
+    if mode == MatmulMode::Fast && qfast::supports(w.dtype) {
+        if let Some(need) = qfast::scratch_len(s, k) {
+            return ACT_SCRATCH.with(|cell| {
+                let mut scratch = cell.borrow_mut();
+                if scratch.len() < need {
+                    scratch.resize(need, Q8Act::default());
+                }
+                qfast::qmatmul_fast(pool, x, s, k, w, n, epilogue, y, &mut scratch)
+            });
+        }
+    }
     if w.dtype.is_quantized() {
         qmatmul(pool, x, s, k, w, n, epilogue, y)
     } else {
         matmul(pool, x, s, k, w, n, epilogue, y)
     }
-}
-
-/// [`matmul_any`] with a choice of activation precision: `exact` keeps f32
-/// activations; otherwise a kernel may use faster approximate activations
-/// (e.g. int8 for quantized weights) where it has them. Today both are the
-/// same path.
-#[allow(clippy::too_many_arguments)]
-pub fn matmul_any_exact(
-    pool: &ThreadPool,
-    x: &[f32],
-    s: usize,
-    k: usize,
-    w: WeightRef<'_>,
-    n: usize,
-    epilogue: Epilogue<'_>,
-    y: &mut [f32],
-    exact: bool,
-) -> Result<(), KernelError> {
-    let _ = exact;
-    matmul_any(pool, x, s, k, w, n, epilogue, y)
 }
 
 /// Embedding rows for any table dtype (quantized rows are dequantized).

@@ -17,6 +17,7 @@ pub mod matmul;
 mod matmul_avx2;
 mod matmul_bf16dot;
 pub mod norm;
+pub mod qfast;
 pub mod qmatmul;
 pub mod quant;
 pub mod rope;
@@ -25,7 +26,7 @@ pub(crate) mod testutil;
 
 pub use attention::{attn_scores, attn_scores_len, attn_values, softmax_rows, AttnShape};
 pub use attention_fused::{attention_fused, attention_fused_scratch_len, attention_fused_with};
-pub use dispatch::{embedding_any, matmul_any};
+pub use dispatch::{embedding_any, matmul_any, MatmulMode};
 pub use elementwise::{add, add_inplace, argmax, mul, mul_broadcast_rows, silu, swiglu};
 pub use embedding::embedding_rows;
 pub use kv::kv_write_rows;

@@ -1,0 +1,80 @@
+//! Throughput of the quantized matmul kernels on synthetic weights
+//! (exact vs fast path), in GB/s of weights streamed and GFLOP/s.
+//!
+//! `cargo run --release --example qmatmul_bench -- [threads, default 1] [s, default 1]`
+
+use llama_graph::ir::DType;
+use llama_graph::kernels::dispatch::{matmul_any, MatmulMode};
+use llama_graph::kernels::quant::quantize_row;
+use llama_graph::kernels::{Epilogue, WeightRef};
+use llama_graph::pool::ThreadPool;
+use std::time::Instant;
+
+/// User+system CPU seconds of this thread (from /proc; 10 ms resolution),
+/// so timings on a shared machine can exclude time spent descheduled.
+fn thread_cpu_s() -> f64 {
+    let st = std::fs::read_to_string("/proc/thread-self/stat").unwrap_or_default();
+    let rest = st.rsplit(')').next().unwrap_or("");
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let tick = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // Fields after the command name: state is index 0; utime 11, stime 12.
+    (tick(11) + tick(12)) / 100.0
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let threads: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(1);
+    let s: usize = args.get(2).and_then(|v| v.parse().ok()).unwrap_or(1);
+    let pool = ThreadPool::new(threads);
+    let mut seed = 1u64;
+    let mut rnd = || {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+    };
+    // SmolLM2 shapes: a 30-layer stack of [1536,576] is too small to leave
+    // cache, so use sizes that do: the output head and a tall FFN-like matrix.
+    for (name, n, k) in [
+        ("head 49152x576", 49152, 576),
+        ("ffn x30 46080x576", 46080, 576),
+        ("down x30 17280x1536", 17280, 1536),
+    ] {
+        let wf: Vec<f32> = (0..n * k).map(|_| rnd()).collect();
+        let x: Vec<f32> = (0..s * k).map(|_| rnd()).collect();
+        for dtype in [DType::Q4_1, DType::Q8_0, DType::Q4_0] {
+            let rb = dtype.bytes_for(k).unwrap();
+            let mut wq = vec![0u8; n * rb];
+            for j in 0..n {
+                quantize_row(
+                    dtype,
+                    &wf[j * k..(j + 1) * k],
+                    &mut wq[j * rb..(j + 1) * rb],
+                )
+                .unwrap();
+            }
+            let w = WeightRef::new(dtype, &wq);
+            let mut y = vec![0f32; s * n];
+            for mode in [MatmulMode::Exact, MatmulMode::Fast] {
+                matmul_any(&pool, &x, s, k, w, n, Epilogue::None, &mut y, mode).unwrap();
+                let reps = if s > 1 { 5 } else { 100 };
+                let t = Instant::now();
+                let c0 = thread_cpu_s();
+                for _ in 0..reps {
+                    matmul_any(&pool, &x, s, k, w, n, Epilogue::None, &mut y, mode).unwrap();
+                }
+                let wall = t.elapsed().as_secs_f64() / reps as f64;
+                let cpu = (thread_cpu_s() - c0) / reps as f64;
+                // With one thread, CPU time excludes time spent descheduled.
+                let dt = if threads == 1 && cpu > 0.0 { cpu } else { wall };
+                println!(
+                    "{name:22} {dtype:5} {mode:?}: wall {:8.3} ms cpu {:8.3} ms  {:6.2} GB/s  {:6.1} GFLOP/s",
+                    wall * 1e3,
+                    cpu * 1e3,
+                    wq.len() as f64 / dt / 1e9,
+                    2.0 * (s * n * k) as f64 / dt / 1e9
+                );
+            }
+        }
+    }
+}
