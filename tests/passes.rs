@@ -95,6 +95,15 @@ fn tiny_args(scaled_rope: bool) -> ModelArgs {
 /// Logits of the last position after a multi-chunk prompt and after each
 /// of a few single-token steps.
 fn run(model: &Model, passes: &str, rows: LogitRows) -> (Vec<Vec<f32>>, Session) {
+    run_with(model, passes, rows, None)
+}
+
+fn run_with(
+    model: &Model,
+    passes: &str,
+    rows: LogitRows,
+    serial_attention_work: Option<usize>,
+) -> (Vec<Vec<f32>>, Session) {
     let opts = SessionOptions {
         context: Some(48),
         batch: 5,
@@ -104,6 +113,9 @@ fn run(model: &Model, passes: &str, rows: LogitRows) -> (Vec<Vec<f32>>, Session)
         exact: true,
     };
     let mut s = Session::new(model, &opts).unwrap();
+    if let Some(w) = serial_attention_work {
+        s.exec.set_serial_attention_work(w);
+    }
     let prompt: Vec<u32> = (0..13).map(|i| (i * 37 + 11) % 256).collect();
     let mut out = vec![s.feed(&prompt).unwrap().to_vec()];
     for t in [7u32, 200, 31, 99] {
@@ -160,6 +172,9 @@ fn each_fusion_matches_the_unfused_graph() {
             }
             assert_close(&got, &want, &format!("{dtype} {c}"));
         }
+        // Fused attention on the pool too (small calls run serially by default).
+        let (got, _) = run_with(&model, "all", LogitRows::Last, Some(0));
+        assert_close(&got, &want, &format!("{dtype} all, pooled attention"));
     }
 }
 
