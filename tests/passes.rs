@@ -454,3 +454,113 @@ fn cli_stats_json_and_dot_after_a_pass() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("fuse_everything"));
 }
+
+#[test]
+fn dead_code_keeps_cache_writes_and_drops_unused_work() {
+    use llama_graph::ir::{CacheKind, Dim, Shape, TensorMeta};
+    let mut g = Graph::new();
+    let tokens = g
+        .add_source(
+            "tokens",
+            Op::Tokens,
+            TensorMeta::new(Shape(vec![Dim::S]), DType::I32),
+            None,
+        )
+        .unwrap();
+    let table = g
+        .add_source(
+            "emb",
+            Op::Weight {
+                tensor: "emb".into(),
+            },
+            TensorMeta::new(Shape::constant(&[10, 8]), DType::F32),
+            None,
+        )
+        .unwrap();
+    let x = g
+        .add_op("x", Op::Embedding, &[table, tokens], None)
+        .unwrap();
+    let heads = g
+        .add_op_as(
+            "heads",
+            Op::Reshape,
+            &[x],
+            TensorMeta::new(
+                Shape(vec![Dim::S, Dim::Const(2), Dim::Const(4)]),
+                DType::F32,
+            ),
+            None,
+        )
+        .unwrap();
+    let cache = g
+        .add_source(
+            "cache",
+            Op::KvCache {
+                layer: 0,
+                kind: CacheKind::K,
+            },
+            TensorMeta::new(Shape::constant(&[16, 2, 4]), DType::F32),
+            None,
+        )
+        .unwrap();
+    let write = g
+        .add_op("write", Op::KvWrite, &[cache, heads], None)
+        .unwrap();
+    let w = g
+        .add_source(
+            "w",
+            Op::Weight { tensor: "w".into() },
+            TensorMeta::new(Shape::constant(&[3, 8]), DType::F32),
+            None,
+        )
+        .unwrap();
+    let unused = g.add_op("unused", Op::MatMul, &[x, w], None).unwrap();
+    let out = g.add_op("out", Op::Silu, &[x], None).unwrap();
+    g.mark_output(out);
+    let r = llama_graph::passes::dead_code(&mut g).unwrap();
+    assert_eq!(r.rewrites, 2, "the unused MatMul and its weight");
+    assert!(!g.contains(unused) && !g.contains(w));
+    for id in [tokens, table, x, heads, cache, write, out] {
+        assert!(g.contains(id));
+    }
+    g.verify().unwrap();
+}
+
+#[test]
+fn fused_ops_check_their_inputs() {
+    use llama_graph::ir::infer::infer;
+    use llama_graph::ir::{Dim, Shape, TensorMeta};
+    let f = |dims: Vec<Dim>| TensorMeta::new(Shape(dims), DType::F32);
+    let c = Dim::Const;
+    let x = f(vec![Dim::S, c(12)]);
+    let e = infer(&Op::SliceCols { start: 8, len: 8 }, &[&x], None).unwrap_err();
+    assert!(e.contains("8..16") && e.contains("12 columns"), "{e}");
+    let q = f(vec![Dim::S, c(4), c(8)]);
+    let cache = f(vec![c(32), c(2), c(8)]);
+    let ok = infer(
+        &Op::Attention {
+            n_rep: 2,
+            scale: 0.35,
+        },
+        &[&q, &cache, &cache],
+        None,
+    )
+    .unwrap();
+    assert_eq!(ok.to_string(), "f32[S, 4, 8]");
+    let e = infer(
+        &Op::Attention {
+            n_rep: 3,
+            scale: 0.35,
+        },
+        &[&q, &cache, &cache],
+        None,
+    )
+    .unwrap_err();
+    assert!(e.contains("q (input 0)"), "{e}");
+    let w = TensorMeta::new(Shape::constant(&[3, 12]), DType::BF16);
+    let e = infer(&Op::MatMulSwiGlu, &[&x, &w], None).unwrap_err();
+    assert!(e.contains("even"), "{e}");
+    let r = f(vec![Dim::S, c(4)]);
+    let e = infer(&Op::MatMulAdd, &[&r, &x, &w], None).unwrap_err();
+    assert!(e.contains("residual (input 0)"), "{e}");
+}
