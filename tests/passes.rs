@@ -8,7 +8,6 @@ use llama_graph::ir::{print, DType, Graph, LogitRows, Op, PackedWeight, RopeScal
 use llama_graph::kernels::quant::quantize_row;
 use llama_graph::model::{build_llama, BuildOptions, ModelArgs};
 use llama_graph::passes::{count_kind, run_pipeline, PassList, PASSES};
-use llama_graph::plan::compile;
 use llama_graph::session::{Model, ModelFormat, Session, SessionOptions};
 use llama_graph::weights::{TensorBytes, WeightStore, WeightTensor};
 use std::sync::Arc;
@@ -95,6 +94,15 @@ fn tiny_args(scaled_rope: bool) -> ModelArgs {
 /// Logits of the last position after a multi-chunk prompt and after each
 /// of a few single-token steps.
 fn run(model: &Model, passes: &str, rows: LogitRows) -> (Vec<Vec<f32>>, Session) {
+    run_with(model, passes, rows, None)
+}
+
+fn run_with(
+    model: &Model,
+    passes: &str,
+    rows: LogitRows,
+    serial_attention_work: Option<usize>,
+) -> (Vec<Vec<f32>>, Session) {
     let opts = SessionOptions {
         context: Some(48),
         batch: 5,
@@ -104,6 +112,9 @@ fn run(model: &Model, passes: &str, rows: LogitRows) -> (Vec<Vec<f32>>, Session)
         exact: true,
     };
     let mut s = Session::new(model, &opts).unwrap();
+    if let Some(w) = serial_attention_work {
+        s.exec.set_serial_attention_work(w);
+    }
     let prompt: Vec<u32> = (0..13).map(|i| (i * 37 + 11) % 256).collect();
     let mut out = vec![s.feed(&prompt).unwrap().to_vec()];
     for t in [7u32, 200, 31, 99] {
@@ -160,6 +171,9 @@ fn each_fusion_matches_the_unfused_graph() {
             }
             assert_close(&got, &want, &format!("{dtype} {c}"));
         }
+        // Fused attention on the pool too (small calls run serially by default).
+        let (got, _) = run_with(&model, "all", LogitRows::Last, Some(0));
+        assert_close(&got, &want, &format!("{dtype} all, pooled attention"));
     }
 }
 
@@ -316,31 +330,6 @@ fn snapshots_of_optimised_graphs() {
     });
 }
 
-/// Issue 5's acceptance figure: the 8B graph at chunk 512, context 8192.
-#[test]
-fn optimised_8b_plan_is_small_and_checked() {
-    let mut g = build_llama(
-        &common::graph_params("llama-3.1-8b"),
-        &BuildOptions::new(8192),
-    )
-    .unwrap();
-    run_pipeline(&mut g, &PassList::all(), |_, _| {}).unwrap();
-    let plan = compile(&g, 512, 8192).unwrap();
-    let b = &plan.buffers;
-    b.check().unwrap();
-    eprintln!(
-        "optimised 8B: arena {} MiB, naive {} MiB, ratio {:.4}, in place {}",
-        b.arena_bytes >> 20,
-        b.naive_activation_bytes >> 20,
-        b.arena_bytes as f64 / b.naive_activation_bytes as f64,
-        b.in_place
-    );
-    assert!(b.arena_bytes * 4 <= b.naive_activation_bytes);
-    assert!(b.arena_bytes >= b.peak_live_bytes);
-    // The residual adds accumulate in place.
-    assert!(b.in_place >= 64, "{}", b.in_place);
-}
-
 fn raw(dtype: DType, shape: &[usize], fill: u8) -> WeightTensor {
     let n: usize = shape.iter().product();
     let len = dtype.bytes_for(n).unwrap();
@@ -464,4 +453,114 @@ fn cli_stats_json_and_dot_after_a_pass() {
     ]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("fuse_everything"));
+}
+
+#[test]
+fn dead_code_keeps_cache_writes_and_drops_unused_work() {
+    use llama_graph::ir::{CacheKind, Dim, Shape, TensorMeta};
+    let mut g = Graph::new();
+    let tokens = g
+        .add_source(
+            "tokens",
+            Op::Tokens,
+            TensorMeta::new(Shape(vec![Dim::S]), DType::I32),
+            None,
+        )
+        .unwrap();
+    let table = g
+        .add_source(
+            "emb",
+            Op::Weight {
+                tensor: "emb".into(),
+            },
+            TensorMeta::new(Shape::constant(&[10, 8]), DType::F32),
+            None,
+        )
+        .unwrap();
+    let x = g
+        .add_op("x", Op::Embedding, &[table, tokens], None)
+        .unwrap();
+    let heads = g
+        .add_op_as(
+            "heads",
+            Op::Reshape,
+            &[x],
+            TensorMeta::new(
+                Shape(vec![Dim::S, Dim::Const(2), Dim::Const(4)]),
+                DType::F32,
+            ),
+            None,
+        )
+        .unwrap();
+    let cache = g
+        .add_source(
+            "cache",
+            Op::KvCache {
+                layer: 0,
+                kind: CacheKind::K,
+            },
+            TensorMeta::new(Shape::constant(&[16, 2, 4]), DType::F32),
+            None,
+        )
+        .unwrap();
+    let write = g
+        .add_op("write", Op::KvWrite, &[cache, heads], None)
+        .unwrap();
+    let w = g
+        .add_source(
+            "w",
+            Op::Weight { tensor: "w".into() },
+            TensorMeta::new(Shape::constant(&[3, 8]), DType::F32),
+            None,
+        )
+        .unwrap();
+    let unused = g.add_op("unused", Op::MatMul, &[x, w], None).unwrap();
+    let out = g.add_op("out", Op::Silu, &[x], None).unwrap();
+    g.mark_output(out);
+    let r = llama_graph::passes::dead_code(&mut g).unwrap();
+    assert_eq!(r.rewrites, 2, "the unused MatMul and its weight");
+    assert!(!g.contains(unused) && !g.contains(w));
+    for id in [tokens, table, x, heads, cache, write, out] {
+        assert!(g.contains(id));
+    }
+    g.verify().unwrap();
+}
+
+#[test]
+fn fused_ops_check_their_inputs() {
+    use llama_graph::ir::infer::infer;
+    use llama_graph::ir::{Dim, Shape, TensorMeta};
+    let f = |dims: Vec<Dim>| TensorMeta::new(Shape(dims), DType::F32);
+    let c = Dim::Const;
+    let x = f(vec![Dim::S, c(12)]);
+    let e = infer(&Op::SliceCols { start: 8, len: 8 }, &[&x], None).unwrap_err();
+    assert!(e.contains("8..16") && e.contains("12 columns"), "{e}");
+    let q = f(vec![Dim::S, c(4), c(8)]);
+    let cache = f(vec![c(32), c(2), c(8)]);
+    let ok = infer(
+        &Op::Attention {
+            n_rep: 2,
+            scale: 0.35,
+        },
+        &[&q, &cache, &cache],
+        None,
+    )
+    .unwrap();
+    assert_eq!(ok.to_string(), "f32[S, 4, 8]");
+    let e = infer(
+        &Op::Attention {
+            n_rep: 3,
+            scale: 0.35,
+        },
+        &[&q, &cache, &cache],
+        None,
+    )
+    .unwrap_err();
+    assert!(e.contains("q (input 0)"), "{e}");
+    let w = TensorMeta::new(Shape::constant(&[3, 12]), DType::BF16);
+    let e = infer(&Op::MatMulSwiGlu, &[&x, &w], None).unwrap_err();
+    assert!(e.contains("even"), "{e}");
+    let r = f(vec![Dim::S, c(4)]);
+    let e = infer(&Op::MatMulAdd, &[&r, &x, &w], None).unwrap_err();
+    assert!(e.contains("residual (input 0)"), "{e}");
 }

@@ -2,6 +2,7 @@
 mod common;
 
 use llama_graph::model::{build_llama, BuildOptions};
+use llama_graph::passes::{run_pipeline, PassList};
 use llama_graph::plan::compile;
 
 #[test]
@@ -48,4 +49,29 @@ fn checker_catches_overlap() {
     bufs[i].offset = bufs[j].offset;
     let err = plan.buffers.check().unwrap_err();
     assert!(err.contains("overlap"), "{err}");
+}
+
+/// Issue 5's acceptance figure: the 8B graph at chunk 512, context 8192.
+#[test]
+fn optimised_8b_plan_is_small_and_checked() {
+    let mut g = build_llama(
+        &common::graph_params("llama-3.1-8b"),
+        &BuildOptions::new(8192),
+    )
+    .unwrap();
+    run_pipeline(&mut g, &PassList::all(), |_, _| {}).unwrap();
+    let plan = compile(&g, 512, 8192).unwrap();
+    let b = &plan.buffers;
+    b.check().unwrap();
+    eprintln!(
+        "optimised 8B: arena {} MiB, naive {} MiB, ratio {:.4}, in place {}",
+        b.arena_bytes >> 20,
+        b.naive_activation_bytes >> 20,
+        b.arena_bytes as f64 / b.naive_activation_bytes as f64,
+        b.in_place
+    );
+    assert!(b.arena_bytes * 4 <= b.naive_activation_bytes);
+    assert!(b.arena_bytes >= b.peak_live_bytes);
+    // The residual adds accumulate in place.
+    assert!(b.in_place >= 64, "{}", b.in_place);
 }

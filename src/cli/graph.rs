@@ -119,6 +119,16 @@ pub fn run(a: GraphArgs) -> super::CliResult {
         print!("{}", print::dump(&graph)?);
     } else {
         print!("{}", summary(&args, &graph, ctx, a.batch_size as usize)?);
+        if !passes.is_empty() {
+            println!(
+                "passes: {} ({} -> {} nodes, {} -> {} per layer)",
+                passes.names().join(", "),
+                report.nodes_before,
+                report.nodes_after,
+                report.nodes_per_layer_before,
+                report.nodes_per_layer_after
+            );
+        }
     }
     Ok(())
 }

@@ -90,6 +90,12 @@ impl<'a> Logits<'a> {
     }
 }
 
+/// Fused attention calls of at most this many multiply-adds (a few hundred
+/// microseconds on one core) run on the calling thread: decode over a
+/// cache of up to 256 positions for a 2048-wide model. Waking the pool's
+/// workers costs more than that work when the cores are shared.
+pub const SERIAL_ATTENTION_WORK: usize = 1 << 20;
+
 pub struct Executor {
     steps: Vec<Step>,
     weights: Vec<WeightTensor>,
@@ -108,6 +114,11 @@ pub struct Executor {
     exact: bool,
     arena: Arena,
     pool: ThreadPool,
+    /// A one-thread pool: small fused-attention calls (decode over a short
+    /// cache) run on the calling thread instead of paying a hand-off.
+    serial: ThreadPool,
+    /// Threshold (multiply-adds) for running fused attention serially.
+    serial_attention_work: usize,
     context: usize,
     max_chunk: usize,
     output: (Loc, Shape),
@@ -300,6 +311,8 @@ impl Executor {
             exact: true,
             arena: Arena::new(plan.buffers.arena_bytes),
             pool: ThreadPool::new(threads),
+            serial: ThreadPool::new(1),
+            serial_attention_work: SERIAL_ATTENTION_WORK,
             context,
             max_chunk,
             output,
@@ -316,6 +329,12 @@ impl Executor {
 
     pub fn exact(&self) -> bool {
         self.exact
+    }
+
+    /// Fused attention calls of at most `work` multiply-adds run on the
+    /// calling thread (default [`SERIAL_ATTENTION_WORK`]); 0 always uses the pool.
+    pub fn set_serial_attention_work(&mut self, work: usize) {
+        self.serial_attention_work = work;
     }
 
     /// Writes a line per op as it runs (name, op, shapes) to `w`.
@@ -634,6 +653,14 @@ impl Executor {
                     head_dim: d,
                 };
                 let scratch = &mut self.attn_scratch;
+                // Multiply-adds of q·K and p·V: below the threshold the call
+                // is cheaper on this thread than a hand-off to the pool.
+                let work = 2 * b.s * (b.p + b.s) * shape.n_heads * d;
+                let pool = if work <= self.serial_attention_work {
+                    &self.serial
+                } else {
+                    pool
+                };
                 kernels::attention_fused(
                     pool,
                     input(0)?,

@@ -162,7 +162,7 @@ pub struct PassRecord {
     pub rewrites: usize,
     pub nodes_before: usize,
     pub nodes_after: usize,
-    /// Nodes of the first layer after the pass.
+    /// Nodes of the largest layer after the pass.
     pub nodes_per_layer_after: usize,
     pub op_counts_after: BTreeMap<&'static str, usize>,
 }
@@ -191,7 +191,8 @@ pub enum PassError {
     Input(GraphError),
 }
 
-fn first_layer(g: &Graph) -> usize {
+/// Nodes of the largest layer (layers are uniform in Llama graphs).
+fn largest_layer(g: &Graph) -> usize {
     g.nodes_per_layer().into_iter().max().unwrap_or(0)
 }
 
@@ -204,7 +205,7 @@ pub fn run_pipeline(
 ) -> Result<PipelineReport, PassError> {
     graph.verify().map_err(PassError::Input)?;
     let nodes_before = graph.node_count();
-    let per_layer_before = first_layer(graph);
+    let per_layer_before = largest_layer(graph);
     let op_counts_before = graph.op_counts();
     let mut records = Vec::new();
     for p in passes.passes() {
@@ -221,7 +222,7 @@ pub fn run_pipeline(
             rewrites: stats.rewrites,
             nodes_before: before,
             nodes_after: graph.node_count(),
-            nodes_per_layer_after: first_layer(graph),
+            nodes_per_layer_after: largest_layer(graph),
             op_counts_after: graph.op_counts(),
         });
         after(p.name, graph);
@@ -230,14 +231,14 @@ pub fn run_pipeline(
         nodes_before,
         nodes_after: graph.node_count(),
         nodes_per_layer_before: per_layer_before,
-        nodes_per_layer_after: first_layer(graph),
+        nodes_per_layer_after: largest_layer(graph),
         op_counts_before,
         op_counts_after: graph.op_counts(),
         passes: records,
     })
 }
 
-/// Whether any node of the graph has op kind `kind`.
+/// How many nodes of the graph have op kind `kind`.
 pub fn count_kind(g: &Graph, kind: &str) -> usize {
     g.node_ids()
         .filter(|&i| g.node(i).op.kind() == kind)
