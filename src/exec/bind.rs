@@ -166,7 +166,10 @@ pub fn materialize_packed(graph: &Graph, store: &WeightStore) -> Result<WeightSt
         };
         let mut bytes = Vec::with_capacity(total);
         for part in &p.parts {
-            bytes.extend_from_slice(store.tensors[part].data.as_bytes());
+            let data = &store.tensors[part].data;
+            bytes.extend_from_slice(data.as_bytes());
+            // The graph reads the packed copy from now on.
+            data.release_pages();
         }
         out.tensors.insert(
             p.name.clone(),

@@ -41,6 +41,34 @@ impl TensorBytes {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Tells the OS that these bytes will not be needed soon (for weights
+    /// that were copied, e.g. into a packed weight): their pages leave the
+    /// resident set. A later read still sees the same bytes, re-read from
+    /// the file. Owned bytes are left alone.
+    pub fn release_pages(&self) {
+        #[cfg(unix)]
+        if let TensorBytes::Mapped { map, offset, len } = self {
+            // Only whole pages inside the range, so neighbours keep theirs.
+            const PAGE: usize = 4096;
+            let start = offset.div_ceil(PAGE) * PAGE;
+            let end = (offset + len) / PAGE * PAGE;
+            if end > start {
+                // SAFETY: the map is a read-only shared file mapping. For
+                // such a mapping MADV_DONTNEED only drops clean page-cache
+                // pages from this process; any later access faults the same
+                // file contents back in, so every live slice stays valid and
+                // unchanged. The range lies inside the map.
+                let _ = unsafe {
+                    map.unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        start,
+                        end - start,
+                    )
+                };
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for TensorBytes {
