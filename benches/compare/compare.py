@@ -188,6 +188,55 @@ def cmd_llamacpp_worker(args):
     print(json.dumps(res))
 
 
+def cmd_llamacpp_logits(args):
+    """llama.cpp's own logits on the committed SmolLM2 prompts vs the float32
+    reference (tests/fixtures/smollm2/expected.json), teacher-forced on the
+    reference tokens: top-1 agreement and the largest |logit difference| over
+    the reference's top-10 tokens of every step. Compare with
+    `cargo run --release --example fast_vs_exact`."""
+    import ctypes
+
+    import llama_cpp as lc
+
+    global _QUIET_LOG
+    _QUIET_LOG = lc.llama_log_callback(lambda *a: None)
+    lc.llama_log_set(_QUIET_LOG, ctypes.c_void_p())
+    lc.llama_backend_init()
+    doc = json.loads((REPO / "tests/fixtures/smollm2/expected.json").read_text())
+    model = lc.llama_model_load_from_file(args.model.encode(), lc.llama_model_default_params())
+    cp = lc.llama_context_default_params()
+    cp.n_ctx = 512
+    cp.n_threads = cp.n_threads_batch = args.threads
+    ctx = lc.llama_init_from_model(model, cp)
+    n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    mem = lc.llama_get_memory(ctx)
+    steps = agree = 0
+    worst = 0.0
+    per_case = []
+    for case in doc["cases"]:
+        lc.llama_memory_clear(mem, True)
+        toks = case["prompt_tokens"]
+        gen = case["generated_tokens"]
+        arr = (lc.llama_token * len(toks))(*toks)
+        lc.llama_decode(ctx, lc.llama_batch_get_one(arr, len(toks)))
+        cw = 0.0
+        for i in range(len(gen)):
+            if i > 0:
+                one = (lc.llama_token * 1)(gen[i - 1])
+                lc.llama_decode(ctx, lc.llama_batch_get_one(one, 1))
+            lp = lc.llama_get_logits_ith(ctx, -1)
+            logits = [lp[j] for j in range(n_vocab)]
+            top1 = max(range(n_vocab), key=logits.__getitem__)
+            steps += 1
+            agree += top1 == gen[i]
+            for tid, want in case["steps"][i]["top"]:
+                cw = max(cw, abs(logits[tid] - want))
+        per_case.append(round(cw, 4))
+        worst = max(worst, cw)
+    print(json.dumps({"model": args.model, "steps": steps, "top1_eq_reference": agree,
+                      "max_abs_reference_minus_llamacpp_top10": round(worst, 4), "per_case": per_case}))
+
+
 def _run_child(argv):
     """Runs argv; returns (stdout, ru_maxrss KiB of that child)."""
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -316,11 +365,15 @@ def main():
     p.add_argument("--llama-graph", help="path of the llama-graph binary (default target/release/llama-graph)")
     p.add_argument("--exact", action="store_true", help="llama-graph with exact (f32-activation) quantized matmuls")
     p.add_argument("--out", default=str(HERE / "results.json"))
+    p = sub.add_parser("llamacpp-logits", help="llama.cpp's logits vs the f32 reference fixture")
+    p.add_argument("--model", default=str(SHIPPED))
+    p.add_argument("--threads", type=int, default=1)
     p = sub.add_parser("llamacpp-worker", help=argparse.SUPPRESS)
     p.add_argument("--model", required=True)
     p.add_argument("--threads", type=int, required=True)
     args = ap.parse_args()
-    {"prepare": cmd_prepare, "run": cmd_run, "llamacpp-worker": cmd_llamacpp_worker}[args.cmd](args)
+    {"prepare": cmd_prepare, "run": cmd_run, "llamacpp-worker": cmd_llamacpp_worker,
+     "llamacpp-logits": cmd_llamacpp_logits}[args.cmd](args)
 
 
 if __name__ == "__main__":
