@@ -27,7 +27,13 @@ fn argmax(v: &[f32]) -> usize {
     best
 }
 
-fn run(model: &Model, threads: usize, mode: MatmulMode, prompt: &[u32], gen: &[u32]) -> Vec<Vec<f32>> {
+fn run(
+    model: &Model,
+    threads: usize,
+    mode: MatmulMode,
+    prompt: &[u32],
+    gen: &[u32],
+) -> Vec<Vec<f32>> {
     set_default_matmul_mode(mode);
     let opts = SessionOptions {
         threads,
@@ -81,7 +87,11 @@ fn main() {
             if ae == gen[i] as usize {
                 agree_ref_exact += 1;
             }
-            let d = e.iter().zip(f).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            let d = e
+                .iter()
+                .zip(f)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
             c_fe = c_fe.max(d);
             for tl in case["steps"][i]["top"].as_array().expect("top") {
                 let id = tl[0].as_u64().expect("id") as usize;

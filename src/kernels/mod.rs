@@ -10,6 +10,7 @@ pub mod attention;
 pub mod dispatch;
 pub mod elementwise;
 pub mod embedding;
+pub mod gemv;
 pub mod kv;
 pub mod matmul;
 mod matmul_avx2;
