@@ -531,7 +531,10 @@ mod avx2 {
         assert!(w.len() == nr * row_bytes && out.len() == nr * NT && acts.len() == NT);
         let nb = row_bytes / B::BYTES;
         assert!(nb * B::BYTES == row_bytes);
-        let a: [&[Q8Act]; NT] = std::array::from_fn(|t| &acts[t][..nb]);
+        let mut a: [&[Q8Act]; NT] = [&[]; NT];
+        for t in 0..NT {
+            a[t] = &acts[t][..nb];
+        }
         let mut r = 0;
         while r + R <= nr {
             kern::<B, R, NT>(
@@ -567,29 +570,42 @@ mod avx2 {
         let mut acc = [[_mm256_setzero_ps(); NT]; R];
         let mut msum = [[0f32; NT]; R];
         for b in 0..nb {
-            let wv: [(__m256i, __m256i, f32, f32); R] = std::array::from_fn(|r| {
+            // Plain loops, not `array::from_fn`: its closure is not inlined
+            // into this target-feature function (it showed up as its own
+            // symbol in the profile, called per block and row).
+            let mut q = [_mm256_setzero_si256(); R];
+            let mut qu = [_mm256_setzero_si256(); R];
+            let mut dw = [_mm256_setzero_ps(); R];
+            let mut mw = [0f32; R];
+            for r in 0..R {
                 let at = r * rb + b * B::BYTES;
                 // SAFETY: the slice has B::BYTES bytes.
-                let (q, d, m) = unsafe { B::load(&w[at..at + B::BYTES]) };
-                let qu = if B::SIGNED { _mm256_sign_epi8(q, q) } else { q };
-                (q, qu, d, m)
-            });
+                let (qq, d, m) = unsafe { B::load(&w[at..at + B::BYTES]) };
+                q[r] = qq;
+                qu[r] = if B::SIGNED {
+                    _mm256_sign_epi8(qq, qq)
+                } else {
+                    qq
+                };
+                dw[r] = _mm256_set1_ps(d);
+                mw[r] = m;
+            }
             for t in 0..NT {
                 let ab = &a[t][b];
                 // SAFETY: qs has 32 bytes; unaligned load.
                 let av = unsafe { _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i) };
+                let da = _mm256_set1_ps(ab.d);
                 for r in 0..R {
-                    let (q, qu, d, m) = wv[r];
                     let sa = if B::SIGNED {
-                        _mm256_sign_epi8(av, q)
+                        _mm256_sign_epi8(av, q[r])
                     } else {
                         av
                     };
-                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(qu, sa), ones);
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(qu[r], sa), ones);
                     acc[r][t] =
-                        _mm256_fmadd_ps(_mm256_set1_ps(d * ab.d), _mm256_cvtepi32_ps(p), acc[r][t]);
+                        _mm256_fmadd_ps(_mm256_mul_ps(dw[r], da), _mm256_cvtepi32_ps(p), acc[r][t]);
                     if B::HAS_MIN {
-                        msum[r][t] += m * ab.s;
+                        msum[r][t] += mw[r] * ab.s;
                     }
                 }
             }
