@@ -114,8 +114,11 @@ fn gemv_impl(
     }
     let yp = SyncPtr::new(y);
     let row = |j: usize| &w.bytes[j * row_bytes..(j + 1) * row_bytes];
-    pool.run(n_out.div_ceil(ROWS_PER_CHUNK), &|c| {
-        let (j0, j1) = (c * ROWS_PER_CHUNK, ((c + 1) * ROWS_PER_CHUNK).min(n_out));
+    // A few long contiguous row ranges per thread (see qfast: short chunks
+    // taken alternately by two threads break the prefetcher's streams).
+    let rows = ROWS_PER_CHUNK.max(n_out.div_ceil(4 * pool.n_threads()));
+    pool.run(n_out.div_ceil(rows), &|c| {
+        let (j0, j1) = (c * rows, ((c + 1) * rows).min(n_out));
         // SAFETY: chunk c alone owns y[j0..j1].
         let yr = unsafe { yp.slice(j0, j1 - j0) };
         for (o, j) in yr.iter_mut().zip(j0..j1) {

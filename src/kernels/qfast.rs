@@ -292,57 +292,69 @@ fn qmatmul_fast_impl(
     }
     let acts: &[Q8Act] = acts;
     let yp = SyncPtr::new(y);
-    let col_chunks = n_out.div_ceil(COLS_PER_CHUNK);
+    // Decode-sized inputs: a few long contiguous row ranges per thread, so
+    // each thread streams its weights in long runs the hardware prefetcher
+    // follows (16-row chunks taken alternately by two threads measured 0.75x
+    // of one thread's speed); the atomic counter still balances 4 per thread.
+    let rows_per_chunk = if s <= 4 {
+        COLS_PER_CHUNK.max(n_out.div_ceil(4 * pool.n_threads()))
+    } else {
+        COLS_PER_CHUNK
+    };
+    let col_chunks = n_out.div_ceil(rows_per_chunk);
     let tok_chunks = s.div_ceil(TOKENS_PER_CHUNK);
     pool.run(col_chunks * tok_chunks, &|c| {
         let (cc, tc) = (c % col_chunks, c / col_chunks);
-        let (j0, j1) = (cc * COLS_PER_CHUNK, ((cc + 1) * COLS_PER_CHUNK).min(n_out));
+        let (jc0, jc1) = (cc * rows_per_chunk, ((cc + 1) * rows_per_chunk).min(n_out));
         let (t0, t1) = (tc * TOKENS_PER_CHUNK, ((tc + 1) * TOKENS_PER_CHUNK).min(s));
-        let nr = j1 - j0;
         let mut v = [0f32; COLS_PER_CHUNK * 4];
         let mut up = [0f32; COLS_PER_CHUNK * 4];
-        let mut ta = t0;
-        while ta < t1 {
-            let nt = (t1 - ta).min(4);
-            let mut tile: [&[Q8Act]; 4] = [&[]; 4];
-            for i in 0..nt {
-                tile[i] = &acts[(ta + i) * nb..(ta + i + 1) * nb];
-            }
-            let tile = &tile[..nt];
-            dot_rows(
-                w.dtype,
-                &w.bytes[j0 * row_bytes..j1 * row_bytes],
-                row_bytes,
-                tile,
-                &mut v[..nr * nt],
-                simd,
-            );
-            if let Epilogue::SwiGlu = epilogue {
-                let (u0, u1) = (j0 + n_out, j1 + n_out);
+        for j0 in (jc0..jc1).step_by(COLS_PER_CHUNK) {
+            let j1 = (j0 + COLS_PER_CHUNK).min(jc1);
+            let nr = j1 - j0;
+            let mut ta = t0;
+            while ta < t1 {
+                let nt = (t1 - ta).min(4);
+                let mut tile: [&[Q8Act]; 4] = [&[]; 4];
+                for i in 0..nt {
+                    tile[i] = &acts[(ta + i) * nb..(ta + i + 1) * nb];
+                }
+                let tile = &tile[..nt];
                 dot_rows(
                     w.dtype,
-                    &w.bytes[u0 * row_bytes..u1 * row_bytes],
+                    &w.bytes[j0 * row_bytes..j1 * row_bytes],
                     row_bytes,
                     tile,
-                    &mut up[..nr * nt],
+                    &mut v[..nr * nt],
                     simd,
                 );
-            }
-            for i in 0..nt {
-                let t = ta + i;
-                // SAFETY: chunk c alone owns columns j0..j1 of rows t0..t1 of y.
-                let yr = unsafe { yp.slice(t * n_out + j0, nr) };
-                for (r, o) in yr.iter_mut().enumerate() {
-                    let (val, j) = (v[r * nt + i], j0 + r);
-                    *o = match epilogue {
-                        Epilogue::None => val,
-                        Epilogue::Accumulate => *o + val,
-                        Epilogue::AddResidual(res) => val + res[t * n_out + j],
-                        Epilogue::SwiGlu => super::elementwise::silu_f32(val) * up[r * nt + i],
-                    };
+                if let Epilogue::SwiGlu = epilogue {
+                    let (u0, u1) = (j0 + n_out, j1 + n_out);
+                    dot_rows(
+                        w.dtype,
+                        &w.bytes[u0 * row_bytes..u1 * row_bytes],
+                        row_bytes,
+                        tile,
+                        &mut up[..nr * nt],
+                        simd,
+                    );
                 }
+                for i in 0..nt {
+                    let t = ta + i;
+                    // SAFETY: chunk c alone owns columns j0..j1 of rows t0..t1 of y.
+                    let yr = unsafe { yp.slice(t * n_out + j0, nr) };
+                    for (r, o) in yr.iter_mut().enumerate() {
+                        let (val, j) = (v[r * nt + i], j0 + r);
+                        *o = match epilogue {
+                            Epilogue::None => val,
+                            Epilogue::Accumulate => *o + val,
+                            Epilogue::AddResidual(res) => val + res[t * n_out + j],
+                            Epilogue::SwiGlu => super::elementwise::silu_f32(val) * up[r * nt + i],
+                        };
+                    }
+                }
+                ta += nt;
             }
-            ta += nt;
         }
     });
     Ok(())
