@@ -42,7 +42,20 @@ fn main() {
     ] {
         let wf: Vec<f32> = (0..n * k).map(|_| rnd()).collect();
         let x: Vec<f32> = (0..s * k).map(|_| rnd()).collect();
-        for dtype in [DType::Q4_1, DType::Q8_0, DType::Q4_0] {
+        let only: Option<String> = std::env::var("DTYPES").ok();
+        for dtype in [
+            DType::Q4_1,
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::F16,
+            DType::F32,
+        ] {
+            if only
+                .as_ref()
+                .is_some_and(|o| !o.split(',').any(|d| d == dtype.to_string()))
+            {
+                continue;
+            }
             let rb = dtype.bytes_for(k).unwrap();
             let mut wq = vec![0u8; n * rb];
             for j in 0..n {

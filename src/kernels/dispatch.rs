@@ -2,6 +2,7 @@
 //! block-quantized), per-step RoPE angles, single-cache writes and in-place
 //! elementwise ops.
 
+use super::gemv;
 use super::matmul::{matmul, Epilogue};
 use super::qfast::{self, Q8Act};
 use super::qmatmul::qmatmul;
@@ -30,7 +31,9 @@ pub enum MatmulMode {
     Exact,
     /// Activations quantized once per row into 8-bit blocks and integer
     /// block dot products ([`qfast::qmatmul_fast`]) for Q8_0/Q4_0/Q4_1
-    /// weights; other dtypes use the exact kernels.
+    /// weights; single-row products over F32/F16/BF16 weights use
+    /// [`gemv::gemv`] (exact arithmetic, another summation order); other
+    /// cases use the exact kernels.
     Fast,
 }
 
@@ -63,6 +66,9 @@ pub fn matmul_any(
                 qfast::qmatmul_fast(pool, x, s, k, w, n, epilogue, y, &mut scratch)
             });
         }
+    }
+    if mode == MatmulMode::Fast && s == 1 && gemv::supports(w.dtype) {
+        return gemv::gemv(pool, x, k, w, n, epilogue, y);
     }
     if w.dtype.is_quantized() {
         qmatmul(pool, x, s, k, w, n, epilogue, y)

@@ -12,6 +12,7 @@ mod attention_ops;
 pub mod dispatch;
 pub mod elementwise;
 pub mod embedding;
+pub mod gemv;
 pub mod kv;
 pub mod matmul;
 mod matmul_avx2;

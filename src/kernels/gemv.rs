@@ -1,0 +1,282 @@
+//! Single-token (`s == 1`, decode) matrix-vector products over plain
+//! F32/F16/BF16 weights: memory-bound, so each weight row is streamed once
+//! with four independent FMA accumulators (the dependent-FMA latency would
+//! otherwise cap one row at ~8 elements per 4-5 cycles). Exact: f32
+//! activations, f32 accumulation (only the summation order differs from
+//! [`super::matmul`]).
+
+use super::matmul::Epilogue;
+use super::{check_len, mul_dims, KernelError, WeightRef};
+use crate::ir::DType;
+use crate::pool::{SyncPtr, ThreadPool};
+
+/// Weight rows per work chunk.
+const ROWS_PER_CHUNK: usize = 16;
+
+/// True for the dtypes [`gemv`] handles.
+pub fn supports(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+}
+
+/// Scalar reference dot product of a stored row with `x`.
+pub fn dot_scalar(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
+    let es = dtype.block_bytes();
+    let mut sum = 0f32;
+    for (c, &v) in row.chunks_exact(es).zip(x) {
+        let w = match dtype {
+            DType::F32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+            DType::F16 => super::f16_to_f32(u16::from_le_bytes([c[0], c[1]])),
+            DType::BF16 => super::bf16_to_f32(u16::from_le_bytes([c[0], c[1]])),
+            _ => unreachable!("checked by supports()"),
+        };
+        sum += w * v;
+    }
+    sum
+}
+
+#[inline]
+fn dot(dtype: DType, row: &[u8], x: &[f32], simd: bool) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if simd {
+            // SAFETY: `simd` is only true when the CPU has avx2/fma/f16c;
+            // `row` holds x.len() elements (checked by the caller).
+            return unsafe { avx2::dot(dtype, row, x) };
+        }
+    }
+    let _ = simd;
+    dot_scalar(dtype, row, x)
+}
+
+/// `y = x·Wᵀ` with `epilogue` for one activation row (`x`: `[k]`) and a
+/// plain-dtype `W` `[n, k]`. Same contract as [`super::matmul`] with `s = 1`.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv(
+    pool: &ThreadPool,
+    x: &[f32],
+    k: usize,
+    w: WeightRef<'_>,
+    n: usize,
+    epilogue: Epilogue<'_>,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    gemv_impl(
+        pool,
+        x,
+        k,
+        w,
+        n,
+        epilogue,
+        y,
+        super::quant::simd_available(),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemv_impl(
+    pool: &ThreadPool,
+    x: &[f32],
+    k: usize,
+    w: WeightRef<'_>,
+    n: usize,
+    epilogue: Epilogue<'_>,
+    y: &mut [f32],
+    simd: bool,
+) -> Result<(), KernelError> {
+    const OP: &str = "gemv";
+    if !supports(w.dtype) {
+        return Err(KernelError::DType {
+            op: OP,
+            dtype: w.dtype,
+        });
+    }
+    let row_bytes = mul_dims(OP, "k*element size overflows", k, w.dtype.block_bytes())?;
+    check_len(OP, "x elements", k, x.len())?;
+    check_len(
+        OP,
+        "weight bytes",
+        mul_dims(OP, "n*row bytes overflows", n, row_bytes)?,
+        w.bytes.len(),
+    )?;
+    let n_out = match epilogue {
+        Epilogue::SwiGlu if n % 2 == 0 => n / 2,
+        Epilogue::SwiGlu => {
+            return Err(KernelError::Invalid {
+                op: OP,
+                what: "SwiGlu needs an even number of weight rows",
+            })
+        }
+        _ => n,
+    };
+    check_len(OP, "y elements", n_out, y.len())?;
+    if let Epilogue::AddResidual(r) = epilogue {
+        check_len(OP, "residual elements", n_out, r.len())?;
+    }
+    let yp = SyncPtr::new(y);
+    let row = |j: usize| &w.bytes[j * row_bytes..(j + 1) * row_bytes];
+    // A few long contiguous row ranges per thread (see qfast: short chunks
+    // taken alternately by two threads break the prefetcher's streams).
+    let rows = ROWS_PER_CHUNK.max(n_out.div_ceil(4 * pool.n_threads()));
+    pool.run(n_out.div_ceil(rows), &|c| {
+        let (j0, j1) = (c * rows, ((c + 1) * rows).min(n_out));
+        // SAFETY: chunk c alone owns y[j0..j1].
+        let yr = unsafe { yp.slice(j0, j1 - j0) };
+        for (o, j) in yr.iter_mut().zip(j0..j1) {
+            let v = dot(w.dtype, row(j), x, simd);
+            *o = match epilogue {
+                Epilogue::None => v,
+                Epilogue::Accumulate => *o + v,
+                Epilogue::AddResidual(r) => v + r[j],
+                Epilogue::SwiGlu => {
+                    let up = dot(w.dtype, row(j + n_out), x, simd);
+                    super::elementwise::silu_f32(v) * up
+                }
+            };
+        }
+    });
+    Ok(())
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use crate::ir::DType;
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// The CPU must support avx2/fma/f16c; `row` holds `x.len()` elements of `dtype`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
+        match dtype {
+            DType::F32 => dot_t::<0>(row, x),
+            DType::F16 => dot_t::<1>(row, x),
+            DType::BF16 => dot_t::<2>(row, x),
+            _ => unreachable!("checked by supports()"),
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn ld_f32(b: &[u8]) -> __m256 {
+        let b = &b[..32];
+        // SAFETY: 32 bytes; unaligned load.
+        unsafe { _mm256_loadu_ps(b.as_ptr() as *const f32) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn ld_f16(b: &[u8]) -> __m256 {
+        let b = &b[..16];
+        // SAFETY: 16 bytes; unaligned load.
+        _mm256_cvtph_ps(unsafe { _mm_loadu_si128(b.as_ptr() as *const __m128i) })
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn ld_bf16(b: &[u8]) -> __m256 {
+        let b = &b[..16];
+        // SAFETY: 16 bytes; unaligned load.
+        let v = unsafe { _mm_loadu_si128(b.as_ptr() as *const __m128i) };
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(v)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn ld_x(x: &[f32]) -> __m256 {
+        let x = &x[..8];
+        // SAFETY: 8 f32; unaligned load.
+        unsafe { _mm256_loadu_ps(x.as_ptr()) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    /// `D`: 0 = F32, 1 = F16, 2 = BF16.
+    fn dot_t<const D: u8>(row: &[u8], x: &[f32]) -> f32 {
+        const ES: [usize; 3] = [4, 2, 2];
+        let es = ES[D as usize];
+        let ld = |b: &[u8]| match D {
+            0 => ld_f32(b),
+            1 => ld_f16(b),
+            _ => ld_bf16(b),
+        };
+        let n = x.len();
+        let n32 = n / 32 * 32;
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i < n32 {
+            for (u, a) in acc.iter_mut().enumerate() {
+                let e = i + 8 * u;
+                *a = _mm256_fmadd_ps(ld(&row[e * es..]), ld_x(&x[e..]), *a);
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            acc[0] = _mm256_fmadd_ps(ld(&row[i * es..]), ld_x(&x[i..]), acc[0]);
+            i += 8;
+        }
+        let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        let mut sum = _mm_cvtss_f32(s);
+        if i < n {
+            let d = [DType::F32, DType::F16, DType::BF16][D as usize];
+            sum += super::dot_scalar(d, &row[i * es..], &x[i..]);
+        }
+        sum
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::testutil::{encode, Rng};
+
+    #[test]
+    fn matches_naive_for_every_dtype_and_epilogue() {
+        let pool = ThreadPool::new(2);
+        let mut rng = Rng::new(5);
+        // k = 83: a 32-element main loop, an 8-element step and a scalar tail.
+        for (k, n) in [(83, 38), (576, 20)] {
+            let x = rng.vec(k);
+            let wf = rng.vec(n * k);
+            let r = rng.vec(n);
+            for dtype in [DType::F32, DType::F16, DType::BF16] {
+                let wb = encode(&wf, dtype);
+                let wr = WeightRef::new(dtype, &wb);
+                let wd: Vec<f32> = wb
+                    .chunks_exact(n * k / n * dtype.block_bytes())
+                    .flat_map(|row| {
+                        row.chunks_exact(dtype.block_bytes())
+                            .map(|c| dot_scalar(dtype, c, &[1.0]))
+                            .collect::<Vec<_>>()
+                    })
+                    .collect();
+                let naive =
+                    |j: usize| -> f64 { (0..k).map(|i| wd[j * k + i] as f64 * x[i] as f64).sum() };
+                for simd in [false, true] {
+                    if simd && !crate::kernels::quant::simd_available() {
+                        continue;
+                    }
+                    let mut y = vec![0f32; n];
+                    gemv_impl(&pool, &x, k, wr, n, Epilogue::AddResidual(&r), &mut y, simd)
+                        .unwrap();
+                    for j in 0..n {
+                        let want = naive(j) + r[j] as f64;
+                        assert!(
+                            (y[j] as f64 - want).abs() < 1e-4,
+                            "{dtype} simd={simd} k={k} j={j}: {} vs {want}",
+                            y[j]
+                        );
+                    }
+                    let mut g = vec![0f32; n / 2];
+                    gemv_impl(&pool, &x, k, wr, n, Epilogue::SwiGlu, &mut g, simd).unwrap();
+                    for j in 0..n / 2 {
+                        let (a, b) = (naive(j) as f32, naive(j + n / 2) as f32);
+                        let want = crate::kernels::elementwise::silu_f32(a) * b;
+                        assert!((g[j] - want).abs() < 1e-4 * (1.0 + want.abs()), "{dtype}");
+                    }
+                }
+            }
+        }
+    }
+}
