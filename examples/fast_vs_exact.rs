@@ -12,20 +12,10 @@
 //! |logit difference| fast vs exact over the whole vocabulary, and the largest
 //! difference from the reference's top-10 logits for each mode.
 
-use llama_graph::kernels::dispatch::set_default_matmul_mode;
+use llama_graph::generate::sampler::argmax;
 use llama_graph::kernels::MatmulMode;
 use llama_graph::session::{Model, Session, SessionOptions};
 use std::path::PathBuf;
-
-fn argmax(v: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best
-}
 
 fn run(
     model: &Model,
@@ -34,9 +24,9 @@ fn run(
     prompt: &[u32],
     gen: &[u32],
 ) -> Vec<Vec<f32>> {
-    set_default_matmul_mode(mode);
     let opts = SessionOptions {
         threads,
+        exact: mode == MatmulMode::Exact,
         ..SessionOptions::default()
     };
     let mut s = Session::new(model, &opts).expect("session");

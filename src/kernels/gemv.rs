@@ -99,7 +99,7 @@ fn gemv_impl(
         w.bytes.len(),
     )?;
     let n_out = match epilogue {
-        Epilogue::SwiGlu if n % 2 == 0 => n / 2,
+        Epilogue::SwiGlu if n.is_multiple_of(2) => n / 2,
         Epilogue::SwiGlu => {
             return Err(KernelError::Invalid {
                 op: OP,
@@ -270,10 +270,10 @@ mod tests {
                     }
                     let mut g = vec![0f32; n / 2];
                     gemv_impl(&pool, &x, k, wr, n, Epilogue::SwiGlu, &mut g, simd).unwrap();
-                    for j in 0..n / 2 {
+                    for (j, &got) in g.iter().enumerate() {
                         let (a, b) = (naive(j) as f32, naive(j + n / 2) as f32);
                         let want = crate::kernels::elementwise::silu_f32(a) * b;
-                        assert!((g[j] - want).abs() < 1e-4 * (1.0 + want.abs()), "{dtype}");
+                        assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()), "{dtype}");
                     }
                 }
             }
