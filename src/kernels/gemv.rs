@@ -6,7 +6,7 @@
 //! [`super::matmul`]).
 
 use super::matmul::Epilogue;
-use super::{check_len, mul_dims, KernelError, WeightRef};
+use super::{check_linear, KernelError, WeightRef};
 use crate::ir::DType;
 use crate::pool::{SyncPtr, ThreadPool};
 
@@ -90,28 +90,7 @@ fn gemv_impl(
             dtype: w.dtype,
         });
     }
-    let row_bytes = mul_dims(OP, "k*element size overflows", k, w.dtype.block_bytes())?;
-    check_len(OP, "x elements", k, x.len())?;
-    check_len(
-        OP,
-        "weight bytes",
-        mul_dims(OP, "n*row bytes overflows", n, row_bytes)?,
-        w.bytes.len(),
-    )?;
-    let n_out = match epilogue {
-        Epilogue::SwiGlu if n.is_multiple_of(2) => n / 2,
-        Epilogue::SwiGlu => {
-            return Err(KernelError::Invalid {
-                op: OP,
-                what: "SwiGlu needs an even number of weight rows",
-            })
-        }
-        _ => n,
-    };
-    check_len(OP, "y elements", n_out, y.len())?;
-    if let Epilogue::AddResidual(r) = epilogue {
-        check_len(OP, "residual elements", n_out, r.len())?;
-    }
+    let (row_bytes, n_out) = check_linear(OP, x, 1, k, &w, n, &epilogue, y)?;
     let yp = SyncPtr::new(y);
     let row = |j: usize| &w.bytes[j * row_bytes..(j + 1) * row_bytes];
     // A few long contiguous row ranges per thread (see qfast: short chunks

@@ -106,6 +106,58 @@ pub(crate) fn mul_dims(
     a.checked_mul(b).ok_or(KernelError::Invalid { op, what })
 }
 
+/// Checks the arguments of a linear layer `y = x·Wᵀ` (`x` `[s, k]`, `W`
+/// `[n, k]` in its stored dtype, `y` `[s, n]` or `[s, n/2]` for SwiGLU) and
+/// returns (bytes per weight row, output columns).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn check_linear(
+    op: &'static str,
+    x: &[f32],
+    s: usize,
+    k: usize,
+    w: &WeightRef<'_>,
+    n: usize,
+    epilogue: &matmul::Epilogue<'_>,
+    y: &[f32],
+) -> Result<(usize, usize), KernelError> {
+    let row_bytes = w.dtype.bytes_for(k).ok_or(KernelError::Invalid {
+        op,
+        what: "k is not a whole number of blocks of the weight dtype",
+    })?;
+    check_len(
+        op,
+        "x elements (s*k)",
+        mul_dims(op, "s*k overflows", s, k)?,
+        x.len(),
+    )?;
+    check_len(
+        op,
+        "weight bytes",
+        mul_dims(op, "n*row bytes overflows", n, row_bytes)?,
+        w.bytes.len(),
+    )?;
+    let n_out = match epilogue {
+        matmul::Epilogue::SwiGlu if n.is_multiple_of(2) => n / 2,
+        matmul::Epilogue::SwiGlu => {
+            return Err(KernelError::Invalid {
+                op,
+                what: "SwiGlu needs an even number of weight rows",
+            })
+        }
+        _ => n,
+    };
+    check_len(
+        op,
+        "y elements",
+        mul_dims(op, "s*n overflows", s, n_out)?,
+        y.len(),
+    )?;
+    if let matmul::Epilogue::AddResidual(r) = epilogue {
+        check_len(op, "residual elements", y.len(), r.len())?;
+    }
+    Ok((row_bytes, n_out))
+}
+
 /// A borrowed tensor of weights in its stored dtype (F32, F16 or BF16,
 /// little-endian, no alignment requirement).
 #[derive(Clone, Copy, Debug)]

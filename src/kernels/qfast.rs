@@ -27,7 +27,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::matmul::Epilogue;
-use super::{check_len, mul_dims, KernelError, WeightRef};
+use super::{check_linear, KernelError, WeightRef};
 use crate::ir::DType;
 use crate::pool::{SyncPtr, ThreadPool};
 use half::f16;
@@ -233,42 +233,8 @@ fn qmatmul_fast_impl(
             dtype: w.dtype,
         });
     }
-    let row_bytes = w.dtype.bytes_for(k).ok_or(KernelError::Invalid {
-        op: OP,
-        what: "k is not a whole number of quantization blocks",
-    })?;
+    let (row_bytes, n_out) = check_linear(OP, x, s, k, &w, n, &epilogue, y)?;
     let nb = k / QK;
-    check_len(
-        OP,
-        "x elements (s*k)",
-        mul_dims(OP, "s*k overflows", s, k)?,
-        x.len(),
-    )?;
-    check_len(
-        OP,
-        "weight bytes",
-        mul_dims(OP, "n*row bytes overflows", n, row_bytes)?,
-        w.bytes.len(),
-    )?;
-    let n_out = match epilogue {
-        Epilogue::SwiGlu if n.is_multiple_of(2) => n / 2,
-        Epilogue::SwiGlu => {
-            return Err(KernelError::Invalid {
-                op: OP,
-                what: "SwiGlu needs an even number of weight rows",
-            })
-        }
-        _ => n,
-    };
-    check_len(
-        OP,
-        "y elements",
-        mul_dims(OP, "s*n overflows", s, n_out)?,
-        y.len(),
-    )?;
-    if let Epilogue::AddResidual(r) = epilogue {
-        check_len(OP, "residual elements", y.len(), r.len())?;
-    }
     let need = s * nb;
     if scratch.len() < need {
         return Err(KernelError::Shape {

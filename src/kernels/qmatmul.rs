@@ -5,7 +5,7 @@
 
 use super::matmul::Epilogue;
 use super::quant::dot_row;
-use super::{check_len, mul_dims, KernelError, WeightRef};
+use super::{check_linear, KernelError, WeightRef};
 use crate::pool::{SyncPtr, ThreadPool};
 
 /// Output columns per work chunk.
@@ -25,41 +25,7 @@ pub fn qmatmul(
     y: &mut [f32],
 ) -> Result<(), KernelError> {
     const OP: &str = "qmatmul";
-    let row_bytes = w.dtype.bytes_for(k).ok_or(KernelError::Invalid {
-        op: OP,
-        what: "k is not a whole number of quantization blocks",
-    })?;
-    check_len(
-        OP,
-        "x elements (s*k)",
-        mul_dims(OP, "s*k overflows", s, k)?,
-        x.len(),
-    )?;
-    check_len(
-        OP,
-        "weight bytes",
-        mul_dims(OP, "n*row bytes overflows", n, row_bytes)?,
-        w.bytes.len(),
-    )?;
-    let n_out = match epilogue {
-        Epilogue::SwiGlu if n.is_multiple_of(2) => n / 2,
-        Epilogue::SwiGlu => {
-            return Err(KernelError::Invalid {
-                op: OP,
-                what: "SwiGlu needs an even number of weight rows",
-            })
-        }
-        _ => n,
-    };
-    check_len(
-        OP,
-        "y elements",
-        mul_dims(OP, "s*n overflows", s, n_out)?,
-        y.len(),
-    )?;
-    if let Epilogue::AddResidual(r) = epilogue {
-        check_len(OP, "residual elements", y.len(), r.len())?;
-    }
+    let (row_bytes, n_out) = check_linear(OP, x, s, k, &w, n, &epilogue, y)?;
     let yp = SyncPtr::new(y);
     let row = |j: usize| &w.bytes[j * row_bytes..(j + 1) * row_bytes];
     pool.run(n_out.div_ceil(COLS_PER_CHUNK), &|c| {
