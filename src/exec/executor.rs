@@ -377,10 +377,6 @@ impl Executor {
         self.steps.len()
     }
 
-    /// Forgets the cached positions (the caches are overwritten as positions
-    /// are reused, so nothing needs clearing).
-    pub fn reset(&mut self) {}
-
     /// Runs the graph for `tokens` at positions `pos..pos + tokens.len()`
     /// and returns the logits.
     pub fn step(&mut self, tokens: &[i32], pos: usize) -> Result<Logits<'_>, ExecError> {
