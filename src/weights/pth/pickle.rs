@@ -411,9 +411,7 @@ impl<'a> Vm<'a> {
     }
 
     fn append_items(&mut self, items: Vec<Value>) -> Result<(), PickleError> {
-        let max_depth = self.limits.max_depth;
-        let item_depth = items.iter().map(Value::depth).max().unwrap_or(0);
-        let at = self.op_at;
+        let (max_depth, at) = (self.limits.max_depth, self.op_at);
         let target = self.top_mut()?;
         let Value::List(l, d) = target else {
             return Err(PickleError::Malformed {
@@ -421,14 +419,7 @@ impl<'a> Vm<'a> {
                 msg: format!("APPEND to a {}", target.kind()),
             });
         };
-        let nd = (*d).max(item_depth + 1);
-        if nd > max_depth {
-            return Err(PickleError::Limit {
-                offset: at,
-                msg: format!("objects nested deeper than {max_depth}"),
-            });
-        }
-        *d = nd;
+        *d = nested_depth(*d, &items, max_depth, at)?;
         // Copy-on-write when the memo shares the list: charge for the copy.
         let cost = if Rc::strong_count(l) > 1 {
             l.len() as u64
@@ -443,9 +434,7 @@ impl<'a> Vm<'a> {
         if !items.len().is_multiple_of(2) {
             return Err(self.malformed("SETITEMS with an odd number of items"));
         }
-        let max_depth = self.limits.max_depth;
-        let item_depth = items.iter().map(Value::depth).max().unwrap_or(0);
-        let at = self.op_at;
+        let (max_depth, at) = (self.limits.max_depth, self.op_at);
         let target = self.top_mut()?;
         let Value::Dict(m, d) = target else {
             return Err(PickleError::Malformed {
@@ -453,14 +442,7 @@ impl<'a> Vm<'a> {
                 msg: format!("SETITEM on a {}", target.kind()),
             });
         };
-        let nd = (*d).max(item_depth + 1);
-        if nd > max_depth {
-            return Err(PickleError::Limit {
-                offset: at,
-                msg: format!("objects nested deeper than {max_depth}"),
-            });
-        }
-        *d = nd;
+        *d = nested_depth(*d, &items, max_depth, at)?;
         let cost = if Rc::strong_count(m) > 1 {
             m.len() as u64
         } else {
@@ -842,6 +824,24 @@ impl<'a> Vm<'a> {
             }
         }
     }
+}
+
+/// The nesting depth of a container of depth `current` after adding
+/// `items`, or an error past `max_depth`.
+fn nested_depth(
+    current: u32,
+    items: &[Value],
+    max_depth: u32,
+    at: usize,
+) -> Result<u32, PickleError> {
+    let depth = current.max(items.iter().map(Value::depth).max().unwrap_or(0) + 1);
+    if depth > max_depth {
+        return Err(PickleError::Limit {
+            offset: at,
+            msg: format!("objects nested deeper than {max_depth}"),
+        });
+    }
+    Ok(depth)
 }
 
 #[cfg(test)]
