@@ -1,4 +1,6 @@
-//! Decode speed with `--passes all` against `--passes none`.
+//! Decode speed with `--passes all` against `--passes none`, and with the
+//! pipeline minus `pack_weights` (fusion and dead work only) to show what
+//! each part contributes.
 //!
 //! Uses a random bf16 checkpoint shaped like Llama 3.2 1B
 //! (`graphs/llama-3.2-1b/params.json`), generated once (2.5 GB, a few
@@ -9,8 +11,8 @@
 //! LLAMA_GRAPH_1B_DIR=/work/tmp-1b cargo bench --bench passes_decode
 //! ```
 //!
-//! Both sessions are prepared once; then rounds alternate (all, none, all,
-//! none, ...) so load from other processes on the machine affects both
+//! The sessions are prepared once; then rounds alternate (all, fusion,
+//! none, all, ...) so load from other processes on the machine affects both
 //! alike, and the medians are reported. Each round resets the cache, feeds a
 //! short prompt and times greedy decoding of `DECODE` tokens.
 //! Environment: `BENCH_THREADS` (default 2), `BENCH_ROUNDS` (default 5),
@@ -90,40 +92,55 @@ fn main() {
         passes,
         exact: true,
     };
-    let t0 = Instant::now();
-    let mut fused = Session::new(&model, &opts(PassList::all())).expect("session (all)");
-    let t_fused = t0.elapsed().as_secs_f64();
-    let mut plain = Session::new(&model, &opts(PassList::none())).expect("session (none)");
-    let per_layer = |s: &Session| s.graph.nodes_per_layer().into_iter().max().unwrap_or(0);
-    println!(
-        "nodes per layer: all {} / none {}; nodes: all {} / none {}; kernel calls per step: all {} / none {}",
-        per_layer(&fused),
-        per_layer(&plain),
-        fused.graph.node_count(),
-        plain.graph.node_count(),
-        fused.exec.n_steps(),
-        plain.exec.n_steps()
-    );
-    println!("session with passes (incl. packing weights): {t_fused:.1} s");
-    let prompt: Vec<u32> = (0..8u32).map(|i| 1000 + 37 * i).collect();
-    // Warm-up (page in the weights) and check both give the same tokens.
-    let (_, a) = decode(&mut fused, &prompt, 4);
-    let (_, b) = decode(&mut plain, &prompt, 4);
-    println!("warm-up tokens: all {a:?} / none {b:?}");
-    let (mut fa, mut no, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
-    for r in 0..rounds {
-        let (x, _) = decode(&mut fused, &prompt, n_decode);
-        let (y, _) = decode(&mut plain, &prompt, n_decode);
+    // The pipeline, the pipeline without the weight-arena copy (fusion and
+    // dead work only), and the builder's graph.
+    let configs = [
+        ("all", PassList::all()),
+        ("fusion", PassList::all().without("pack_weights")),
+        ("none", PassList::none()),
+    ];
+    let mut sessions = Vec::new();
+    for (label, passes) in &configs {
+        let t0 = Instant::now();
+        let s = Session::new(&model, &opts(passes.clone())).expect("session");
         println!(
-            "round {r}: all {x:.2} tok/s, none {y:.2} tok/s, ratio {:.2}",
-            x / y
+            "session `{label}` prepared in {:.1} s (incl. packing weights)",
+            t0.elapsed().as_secs_f64()
         );
-        ratios.push(x / y);
-        fa.push(x);
-        no.push(y);
+        sessions.push(s);
+    }
+    let per_layer = |s: &Session| s.graph.nodes_per_layer().into_iter().max().unwrap_or(0);
+    for ((label, _), s) in configs.iter().zip(&sessions) {
+        println!(
+            "{label:>6}: {} nodes per layer, {} nodes, {} kernel calls per step",
+            per_layer(s),
+            s.graph.node_count(),
+            s.exec.n_steps()
+        );
+    }
+    let prompt: Vec<u32> = (0..8u32).map(|i| 1000 + 37 * i).collect();
+    // Warm-up (page in the weights) and check all give the same tokens.
+    let mut first = None;
+    for ((label, _), s) in configs.iter().zip(sessions.iter_mut()) {
+        let (_, toks) = decode(s, &prompt, 4);
+        println!("warm-up tokens ({label}): {toks:?}");
+        assert!(
+            first.get_or_insert(toks.clone()) == &toks,
+            "greedy tokens differ"
+        );
+    }
+    let mut speeds = vec![Vec::new(); configs.len()];
+    for r in 0..rounds {
+        let mut line = format!("round {r}:");
+        for (i, s) in sessions.iter_mut().enumerate() {
+            let (x, _) = decode(s, &prompt, n_decode);
+            line += &format!(" {} {x:.2} tok/s", configs[i].0);
+            speeds[i].push(x);
+        }
+        println!("{line}");
     }
     if std::env::var_os("BENCH_PROFILE").is_some() {
-        for (label, sess) in [("all", &mut fused), ("none", &mut plain)] {
+        for ((label, _), sess) in configs.iter().zip(sessions.iter_mut()) {
             sess.exec.set_profiling(true);
             decode(sess, &prompt, n_decode);
             let mut by: std::collections::BTreeMap<&str, (u64, f64)> = Default::default();
@@ -139,10 +156,23 @@ fn main() {
             sess.exec.set_profiling(false);
         }
     }
-    let (ma, mn) = (median(&mut fa), median(&mut no));
+    let ratios = |i: usize, speeds: &[Vec<f64>]| -> Vec<f64> {
+        speeds[i]
+            .iter()
+            .zip(&speeds[2])
+            .map(|(a, b)| a / b)
+            .collect()
+    };
+    let (mut r_all, mut r_fusion) = (ratios(0, &speeds), ratios(1, &speeds));
+    let med: Vec<f64> = speeds.iter_mut().map(|v| median(v)).collect();
     println!(
-        "median decode ({threads} threads, {n_decode} tokens, {rounds} rounds): all {ma:.2} tok/s, none {mn:.2} tok/s, speed-up {:.2}x (median of per-round ratios {:.2}x)",
-        ma / mn,
-        median(&mut ratios)
+        "median decode ({threads} threads, {n_decode} tokens, {rounds} rounds): all {:.2} tok/s, fusion only {:.2}, none {:.2}; speed-up over none: all {:.2}x (median of per-round ratios {:.2}x), fusion only {:.2}x ({:.2}x)",
+        med[0],
+        med[1],
+        med[2],
+        med[0] / med[2],
+        median(&mut r_all),
+        med[1] / med[2],
+        median(&mut r_fusion)
     );
 }

@@ -234,6 +234,14 @@ fn fusion_counts() {
         assert_eq!(r, 0, "needs fuse_qkv and fuse_attention first");
         let (g, r) = single("dead_code");
         assert_eq!((r, g.node_count()), (0, before.node_count()));
+        // Every linear layer's matrix (wq wk wv wo w1 w2 w3 per layer, the
+        // output head) becomes a one-part packed copy; norm vectors do not.
+        let (g, r) = single("pack_weights");
+        assert_eq!(r, 7 * n + 1, "{arch}");
+        assert_eq!(g.packed().count(), 7 * n + 1);
+        assert!(g.packed().all(|p| p.parts.len() == 1
+            && p.name == format!("{}{}", p.parts[0], llama_graph::passes::PACKED_SUFFIX)));
+        assert_eq!(count_kind(&g, "Weight"), count_kind(&before, "Weight"));
 
         let g = optimised(arch);
         let c = g.op_counts();
@@ -256,8 +264,24 @@ fn fusion_counts() {
         ] {
             assert_eq!(get(gone), 0, "{arch}: {gone} left");
         }
-        // Weights: the packed ones replace wq/wk/wv and w1/w3.
+        // Weights: the packed ones replace wq/wk/wv and w1/w3; wo, w2 and
+        // the output head are packed alone; the norm vectors stay.
         assert_eq!(get("Weight"), count_kind(&before, "Weight") - 3 * n);
+        assert_eq!(g.packed().count(), 4 * n + 1, "{arch}");
+        for id in g.node_ids() {
+            if let Op::Weight { tensor } = &g.node(id).op {
+                // Matrices not only gathered from (an untied embedding table).
+                let matrix = g.node(id).meta.shape.rank() == 2
+                    && g.users(id)
+                        .iter()
+                        .any(|&u| !matches!(g.node(u).op, Op::Embedding));
+                assert_eq!(
+                    g.packed_weight(tensor).is_some(),
+                    matrix,
+                    "{arch}: {tensor}"
+                );
+            }
+        }
         let (b, a) = (before.nodes_per_layer(), g.nodes_per_layer());
         assert!(
             a[0] * 2 <= b[0],

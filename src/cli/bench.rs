@@ -13,6 +13,7 @@
 
 use super::model::ModelArg;
 use clap::{Args, ValueEnum};
+use llama_graph::passes::PassList;
 use llama_graph::session::{Session, SessionOptions};
 use serde::Serialize;
 use std::time::Instant;
@@ -67,6 +68,10 @@ pub struct BenchArgs {
     /// (activations quantized to 8 bits, as llama.cpp does).
     #[arg(long = "exact")]
     pub exact: bool,
+    /// Optimisation passes: `all`, `none` or a comma-separated list of pass
+    /// names (see `llama-graph graph --help`), as for `run`.
+    #[arg(long = "passes", value_name = "LIST", default_value = "all", value_parser = super::flags::parse_passes)]
+    pub passes: String,
     /// Seed of the synthetic token ids.
     #[arg(long = "seed", default_value_t = 1234)]
     pub seed: u64,
@@ -197,6 +202,7 @@ pub fn run(a: BenchArgs) -> super::CliResult {
             batch: a.batch,
             threads,
             exact: a.exact,
+            passes: PassList::parse(&a.passes)?,
             ..SessionOptions::default()
         };
         let mut session = Session::new(&model, &opts)?;

@@ -11,6 +11,7 @@
 //! (no passes) remains a complete reference path.
 
 mod fuse;
+mod pack;
 
 use crate::ir::{Graph, GraphError};
 use serde::Serialize;
@@ -21,6 +22,7 @@ pub use fuse::{
     dead_code, fold_norm_weight, fold_rope_table, fuse_attention, fuse_gate_up, fuse_qkv,
     fuse_residual, fuse_rope_cache, last_logits,
 };
+pub use pack::{pack_weights, PACKED_SUFFIX};
 
 /// What one pass did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -80,6 +82,11 @@ pub const PASSES: &[Pass] = &[
         name: "last_logits",
         summary: "final norm and output head on the last position only",
         run: last_logits,
+    },
+    Pass {
+        name: "pack_weights",
+        summary: "every linear layer's weight matrix -> a packed copy in the session's huge-page weight arena",
+        run: pack_weights,
     },
     Pass {
         name: "dead_code",

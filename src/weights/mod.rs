@@ -23,18 +23,28 @@ pub enum TensorBytes {
     /// Bytes the loader had to materialise (merged shards, copies of
     /// non-contiguous tensors, packed weights prepared at load).
     Owned(Arc<Vec<u8>>),
+    /// A byte range of an anonymous mapping the runtime filled itself: the
+    /// session's weight arena (packed weights, huge-page backed where the
+    /// kernel allows). Never released: these bytes exist nowhere else.
+    Arena {
+        map: Arc<Mmap>,
+        offset: usize,
+        len: usize,
+    },
 }
 
 impl TensorBytes {
     pub fn as_bytes(&self) -> &[u8] {
         match self {
-            TensorBytes::Mapped { map, offset, len } => &map[*offset..*offset + *len],
+            TensorBytes::Mapped { map, offset, len } | TensorBytes::Arena { map, offset, len } => {
+                &map[*offset..*offset + *len]
+            }
             TensorBytes::Owned(v) => v,
         }
     }
     pub fn len(&self) -> usize {
         match self {
-            TensorBytes::Mapped { len, .. } => *len,
+            TensorBytes::Mapped { len, .. } | TensorBytes::Arena { len, .. } => *len,
             TensorBytes::Owned(v) => v.len(),
         }
     }
@@ -45,15 +55,22 @@ impl TensorBytes {
     /// Tells the OS that these bytes will not be needed soon (for weights
     /// that were copied, e.g. into a packed weight): their pages leave the
     /// resident set. A later read still sees the same bytes, re-read from
-    /// the file. Owned bytes are left alone.
+    /// the file. Owned and arena bytes are left alone.
     pub fn release_pages(&self) {
+        self.release_range(0, self.len());
+    }
+
+    /// [`Self::release_pages`] for the bytes `start..end` of this tensor
+    /// (clamped to its length): only the pages that lie wholly inside the
+    /// range are released, so neighbouring bytes keep theirs.
+    pub fn release_range(&self, start: usize, end: usize) {
         #[cfg(unix)]
         if let TensorBytes::Mapped { map, offset, len } = self {
-            // Only whole pages inside the range, so neighbours keep theirs.
             const PAGE: usize = 4096;
-            let start = offset.div_ceil(PAGE) * PAGE;
-            let end = (offset + len) / PAGE * PAGE;
-            if end > start {
+            let (start, end) = (start.min(*len), end.min(*len));
+            let first = (offset + start).div_ceil(PAGE) * PAGE;
+            let last = (offset + end) / PAGE * PAGE;
+            if last > first {
                 // SAFETY: the map is a read-only shared file mapping. For
                 // such a mapping MADV_DONTNEED only drops clean page-cache
                 // pages from this process; any later access faults the same
@@ -62,12 +79,14 @@ impl TensorBytes {
                 let _ = unsafe {
                     map.unchecked_advise_range(
                         memmap2::UncheckedAdvice::DontNeed,
-                        start,
-                        end - start,
+                        first,
+                        last - first,
                     )
                 };
             }
         }
+        #[cfg(not(unix))]
+        let _ = (start, end);
     }
 }
 
@@ -76,6 +95,7 @@ impl std::fmt::Debug for TensorBytes {
         match self {
             TensorBytes::Mapped { offset, len, .. } => write!(f, "Mapped({offset}+{len})"),
             TensorBytes::Owned(v) => write!(f, "Owned({})", v.len()),
+            TensorBytes::Arena { offset, len, .. } => write!(f, "Arena({offset}+{len})"),
         }
     }
 }
