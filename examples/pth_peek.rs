@@ -41,6 +41,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let at = match &t.data {
             TensorBytes::Mapped { offset, .. } => format!("mapped@{offset}"),
             TensorBytes::Owned(_) => "owned".into(),
+            TensorBytes::Arena { offset, .. } => format!("arena@{offset}"),
         };
         println!("{n}: {} {:?} {at} {vals:?}", t.dtype, t.shape);
     }
