@@ -477,6 +477,17 @@ fn cli_stats_json_and_dot_after_a_pass() {
     ]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("fuse_everything"));
+
+    // `--help` names every pass (its list is written out by hand).
+    let out = graph_cli(&["--help"]);
+    let help = String::from_utf8_lossy(&out.stdout).replace(char::is_whitespace, "");
+    for p in PASSES {
+        assert!(
+            help.contains(p.name),
+            "graph --help does not name {}",
+            p.name
+        );
+    }
 }
 
 #[test]
