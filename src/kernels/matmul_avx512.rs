@@ -29,6 +29,9 @@ pub(crate) const TT: usize = 6;
 /// Weight-row tile (accumulator rows).
 pub(crate) const RT: usize = 4;
 
+/// Receives each tile's sums: `(first token, first column, columns, sums)`.
+pub(crate) type Emit<'a> = dyn FnMut(usize, usize, usize, &[[f32; RT]]) + 'a;
+
 /// Whether this CPU has AVX-512F/BW/VL with FMA and F16C.
 pub(crate) fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -69,7 +72,7 @@ pub(crate) fn columns(
     layout: RowLayout,
     c0: usize,
     c1: usize,
-    emit: &mut dyn FnMut(usize, usize, usize, &[[f32; RT]]),
+    emit: &mut Emit<'_>,
 ) {
     let es = match w.dtype {
         DType::F32 => 4,
@@ -104,7 +107,7 @@ pub(crate) fn columns(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{RowLayout, RT, TOKEN_GROUP, TT};
+    use super::{Emit, RowLayout, RT, TOKEN_GROUP, TT};
     use std::arch::x86_64::*;
 
     pub(super) const F32: u8 = 0;
@@ -220,6 +223,7 @@ mod x86 {
     /// Token tiles of 6 (then the remainder) for one weight-row tile.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
     unsafe fn token_tiles<const DT: u8, const R: usize>(
         x: *const f32,
         k: usize,
@@ -228,7 +232,7 @@ mod x86 {
         w: &[*const u8; RT],
         c: usize,
         nc: usize,
-        emit: &mut dyn FnMut(usize, usize, usize, &[[f32; RT]]),
+        emit: &mut Emit<'_>,
     ) {
         let mut out = [[0f32; RT]; TT];
         let mut t = t0;
@@ -262,7 +266,7 @@ mod x86 {
         layout: RowLayout,
         c0: usize,
         c1: usize,
-        emit: &mut dyn FnMut(usize, usize, usize, &[[f32; RT]]),
+        emit: &mut Emit<'_>,
     ) {
         let rb = k * elem_size(DT);
         let null = std::ptr::null::<u8>();
