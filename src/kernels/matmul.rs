@@ -465,6 +465,9 @@ mod tests {
         }
         let pool1 = ThreadPool::new(1);
         check(&pool1, 49, 40, 26, 300);
+        // K above the AVX-512 path's widening buffer (F16/BF16 converted in
+        // registers instead).
+        check(&pool, 7, 4100, 10, 301);
     }
 
     #[test]

@@ -256,6 +256,60 @@ mod x86 {
         }
     }
 
+    /// Converts `k` weights at `src` to f32 at `dst`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    unsafe fn widen<const DT: u8>(src: *const u8, k: usize, dst: *mut f32) {
+        let es = elem_size(DT);
+        // SAFETY: caller guarantees k elements at src and k floats at dst.
+        unsafe {
+            let mut e = 0;
+            while e + 16 <= k {
+                _mm512_storeu_ps(dst.add(e), load::<DT>(src.add(e * es)));
+                e += 16;
+            }
+            if e < k {
+                let m: __mmask16 = ((1u32 << (k - e)) - 1) as u16;
+                _mm512_mask_storeu_ps(dst.add(e), m, load_mask::<DT>(src.add(e * es), m));
+            }
+        }
+    }
+
+    /// One weight-row tile (`R` rows at `p`) over tokens `t0..t1`, rows
+    /// widened to f32 first (into `wbuf`) unless they are F32 already.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn row_tile<const DT: u8, const R: usize>(
+        x: *const f32,
+        k: usize,
+        t0: usize,
+        t1: usize,
+        p: &[*const u8; RT],
+        c: usize,
+        nc: usize,
+        wbuf: &mut [f32],
+        emit: &mut Emit<'_>,
+    ) {
+        // SAFETY: forwards the caller's bounds; wbuf holds RT rows of k.
+        unsafe {
+            if DT == F32 || k > WIDEN_MAX_K {
+                return token_tiles::<DT, R>(x, k, t0, t1, p, c, nc, emit);
+            }
+            let mut q = [std::ptr::null::<u8>(); RT];
+            for i in 0..R {
+                let dst = wbuf.as_mut_ptr().add(i * k);
+                widen::<DT>(p[i], k, dst);
+                q[i] = dst.cast::<u8>().cast_const();
+            }
+            token_tiles::<F32, R>(x, k, t0, t1, &q, c, nc, emit)
+        }
+    }
+
+    /// Largest K whose F16/BF16 row tiles are widened into a stack buffer
+    /// (beyond it they are converted in registers, once per token tile).
+    const WIDEN_MAX_K: usize = 4096;
+
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn columns<const DT: u8>(
@@ -270,6 +324,8 @@ mod x86 {
     ) {
         let rb = k * elem_size(DT);
         let null = std::ptr::null::<u8>();
+        let mut wbuf_mem = [0f32; RT * WIDEN_MAX_K];
+        let wbuf = &mut wbuf_mem[..];
         // SAFETY: the caller checked that rows below the layout's last row
         // and tokens below s are in bounds; only those are addressed.
         unsafe {
@@ -287,21 +343,21 @@ mod x86 {
                                 *q = row(c + i);
                             }
                             match nc {
-                                4 => token_tiles::<DT, 4>(x, k, t0, t1, &p, c, nc, emit),
-                                3 => token_tiles::<DT, 3>(x, k, t0, t1, &p, c, nc, emit),
-                                2 => token_tiles::<DT, 2>(x, k, t0, t1, &p, c, nc, emit),
-                                _ => token_tiles::<DT, 1>(x, k, t0, t1, &p, c, nc, emit),
+                                4 => row_tile::<DT, 4>(x, k, t0, t1, &p, c, nc, wbuf, emit),
+                                3 => row_tile::<DT, 3>(x, k, t0, t1, &p, c, nc, wbuf, emit),
+                                2 => row_tile::<DT, 2>(x, k, t0, t1, &p, c, nc, wbuf, emit),
+                                _ => row_tile::<DT, 1>(x, k, t0, t1, &p, c, nc, wbuf, emit),
                             }
                             c += nc;
                         }
                         RowLayout::GateUp { up } => {
                             if c + 2 <= c1 {
                                 let p = [row(c), row(c + 1), row(up + c), row(up + c + 1)];
-                                token_tiles::<DT, 4>(x, k, t0, t1, &p, c, 2, emit);
+                                row_tile::<DT, 4>(x, k, t0, t1, &p, c, 2, wbuf, emit);
                                 c += 2;
                             } else {
                                 let p = [row(c), row(up + c), null, null];
-                                token_tiles::<DT, 2>(x, k, t0, t1, &p, c, 1, emit);
+                                row_tile::<DT, 2>(x, k, t0, t1, &p, c, 1, wbuf, emit);
                                 c += 1;
                             }
                         }
