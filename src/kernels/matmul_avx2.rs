@@ -328,7 +328,8 @@ mod x86 {
                                     } else {
                                         (wbuf.as_ptr(), KB)
                                     };
-                                    for i in 0..if ES == 4 { 0 } else { rt } {
+                                    let widen_rows = if ES == 4 { 0 } else { rt };
+                                    for i in 0..widen_rows {
                                         let src = w.add((r + i) * wrb + k0 * ES);
                                         let dst = wbuf.as_mut_ptr().add(i * KB);
                                         let mut e = 0;
