@@ -288,17 +288,18 @@ mod x86 {
         p: &[*const u8; RT],
         c: usize,
         nc: usize,
-        wbuf: &mut [f32],
+        wbuf: *mut f32,
         emit: &mut Emit<'_>,
     ) {
-        // SAFETY: forwards the caller's bounds; wbuf holds RT rows of k.
+        // SAFETY: forwards the caller's bounds; wbuf has room for RT rows
+        // of WIDEN_MAX_K floats, and each row is written before it is read.
         unsafe {
             if DT == F32 || k > WIDEN_MAX_K {
                 return token_tiles::<DT, R>(x, k, t0, t1, p, c, nc, emit);
             }
             let mut q = [std::ptr::null::<u8>(); RT];
             for i in 0..R {
-                let dst = wbuf.as_mut_ptr().add(i * k);
+                let dst = wbuf.add(i * k);
                 widen::<DT>(p[i], k, dst);
                 q[i] = dst.cast::<u8>().cast_const();
             }
@@ -324,8 +325,10 @@ mod x86 {
     ) {
         let rb = k * elem_size(DT);
         let null = std::ptr::null::<u8>();
-        let mut wbuf_mem = [0f32; RT * WIDEN_MAX_K];
-        let wbuf = &mut wbuf_mem[..];
+        // Written by `widen` before every read; left uninitialised so F32
+        // calls (which never use it) pay nothing for it.
+        let mut wbuf_mem = std::mem::MaybeUninit::<[f32; RT * WIDEN_MAX_K]>::uninit();
+        let wbuf = wbuf_mem.as_mut_ptr().cast::<f32>();
         // SAFETY: the caller checked that rows below the layout's last row
         // and tokens below s are in bounds; only those are addressed.
         unsafe {
