@@ -178,7 +178,7 @@ pub fn matmul_with(
 const AVX512_CHUNK_BYTES: usize = 256 << 10;
 
 /// The AVX-512 path: contiguous ranges of output columns, sized so their
-/// weight rows fit in L2 and there are about four per thread.
+/// weight rows fit in L2 and there are about eight per thread.
 #[allow(clippy::too_many_arguments)]
 fn run_avx512(
     pool: &ThreadPool,
@@ -196,7 +196,9 @@ fn run_avx512(
         _ => (RowLayout::Plain, 1),
     };
     let by_cache = (AVX512_CHUNK_BYTES / (k * es * rows_per_col)).max(4) / 4 * 4;
-    let by_balance = n_out.div_ceil(pool.n_threads() * 4).div_ceil(4) * 4;
+    // About eight chunks per thread: with nothing packed per chunk, small
+    // chunks cost little and absorb a thread being descheduled.
+    let by_balance = n_out.div_ceil(pool.n_threads() * 8).div_ceil(4) * 4;
     let cols = by_balance.min(by_cache).max(4);
     let n_chunks = n_out.div_ceil(cols);
     let yp = SyncPtr::new(y);
@@ -451,7 +453,7 @@ mod tests {
 
     #[test]
     fn simd_levels_odd_shapes() {
-        // Token counts around the 6-token tile and 48-token group, column
+        // Token counts around the 6-token tile and the token groups, column
         // counts that are not multiples of the 4-row tile, K with and
         // without a 16-element tail; every epilogue and SIMD level (the
         // level is taken explicitly, so AVX2 is tested on AVX-512 CPUs).
@@ -468,6 +470,9 @@ mod tests {
         // K above the AVX-512 path's widening buffer (F16/BF16 converted in
         // registers instead).
         check(&pool, 7, 4100, 10, 301);
+        // More tokens than one group (144 at k = 576, 60 at k = 1536).
+        check(&pool, 150, 576, 10, 302);
+        check(&pool, 61, 1536, 6, 303);
     }
 
     #[test]

@@ -21,9 +21,16 @@
 use super::WeightRef;
 use crate::ir::DType;
 
-/// Tokens per group: one weight-row tile is reused from L1 by this many
-/// tokens before the next tile is loaded.
-pub(crate) const TOKEN_GROUP: usize = 48;
+/// Bytes of x one token group may span (it is re-read from L2 for every
+/// weight-row tile of the chunk).
+const TOKEN_GROUP_BYTES: usize = 384 << 10;
+
+/// Tokens per group: one weight-row tile (widened once, for F16/BF16) is
+/// reused from L1 by this many tokens before the next tile is loaded. As
+/// many as fit [`TOKEN_GROUP_BYTES`], 48..=144, a multiple of the tile.
+fn token_group(k: usize) -> usize {
+    (TOKEN_GROUP_BYTES / (k * 4) / TT * TT).clamp(48, 144)
+}
 /// Token tile (accumulator columns).
 pub(crate) const TT: usize = 6;
 /// Weight-row tile (accumulator rows).
@@ -86,6 +93,7 @@ pub(crate) fn columns(
     assert!(
         c0 <= c1 && x.len() >= s * k && last_row * k * es <= w.bytes.len() && k > 0 && available()
     );
+    let tg = token_group(k);
     #[cfg(target_arch = "x86_64")]
     // SAFETY: CPU features checked above; every row the tiles read is below
     // `last_row` (checked against the weight bytes), every token below `s`
@@ -93,21 +101,25 @@ pub(crate) fn columns(
     unsafe {
         let wp = w.bytes.as_ptr();
         match w.dtype {
-            DType::F32 => x86::columns::<{ x86::F32 }>(x.as_ptr(), s, k, wp, layout, c0, c1, emit),
-            DType::F16 => x86::columns::<{ x86::F16 }>(x.as_ptr(), s, k, wp, layout, c0, c1, emit),
-            _ => x86::columns::<{ x86::BF16 }>(x.as_ptr(), s, k, wp, layout, c0, c1, emit),
+            DType::F32 => {
+                x86::columns::<{ x86::F32 }>(x.as_ptr(), s, k, wp, layout, c0, c1, tg, emit)
+            }
+            DType::F16 => {
+                x86::columns::<{ x86::F16 }>(x.as_ptr(), s, k, wp, layout, c0, c1, tg, emit)
+            }
+            _ => x86::columns::<{ x86::BF16 }>(x.as_ptr(), s, k, wp, layout, c0, c1, tg, emit),
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (x, s, k, w, layout, c0, c1, emit, es);
+        let _ = (x, s, k, w, layout, c0, c1, emit, es, tg);
         unreachable!("available() is false on this architecture");
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{Emit, RowLayout, RT, TOKEN_GROUP, TT};
+    use super::{Emit, RowLayout, RT, TT};
     use std::arch::x86_64::*;
 
     pub(super) const F32: u8 = 0;
@@ -321,6 +333,7 @@ mod x86 {
         layout: RowLayout,
         c0: usize,
         c1: usize,
+        token_group: usize,
         emit: &mut Emit<'_>,
     ) {
         let rb = k * elem_size(DT);
@@ -335,7 +348,7 @@ mod x86 {
             let row = |r: usize| w.add(r * rb);
             let mut t0 = 0;
             while t0 < s {
-                let t1 = (t0 + TOKEN_GROUP).min(s);
+                let t1 = (t0 + token_group).min(s);
                 let mut c = c0;
                 while c < c1 {
                     match layout {
