@@ -9,6 +9,13 @@
 //! `matmul_avx2`). With AVX2+FMA+F16C (detected at run time) the tile
 //! kernels are SIMD; otherwise a portable path computes the same sums
 //! (within f32 rounding). Epilogues are applied as each block is stored.
+//!
+//! With several tokens on a CPU with AVX-512F/BW/VL, [`Isa::Auto`] uses
+//! `matmul_avx512` instead: contiguous output-column chunks sized for L2,
+//! 4-row × 6-token register tiles over the full K, nothing packed for F32
+//! weights (F16/BF16 row tiles widened once per token group), epilogues
+//! applied per tile. [`Isa::Avx2`] / [`Isa::Avx512`] pick a level
+//! explicitly (tests and benches run both on AVX-512 machines).
 
 use super::matmul_avx512::{self, RowLayout};
 use super::{check_len, matmul_avx2, matmul_bf16dot, mul_dims, KernelError, WeightRef};
