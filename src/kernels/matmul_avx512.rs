@@ -1,4 +1,4 @@
-//! AVX-512 tile kernels for [`super::matmul`] with several tokens (S > 1).
+//! AVX-512 tile kernels for [`matmul`](super::matmul::matmul) with several tokens (S > 1).
 //!
 //! Dot-product form, nothing packed: a tile is up to 4 weight rows × up to
 //! 6 tokens, 24 zmm accumulators over 16-element K steps (10 loads per 24
