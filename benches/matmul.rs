@@ -215,8 +215,99 @@ fn attention_bench() {
     }
 }
 
+/// The float matmuls of one SmolLM2-135M layer in prefill (q, k, v, o
+/// with residual, gate/up with SwiGLU, down with residual) for S = 128 and
+/// 512 tokens: AVX2 and AVX-512 kernels interleaved on the same data
+/// (rounds alternate between them; medians per kernel), so machine-load
+/// drift hits both alike. `cargo bench --bench matmul -- prefill [f32|f16|bf16] [t1|t2]`.
+fn prefill_ab(args: &[String]) {
+    let want = |tag: &str, group: &[&str]| {
+        let given: Vec<&String> = args
+            .iter()
+            .filter(|a| group.contains(&a.as_str()))
+            .collect();
+        given.is_empty() || given.iter().any(|a| a.as_str() == tag)
+    };
+    let (dim, hidden, kv) = (576usize, 1536usize, 192usize);
+    // (n, k, swiglu/residual)
+    let shapes = [
+        (dim, dim, 0u8),
+        (kv, dim, 0),
+        (kv, dim, 0),
+        (dim, dim, 2),
+        (2 * hidden, dim, 1),
+        (dim, hidden, 2),
+    ];
+    let flop: f64 = shapes.iter().map(|&(n, k, _)| 2.0 * (n * k) as f64).sum();
+    let ws: Vec<Vec<f32>> = shapes
+        .iter()
+        .map(|&(n, k, _)| {
+            (0..n * k)
+                .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3)
+                .collect()
+        })
+        .collect();
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        if !want(dtype.name(), &["f32", "f16", "bf16"]) {
+            continue;
+        }
+        let wb: Vec<Vec<u8>> = ws.iter().map(|w| encode(w, dtype)).collect();
+        for s in [128usize, 512] {
+            let x: Vec<f32> = (0..s * hidden)
+                .map(|i| ((i * 31 % 100) as f32 - 50.0) * 1e-2)
+                .collect();
+            let res = vec![0.5f32; s * dim];
+            let mut y = vec![0f32; s * 2 * hidden];
+            for threads in [1, 2] {
+                if !want(&format!("t{threads}"), &["t1", "t2"]) {
+                    continue;
+                }
+                let pool = ThreadPool::new(threads);
+                let isas = [Isa::Avx2, Isa::Avx512];
+                let mut times = vec![Vec::new(); isas.len()];
+                for round in 0..14 {
+                    for (ii, &isa) in isas.iter().enumerate() {
+                        let t = Instant::now();
+                        for (si, &(n, k, e)) in shapes.iter().enumerate() {
+                            let w = WeightRef::new(dtype, &wb[si]);
+                            let epi = match e {
+                                0 => Epilogue::None,
+                                1 => Epilogue::SwiGlu,
+                                _ => Epilogue::AddResidual(&res),
+                            };
+                            let ny = if e == 1 { n / 2 } else { n };
+                            matmul_with(&pool, isa, &x[..s * k], s, k, w, n, epi, &mut y[..s * ny])
+                                .unwrap();
+                        }
+                        black_box(&y);
+                        if round >= 2 {
+                            times[ii].push(t.elapsed().as_secs_f64());
+                        }
+                    }
+                }
+                let mut line = format!("prefill layer {dtype:>4} S={s:>3} threads={threads}:");
+                for (ii, isa) in isas.iter().enumerate() {
+                    let v = &mut times[ii];
+                    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+                    let med = v[v.len() / 2];
+                    line += &format!(
+                        "  {isa:?} {:7.3} ms {:6.1} GFLOP/s",
+                        med * 1e3,
+                        flop * s as f64 / med / 1e9
+                    );
+                }
+                println!("{line}");
+            }
+        }
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|a| a == "prefill") {
+        prefill_ab(&args);
+        return;
+    }
     let quick = args.iter().any(|a| a == "quick");
     let portable = args.iter().any(|a| a == "portable");
     // Optional filters: dtype name (f32/f16/bf16), "s1"/"s128", "t1"/"t2".

@@ -9,7 +9,15 @@
 //! `matmul_avx2`). With AVX2+FMA+F16C (detected at run time) the tile
 //! kernels are SIMD; otherwise a portable path computes the same sums
 //! (within f32 rounding). Epilogues are applied as each block is stored.
+//!
+//! With several tokens on a CPU with AVX-512F/BW/VL, [`Isa::Auto`] uses
+//! `matmul_avx512` instead: contiguous output-column chunks sized for L2,
+//! 4-row × 6-token register tiles over the full K, nothing packed for F32
+//! weights (F16/BF16 row tiles widened once per token group), epilogues
+//! applied per tile. [`Isa::Avx2`] / [`Isa::Avx512`] pick a level
+//! explicitly (tests and benches run both on AVX-512 machines).
 
+use super::matmul_avx512::{self, RowLayout};
 use super::{check_len, matmul_avx2, matmul_bf16dot, mul_dims, KernelError, WeightRef};
 use crate::ir::DType;
 use crate::pool::{SyncPtr, ThreadPool};
@@ -48,6 +56,12 @@ pub enum Isa {
     Auto,
     /// Portable Rust (no explicit SIMD).
     Portable,
+    /// The AVX2+FMA+F16C kernels even where AVX-512 is available (tests,
+    /// benches); portable if the CPU lacks AVX2.
+    Avx2,
+    /// The AVX-512 kernels for S > 1 (S = 1 uses the AVX2 GEMV); falls back
+    /// like [`Isa::Auto`] on CPUs without AVX-512F/BW/VL.
+    Avx512,
     /// For BF16 weights on CPUs with AVX-512 BF16: round activations to
     /// bf16 and use `VDPBF16PS` (about 2× the arithmetic rate; results differ
     /// by the activation rounding, as in llama.cpp's BF16 path). Other
@@ -60,6 +74,7 @@ pub enum Isa {
 enum Path {
     Portable,
     Avx2,
+    Avx512,
     Bf16Dot,
 }
 
@@ -139,9 +154,16 @@ pub fn matmul_with(
     let path = match isa {
         Isa::Portable => Path::Portable,
         Isa::Bf16Dot if w.dtype == DType::BF16 && matmul_bf16dot::available() => Path::Bf16Dot,
+        Isa::Auto | Isa::Avx512 | Isa::Bf16Dot if s > 1 && matmul_avx512::available() => {
+            Path::Avx512
+        }
         _ if matmul_avx2::available() => Path::Avx2,
         _ => Path::Portable,
     };
+    if path == Path::Avx512 {
+        run_avx512(pool, x, s, k, w, n_out, epilogue, y);
+        return Ok(());
+    }
     let max_rows = match (s, epilogue) {
         (1, _) => MAX_GEMV_CHUNK_ROWS,
         (_, Epilogue::SwiGlu) => MAX_CHUNK_ROWS / 2,
@@ -156,6 +178,66 @@ pub fn matmul_with(
         run_chunk(path, x, s, k, w, n_out, r0, r1, epilogue, yp);
     });
     Ok(())
+}
+
+/// Weight bytes one chunk of the AVX-512 path reads: they stay in L2
+/// while every token passes over them.
+const AVX512_CHUNK_BYTES: usize = 256 << 10;
+
+/// The AVX-512 path: contiguous ranges of output columns, sized so their
+/// weight rows fit in L2 and there are about eight per thread.
+#[allow(clippy::too_many_arguments)]
+fn run_avx512(
+    pool: &ThreadPool,
+    x: &[f32],
+    s: usize,
+    k: usize,
+    w: WeightRef<'_>,
+    n_out: usize,
+    epilogue: Epilogue<'_>,
+    y: &mut [f32],
+) {
+    let es = if w.dtype == DType::F32 { 4 } else { 2 };
+    let (layout, rows_per_col) = match epilogue {
+        Epilogue::SwiGlu => (RowLayout::GateUp { up: n_out }, 2),
+        _ => (RowLayout::Plain, 1),
+    };
+    let by_cache = (AVX512_CHUNK_BYTES / (k * es * rows_per_col)).max(4) / 4 * 4;
+    // About eight chunks per thread: with nothing packed per chunk, small
+    // chunks cost little and absorb a thread being descheduled.
+    let by_balance = n_out.div_ceil(pool.n_threads() * 8).div_ceil(4) * 4;
+    let cols = by_balance.min(by_cache).max(4);
+    let n_chunks = n_out.div_ceil(cols);
+    let yp = SyncPtr::new(y);
+    pool.run(n_chunks, &|ci| {
+        let c0 = ci * cols;
+        let c1 = (c0 + cols).min(n_out);
+        let mut emit = |t: usize, c: usize, nc: usize, sums: &[[f32; matmul_avx512::RT]]| {
+            for (j, v) in sums.iter().enumerate() {
+                let at = (t + j) * n_out + c;
+                // SAFETY: this chunk alone owns columns c0..c1 (c + nc <= c1)
+                // of every row of y (s * n_out elements); y outlives `run`.
+                let yrow = unsafe { yp.slice(at, nc) };
+                match epilogue {
+                    Epilogue::None => yrow.copy_from_slice(&v[..nc]),
+                    Epilogue::Accumulate => {
+                        yrow.iter_mut().zip(v).for_each(|(o, a)| *o += a);
+                    }
+                    Epilogue::AddResidual(r) => {
+                        for ((o, a), b) in yrow.iter_mut().zip(v).zip(&r[at..at + nc]) {
+                            *o = a + b;
+                        }
+                    }
+                    Epilogue::SwiGlu => {
+                        for (i, o) in yrow.iter_mut().enumerate() {
+                            *o = super::elementwise::silu_f32(v[i]) * v[nc + i];
+                        }
+                    }
+                }
+            }
+        };
+        matmul_avx512::columns(x, s, k, w, layout, c0, c1, &mut emit);
+    });
 }
 
 /// Output columns per chunk: at most `max_rows`, and about four chunks per
@@ -234,7 +316,7 @@ fn block(
     out: &mut [f32],
 ) {
     match path {
-        Path::Avx2 => matmul_avx2::block(x, ns, k, w, row0, nr, out),
+        Path::Avx2 | Path::Avx512 => matmul_avx2::block(x, ns, k, w, row0, nr, out),
         Path::Bf16Dot => matmul_bf16dot::block(x, ns, k, w.bytes, row0, nr, out),
         Path::Portable => block_portable(x, ns, k, w, row0, nr, out),
     }
@@ -323,7 +405,7 @@ mod tests {
             let wb = encode(&wf, dtype);
             let w = WeightRef::new(dtype, &wb);
             let want = naive(&x, s, k, &decoded(&wf, dtype), n);
-            for isa in [Isa::Auto, Isa::Portable] {
+            for isa in [Isa::Auto, Isa::Portable, Isa::Avx2, Isa::Avx512] {
                 let what = format!("{dtype} s={s} k={k} n={n} {isa:?}");
                 let mut y = vec![f32::NAN; s * n];
                 matmul_with(pool, isa, &x, s, k, w, n, Epilogue::None, &mut y).unwrap();
@@ -374,6 +456,30 @@ mod tests {
         check(&pool, 5, 576, 1536, 13); // model-sized, S > 1
         let pool1 = ThreadPool::new(1);
         check(&pool1, 5, 96, 44, 8);
+    }
+
+    #[test]
+    fn simd_levels_odd_shapes() {
+        // Token counts around the 6-token tile and the token groups, column
+        // counts that are not multiples of the 4-row tile, K with and
+        // without a 16-element tail; every epilogue and SIMD level (the
+        // level is taken explicitly, so AVX2 is tested on AVX-512 CPUs).
+        let pool = ThreadPool::new(2);
+        let mut seed = 200;
+        for &s in &[1, 2, 3, 7, 64, 65, 130] {
+            for &(k, n) in &[(576, 30), (1536, 14), (37, 22), (100, 9)] {
+                seed += 1;
+                check(&pool, s, k, n, seed);
+            }
+        }
+        let pool1 = ThreadPool::new(1);
+        check(&pool1, 49, 40, 26, 300);
+        // K above the AVX-512 path's widening buffer (F16/BF16 converted in
+        // registers instead).
+        check(&pool, 7, 4100, 10, 301);
+        // More tokens than one group (144 at k = 576, 60 at k = 1536).
+        check(&pool, 150, 576, 10, 302);
+        check(&pool, 61, 1536, 6, 303);
     }
 
     #[test]

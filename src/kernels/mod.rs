@@ -16,6 +16,7 @@ pub mod gemv;
 pub mod kv;
 pub mod matmul;
 mod matmul_avx2;
+mod matmul_avx512;
 mod matmul_bf16dot;
 pub mod norm;
 pub mod qfast;
