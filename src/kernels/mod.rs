@@ -31,7 +31,10 @@ pub use attention_fused::{
     attention_fused, attention_fused_scratch_len, attention_fused_with,
     attention_stream_scratch_len, attention_stream_with, TILED_MIN_S,
 };
-pub use attention_tiled::{attention_tiled, attention_tiled_scratch_len, attention_tiled_with};
+pub use attention_tiled::{
+    attention_tiled, attention_tiled_at, attention_tiled_scratch_len, attention_tiled_with,
+    TiledLevel,
+};
 pub use dispatch::{embedding_any, matmul_any, MatmulMode};
 pub use elementwise::{add, add_inplace, argmax, mul, mul_broadcast_rows, silu, swiglu};
 pub use embedding::embedding_rows;
