@@ -34,6 +34,8 @@ use crate::pool::{SyncPtr, ThreadPool};
 
 /// Keys per block of the tiled kernel.
 pub const BK: usize = 64;
+/// Head dims per partial sum of a score (the partial sums are added).
+const QK_CHUNK: usize = 16;
 /// Target query rows (query tokens × heads of a group) per work item.
 const ROWS: usize = 48;
 
@@ -329,11 +331,16 @@ fn item_portable(
         for k in 0..nk {
             let krow = &kc[(t0 + k) * kv_row + col..][..d];
             let srow = &mut st[k * rp..(k + 1) * rp];
-            srow.fill(0.0);
-            for (e, &kv) in krow.iter().enumerate() {
-                for (s, &qv) in srow.iter_mut().zip(&qt[e * rp..(e + 1) * rp]) {
-                    *s += kv * qv;
+            for (r, sv) in srow.iter_mut().enumerate() {
+                let mut tot = 0f32;
+                for e0 in (0..d).step_by(QK_CHUNK) {
+                    let mut part = 0f32;
+                    for (e, &kv) in krow.iter().enumerate().take(d.min(e0 + QK_CHUNK)).skip(e0) {
+                        part += kv * qt[e * rp + r];
+                    }
+                    tot += part;
                 }
+                *sv = tot;
             }
         }
         if t0 + nk - 1 > it.t_diag {
@@ -392,23 +399,36 @@ mod x86 {
         // SAFETY: the caller guarantees d×rp floats at qt (tile columns
         // 8·NC in bounds), NK key rows of d floats and NK×rp floats at st.
         unsafe {
-            let mut a = [[_mm256_setzero_ps(); NC]; NK];
-            for e in 0..d {
-                let mut qv = [_mm256_setzero_ps(); NC];
-                for (c, v) in qv.iter_mut().enumerate() {
-                    *v = _mm256_loadu_ps(qt.add(e * rp + 8 * c));
-                }
-                for (j, aj) in a.iter_mut().enumerate() {
-                    let kb = _mm256_broadcast_ss(&*k.add(j * kv_row + e));
-                    for (c, ajc) in aj.iter_mut().enumerate() {
-                        *ajc = _mm256_fmadd_ps(kb, qv[c], *ajc);
+            // Chunks of QK_CHUNK dims summed separately (pairwise-ish
+            // rounding, as the 8-lane dot products of the streaming kernel).
+            let mut e0 = 0;
+            while e0 < d {
+                let e1 = (e0 + QK_CHUNK).min(d);
+                let mut a = [[_mm256_setzero_ps(); NC]; NK];
+                for e in e0..e1 {
+                    let mut qv = [_mm256_setzero_ps(); NC];
+                    for (c, v) in qv.iter_mut().enumerate() {
+                        *v = _mm256_loadu_ps(qt.add(e * rp + 8 * c));
+                    }
+                    for (j, aj) in a.iter_mut().enumerate() {
+                        let kb = _mm256_broadcast_ss(&*k.add(j * kv_row + e));
+                        for (c, ajc) in aj.iter_mut().enumerate() {
+                            *ajc = _mm256_fmadd_ps(kb, qv[c], *ajc);
+                        }
                     }
                 }
-            }
-            for (j, aj) in a.iter().enumerate() {
-                for (c, ajc) in aj.iter().enumerate() {
-                    _mm256_storeu_ps(st.add(j * rp + 8 * c), *ajc);
+                for (j, aj) in a.iter().enumerate() {
+                    for (c, ajc) in aj.iter().enumerate() {
+                        let p = st.add(j * rp + 8 * c);
+                        let v = if e0 == 0 {
+                            *ajc
+                        } else {
+                            _mm256_add_ps(_mm256_loadu_ps(p), *ajc)
+                        };
+                        _mm256_storeu_ps(p, v);
+                    }
                 }
+                e0 = e1;
             }
         }
     }
@@ -741,23 +761,36 @@ mod x86_512 {
         // SAFETY: the caller guarantees d×rp floats at qt (tile columns
         // 16·NC in bounds), NK key rows of d floats and NK×rp floats at st.
         unsafe {
-            let mut a = [[_mm512_setzero_ps(); NC]; NK];
-            for e in 0..d {
-                let mut qv = [_mm512_setzero_ps(); NC];
-                for (c, v) in qv.iter_mut().enumerate() {
-                    *v = _mm512_loadu_ps(qt.add(e * rp + 16 * c));
-                }
-                for (j, aj) in a.iter_mut().enumerate() {
-                    let kb = _mm512_set1_ps(*k.add(j * kv_row + e));
-                    for (c, ajc) in aj.iter_mut().enumerate() {
-                        *ajc = _mm512_fmadd_ps(kb, qv[c], *ajc);
+            // Chunks of QK_CHUNK dims summed separately (pairwise-ish
+            // rounding, as the 8-lane dot products of the streaming kernel).
+            let mut e0 = 0;
+            while e0 < d {
+                let e1 = (e0 + QK_CHUNK).min(d);
+                let mut a = [[_mm512_setzero_ps(); NC]; NK];
+                for e in e0..e1 {
+                    let mut qv = [_mm512_setzero_ps(); NC];
+                    for (c, v) in qv.iter_mut().enumerate() {
+                        *v = _mm512_loadu_ps(qt.add(e * rp + 16 * c));
+                    }
+                    for (j, aj) in a.iter_mut().enumerate() {
+                        let kb = _mm512_set1_ps(*k.add(j * kv_row + e));
+                        for (c, ajc) in aj.iter_mut().enumerate() {
+                            *ajc = _mm512_fmadd_ps(kb, qv[c], *ajc);
+                        }
                     }
                 }
-            }
-            for (j, aj) in a.iter().enumerate() {
-                for (c, ajc) in aj.iter().enumerate() {
-                    _mm512_storeu_ps(st.add(j * rp + 16 * c), *ajc);
+                for (j, aj) in a.iter().enumerate() {
+                    for (c, ajc) in aj.iter().enumerate() {
+                        let p = st.add(j * rp + 16 * c);
+                        let v = if e0 == 0 {
+                            *ajc
+                        } else {
+                            _mm512_add_ps(_mm512_loadu_ps(p), *ajc)
+                        };
+                        _mm512_storeu_ps(p, v);
+                    }
                 }
+                e0 = e1;
             }
         }
     }
