@@ -119,6 +119,9 @@ pub struct Executor {
     serial: ThreadPool,
     /// Threshold (multiply-adds) for running fused attention serially.
     serial_attention_work: usize,
+    /// Fused attention with S >= TILED_MIN_S uses the tiled kernel
+    /// (default); false forces the streaming kernel (A/B measurements).
+    tiled_attention: bool,
     context: usize,
     max_chunk: usize,
     output: (Loc, Shape),
@@ -313,6 +316,7 @@ impl Executor {
             pool: ThreadPool::new(threads),
             serial: ThreadPool::new(1),
             serial_attention_work: SERIAL_ATTENTION_WORK,
+            tiled_attention: true,
             context,
             max_chunk,
             output,
@@ -335,6 +339,13 @@ impl Executor {
     /// calling thread (default [`SERIAL_ATTENTION_WORK`]); 0 always uses the pool.
     pub fn set_serial_attention_work(&mut self, work: usize) {
         self.serial_attention_work = work;
+    }
+
+    /// Chooses the prefill attention kernel: the tiled one (`true`, the
+    /// default; used for steps of at least [`kernels::TILED_MIN_S`] tokens)
+    /// or always the streaming one (`false`), for A/B measurements.
+    pub fn set_tiled_attention(&mut self, on: bool) {
+        self.tiled_attention = on;
     }
 
     /// Writes a line per op as it runs (name, op, shapes) to `w`.
@@ -657,15 +668,14 @@ impl Executor {
                 } else {
                     pool
                 };
-                kernels::attention_fused(
-                    pool,
-                    input(0)?,
-                    input(1)?,
-                    input(2)?,
-                    shape,
-                    out_fresh()?,
-                    scratch,
-                )?;
+                let (q, kc, vc) = (input(0)?, input(1)?, input(2)?);
+                if self.tiled_attention {
+                    kernels::attention_fused(pool, q, kc, vc, shape, out_fresh()?, scratch)?;
+                } else {
+                    let isa = kernels::Isa::Auto;
+                    let out = out_fresh()?;
+                    kernels::attention_stream_with(pool, isa, q, kc, vc, shape, out, scratch)?;
+                }
             }
             Op::QkvRopeCache {
                 n_heads,

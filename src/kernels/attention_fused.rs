@@ -11,6 +11,7 @@ use super::attention::AttnShape;
 #[cfg(target_arch = "x86_64")]
 use super::attention_ops::Avx2;
 use super::attention_ops::{AttnOps, Portable};
+use super::attention_tiled::{attention_tiled_scratch_len, attention_tiled_with};
 use super::matmul::{dot8, Isa};
 use super::KernelError;
 use crate::pool::{SyncPtr, ThreadPool};
@@ -25,9 +26,21 @@ fn fused_per_thread(shape: &AttnShape) -> usize {
     rows * (shape.head_dim + K_TILE + 2)
 }
 
-/// Scratch elements [`attention_fused`] needs for a pool of `n_threads`.
-pub fn attention_fused_scratch_len(shape: &AttnShape, n_threads: usize) -> usize {
+/// Scratch elements [`attention_stream_with`] needs for a pool of `n_threads`.
+pub fn attention_stream_scratch_len(shape: &AttnShape, n_threads: usize) -> usize {
     fused_per_thread(shape) * n_threads.max(1)
+}
+
+/// From this many query tokens on, [`attention_fused`] runs the tiled
+/// kernel ([`attention_tiled_with`]); below (decode, tiny chunks) the
+/// streaming kernel, which does not pad rows to 8 SIMD lanes.
+pub const TILED_MIN_S: usize = 4;
+
+/// Scratch elements [`attention_fused`] needs for a pool of `n_threads`
+/// (enough for either kernel it may choose, for any `s` up to `shape.s`).
+pub fn attention_fused_scratch_len(shape: &AttnShape, n_threads: usize) -> usize {
+    attention_stream_scratch_len(shape, n_threads)
+        .max(attention_tiled_scratch_len(shape, n_threads))
 }
 
 /// Fused causal GQA attention with an online softmax; `out` is `[S, H, D]`.
@@ -46,7 +59,8 @@ pub fn attention_fused(
     attention_fused_with(pool, Isa::Auto, q, k_cache, v_cache, shape, out, scratch)
 }
 
-/// [`attention_fused`] with an explicit choice of implementation.
+/// [`attention_fused`] with an explicit choice of implementation: the
+/// tiled kernel for `s >= TILED_MIN_S`, else the streaming one.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_fused_with(
     pool: &ThreadPool,
@@ -58,14 +72,45 @@ pub fn attention_fused_with(
     out: &mut [f32],
     scratch: &mut [f32],
 ) -> Result<(), KernelError> {
-    const OP: &str = "attention_fused";
-    shape.check(OP, q, k_cache, v_cache, out.len())?;
-    let per = fused_per_thread(&shape);
     let need = attention_fused_scratch_len(&shape, pool.n_threads());
     if scratch.len() < need {
         return Err(KernelError::Shape {
-            op: OP,
+            op: "attention_fused",
             what: "scratch elements (attention_fused_scratch_len)",
+            expected: need,
+            actual: scratch.len(),
+        });
+    }
+    if shape.s >= TILED_MIN_S {
+        attention_tiled_with(pool, isa, q, k_cache, v_cache, shape, out, scratch)
+    } else {
+        attention_stream_with(pool, isa, q, k_cache, v_cache, shape, out, scratch)
+    }
+}
+
+/// The streaming kernel: work items of (kv head, 16 queries), each key and
+/// value row loaded once per item, scores of a 64-key tile in scratch,
+/// online softmax per row. `scratch` needs
+/// [`attention_stream_scratch_len`] elements.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_stream_with(
+    pool: &ThreadPool,
+    isa: Isa,
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    shape: AttnShape,
+    out: &mut [f32],
+    scratch: &mut [f32],
+) -> Result<(), KernelError> {
+    const OP: &str = "attention_stream";
+    shape.check(OP, q, k_cache, v_cache, out.len())?;
+    let per = fused_per_thread(&shape);
+    let need = attention_stream_scratch_len(&shape, pool.n_threads());
+    if scratch.len() < need {
+        return Err(KernelError::Shape {
+            op: OP,
+            what: "scratch elements (attention_stream_scratch_len)",
             expected: need,
             actual: scratch.len(),
         });

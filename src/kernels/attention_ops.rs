@@ -73,7 +73,7 @@ impl AttnOps for Avx2 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use std::arch::x86_64::*;
 
     #[inline]
@@ -88,7 +88,7 @@ mod x86 {
     /// polynomial, ~1 ulp); lanes below -87 (incl. -inf) give exactly 0.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn exp_ps(x: __m256) -> __m256 {
+    pub(in crate::kernels) unsafe fn exp_ps(x: __m256) -> __m256 {
         let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.0));
         let x = _mm256_min_ps(
             _mm256_max_ps(x, _mm256_set1_ps(-87.0)),

@@ -9,6 +9,7 @@
 pub mod attention;
 pub mod attention_fused;
 mod attention_ops;
+pub mod attention_tiled;
 pub mod dispatch;
 pub mod elementwise;
 pub mod embedding;
@@ -27,7 +28,14 @@ pub mod rope;
 pub(crate) mod testutil;
 
 pub use attention::{attn_scores, attn_scores_len, attn_values, softmax_rows, AttnShape};
-pub use attention_fused::{attention_fused, attention_fused_scratch_len, attention_fused_with};
+pub use attention_fused::{
+    attention_fused, attention_fused_scratch_len, attention_fused_with,
+    attention_stream_scratch_len, attention_stream_with, TILED_MIN_S,
+};
+pub use attention_tiled::{
+    attention_tiled, attention_tiled_at, attention_tiled_scratch_len, attention_tiled_with,
+    TiledLevel,
+};
 pub use dispatch::{embedding_any, matmul_any, MatmulMode};
 pub use elementwise::{add, add_inplace, argmax, mul, mul_broadcast_rows, silu, swiglu};
 pub use embedding::embedding_rows;
