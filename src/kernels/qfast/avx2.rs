@@ -6,7 +6,7 @@ use crate::ir::DType;
 use std::arch::x86_64::*;
 
 /// Quantizes 16 floats (two vectors) with their own scale; returns
-/// `(i32 quants lo, hi, d, f32 sum of the inputs)`.
+/// `(i32 quants lo, hi, d, d * Σ quants)`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn quant_half(v0: __m256, v1: __m256) -> (__m256i, __m256i, f32, f32) {
@@ -21,7 +21,16 @@ fn quant_half(v0: __m256, v1: __m256) -> (__m256i, __m256i, f32, f32) {
     // cvtps2dq rounds to nearest even under the default MXCSR.
     let i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, id));
     let i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, id));
-    (i0, i1, d, hsum(_mm256_add_ps(v0, v1)))
+    (i0, i1, d, d * hsum_i32(_mm256_add_epi32(i0, i1)) as f32)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum_i32(v: __m256i) -> i32 {
+    let s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+    let s4 = _mm_add_epi32(s4, _mm_shuffle_epi32::<1>(s4));
+    _mm_cvtsi128_si32(s4)
 }
 
 /// # Safety

@@ -13,10 +13,11 @@
 //! `Σ w_i x_i` (with the same dequantized weights) by at most
 //! `Σ_h (d_h / 2) Σ_{i∈h} |w_i|` plus f32 rounding; see [`act_error_bound`].
 //! The integer block products are exact. Q4_1's minimum term `m · Σ x_i`
-//! uses the f32 sum of the unquantized activations (llama.cpp uses the sum of
-//! the quantized ones), so it adds no quantization error. Two scales per
-//! block instead of llama.cpp's one: see benches/compare/NOTES.md, "Accuracy
-//! of the fast path".
+//! uses the sum of the quantized activations, as llama.cpp does: the error
+//! is then `Σ w_i e_i` with the dequantized `w` (centred on 0); with the f32
+//! sum of the unquantized ones it would be `Σ (w_i - m) e_i`, measured
+//! clearly worse. Two scales per block instead of llama.cpp's one: see
+//! benches/compare/NOTES.md, "Accuracy of the fast path".
 //!
 //! Kernels, picked at run time ([`Level::detect`]):
 //! * [`Level::Avx512Vnni`] (AVX-512 F/BW/VL + VNNI), S ≥ [`PACKED_MIN_S`]:
@@ -46,7 +47,7 @@ use crate::pool::{SyncPtr, ThreadPool};
 use half::f16;
 
 /// One quantized block of 32 activations: `x[i] ≈ d[i / 16] * qs[i]`;
-/// `s = Σ x[i]` (f32, unquantized; used by Q4_1's minimum term).
+/// `s = d[0] Σ_{i<16} qs[i] + d[1] Σ_{i≥16} qs[i]` (for Q4_1's minimum term).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 #[repr(C)]
 pub struct Q8Act {
@@ -118,29 +119,26 @@ pub fn scratch_len(s: usize, k: usize) -> Option<usize> {
     s.checked_mul(k / QK)
 }
 
-/// The f32 sum of 16 values in the order of the AVX2 quantizer (lane-wise
-/// halves, then the horizontal tree), so scalar and SIMD agree bit for bit.
-fn half_sum(x: &[f32]) -> f32 {
-    let l: [f32; 8] = std::array::from_fn(|i| x[i] + x[i + 8]);
-    let a: [f32; 4] = std::array::from_fn(|i| l[i] + l[i + 4]);
-    (a[0] + a[2]) + (a[1] + a[3])
-}
-
 /// Scalar reference: quantizes `x` (a multiple of 32 elements) into `out`.
 /// Rounds half to even, as `cvtps2dq` does, so it matches the AVX2 version bit for bit.
 pub fn quantize_act_scalar(x: &[f32], out: &mut [Q8Act]) {
     assert_eq!(x.len(), out.len() * QK, "quantize_act: length mismatch");
     for (xb, o) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        let mut isum = [0i32; 2];
         for (h, xh) in xb.chunks_exact(HALF).enumerate() {
             let amax = xh.iter().fold(0f32, |a, v| a.max(v.abs()));
             let d = amax / 127.0;
             let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let mut sum = 0i32;
             for i in 0..HALF {
-                o.qs[h * HALF + i] = (xh[i] * id).round_ties_even() as i8;
+                let q = (xh[i] * id).round_ties_even() as i32;
+                o.qs[h * HALF + i] = q as i8;
+                sum += q;
             }
             o.d[h] = d;
+            isum[h] = sum;
         }
-        o.s = half_sum(&xb[..HALF]) + half_sum(&xb[HALF..]);
+        o.s = o.d[0] * isum[0] as f32 + o.d[1] * isum[1] as f32;
     }
 }
 
@@ -168,10 +166,8 @@ fn quantize_act_with(level: Level, x: &[f32], out: &mut [Q8Act]) {
 }
 
 /// Upper bound of `|fast - exact|` for one output: `Σ_h d_h/2 · Σ_{i∈h} |w_i|`
-/// over the half blocks `h` of the quantized activation row `acts`, where `w`
-/// is the part of the dequantized weights multiplied by the quantized
-/// activations (all of it for Q8_0/Q4_0; `w - m` for Q4_1, whose minimum
-/// term is exact).
+/// over the half blocks `h` of the quantized activation row `acts` (`w`
+/// dequantized).
 pub fn act_error_bound(w: &[f32], acts: &[Q8Act]) -> f32 {
     w.chunks_exact(QK)
         .zip(acts)
@@ -639,8 +635,14 @@ mod tests {
             assert!((u - v).abs() <= d * 0.5 * (1.0 + 1e-5), "{i}: {u} vs {v}");
         }
         for (blk, xb) in a.iter().zip(x.chunks_exact(32)) {
-            let want: f32 = xb.iter().sum();
-            assert!((blk.s - want).abs() <= 1e-5 * xb.iter().map(|v| v.abs()).sum::<f32>());
+            let _ = xb;
+            let isum = |h: usize| {
+                blk.qs[h * HALF..(h + 1) * HALF]
+                    .iter()
+                    .map(|&q| q as i32)
+                    .sum::<i32>()
+            };
+            assert_eq!(blk.s, blk.d[0] * isum(0) as f32 + blk.d[1] * isum(1) as f32);
             for h in 0..2 {
                 let q = &blk.qs[h * HALF..(h + 1) * HALF];
                 assert!(q.iter().any(|&q| q.unsigned_abs() == 127) || blk.d[h] == 0.0);
@@ -713,15 +715,7 @@ mod tests {
                     for j in 0..n {
                         let wj = &wd[j * k..(j + 1) * k];
                         let on_f: f32 = (0..k).map(|i| x[t * k + i] * wj[i]).sum();
-                        // The part of w multiplied with quantized activations.
-                        let mut wint = wj.to_vec();
-                        if dtype == DType::Q4_1 {
-                            for (b, wb) in wint.chunks_exact_mut(QK).enumerate() {
-                                let m = rd_f16(&row(j)[b * 20..], 2);
-                                wb.iter_mut().for_each(|v| *v -= m);
-                            }
-                        }
-                        let bound = act_error_bound(&wint, at(t));
+                        let bound = act_error_bound(wj, at(t));
                         let scale: f32 = (0..k).map(|i| (x[t * k + i] * wj[i]).abs()).sum();
                         let got = want(t, j);
                         assert!(
