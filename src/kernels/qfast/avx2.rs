@@ -156,7 +156,7 @@ pub(super) unsafe fn dot_rows(
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum(v: __m256) -> f32 {
+pub(super) fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -220,7 +220,7 @@ fn rows_nt<B: Block, const NT: usize, const R: usize>(
 /// (elements 0..16 after `madd(maddubs(..))`) `d[0]`, lanes 4-7 `d[1]`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn act_scales(ab: &Q8Act) -> __m256 {
+pub(super) fn act_scales(ab: &Q8Act) -> __m256 {
     let lo = _mm_set1_ps(ab.d[0]);
     let hi = _mm_set1_ps(ab.d[1]);
     _mm256_set_m128(hi, lo)

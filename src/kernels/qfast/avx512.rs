@@ -14,8 +14,11 @@
 //!   `corr[h]` makes the lane exactly `Σ q_t · w` over the half block. One
 //!   instruction does 16 tokens x 4 elements; the f32 work (convert, scale,
 //!   fmadd) is paid once per half block for 16 tokens, not per token.
+//!
+//! For small S ([`dot_rows`]) the AVX2 kernel's structure with `vpdpbusd`
+//! (256-bit) in place of `maddubs` + `madd`.
 
-use super::avx2::{Block, BQ4_0, BQ4_1, BQ8_0};
+use super::avx2::{act_scales, hsum, Block, BQ4_0, BQ4_1, BQ8_0};
 use super::{Q8Act, HALF, QK};
 use crate::ir::DType;
 use std::arch::x86_64::*;
@@ -211,5 +214,129 @@ fn kern_t<const MIN: bool>(
     for r in 0..R {
         // SAFETY: out[r] is 16 f32; unaligned store.
         unsafe { _mm512_storeu_ps(out[r].as_mut_ptr(), f[r]) };
+    }
+}
+
+/// Same contract as the AVX2 `dot_rows` (1..=4 tokens).
+///
+/// # Safety
+/// The CPU must pass [`available`]; `dtype` is Q8_0/Q4_0/Q4_1.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn dot_rows(
+    dtype: DType,
+    w: &[u8],
+    row_bytes: usize,
+    acts: &[&[Q8Act]],
+    out: &mut [f32],
+) {
+    match dtype {
+        DType::Q8_0 => rows::<BQ8_0>(w, row_bytes, acts, out),
+        DType::Q4_0 => rows::<BQ4_0>(w, row_bytes, acts, out),
+        DType::Q4_1 => rows::<BQ4_1>(w, row_bytes, acts, out),
+        _ => unreachable!("checked by supports()"),
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn rows<B: Block>(w: &[u8], row_bytes: usize, acts: &[&[Q8Act]], out: &mut [f32]) {
+    // Row counts as in the AVX2 kernel (two rows only for short rows).
+    match acts.len() {
+        1 if row_bytes <= 512 => rows_nt::<B, 1, 2>(w, row_bytes, acts, out),
+        1 => rows_nt::<B, 1, 1>(w, row_bytes, acts, out),
+        2 => rows_nt::<B, 2, 2>(w, row_bytes, acts, out),
+        3 => rows_nt::<B, 3, 2>(w, row_bytes, acts, out),
+        4 => rows_nt::<B, 4, 2>(w, row_bytes, acts, out),
+        _ => unreachable!("tiles have 1..=4 tokens"),
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn rows_nt<B: Block, const NT: usize, const RR: usize>(
+    w: &[u8],
+    row_bytes: usize,
+    acts: &[&[Q8Act]],
+    out: &mut [f32],
+) {
+    let nr = w.len() / row_bytes;
+    assert!(w.len() == nr * row_bytes && out.len() == nr * NT && acts.len() == NT);
+    let nb = row_bytes / B::BYTES;
+    assert!(nb * B::BYTES == row_bytes);
+    let mut a: [&[Q8Act]; NT] = [&[]; NT];
+    for t in 0..NT {
+        a[t] = &acts[t][..nb];
+    }
+    let mut r = 0;
+    while r + RR <= nr {
+        small::<B, RR, NT>(
+            &w[r * row_bytes..(r + RR) * row_bytes],
+            nb,
+            &a,
+            &mut out[r * NT..(r + RR) * NT],
+        );
+        r += RR;
+    }
+    while r < nr {
+        small::<B, 1, NT>(
+            &w[r * row_bytes..(r + 1) * row_bytes],
+            nb,
+            &a,
+            &mut out[r * NT..(r + 1) * NT],
+        );
+        r += 1;
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn small<B: Block, const RR: usize, const NT: usize>(
+    w: &[u8],
+    nb: usize,
+    a: &[&[Q8Act]; NT],
+    out: &mut [f32],
+) {
+    let rb = nb * B::BYTES;
+    assert!(w.len() == RR * rb && out.len() == RR * NT);
+    let mut acc = [[_mm256_setzero_ps(); NT]; RR];
+    let mut msum = [[0f32; NT]; RR];
+    for b in 0..nb {
+        let mut q = [_mm256_setzero_si256(); RR];
+        let mut qu = [_mm256_setzero_si256(); RR];
+        let mut dw = [_mm256_setzero_ps(); RR];
+        let mut mw = [0f32; RR];
+        for r in 0..RR {
+            let at = r * rb + b * B::BYTES;
+            // SAFETY: the slice has B::BYTES bytes.
+            let (qq, d, m) = unsafe { B::load(&w[at..at + B::BYTES]) };
+            q[r] = qq;
+            // Signed weights: |w| as the unsigned operand, the sign moved
+            // onto the activations (|-128| = 128 as u8 is still right).
+            qu[r] = if B::SIGNED { _mm256_abs_epi8(qq) } else { qq };
+            dw[r] = _mm256_set1_ps(d);
+            mw[r] = m;
+        }
+        for t in 0..NT {
+            let ab = &a[t][b];
+            // SAFETY: qs has 32 bytes; unaligned load.
+            let av = unsafe { _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i) };
+            let da = act_scales(ab);
+            for r in 0..RR {
+                let sa = if B::SIGNED {
+                    _mm256_sign_epi8(av, q[r])
+                } else {
+                    av
+                };
+                let p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), qu[r], sa);
+                acc[r][t] =
+                    _mm256_fmadd_ps(_mm256_mul_ps(dw[r], da), _mm256_cvtepi32_ps(p), acc[r][t]);
+                if B::HAS_MIN {
+                    msum[r][t] += mw[r] * ab.s;
+                }
+            }
+        }
+    }
+    for r in 0..RR {
+        for t in 0..NT {
+            out[r * NT + t] = hsum(acc[r][t]) + msum[r][t];
+        }
     }
 }

@@ -24,7 +24,8 @@
 //!   16 tokens per 512-bit register, `vpdpbusd` with broadcast weights (see
 //!   `avx512.rs`); work chunks of [`COLS_PER_CHUNK`] rows x
 //!   [`PACKED_TOKENS_PER_CHUNK`] tokens, the weight rows decoded once per chunk.
-//! * [`Level::Avx2`] (and AVX-512 for small S): `maddubs`/`madd`, tiles of
+//! * [`Level::Avx2`] (and AVX-512 for small S, with `vpdpbusd` in place of
+//!   `maddubs`/`madd`): `maddubs`/`madd`, tiles of
 //!   [`COLS_PER_CHUNK`] weight rows × [`TOKENS_PER_CHUNK`] tokens; inside a
 //!   tile every weight block is decoded once and multiplied with up to four
 //!   tokens' activation blocks.
@@ -253,9 +254,14 @@ fn dot_rows(
 ) {
     #[cfg(target_arch = "x86_64")]
     {
-        if level != Level::Scalar {
-            // SAFETY: both SIMD levels imply avx2/fma/f16c (checked by the
-            // caller); the lengths are checked inside.
+        if level == Level::Avx512Vnni {
+            // SAFETY: the caller checked `level.supported()`; the lengths are
+            // checked inside.
+            unsafe { avx512::dot_rows(dtype, w, row_bytes, acts, out) };
+            return;
+        }
+        if level == Level::Avx2 {
+            // SAFETY: as above (avx2/fma/f16c).
             unsafe { avx2::dot_rows(dtype, w, row_bytes, acts, out) };
             return;
         }
