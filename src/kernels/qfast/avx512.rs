@@ -296,47 +296,58 @@ fn small<B: Block, const RR: usize, const NT: usize>(
 ) {
     let rb = nb * B::BYTES;
     assert!(w.len() == RR * rb && out.len() == RR * NT);
-    let mut acc = [[_mm256_setzero_ps(); NT]; RR];
+    // Two accumulator sets (even and odd blocks): one fmadd chain per
+    // (row, token) was latency-bound with one row and one token.
+    let mut acc = [[[_mm256_setzero_ps(); NT]; RR]; 2];
     let mut msum = [[0f32; NT]; RR];
-    for b in 0..nb {
-        let mut q = [_mm256_setzero_si256(); RR];
-        let mut qu = [_mm256_setzero_si256(); RR];
-        let mut dw = [_mm256_setzero_ps(); RR];
-        let mut mw = [0f32; RR];
-        for r in 0..RR {
-            let at = r * rb + b * B::BYTES;
-            // SAFETY: the slice has B::BYTES bytes.
-            let (qq, d, m) = unsafe { B::load(&w[at..at + B::BYTES]) };
-            q[r] = qq;
-            // Signed weights: |w| as the unsigned operand, the sign moved
-            // onto the activations (|-128| = 128 as u8 is still right).
-            qu[r] = if B::SIGNED { _mm256_abs_epi8(qq) } else { qq };
-            dw[r] = _mm256_set1_ps(d);
-            mw[r] = m;
-        }
-        for t in 0..NT {
-            let ab = &a[t][b];
-            // SAFETY: qs has 32 bytes; unaligned load.
-            let av = unsafe { _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i) };
-            let da = act_scales(ab);
+    for b0 in (0..nb).step_by(2) {
+        for u in 0..2 {
+            let b = b0 + u;
+            if b >= nb {
+                break;
+            }
+            let mut q = [_mm256_setzero_si256(); RR];
+            let mut qu = [_mm256_setzero_si256(); RR];
+            let mut dw = [_mm256_setzero_ps(); RR];
+            let mut mw = [0f32; RR];
             for r in 0..RR {
-                let sa = if B::SIGNED {
-                    _mm256_sign_epi8(av, q[r])
-                } else {
-                    av
-                };
-                let p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), qu[r], sa);
-                acc[r][t] =
-                    _mm256_fmadd_ps(_mm256_mul_ps(dw[r], da), _mm256_cvtepi32_ps(p), acc[r][t]);
-                if B::HAS_MIN {
-                    msum[r][t] += mw[r] * ab.s;
+                let at = r * rb + b * B::BYTES;
+                // SAFETY: the slice has B::BYTES bytes.
+                let (qq, d, m) = unsafe { B::load(&w[at..at + B::BYTES]) };
+                q[r] = qq;
+                // Signed weights: |w| as the unsigned operand, the sign moved
+                // onto the activations (|-128| = 128 as u8 is still right).
+                qu[r] = if B::SIGNED { _mm256_abs_epi8(qq) } else { qq };
+                dw[r] = _mm256_set1_ps(d);
+                mw[r] = m;
+            }
+            for t in 0..NT {
+                let ab = &a[t][b];
+                // SAFETY: qs has 32 bytes; unaligned load.
+                let av = unsafe { _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i) };
+                let da = act_scales(ab);
+                for r in 0..RR {
+                    let sa = if B::SIGNED {
+                        _mm256_sign_epi8(av, q[r])
+                    } else {
+                        av
+                    };
+                    let p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), qu[r], sa);
+                    acc[u][r][t] = _mm256_fmadd_ps(
+                        _mm256_mul_ps(dw[r], da),
+                        _mm256_cvtepi32_ps(p),
+                        acc[u][r][t],
+                    );
+                    if B::HAS_MIN {
+                        msum[r][t] += mw[r] * ab.s;
+                    }
                 }
             }
         }
     }
     for r in 0..RR {
         for t in 0..NT {
-            out[r * NT + t] = hsum(acc[r][t]) + msum[r][t];
+            out[r * NT + t] = hsum(_mm256_add_ps(acc[0][r][t], acc[1][r][t])) + msum[r][t];
         }
     }
 }
