@@ -66,7 +66,7 @@ pub const COLS_PER_CHUNK: usize = 16;
 /// Tokens per work chunk (S>1, AVX2/scalar kernels).
 pub const TOKENS_PER_CHUNK: usize = 64;
 /// Tokens per work chunk of the AVX-512 VNNI kernels (a multiple of 16).
-pub const PACKED_TOKENS_PER_CHUNK: usize = 128;
+pub const PACKED_TOKENS_PER_CHUNK: usize = 256;
 /// Smallest S that uses the AVX-512 VNNI kernels (smaller S use the AVX2 ones).
 pub const PACKED_MIN_S: usize = 4;
 
@@ -547,21 +547,32 @@ mod packed {
                                     avx512::kern(&up[r0 * nb..(r0 + R) * nb], nb, pg, min, &mut vu);
                                 }
                             }
+                            if swiglu {
+                                // SAFETY: as above.
+                                unsafe { avx512::swiglu(&mut vg, &vu) };
+                            }
+                            let j = j0 + r0;
                             for i in 0..nt {
                                 let t = g * TG + i;
-                                let j = j0 + r0;
                                 // SAFETY: chunk c alone owns columns j0..j1 of rows t0..t1 of y.
                                 let yr = unsafe { yp.slice(t * n_out + j, nr) };
-                                for (r, o) in yr.iter_mut().enumerate() {
-                                    *o = apply_epilogue(
-                                        epilogue,
-                                        *o,
-                                        vg[r][i],
-                                        vu[r][i],
-                                        t,
-                                        j + r,
-                                        n_out,
-                                    );
+                                match epilogue {
+                                    Epilogue::None | Epilogue::SwiGlu => {
+                                        for (r, o) in yr.iter_mut().enumerate() {
+                                            *o = vg[r][i];
+                                        }
+                                    }
+                                    Epilogue::Accumulate => {
+                                        for (r, o) in yr.iter_mut().enumerate() {
+                                            *o += vg[r][i];
+                                        }
+                                    }
+                                    Epilogue::AddResidual(res) => {
+                                        let rr = &res[t * n_out + j..t * n_out + j + nr];
+                                        for (r, o) in yr.iter_mut().enumerate() {
+                                            *o = vg[r][i] + rr[r];
+                                        }
+                                    }
                                 }
                             }
                         }
