@@ -1,21 +1,27 @@
 //! AVX2 kernels of the fast path: activation quantization and the
 //! `maddubs`/`madd` block products (R weight rows x up to 4 tokens).
 
-use super::{Q8Act, HALF, QK};
+use super::{Q8Act, HALF, QK, SPLIT_SCALES};
 use crate::ir::DType;
 use std::arch::x86_64::*;
 
-/// Quantizes 16 floats (two vectors) with their own scale; returns
-/// `(i32 quants lo, hi, d, d * Σ quants)`.
+/// `max |v|` over 16 floats (two vectors).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn quant_half(v0: __m256, v1: __m256) -> (__m256i, __m256i, f32, f32) {
+fn amax16(v0: __m256, v1: __m256) -> f32 {
     let sign = _mm256_set1_ps(-0.0);
     let m = _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1));
     let m4 = _mm_max_ps(_mm256_extractf128_ps::<1>(m), _mm256_castps256_ps128(m));
     let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     let m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    let amax = _mm_cvtss_f32(m4);
+    _mm_cvtss_f32(m4)
+}
+
+/// Quantizes 16 floats (two vectors) with scale `amax / 127`; returns
+/// `(i32 quants lo, hi, d, d * Σ quants)`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn quant_half(v0: __m256, v1: __m256, amax: f32) -> (__m256i, __m256i, f32, f32) {
     let d = amax / 127.0;
     let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
     // cvtps2dq rounds to nearest even under the default MXCSR.
@@ -48,8 +54,13 @@ pub(super) unsafe fn quantize(x: &[f32], out: &mut [Q8Act]) {
                 _mm256_loadu_ps(xb.as_ptr().add(24)),
             ]
         };
-        let (i0, i1, d0, s0) = quant_half(v[0], v[1]);
-        let (i2, i3, d1, s1) = quant_half(v[2], v[3]);
+        let (mut m0, mut m1) = (amax16(v[0], v[1]), amax16(v[2], v[3]));
+        if !SPLIT_SCALES {
+            m0 = m0.max(m1);
+            m1 = m0;
+        }
+        let (i0, i1, d0, s0) = quant_half(v[0], v[1], m0);
+        let (i2, i3, d1, s1) = quant_half(v[2], v[3], m1);
         let p01 = _mm256_packs_epi32(i0, i1);
         let p23 = _mm256_packs_epi32(i2, i3);
         let p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), perm);

@@ -59,8 +59,13 @@ pub struct Q8Act {
 
 /// Elements per activation block.
 pub const QK: usize = 32;
-/// Elements per activation scale.
+/// Elements per activation scale when [`SPLIT_SCALES`].
 pub const HALF: usize = 16;
+/// One activation scale per 16 elements (`true`) or per 32 (`false`: both
+/// entries of [`Q8Act::d`] hold the block's scale, as llama.cpp's `q8_0`/`q8_1`).
+/// The kernels handle both; only the quantizer differs. See
+/// benches/compare/NOTES.md, "Accuracy of the fast path".
+pub const SPLIT_SCALES: bool = true;
 /// Weight rows per work chunk.
 pub const COLS_PER_CHUNK: usize = 16;
 /// Tokens per work chunk (S>1, AVX2/scalar kernels).
@@ -82,8 +87,27 @@ pub enum Level {
 }
 
 impl Level {
-    /// The best level this CPU supports.
+    /// The best level this CPU supports, or the one named by the
+    /// environment variable `LLAMA_GRAPH_QFAST_LEVEL` (`scalar`, `avx2`,
+    /// `avx512`) when this CPU supports it (read once per process).
     pub fn detect() -> Level {
+        static LEVEL: std::sync::OnceLock<Level> = std::sync::OnceLock::new();
+        *LEVEL.get_or_init(|| {
+            let best = Level::best();
+            let want = match std::env::var("LLAMA_GRAPH_QFAST_LEVEL").as_deref() {
+                Ok("scalar") => Level::Scalar,
+                Ok("avx2") => Level::Avx2,
+                _ => best,
+            };
+            if want == Level::Scalar || (want == Level::Avx2 && best != Level::Scalar) {
+                want
+            } else {
+                best
+            }
+        })
+    }
+
+    fn best() -> Level {
         #[cfg(target_arch = "x86_64")]
         {
             if avx512::available() {
@@ -101,7 +125,7 @@ impl Level {
         match self {
             Level::Scalar => true,
             Level::Avx2 => super::quant::simd_available(),
-            Level::Avx512Vnni => Level::detect() == Level::Avx512Vnni,
+            Level::Avx512Vnni => Level::best() == Level::Avx512Vnni,
         }
     }
 }
@@ -126,8 +150,10 @@ pub fn quantize_act_scalar(x: &[f32], out: &mut [Q8Act]) {
     assert_eq!(x.len(), out.len() * QK, "quantize_act: length mismatch");
     for (xb, o) in x.chunks_exact(QK).zip(out.iter_mut()) {
         let mut isum = [0i32; 2];
+        let amax_of = |v: &[f32]| v.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let whole = amax_of(xb);
         for (h, xh) in xb.chunks_exact(HALF).enumerate() {
-            let amax = xh.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let amax = if SPLIT_SCALES { amax_of(xh) } else { whole };
             let d = amax / 127.0;
             let id = if d != 0.0 { 1.0 / d } else { 0.0 };
             let mut sum = 0i32;
@@ -644,7 +670,7 @@ mod tests {
         }
         assert_eq!(a[1].d, [0.0, 0.0]);
         assert!(a[1].qs.iter().all(|&q| q == 0));
-        assert_eq!(a[3].d[0], 0.0);
+        assert_eq!(a[3].d[0] == 0.0, SPLIT_SCALES);
         assert!(a[3].d[1] > 0.0);
         let xd = deq_act(&a);
         for (i, (&u, &v)) in x.iter().zip(&xd).enumerate() {
@@ -660,9 +686,14 @@ mod tests {
                     .sum::<i32>()
             };
             assert_eq!(blk.s, blk.d[0] * isum(0) as f32 + blk.d[1] * isum(1) as f32);
-            for h in 0..2 {
-                let q = &blk.qs[h * HALF..(h + 1) * HALF];
-                assert!(q.iter().any(|&q| q.unsigned_abs() == 127) || blk.d[h] == 0.0);
+            if SPLIT_SCALES {
+                for h in 0..2 {
+                    let q = &blk.qs[h * HALF..(h + 1) * HALF];
+                    assert!(q.iter().any(|&q| q.unsigned_abs() == 127) || blk.d[h] == 0.0);
+                }
+            } else {
+                assert_eq!(blk.d[0], blk.d[1]);
+                assert!(blk.qs.iter().any(|&q| q.unsigned_abs() == 127) || blk.d[0] == 0.0);
             }
         }
     }
