@@ -90,6 +90,23 @@ fn main() {
                 c_re = c_re.max((e[id] - want).abs());
             }
         }
+        // The reference's top-2 margin at the first step and the same
+        // difference under each mode (a sign flip changes the greedy reply).
+        let top = case["steps"][0]["top"].as_array().expect("top");
+        let (i1, i2) = (
+            top[0][0].as_u64().expect("id") as usize,
+            top[1][0].as_u64().expect("id") as usize,
+        );
+        let (r1, r2) = (
+            top[0][1].as_f64().expect("logit"),
+            top[1][1].as_f64().expect("logit"),
+        );
+        println!(
+            "case {ci}: step 0 margin top1-top2 ({i1} vs {i2}): reference {:.3}, exact {:.3}, fast {:.3}",
+            r1 - r2,
+            exact[0][i1] - exact[0][i2],
+            fast[0][i1] - fast[0][i2]
+        );
         println!(
             "case {ci}: {} steps, top-1 fast==exact {c_agree}, max|fast-exact| {c_fe:.3}, max|ref-fast| {c_rf:.3}, max|ref-exact| {c_re:.3}",
             exact.len()

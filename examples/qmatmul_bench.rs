@@ -2,9 +2,14 @@
 //! (exact vs fast path), in GB/s of weights streamed and GFLOP/s.
 //!
 //! `cargo run --release --example qmatmul_bench -- [threads, default 1] [s, default 1]`
+//!
+//! `DTYPES=q8_0,q4_1` restricts the weight types. For Q8_0/Q4_0/Q4_1 the fast
+//! path is also run with each kernel level the CPU supports (AVX2, AVX-512
+//! VNNI), interleaved in rounds; the figures are medians over the rounds.
 
 use llama_graph::ir::DType;
 use llama_graph::kernels::dispatch::{matmul_any, MatmulMode};
+use llama_graph::kernels::qfast::{self, Level, Q8Act};
 use llama_graph::kernels::quant::quantize_row;
 use llama_graph::kernels::{Epilogue, WeightRef};
 use llama_graph::pool::ThreadPool;
@@ -86,6 +91,54 @@ fn main() {
                     cpu * 1e3,
                     wq.len() as f64 / dt / 1e9,
                     2.0 * (s * n * k) as f64 / dt / 1e9
+                );
+            }
+            if !qfast::supports(dtype) {
+                continue;
+            }
+            // Kernel levels A/B, interleaved: rounds of (each level: reps runs).
+            let levels: Vec<Level> = [Level::Avx2, Level::Avx512Vnni]
+                .into_iter()
+                .filter(|l| l.supported())
+                .collect();
+            let mut scratch = vec![Q8Act::default(); qfast::scratch_len(s, k).unwrap()];
+            let mut times: Vec<Vec<f64>> = vec![vec![]; levels.len()];
+            let reps = if s > 1 { 3 } else { 30 };
+            for _round in 0..7 {
+                for (li, &level) in levels.iter().enumerate() {
+                    let mut run = || {
+                        qfast::qmatmul_fast_with(
+                            level,
+                            &pool,
+                            &x,
+                            s,
+                            k,
+                            w,
+                            n,
+                            Epilogue::None,
+                            &mut y,
+                            &mut scratch,
+                        )
+                        .unwrap()
+                    };
+                    run();
+                    let t = Instant::now();
+                    for _ in 0..reps {
+                        run();
+                    }
+                    times[li].push(t.elapsed().as_secs_f64() / reps as f64);
+                }
+            }
+            for (li, level) in levels.iter().enumerate() {
+                let v = &mut times[li];
+                v.sort_by(f64::total_cmp);
+                let (med, best) = (v[v.len() / 2], v[0]);
+                println!(
+                    "{name:22} {dtype:5} Fast/{level:?}: median {:8.3} ms (best {:8.3})  {:6.2} GB/s  {:6.1} GFLOP/s (median)",
+                    med * 1e3,
+                    best * 1e3,
+                    wq.len() as f64 / med / 1e9,
+                    2.0 * (s * n * k) as f64 / med / 1e9
                 );
             }
         }

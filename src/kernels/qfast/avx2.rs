@@ -1,0 +1,300 @@
+//! AVX2 kernels of the fast path: activation quantization and the
+//! `maddubs`/`madd` block products (R weight rows x up to 4 tokens).
+
+use super::{Q8Act, HALF, QK, SPLIT_SCALES};
+use crate::ir::DType;
+use std::arch::x86_64::*;
+
+/// `max |v|` over 16 floats (two vectors).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn amax16(v0: __m256, v1: __m256) -> f32 {
+    let sign = _mm256_set1_ps(-0.0);
+    let m = _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1));
+    let m4 = _mm_max_ps(_mm256_extractf128_ps::<1>(m), _mm256_castps256_ps128(m));
+    let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    let m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    _mm_cvtss_f32(m4)
+}
+
+/// Quantizes 16 floats (two vectors) with scale `amax / 127`; returns
+/// `(i32 quants lo, hi, d, d * Σ quants)`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn quant_half(v0: __m256, v1: __m256, amax: f32) -> (__m256i, __m256i, f32, f32) {
+    let d = amax / 127.0;
+    let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+    // cvtps2dq rounds to nearest even under the default MXCSR.
+    let i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, id));
+    let i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, id));
+    (i0, i1, d, d * hsum_i32(_mm256_add_epi32(i0, i1)) as f32)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum_i32(v: __m256i) -> i32 {
+    let s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+    let s4 = _mm_add_epi32(s4, _mm_shuffle_epi32::<1>(s4));
+    _mm_cvtsi128_si32(s4)
+}
+
+/// # Safety
+/// The CPU must support avx2/fma/f16c; `x.len() == 32 * out.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn quantize(x: &[f32], out: &mut [Q8Act]) {
+    let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (xb, o) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        // SAFETY: xb has 32 f32; unaligned loads.
+        let v = unsafe {
+            [
+                _mm256_loadu_ps(xb.as_ptr()),
+                _mm256_loadu_ps(xb.as_ptr().add(8)),
+                _mm256_loadu_ps(xb.as_ptr().add(16)),
+                _mm256_loadu_ps(xb.as_ptr().add(24)),
+            ]
+        };
+        let (mut m0, mut m1) = (amax16(v[0], v[1]), amax16(v[2], v[3]));
+        if !SPLIT_SCALES {
+            m0 = m0.max(m1);
+            m1 = m0;
+        }
+        let (i0, i1, d0, s0) = quant_half(v[0], v[1], m0);
+        let (i2, i3, d1, s1) = quant_half(v[2], v[3], m1);
+        let p01 = _mm256_packs_epi32(i0, i1);
+        let p23 = _mm256_packs_epi32(i2, i3);
+        let p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), perm);
+        // SAFETY: qs has 32 bytes; unaligned store.
+        unsafe { _mm256_storeu_si256(o.qs.as_mut_ptr() as *mut __m256i, p) };
+        o.d = [d0, d1];
+        o.s = s0 + s1;
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn f16_at(b: &[u8], at: usize) -> f32 {
+    let bits = u16::from_le_bytes([b[at], b[at + 1]]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+/// A weight block decoded to 32 bytes in element order: signed (Q8_0,
+/// Q4_0) or unsigned 0..15 (Q4_1).
+pub(super) trait Block {
+    const BYTES: usize;
+    const SIGNED: bool;
+    const HAS_MIN: bool;
+    /// (quants, d, m)
+    ///
+    /// # Safety
+    /// The CPU must support avx2/fma/f16c; `b` holds one block.
+    unsafe fn load(b: &[u8]) -> (__m256i, f32, f32);
+}
+
+pub(super) struct BQ8_0;
+pub(super) struct BQ4_0;
+pub(super) struct BQ4_1;
+
+impl Block for BQ8_0 {
+    const BYTES: usize = 34;
+    const SIGNED: bool = true;
+    const HAS_MIN: bool = false;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load(b: &[u8]) -> (__m256i, f32, f32) {
+        let q = &b[2..34];
+        // SAFETY: q has 32 bytes; unaligned load.
+        let v = unsafe { _mm256_loadu_si256(q.as_ptr() as *const __m256i) };
+        (v, f16_at(b, 0), 0.0)
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibbles32(q: &[u8]) -> __m256i {
+    let q = &q[..16];
+    // SAFETY: q has 16 bytes; unaligned load. AVX2 is enabled in every caller.
+    unsafe {
+        let v = _mm_loadu_si128(q.as_ptr() as *const __m128i);
+        let both = _mm256_set_m128i(_mm_srli_epi16::<4>(v), v);
+        _mm256_and_si256(both, _mm256_set1_epi8(15))
+    }
+}
+
+impl Block for BQ4_0 {
+    const BYTES: usize = 18;
+    const SIGNED: bool = true;
+    const HAS_MIN: bool = false;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load(b: &[u8]) -> (__m256i, f32, f32) {
+        // SAFETY: as nibbles32.
+        let v = unsafe { _mm256_sub_epi8(nibbles32(&b[2..18]), _mm256_set1_epi8(8)) };
+        (v, f16_at(b, 0), 0.0)
+    }
+}
+
+impl Block for BQ4_1 {
+    const BYTES: usize = 20;
+    const SIGNED: bool = false;
+    const HAS_MIN: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load(b: &[u8]) -> (__m256i, f32, f32) {
+        // SAFETY: as nibbles32.
+        let v = unsafe { nibbles32(&b[4..20]) };
+        (v, f16_at(b, 0), f16_at(b, 2))
+    }
+}
+
+/// # Safety
+/// The CPU must support avx2/fma/f16c; `dtype` must be Q8_0/Q4_0/Q4_1.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dot_rows(
+    dtype: DType,
+    w: &[u8],
+    row_bytes: usize,
+    acts: &[&[Q8Act]],
+    out: &mut [f32],
+) {
+    match dtype {
+        DType::Q8_0 => rows::<BQ8_0>(w, row_bytes, acts, out),
+        DType::Q4_0 => rows::<BQ4_0>(w, row_bytes, acts, out),
+        DType::Q4_1 => rows::<BQ4_1>(w, row_bytes, acts, out),
+        _ => unreachable!("checked by supports()"),
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn rows<B: Block>(w: &[u8], row_bytes: usize, acts: &[&[Q8Act]], out: &mut [f32]) {
+    // R rows x NT tokens of independent accumulators per kernel call:
+    // enough chains to hide the fmadd latency, few enough for 16 registers.
+    match acts.len() {
+        // Two interleaved rows help short rows (k=576 Q4: 360 bytes) but
+        // stall on loads for long ones (Q8_0 rows, k=1536): measured on
+        // the benchmark machine (AMD EPYC), 1.4 vs 1.9 ms and 3.2 vs 1.4 ms.
+        1 if row_bytes <= 512 => rows_nt::<B, 1, 2>(w, row_bytes, acts, out),
+        1 => rows_nt::<B, 1, 1>(w, row_bytes, acts, out),
+        2 => rows_nt::<B, 2, 2>(w, row_bytes, acts, out),
+        3 => rows_nt::<B, 3, 2>(w, row_bytes, acts, out),
+        4 => rows_nt::<B, 4, 2>(w, row_bytes, acts, out),
+        _ => unreachable!("tiles have 1..=4 tokens"),
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn rows_nt<B: Block, const NT: usize, const R: usize>(
+    w: &[u8],
+    row_bytes: usize,
+    acts: &[&[Q8Act]],
+    out: &mut [f32],
+) {
+    let nr = w.len() / row_bytes;
+    assert!(w.len() == nr * row_bytes && out.len() == nr * NT && acts.len() == NT);
+    let nb = row_bytes / B::BYTES;
+    assert!(nb * B::BYTES == row_bytes);
+    let mut a: [&[Q8Act]; NT] = [&[]; NT];
+    for t in 0..NT {
+        a[t] = &acts[t][..nb];
+    }
+    let mut r = 0;
+    while r + R <= nr {
+        kern::<B, R, NT>(
+            &w[r * row_bytes..(r + R) * row_bytes],
+            nb,
+            &a,
+            &mut out[r * NT..(r + R) * NT],
+        );
+        r += R;
+    }
+    while r < nr {
+        kern::<B, 1, NT>(
+            &w[r * row_bytes..(r + 1) * row_bytes],
+            nb,
+            &a,
+            &mut out[r * NT..(r + 1) * NT],
+        );
+        r += 1;
+    }
+}
+
+/// The activation block's two half-block scales as a vector: lanes 0-3
+/// (elements 0..16 after `madd(maddubs(..))`) `d[0]`, lanes 4-7 `d[1]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn act_scales(ab: &Q8Act) -> __m256 {
+    let lo = _mm_set1_ps(ab.d[0]);
+    let hi = _mm_set1_ps(ab.d[1]);
+    _mm256_set_m128(hi, lo)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn kern<B: Block, const R: usize, const NT: usize>(
+    w: &[u8],
+    nb: usize,
+    a: &[&[Q8Act]; NT],
+    out: &mut [f32],
+) {
+    const _: () = assert!(HALF * 2 == QK);
+    let rb = nb * B::BYTES;
+    assert!(w.len() == R * rb && out.len() == R * NT);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [[_mm256_setzero_ps(); NT]; R];
+    let mut msum = [[0f32; NT]; R];
+    for b in 0..nb {
+        // Plain loops, not `array::from_fn`: its closure is not inlined
+        // into this target-feature function (it showed up as its own
+        // symbol in the profile, called per block and row).
+        let mut q = [_mm256_setzero_si256(); R];
+        let mut qu = [_mm256_setzero_si256(); R];
+        let mut dw = [_mm256_setzero_ps(); R];
+        let mut mw = [0f32; R];
+        for r in 0..R {
+            let at = r * rb + b * B::BYTES;
+            // SAFETY: the slice has B::BYTES bytes.
+            let (qq, d, m) = unsafe { B::load(&w[at..at + B::BYTES]) };
+            q[r] = qq;
+            qu[r] = if B::SIGNED {
+                _mm256_sign_epi8(qq, qq)
+            } else {
+                qq
+            };
+            dw[r] = _mm256_set1_ps(d);
+            mw[r] = m;
+        }
+        for t in 0..NT {
+            let ab = &a[t][b];
+            // SAFETY: qs has 32 bytes; unaligned load.
+            let av = unsafe { _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i) };
+            let da = act_scales(ab);
+            for r in 0..R {
+                let sa = if B::SIGNED {
+                    _mm256_sign_epi8(av, q[r])
+                } else {
+                    av
+                };
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(qu[r], sa), ones);
+                acc[r][t] =
+                    _mm256_fmadd_ps(_mm256_mul_ps(dw[r], da), _mm256_cvtepi32_ps(p), acc[r][t]);
+                if B::HAS_MIN {
+                    msum[r][t] += mw[r] * ab.s;
+                }
+            }
+        }
+    }
+    for r in 0..R {
+        for t in 0..NT {
+            out[r * NT + t] = hsum(acc[r][t]) + msum[r][t];
+        }
+    }
+}

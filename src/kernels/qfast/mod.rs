@@ -1,0 +1,964 @@
+//! The fast path for linear layers over block-quantized weights, as llama.cpp
+//! does it: each activation row is quantized once per matmul into 8-bit
+//! blocks ([`Q8Act`], 32 elements, one f32 scale per 16-element half), then
+//! every weight block is multiplied with an activation block in integers and
+//! scaled once per half block.
+//!
+//! Supported weight types: Q8_0, Q4_0, Q4_1 ([`supports`]). Other dtypes go
+//! through the exact path ([`super::qmatmul`]).
+//!
+//! Accuracy: the only approximation is the activation quantization. With
+//! `d_h = max|x_h| / 127` per 16-element half block `h`, each activation moves
+//! by at most `d_h/2`, so one output differs from the exact product
+//! `Σ w_i x_i` (with the same dequantized weights) by at most
+//! `Σ_h (d_h / 2) Σ_{i∈h} |w_i|` plus f32 rounding; see [`act_error_bound`].
+//! The integer block products are exact. Q4_1's minimum term `m · Σ x_i`
+//! uses the sum of the quantized activations, as llama.cpp does: the error
+//! is then `Σ w_i e_i` with the dequantized `w` (centred on 0); with the f32
+//! sum of the unquantized ones it would be `Σ (w_i - m) e_i`, measured
+//! clearly worse. Two scales per block instead of llama.cpp's one: see
+//! benches/compare/NOTES.md, "Accuracy of the fast path".
+//!
+//! Kernels, picked at run time ([`Level::detect`]):
+//! * [`Level::Avx512Vnni`] (AVX-512 F/BW/VL + VNNI), S ≥ [`PACKED_MIN_S`]:
+//!   16 tokens per 512-bit register, `vpdpbusd` with broadcast weights (see
+//!   `avx512.rs`); work chunks of [`COLS_PER_CHUNK`] rows x
+//!   [`PACKED_TOKENS_PER_CHUNK`] tokens, the weight rows decoded once per chunk.
+//! * [`Level::Avx2`] (and AVX-512 for small S, with `vpdpbusd` in place of
+//!   `maddubs`/`madd`): `maddubs`/`madd`, tiles of
+//!   [`COLS_PER_CHUNK`] weight rows × [`TOKENS_PER_CHUNK`] tokens; inside a
+//!   tile every weight block is decoded once and multiplied with up to four
+//!   tokens' activation blocks.
+//! * [`Level::Scalar`]: the reference. The SIMD kernels agree with it exactly
+//!   on the quantized activations and the integer block products, and up to
+//!   f32 summation order on the outputs.
+
+// Block kernels index several arrays with one loop counter, as in ggml's reference code.
+#![allow(clippy::needless_range_loop)]
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
+use super::matmul::Epilogue;
+use super::{check_linear, KernelError, WeightRef};
+use crate::ir::DType;
+use crate::pool::{SyncPtr, ThreadPool};
+use half::f16;
+
+/// One quantized block of 32 activations: `x[i] ≈ d[i / 16] * qs[i]`;
+/// `s = d[0] Σ_{i<16} qs[i] + d[1] Σ_{i≥16} qs[i]` (for Q4_1's minimum term).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[repr(C)]
+pub struct Q8Act {
+    pub d: [f32; 2],
+    pub s: f32,
+    pub qs: [i8; 32],
+}
+
+/// Elements per activation block.
+pub const QK: usize = 32;
+/// Elements per activation scale when [`SPLIT_SCALES`].
+pub const HALF: usize = 16;
+/// One activation scale per 16 elements (`true`) or per 32 (`false`: both
+/// entries of [`Q8Act::d`] hold the block's scale, as llama.cpp's `q8_0`/`q8_1`).
+/// The kernels handle both; only the quantizer differs. See
+/// benches/compare/NOTES.md, "Accuracy of the fast path".
+pub const SPLIT_SCALES: bool = true;
+/// Weight rows per work chunk.
+pub const COLS_PER_CHUNK: usize = 16;
+/// Tokens per work chunk (S>1, AVX2/scalar kernels).
+pub const TOKENS_PER_CHUNK: usize = 64;
+/// Tokens per work chunk of the AVX-512 VNNI kernels (a multiple of 16).
+pub const PACKED_TOKENS_PER_CHUNK: usize = 256;
+/// Smallest S that uses the AVX-512 VNNI kernels (smaller S use the AVX2 ones).
+pub const PACKED_MIN_S: usize = 4;
+
+/// Which kernels run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Level {
+    /// Scalar reference.
+    Scalar,
+    /// AVX2 + FMA + F16C.
+    Avx2,
+    /// AVX2 plus AVX-512 F/BW/VL and VNNI.
+    Avx512Vnni,
+}
+
+impl Level {
+    /// The best level this CPU supports, or the one named by the
+    /// environment variable `LLAMA_GRAPH_QFAST_LEVEL` (`scalar`, `avx2`,
+    /// `avx512`) when this CPU supports it (read once per process).
+    pub fn detect() -> Level {
+        static LEVEL: std::sync::OnceLock<Level> = std::sync::OnceLock::new();
+        *LEVEL.get_or_init(|| {
+            let best = Level::best();
+            let want = match std::env::var("LLAMA_GRAPH_QFAST_LEVEL").as_deref() {
+                Ok("scalar") => Level::Scalar,
+                Ok("avx2") => Level::Avx2,
+                _ => best,
+            };
+            if want == Level::Scalar || (want == Level::Avx2 && best != Level::Scalar) {
+                want
+            } else {
+                best
+            }
+        })
+    }
+
+    fn best() -> Level {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if avx512::available() {
+                return Level::Avx512Vnni;
+            }
+            if super::quant::simd_available() {
+                return Level::Avx2;
+            }
+        }
+        Level::Scalar
+    }
+
+    /// True when this CPU can run `self`'s kernels.
+    pub fn supported(self) -> bool {
+        match self {
+            Level::Scalar => true,
+            Level::Avx2 => super::quant::simd_available(),
+            Level::Avx512Vnni => Level::best() == Level::Avx512Vnni,
+        }
+    }
+}
+
+/// True for the weight dtypes this path handles.
+pub fn supports(dtype: DType) -> bool {
+    matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1)
+}
+
+/// Activation blocks needed for an `[s, k]` input (`None` if `k` is not a
+/// multiple of 32 or the size overflows).
+pub fn scratch_len(s: usize, k: usize) -> Option<usize> {
+    if !k.is_multiple_of(QK) {
+        return None;
+    }
+    s.checked_mul(k / QK)
+}
+
+/// Scalar reference: quantizes `x` (a multiple of 32 elements) into `out`.
+/// Rounds half to even, as `cvtps2dq` does, so it matches the AVX2 version bit for bit.
+pub fn quantize_act_scalar(x: &[f32], out: &mut [Q8Act]) {
+    assert_eq!(x.len(), out.len() * QK, "quantize_act: length mismatch");
+    for (xb, o) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        let mut isum = [0i32; 2];
+        let amax_of = |v: &[f32]| v.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let whole = amax_of(xb);
+        for (h, xh) in xb.chunks_exact(HALF).enumerate() {
+            let amax = if SPLIT_SCALES { amax_of(xh) } else { whole };
+            let d = amax / 127.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let mut sum = 0i32;
+            for i in 0..HALF {
+                let q = (xh[i] * id).round_ties_even() as i32;
+                o.qs[h * HALF + i] = q as i8;
+                sum += q;
+            }
+            o.d[h] = d;
+            isum[h] = sum;
+        }
+        o.s = o.d[0] * isum[0] as f32 + o.d[1] * isum[1] as f32;
+    }
+}
+
+/// Quantizes `x` into `out` (AVX2 when available, else the scalar reference).
+///
+/// # Panics
+/// If `x.len() != 32 * out.len()`.
+pub fn quantize_act(x: &[f32], out: &mut [Q8Act]) {
+    quantize_act_with(Level::detect(), x, out)
+}
+
+fn quantize_act_with(level: Level, x: &[f32], out: &mut [Q8Act]) {
+    assert_eq!(x.len(), out.len() * QK, "quantize_act: length mismatch");
+    #[cfg(target_arch = "x86_64")]
+    {
+        if level != Level::Scalar {
+            // SAFETY: both SIMD levels imply avx2/fma/f16c (callers check
+            // `Level::supported`); lengths checked above.
+            unsafe { avx2::quantize(x, out) };
+            return;
+        }
+    }
+    let _ = level;
+    quantize_act_scalar(x, out)
+}
+
+/// Upper bound of `|fast - exact|` for one output: `Σ_h d_h/2 · Σ_{i∈h} |w_i|`
+/// over the half blocks `h` of the quantized activation row `acts` (`w`
+/// dequantized).
+pub fn act_error_bound(w: &[f32], acts: &[Q8Act]) -> f32 {
+    w.chunks_exact(QK)
+        .zip(acts)
+        .map(|(wb, a)| {
+            (0..2)
+                .map(|h| {
+                    a.d[h]
+                        * 0.5
+                        * wb[h * HALF..(h + 1) * HALF]
+                            .iter()
+                            .map(|v| v.abs())
+                            .sum::<f32>()
+                })
+                .sum::<f32>()
+        })
+        .sum()
+}
+
+#[inline(always)]
+fn rd_f16(b: &[u8], at: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
+}
+
+/// Scalar reference: a stored weight row (`dtype`) dotted with a quantized
+/// activation row: per half block an exact integer sum, scaled in f32.
+///
+/// # Panics
+/// If `dtype` is not [`supported`](supports) or the lengths disagree.
+pub fn dot_q8_scalar(dtype: DType, row: &[u8], acts: &[Q8Act]) -> f32 {
+    let bb = dtype.block_bytes();
+    assert!(supports(dtype), "dot_q8: unsupported {dtype}");
+    assert_eq!(row.len(), acts.len() * bb, "dot_q8: length mismatch");
+    let mut sum = 0f32;
+    for (b, a) in row.chunks_exact(bb).zip(acts) {
+        let (isum, d, m) = block_isums(dtype, b, a);
+        sum += d * (a.d[0] * isum[0] as f32 + a.d[1] * isum[1] as f32) + m * a.s;
+    }
+    sum
+}
+
+/// Exact integer products of one weight block with one activation block, per
+/// half block, and the weight block's scale and minimum (0 unless Q4_1).
+pub fn block_isums(dtype: DType, b: &[u8], a: &Q8Act) -> ([i32; 2], f32, f32) {
+    let d = rd_f16(b, 0);
+    let mut isum = [0i32; 2];
+    match dtype {
+        DType::Q8_0 => {
+            for i in 0..32 {
+                isum[i / HALF] += (b[2 + i] as i8) as i32 * a.qs[i] as i32;
+            }
+            (isum, d, 0.0)
+        }
+        DType::Q4_0 => {
+            for i in 0..16 {
+                let q = b[2 + i];
+                isum[0] += ((q & 15) as i32 - 8) * a.qs[i] as i32;
+                isum[1] += ((q >> 4) as i32 - 8) * a.qs[i + 16] as i32;
+            }
+            (isum, d, 0.0)
+        }
+        DType::Q4_1 => {
+            for i in 0..16 {
+                let q = b[4 + i];
+                isum[0] += (q & 15) as i32 * a.qs[i] as i32;
+                isum[1] += (q >> 4) as i32 * a.qs[i + 16] as i32;
+            }
+            (isum, d, rd_f16(b, 2))
+        }
+        _ => panic!("block_isums: unsupported {dtype}"),
+    }
+}
+
+/// `out[r * nt + t] = row_r · acts[t]` for the consecutive weight rows in
+/// `w` (`row_bytes` each) and up to 4 activation rows (`nt = acts.len()`).
+#[inline]
+fn dot_rows(
+    dtype: DType,
+    w: &[u8],
+    row_bytes: usize,
+    acts: &[&[Q8Act]],
+    out: &mut [f32],
+    level: Level,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if level == Level::Avx512Vnni {
+            // SAFETY: the caller checked `level.supported()`; the lengths are
+            // checked inside.
+            unsafe { avx512::dot_rows(dtype, w, row_bytes, acts, out) };
+            return;
+        }
+        if level == Level::Avx2 {
+            // SAFETY: as above (avx2/fma/f16c).
+            unsafe { avx2::dot_rows(dtype, w, row_bytes, acts, out) };
+            return;
+        }
+    }
+    let _ = level;
+    let nt = acts.len();
+    for (r, row) in w.chunks_exact(row_bytes).enumerate() {
+        for (t, a) in acts.iter().enumerate() {
+            out[r * nt + t] = dot_q8_scalar(dtype, row, a);
+        }
+    }
+}
+
+/// `y = x·Wᵀ` with `epilogue` for a Q8_0/Q4_0/Q4_1 `W` `[n, k]`, quantizing
+/// each row of `x` once into `scratch` (at least [`scratch_len`]`(s, k)`
+/// blocks). Same contract as [`super::qmatmul`] otherwise.
+#[allow(clippy::too_many_arguments)]
+pub fn qmatmul_fast(
+    pool: &ThreadPool,
+    x: &[f32],
+    s: usize,
+    k: usize,
+    w: WeightRef<'_>,
+    n: usize,
+    epilogue: Epilogue<'_>,
+    y: &mut [f32],
+    scratch: &mut [Q8Act],
+) -> Result<(), KernelError> {
+    qmatmul_fast_with(Level::detect(), pool, x, s, k, w, n, epilogue, y, scratch)
+}
+
+/// [`qmatmul_fast`] with the kernels of `level` (for tests and benchmarks).
+///
+/// # Panics
+/// If this CPU does not support `level` ([`Level::supported`]).
+#[allow(clippy::too_many_arguments)]
+pub fn qmatmul_fast_with(
+    level: Level,
+    pool: &ThreadPool,
+    x: &[f32],
+    s: usize,
+    k: usize,
+    w: WeightRef<'_>,
+    n: usize,
+    epilogue: Epilogue<'_>,
+    y: &mut [f32],
+    scratch: &mut [Q8Act],
+) -> Result<(), KernelError> {
+    assert!(
+        level.supported(),
+        "qmatmul_fast: {level:?} not supported by this CPU"
+    );
+    const OP: &str = "qmatmul_fast";
+    if !supports(w.dtype) {
+        return Err(KernelError::DType {
+            op: OP,
+            dtype: w.dtype,
+        });
+    }
+    let (row_bytes, n_out) = check_linear(OP, x, s, k, &w, n, &epilogue, y)?;
+    let nb = k / QK;
+    let need = s * nb;
+    if scratch.len() < need {
+        return Err(KernelError::Shape {
+            op: OP,
+            what: "scratch blocks (at least s*k/32)",
+            expected: need,
+            actual: scratch.len(),
+        });
+    }
+    let acts = &mut scratch[..need];
+    #[cfg(target_arch = "x86_64")]
+    {
+        if level == Level::Avx512Vnni && s >= PACKED_MIN_S && nb > 0 {
+            packed::run(pool, x, s, k, w, n_out, row_bytes, epilogue, y, acts);
+            return Ok(());
+        }
+    }
+    if s * k >= 1 << 14 {
+        // Large inputs (prefill): quantize the rows in parallel.
+        let ap = SyncPtr::new(acts);
+        pool.run(s, &|t| {
+            // SAFETY: chunk t owns blocks t*nb..(t+1)*nb.
+            let a = unsafe { ap.slice(t * nb, nb) };
+            quantize_act_with(level, &x[t * k..(t + 1) * k], a);
+        });
+    } else {
+        quantize_act_with(level, x, acts);
+    }
+    let acts: &[Q8Act] = acts;
+    let yp = SyncPtr::new(y);
+    // Decode-sized inputs: a few long contiguous row ranges per thread, so
+    // each thread streams its weights in long runs the hardware prefetcher
+    // follows (16-row chunks taken alternately by two threads measured 0.75x
+    // of one thread's speed); the atomic counter still balances 4 per thread.
+    let rows_per_chunk = if s <= 4 {
+        COLS_PER_CHUNK.max(n_out.div_ceil(4 * pool.n_threads()))
+    } else {
+        COLS_PER_CHUNK
+    };
+    let col_chunks = n_out.div_ceil(rows_per_chunk);
+    let tok_chunks = s.div_ceil(TOKENS_PER_CHUNK);
+    pool.run(col_chunks * tok_chunks, &|c| {
+        let (cc, tc) = (c % col_chunks, c / col_chunks);
+        let (jc0, jc1) = (cc * rows_per_chunk, ((cc + 1) * rows_per_chunk).min(n_out));
+        let (t0, t1) = (tc * TOKENS_PER_CHUNK, ((tc + 1) * TOKENS_PER_CHUNK).min(s));
+        let mut v = [0f32; COLS_PER_CHUNK * 4];
+        let mut up = [0f32; COLS_PER_CHUNK * 4];
+        for j0 in (jc0..jc1).step_by(COLS_PER_CHUNK) {
+            let j1 = (j0 + COLS_PER_CHUNK).min(jc1);
+            let nr = j1 - j0;
+            let mut ta = t0;
+            while ta < t1 {
+                let nt = (t1 - ta).min(4);
+                let mut tile: [&[Q8Act]; 4] = [&[]; 4];
+                for i in 0..nt {
+                    tile[i] = &acts[(ta + i) * nb..(ta + i + 1) * nb];
+                }
+                let tile = &tile[..nt];
+                dot_rows(
+                    w.dtype,
+                    &w.bytes[j0 * row_bytes..j1 * row_bytes],
+                    row_bytes,
+                    tile,
+                    &mut v[..nr * nt],
+                    level,
+                );
+                if let Epilogue::SwiGlu = epilogue {
+                    let (u0, u1) = (j0 + n_out, j1 + n_out);
+                    dot_rows(
+                        w.dtype,
+                        &w.bytes[u0 * row_bytes..u1 * row_bytes],
+                        row_bytes,
+                        tile,
+                        &mut up[..nr * nt],
+                        level,
+                    );
+                }
+                for i in 0..nt {
+                    let t = ta + i;
+                    // SAFETY: chunk c alone owns columns j0..j1 of rows t0..t1 of y.
+                    let yr = unsafe { yp.slice(t * n_out + j0, nr) };
+                    for (r, o) in yr.iter_mut().enumerate() {
+                        *o = apply_epilogue(
+                            epilogue,
+                            *o,
+                            v[r * nt + i],
+                            up[r * nt + i],
+                            t,
+                            j0 + r,
+                            n_out,
+                        );
+                    }
+                }
+                ta += nt;
+            }
+        }
+    });
+    Ok(())
+}
+
+#[inline(always)]
+fn apply_epilogue(
+    e: Epilogue<'_>,
+    old: f32,
+    val: f32,
+    up: f32,
+    t: usize,
+    j: usize,
+    n_out: usize,
+) -> f32 {
+    match e {
+        Epilogue::None => val,
+        Epilogue::Accumulate => old + val,
+        Epilogue::AddResidual(res) => val + res[t * n_out + j],
+        Epilogue::SwiGlu => super::elementwise::silu_f32(val) * up,
+    }
+}
+
+/// The AVX-512 VNNI driver (S ≥ [`PACKED_MIN_S`]).
+#[cfg(target_arch = "x86_64")]
+mod packed {
+    use super::avx512::{self, PackedBlock, WBlock, R, TG};
+    use super::*;
+    use std::cell::RefCell;
+
+    thread_local! {
+        /// Packed activations (the calling thread's, shared read-only with the workers).
+        static PACKED: RefCell<Vec<PackedBlock>> = const { RefCell::new(Vec::new()) };
+        /// Decoded weight rows of the current chunk (per worker).
+        static WDEC: RefCell<Vec<WBlock>> = const { RefCell::new(Vec::new()) };
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn run(
+        pool: &ThreadPool,
+        x: &[f32],
+        s: usize,
+        k: usize,
+        w: WeightRef<'_>,
+        n_out: usize,
+        row_bytes: usize,
+        epilogue: Epilogue<'_>,
+        y: &mut [f32],
+        acts: &mut [Q8Act],
+    ) {
+        let nb = k / QK;
+        let groups = s.div_ceil(TG);
+        PACKED.with(|cell| {
+            let mut packed = cell.borrow_mut();
+            if packed.len() < groups * nb {
+                packed.resize(groups * nb, PackedBlock::default());
+            }
+            let packed = &mut packed[..groups * nb];
+            {
+                let ap = SyncPtr::new(acts);
+                let pp = SyncPtr::new(packed);
+                pool.run(groups, &|g| {
+                    let (t0, t1) = (g * TG, ((g + 1) * TG).min(s));
+                    // SAFETY: chunk g alone owns activation blocks t0*nb..t1*nb
+                    // and packed blocks g*nb..(g+1)*nb.
+                    let a = unsafe { ap.slice(t0 * nb, (t1 - t0) * nb) };
+                    let p = unsafe { pp.slice(g * nb, nb) };
+                    quantize_act_with(Level::Avx512Vnni, &x[t0 * k..t1 * k], a);
+                    let mut rows: [&[Q8Act]; TG] = [&[]; TG];
+                    for (t, r) in a.chunks_exact(nb).enumerate() {
+                        rows[t] = r;
+                    }
+                    avx512::pack(&rows[..t1 - t0], nb, p);
+                });
+            }
+            let packed: &[PackedBlock] = packed;
+            let yp = SyncPtr::new(y);
+            let col_chunks = n_out.div_ceil(COLS_PER_CHUNK);
+            let tok_chunks = s.div_ceil(PACKED_TOKENS_PER_CHUNK);
+            let swiglu = matches!(epilogue, Epilogue::SwiGlu);
+            let min = w.dtype == DType::Q4_1;
+            const RP: usize = COLS_PER_CHUNK.div_ceil(R) * R;
+            pool.run(col_chunks * tok_chunks, &|c| {
+                let (cc, tc) = (c % col_chunks, c / col_chunks);
+                let (j0, j1) = (cc * COLS_PER_CHUNK, ((cc + 1) * COLS_PER_CHUNK).min(n_out));
+                let (t0, t1) = (
+                    tc * PACKED_TOKENS_PER_CHUNK,
+                    ((tc + 1) * PACKED_TOKENS_PER_CHUNK).min(s),
+                );
+                WDEC.with(|wcell| {
+                    let mut wdec = wcell.borrow_mut();
+                    let need = 2 * RP * nb;
+                    if wdec.len() < need {
+                        wdec.resize(need, WBlock::default());
+                    }
+                    let (gate, up) = wdec[..need].split_at_mut(RP * nb);
+                    // SAFETY: Level::Avx512Vnni was checked by the caller.
+                    unsafe {
+                        avx512::decode(
+                            w.dtype,
+                            &w.bytes[j0 * row_bytes..j1 * row_bytes],
+                            row_bytes,
+                            gate,
+                        );
+                        if swiglu {
+                            let (u0, u1) = (j0 + n_out, j1 + n_out);
+                            avx512::decode(
+                                w.dtype,
+                                &w.bytes[u0 * row_bytes..u1 * row_bytes],
+                                row_bytes,
+                                up,
+                            );
+                        }
+                    }
+                    let (gate, up): (&[WBlock], &[WBlock]) = (gate, up);
+                    let mut vg = [[0f32; TG]; R];
+                    let mut vu = [[0f32; TG]; R];
+                    for g in t0 / TG..t1.div_ceil(TG) {
+                        let pg = &packed[g * nb..(g + 1) * nb];
+                        let nt = (s - g * TG).min(TG);
+                        for r0 in (0..j1 - j0).step_by(R) {
+                            let nr = (j1 - j0 - r0).min(R);
+                            // SAFETY: as above.
+                            unsafe {
+                                avx512::kern(&gate[r0 * nb..(r0 + R) * nb], nb, pg, min, &mut vg);
+                                if swiglu {
+                                    avx512::kern(&up[r0 * nb..(r0 + R) * nb], nb, pg, min, &mut vu);
+                                }
+                            }
+                            if swiglu {
+                                // SAFETY: as above.
+                                unsafe { avx512::swiglu(&mut vg, &vu) };
+                            }
+                            let j = j0 + r0;
+                            for i in 0..nt {
+                                let t = g * TG + i;
+                                // SAFETY: chunk c alone owns columns j0..j1 of rows t0..t1 of y.
+                                let yr = unsafe { yp.slice(t * n_out + j, nr) };
+                                match epilogue {
+                                    Epilogue::None | Epilogue::SwiGlu => {
+                                        for (r, o) in yr.iter_mut().enumerate() {
+                                            *o = vg[r][i];
+                                        }
+                                    }
+                                    Epilogue::Accumulate => {
+                                        for (r, o) in yr.iter_mut().enumerate() {
+                                            *o += vg[r][i];
+                                        }
+                                    }
+                                    Epilogue::AddResidual(res) => {
+                                        let rr = &res[t * n_out + j..t * n_out + j + nr];
+                                        for (r, o) in yr.iter_mut().enumerate() {
+                                            *o = vg[r][i] + rr[r];
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                });
+            });
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::quant::{dequantize_row, quantize_row};
+    use crate::kernels::testutil::Rng;
+
+    const LEVELS: [Level; 3] = [Level::Scalar, Level::Avx2, Level::Avx512Vnni];
+
+    fn quantized_weights(dtype: DType, wf: &[f32], n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
+        let rb = dtype.bytes_for(k).unwrap();
+        let mut wq = vec![0u8; n * rb];
+        let mut wd = vec![0f32; n * k];
+        for j in 0..n {
+            quantize_row(
+                dtype,
+                &wf[j * k..(j + 1) * k],
+                &mut wq[j * rb..(j + 1) * rb],
+            )
+            .unwrap();
+            dequantize_row(
+                dtype,
+                &wq[j * rb..(j + 1) * rb],
+                &mut wd[j * k..(j + 1) * k],
+            )
+            .unwrap();
+        }
+        (wq, wd)
+    }
+
+    fn deq_act(a: &[Q8Act]) -> Vec<f32> {
+        a.iter()
+            .flat_map(|b| {
+                b.qs.iter()
+                    .enumerate()
+                    .map(move |(i, &q)| b.d[i / HALF] * q as f32)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn quantize_act_simd_matches_scalar_and_bound() {
+        let mut rng = Rng::new(3);
+        let mut x = rng.vec(32 * 9);
+        // Ties, zeros, a zero block and a zero half block.
+        x[5] = 0.0;
+        x[32..64].iter_mut().for_each(|v| *v = 0.0);
+        x[64] = 1.0;
+        x[65] = 0.5 / 127.0 * 1.0; // exactly half a step below the first level
+        x[96..112].iter_mut().for_each(|v| *v = 0.0);
+        let mut a = vec![Q8Act::default(); 9];
+        quantize_act_scalar(&x, &mut a);
+        for level in [Level::Avx2, Level::Avx512Vnni] {
+            if !level.supported() {
+                continue;
+            }
+            let mut b = vec![Q8Act::default(); 9];
+            quantize_act_with(level, &x, &mut b);
+            assert_eq!(a, b, "{level:?}");
+        }
+        assert_eq!(a[1].d, [0.0, 0.0]);
+        assert!(a[1].qs.iter().all(|&q| q == 0));
+        assert_eq!(a[3].d[0] == 0.0, SPLIT_SCALES);
+        assert!(a[3].d[1] > 0.0);
+        let xd = deq_act(&a);
+        for (i, (&u, &v)) in x.iter().zip(&xd).enumerate() {
+            let d = a[i / 32].d[(i % 32) / HALF];
+            assert!((u - v).abs() <= d * 0.5 * (1.0 + 1e-5), "{i}: {u} vs {v}");
+        }
+        for (blk, xb) in a.iter().zip(x.chunks_exact(32)) {
+            let _ = xb;
+            let isum = |h: usize| {
+                blk.qs[h * HALF..(h + 1) * HALF]
+                    .iter()
+                    .map(|&q| q as i32)
+                    .sum::<i32>()
+            };
+            assert_eq!(blk.s, blk.d[0] * isum(0) as f32 + blk.d[1] * isum(1) as f32);
+            if SPLIT_SCALES {
+                for h in 0..2 {
+                    let q = &blk.qs[h * HALF..(h + 1) * HALF];
+                    assert!(q.iter().any(|&q| q.unsigned_abs() == 127) || blk.d[h] == 0.0);
+                }
+            } else {
+                assert_eq!(blk.d[0], blk.d[1]);
+                assert!(blk.qs.iter().any(|&q| q.unsigned_abs() == 127) || blk.d[0] == 0.0);
+            }
+        }
+    }
+
+    /// Sum of the magnitudes of the f32 terms of the scalar reference (for
+    /// summation-order tolerances).
+    fn ref_scale(dtype: DType, row: &[u8], acts: &[Q8Act]) -> f32 {
+        row.chunks_exact(dtype.block_bytes())
+            .zip(acts)
+            .map(|(b, a)| {
+                let (is, d, m) = block_isums(dtype, b, a);
+                (d * a.d[0] * is[0] as f32).abs()
+                    + (d * a.d[1] * is[1] as f32).abs()
+                    + (m * a.s).abs()
+            })
+            .sum()
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_level(
+        level: Level,
+        x: &[f32],
+        s: usize,
+        k: usize,
+        wr: WeightRef<'_>,
+        n: usize,
+        e: Epilogue<'_>,
+        y: &mut [f32],
+    ) {
+        let pool = ThreadPool::new(2);
+        let mut scratch = vec![Q8Act::default(); scratch_len(s, k).unwrap()];
+        qmatmul_fast_with(level, &pool, x, s, k, wr, n, e, y, &mut scratch).unwrap();
+    }
+
+    /// Every level's kernels against the scalar block reference
+    /// ([`dot_q8_scalar`]) on odd shapes, with all epilogues; and the
+    /// reference against the f32 product within [`act_error_bound`].
+    #[test]
+    fn kernels_match_scalar_reference() {
+        let mut rng = Rng::new(11);
+        let mut shapes = vec![];
+        for s in [1, 2, 3, 5, 64, 65] {
+            for k in [32, 576, 1536] {
+                shapes.push((s, k, 38));
+            }
+        }
+        // Several token chunks of both tilings, a partial 8-row group.
+        shapes.push((200, 64, 22));
+        shapes.push((17, 96, 6));
+        for (s, k, n) in shapes {
+            let x = rng.vec(s * k);
+            let wf = rng.vec(n * k);
+            let r = rng.vec(s * n);
+            let nb = k / QK;
+            let mut acts = vec![Q8Act::default(); s * nb];
+            quantize_act_scalar(&x, &mut acts);
+            for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+                let (wq, wd) = quantized_weights(dtype, &wf, n, k);
+                let rb = dtype.bytes_for(k).unwrap();
+                let wr = WeightRef::new(dtype, &wq);
+                let at = |t: usize| &acts[t * nb..(t + 1) * nb];
+                let row = |j: usize| &wq[j * rb..(j + 1) * rb];
+                let want = |t: usize, j: usize| dot_q8_scalar(dtype, row(j), at(t));
+                let tol = |t: usize, j: usize| 2e-6 * ref_scale(dtype, row(j), at(t)) + 1e-6;
+                // The reference against the f32 product.
+                for t in (0..s).step_by(7) {
+                    for j in 0..n {
+                        let wj = &wd[j * k..(j + 1) * k];
+                        let on_f: f32 = (0..k).map(|i| x[t * k + i] * wj[i]).sum();
+                        let bound = act_error_bound(wj, at(t));
+                        let scale: f32 = (0..k).map(|i| (x[t * k + i] * wj[i]).abs()).sum();
+                        let got = want(t, j);
+                        assert!(
+                            (got - on_f).abs() <= bound * 1.001 + 1e-5 * scale + 1e-6,
+                            "{dtype} s={s} k={k}: {got} vs f32 {on_f}, bound {bound}"
+                        );
+                    }
+                }
+                for level in LEVELS {
+                    if !level.supported() {
+                        continue;
+                    }
+                    let ctx = format!("{dtype} {level:?} s={s} k={k} n={n}");
+                    let mut y = vec![0f32; s * n];
+                    run_level(level, &x, s, k, wr, n, Epilogue::AddResidual(&r), &mut y);
+                    for t in 0..s {
+                        for j in 0..n {
+                            let got = y[t * n + j] - r[t * n + j];
+                            let tl = tol(t, j) + 1e-6 * r[t * n + j].abs();
+                            assert!(
+                                (got - want(t, j)).abs() <= tl,
+                                "{ctx} t={t} j={j}: {got} vs {}",
+                                want(t, j)
+                            );
+                        }
+                    }
+                    let mut y0 = vec![f32::NAN; s * n];
+                    run_level(level, &x, s, k, wr, n, Epilogue::None, &mut y0);
+                    let mut acc = r.clone();
+                    run_level(level, &x, s, k, wr, n, Epilogue::Accumulate, &mut acc);
+                    let mut g = vec![0f32; s * n / 2];
+                    run_level(level, &x, s, k, wr, n, Epilogue::SwiGlu, &mut g);
+                    for t in 0..s {
+                        for j in 0..n {
+                            assert!(
+                                (y0[t * n + j] - want(t, j)).abs() <= tol(t, j),
+                                "{ctx} none"
+                            );
+                            let a = acc[t * n + j] - r[t * n + j];
+                            assert!(
+                                (a - want(t, j)).abs() <= tol(t, j) + 1e-6 * r[t * n + j].abs(),
+                                "{ctx} acc"
+                            );
+                        }
+                        for j in 0..n / 2 {
+                            let (gv, uv) = (want(t, j), want(t, j + n / 2));
+                            let w = crate::kernels::elementwise::silu_f32(gv) * uv;
+                            let tl =
+                                (tol(t, j) * uv.abs() + tol(t, j + n / 2) * gv.abs()) * 2.0 + 1e-6;
+                            assert!(
+                                (g[t * n / 2 + j] - w).abs() <= tl,
+                                "{ctx} swiglu {} vs {w}",
+                                g[t * n / 2 + j]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Integer-valued activations (|x| <= 127 with a ±127 in every half
+    /// block, so scale 1 and quants = x) and weights with scale 1 (extreme
+    /// quants, including Q8_0's -128): every product is an exact small
+    /// integer, so all levels must agree exactly with the integer dot product.
+    #[test]
+    fn integer_products_are_exact() {
+        let mut rng = Rng::new(5);
+        let (n, k) = (21, 576);
+        for s in [1, 3, 5, 16, 33] {
+            let mut x: Vec<f32> = (0..s * k)
+                .map(|_| (rng.vec(1)[0] * 254.0).round().clamp(-127.0, 127.0))
+                .collect();
+            for (i, h) in x.chunks_exact_mut(HALF).enumerate() {
+                h[i % HALF] = if i % 2 == 0 { 127.0 } else { -127.0 };
+            }
+            for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+                let bb = dtype.block_bytes();
+                let nb = k / QK;
+                let mut wq = vec![0u8; n * nb * bb];
+                let mut wint = vec![0i64; n * k];
+                let mut mins = vec![0i64; n * nb];
+                for (bi, b) in wq.chunks_exact_mut(bb).enumerate() {
+                    b[..2].copy_from_slice(&f16::from_f32(1.0).to_le_bytes());
+                    let base = (bi / nb) * k + (bi % nb) * QK;
+                    let pick = |i: usize| (bi * 37 + i * 11) % 256;
+                    match dtype {
+                        DType::Q8_0 => {
+                            for i in 0..32 {
+                                let q = if i < 4 {
+                                    [-128, 127, -127, 0][i]
+                                } else {
+                                    pick(i) as i32 - 128
+                                };
+                                b[2 + i] = q as i8 as u8;
+                                wint[base + i] = q as i8 as i64;
+                            }
+                        }
+                        DType::Q4_0 | DType::Q4_1 => {
+                            let off = if dtype == DType::Q4_0 { 2 } else { 4 };
+                            if dtype == DType::Q4_1 {
+                                let m = (bi % 7) as f32 - 3.0;
+                                b[2..4].copy_from_slice(&f16::from_f32(m).to_le_bytes());
+                                mins[bi] = m as i64;
+                            }
+                            for i in 0..16 {
+                                let v = if i < 2 {
+                                    [0x0f, 0xf0][i]
+                                } else {
+                                    pick(i) as u8
+                                };
+                                b[off + i] = v;
+                                let sub = if dtype == DType::Q4_0 { 8 } else { 0 };
+                                wint[base + i] = (v & 15) as i64 - sub + mins[bi];
+                                wint[base + i + 16] = (v >> 4) as i64 - sub + mins[bi];
+                            }
+                        }
+                        _ => unreachable!(),
+                    }
+                }
+                let wr = WeightRef::new(dtype, &wq);
+                for level in LEVELS {
+                    if !level.supported() {
+                        continue;
+                    }
+                    let mut y = vec![0f32; s * n];
+                    run_level(level, &x, s, k, wr, n, Epilogue::None, &mut y);
+                    for t in 0..s {
+                        for j in 0..n {
+                            let want: i64 =
+                                (0..k).map(|i| x[t * k + i] as i64 * wint[j * k + i]).sum();
+                            assert_eq!(
+                                y[t * n + j],
+                                want as f32,
+                                "{dtype} {level:?} s={s} t={t} j={j}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn scalar_dot_by_hand() {
+        // Q4_1 block: d = 0.5, m = -1, nibbles lo = 1, hi = 2 everywhere.
+        let mut b = vec![0u8; 20];
+        b[..2].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
+        b[2..4].copy_from_slice(&f16::from_f32(-1.0).to_le_bytes());
+        b[4..].iter_mut().for_each(|q| *q = 0x21);
+        let a = Q8Act {
+            d: [0.25, 0.5],
+            s: 0.25 * 16.0 + 0.5 * 16.0,
+            qs: [1; 32],
+        };
+        // w = 0.5*1-1 = -0.5 (16 of them, x = 0.25) and 0.5*2-1 = 0 (16, x = 0.5).
+        assert_eq!(dot_q8_scalar(DType::Q4_1, &b, &[a]), -0.5 * 0.25 * 16.0);
+    }
+
+    #[test]
+    fn rejects_bad_arguments() {
+        let pool = ThreadPool::new(1);
+        let w = vec![0u8; 34];
+        let wr = WeightRef::new(DType::Q8_0, &w);
+        let mut y = vec![0f32; 1];
+        let mut small: Vec<Q8Act> = vec![];
+        assert!(matches!(
+            qmatmul_fast(
+                &pool,
+                &[0.0; 32],
+                1,
+                32,
+                wr,
+                1,
+                Epilogue::None,
+                &mut y,
+                &mut small
+            ),
+            Err(KernelError::Shape { .. })
+        ));
+        let wk = WeightRef::new(DType::Q4_K, &w);
+        let mut sc = vec![Q8Act::default(); 1];
+        assert!(matches!(
+            qmatmul_fast(
+                &pool,
+                &[0.0; 32],
+                1,
+                32,
+                wk,
+                1,
+                Epilogue::None,
+                &mut y,
+                &mut sc
+            ),
+            Err(KernelError::DType { .. })
+        ));
+    }
+}
