@@ -48,6 +48,19 @@ fn dot(dtype: DType, row: &[u8], x: &[f32], simd: bool) -> f32 {
     dot_scalar(dtype, row, x)
 }
 
+/// Four rows' dot products with `x` in one pass (SIMD only).
+#[inline]
+fn dot4(dtype: DType, rows: [&[u8]; 4], x: &[f32]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: only called when `simd` is true, i.e. the CPU has
+        // avx2/fma/f16c; every row holds x.len() elements (checked by the caller).
+        unsafe { avx2::dot4(dtype, rows, x) }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    rows.map(|r| dot_scalar(dtype, r, x))
+}
+
 /// `y = x·Wᵀ` with `epilogue` for one activation row (`x`: `[k]`) and a
 /// plain-dtype `W` `[n, k]`. Same contract as [`super::matmul`] with `s = 1`.
 #[allow(clippy::too_many_arguments)]
@@ -96,21 +109,49 @@ fn gemv_impl(
     // A few long contiguous row ranges per thread (see qfast: short chunks
     // taken alternately by two threads break the prefetcher's streams).
     let rows = ROWS_PER_CHUNK.max(n_out.div_ceil(4 * pool.n_threads()));
+    // Rows of more than 4096 elements: x (f32) no longer stays in L1 next
+    // to the weight stream, so four rows share each load of x. Shorter
+    // rows stream one at a time, which keeps the weights one sequential
+    // stream per thread (four interleaved row streams measured slower).
+    let four_rows = simd && k > 4096;
     pool.run(n_out.div_ceil(rows), &|c| {
         let (j0, j1) = (c * rows, ((c + 1) * rows).min(n_out));
         // SAFETY: chunk c alone owns y[j0..j1].
         let yr = unsafe { yp.slice(j0, j1 - j0) };
-        for (o, j) in yr.iter_mut().zip(j0..j1) {
-            let v = dot(w.dtype, row(j), x, simd);
-            *o = match epilogue {
-                Epilogue::None => v,
-                Epilogue::Accumulate => *o + v,
-                Epilogue::AddResidual(r) => v + r[j],
-                Epilogue::SwiGlu => {
-                    let up = dot(w.dtype, row(j + n_out), x, simd);
-                    super::elementwise::silu_f32(v) * up
+        // Calls f(j, row(base + j) · x) for j in j0..j1, in order.
+        let dots = |base: usize, f: &mut dyn FnMut(usize, f32)| {
+            let mut j = j0;
+            if four_rows {
+                while j + 4 <= j1 {
+                    let rs = [
+                        row(base + j),
+                        row(base + j + 1),
+                        row(base + j + 2),
+                        row(base + j + 3),
+                    ];
+                    for (u, v) in dot4(w.dtype, rs, x).into_iter().enumerate() {
+                        f(j + u, v);
+                    }
+                    j += 4;
                 }
-            };
+            }
+            for j in j..j1 {
+                f(j, dot(w.dtype, row(base + j), x, simd));
+            }
+        };
+        match epilogue {
+            // Gate rows first, then up rows: two sequential streams rather
+            // than alternating between rows n_out apart.
+            Epilogue::SwiGlu => {
+                dots(0, &mut |j, g| yr[j - j0] = g);
+                dots(n_out, &mut |j, up| {
+                    let o = &mut yr[j - j0];
+                    *o = super::elementwise::silu_f32(*o) * up;
+                });
+            }
+            Epilogue::None => dots(0, &mut |j, v| yr[j - j0] = v),
+            Epilogue::Accumulate => dots(0, &mut |j, v| yr[j - j0] += v),
+            Epilogue::AddResidual(r) => dots(0, &mut |j, v| yr[j - j0] = v + r[j]),
         }
     });
     Ok(())
@@ -131,6 +172,69 @@ mod avx2 {
             DType::BF16 => dot_t::<2>(row, x),
             _ => unreachable!("checked by supports()"),
         }
+    }
+
+    /// # Safety
+    /// The CPU must support avx2/fma/f16c; each row holds `x.len()` elements of `dtype`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot4(dtype: DType, rows: [&[u8]; 4], x: &[f32]) -> [f32; 4] {
+        match dtype {
+            DType::F32 => dot4_t::<0>(rows, x),
+            DType::F16 => dot4_t::<1>(rows, x),
+            DType::BF16 => dot4_t::<2>(rows, x),
+            _ => unreachable!("checked by supports()"),
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// Four rows, two accumulators each (16 elements per step), one load
+    /// of x per 8 elements for all four rows.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn dot4_t<const D: u8>(rows: [&[u8]; 4], x: &[f32]) -> [f32; 4] {
+        const ES: [usize; 3] = [4, 2, 2];
+        let es = ES[D as usize];
+        let ld = |b: &[u8]| match D {
+            0 => ld_f32(b),
+            1 => ld_f16(b),
+            _ => ld_bf16(b),
+        };
+        let n = x.len();
+        let n16 = n / 16 * 16;
+        let mut a = [_mm256_setzero_ps(); 4];
+        let mut b = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i < n16 {
+            let (x0, x1) = (ld_x(&x[i..]), ld_x(&x[i + 8..]));
+            for r in 0..4 {
+                a[r] = _mm256_fmadd_ps(ld(&rows[r][i * es..]), x0, a[r]);
+                b[r] = _mm256_fmadd_ps(ld(&rows[r][(i + 8) * es..]), x1, b[r]);
+            }
+            i += 16;
+        }
+        let mut out = [0f32; 4];
+        for r in 0..4 {
+            let mut acc = _mm256_add_ps(a[r], b[r]);
+            let mut j = i;
+            while j + 8 <= n {
+                acc = _mm256_fmadd_ps(ld(&rows[r][j * es..]), ld_x(&x[j..]), acc);
+                j += 8;
+            }
+            out[r] = hsum(acc);
+            if j < n {
+                let d = [DType::F32, DType::F16, DType::BF16][D as usize];
+                out[r] += super::dot_scalar(d, &rows[r][j * es..], &x[j..]);
+            }
+        }
+        out
     }
 
     #[inline]
@@ -215,7 +319,9 @@ mod tests {
         let pool = ThreadPool::new(2);
         let mut rng = Rng::new(5);
         // k = 83: a 32-element main loop, an 8-element step and a scalar tail.
-        for (k, n) in [(83, 38), (576, 20)] {
+        // k = 4107: the four-row kernel (k > 4096) with both tails, and rows
+        // left over after the groups of four (n = 22: 5 + 2 per 11-row chunk).
+        for (k, n) in [(83, 38), (576, 20), (4107, 22)] {
             let x = rng.vec(k);
             let wf = rng.vec(n * k);
             let r = rng.vec(n);
