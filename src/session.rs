@@ -182,6 +182,9 @@ impl Model {
                 })?,
             )
         };
+        // The metadata (vocabulary, merges, template) now lives in owned
+        // values; its file pages need not stay resident.
+        g.file.release_header_pages();
         Ok(Model {
             path: path.to_path_buf(),
             format: ModelFormat::Gguf,

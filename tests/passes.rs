@@ -599,3 +599,28 @@ fn fused_ops_check_their_inputs() {
     let e = infer(&Op::MatMulAdd, &[&r, &x, &w], None).unwrap_err();
     assert!(e.contains("residual (input 0)"), "{e}");
 }
+
+/// One prefill step longer than the fused QKV projection's token block
+/// (128) and the tiled attention's thresholds: fused and unfused agree.
+#[test]
+fn long_prefill_step_matches_the_unfused_graph() {
+    for dtype in [DType::F32, DType::Q8_0] {
+        let model = random_model(&tiny_args(false), dtype, 3);
+        let logits = |passes: &str| {
+            let opts = SessionOptions {
+                context: Some(320),
+                batch: 300,
+                threads: 2,
+                logit_rows: LogitRows::Last,
+                passes: PassList::parse(passes).unwrap(),
+                exact: true,
+            };
+            let mut s = Session::new(&model, &opts).unwrap();
+            let prompt: Vec<u32> = (0..300).map(|i| (i * 53 + 7) % 256).collect();
+            let mut out = vec![s.feed(&prompt).unwrap().to_vec()];
+            out.push(s.feed(&[5]).unwrap().to_vec());
+            out
+        };
+        assert_close(&logits("all"), &logits("none"), &format!("{dtype} S=300"));
+    }
+}

@@ -90,6 +90,11 @@ impl<'a> Logits<'a> {
     }
 }
 
+/// Tokens per block of the fused QKV projection: its packed `[tokens,
+/// (H+2Hkv)·D]` product lives in a scratch of this many rows (0.5 MiB for
+/// SmolLM2) instead of one of the whole prefill chunk (2 MiB at 512).
+const QKV_BLOCK: usize = 128;
+
 /// Fused attention calls of at most this many multiply-adds (a few hundred
 /// microseconds on one core) run on the calling thread: decode over a
 /// cache of up to 256 positions for a 2048-wide model. Waking the pool's
@@ -289,7 +294,8 @@ impl Executor {
                     n_kv_heads,
                     head_dim,
                 } => {
-                    qkv_len = qkv_len.max(max_chunk * (n_heads + 2 * n_kv_heads) * head_dim);
+                    qkv_len = qkv_len
+                        .max(max_chunk.min(QKV_BLOCK) * (n_heads + 2 * n_kv_heads) * head_dim);
                 }
                 _ => {}
             }
@@ -702,8 +708,6 @@ impl Executor {
                 let q_out = unsafe { arena.slice_mut(o, s * h * d) };
                 let t = &self.weights[wi];
                 let w = WeightRef::new(t.dtype, t.data.as_bytes());
-                let y = &mut self.qkv_scratch[..s * n];
-                matmul(pool, x, s, k, w, n, Epilogue::None, y, exact)?;
                 // Epilogue: scatter q to the output, k and v into the caches
                 // at positions P..P+S, then rotate q and the new keys.
                 let (qn, kn) = (h * d, hkv * d);
@@ -721,10 +725,20 @@ impl Executor {
                 };
                 let krows = &mut kc[b.p * kn..(b.p + s) * kn];
                 let vrows = &mut vc[b.p * kn..(b.p + s) * kn];
-                for (t, row) in y.chunks_exact(n).enumerate() {
-                    q_out[t * qn..(t + 1) * qn].copy_from_slice(&row[..qn]);
-                    krows[t * kn..(t + 1) * kn].copy_from_slice(&row[qn..qn + kn]);
-                    vrows[t * kn..(t + 1) * kn].copy_from_slice(&row[qn + kn..qn + 2 * kn]);
+                // The packed product goes through a scratch of at most
+                // QKV_BLOCK tokens (it is scattered at once), not one of
+                // the whole step.
+                for t0 in (0..s).step_by(QKV_BLOCK) {
+                    let sb = QKV_BLOCK.min(s - t0);
+                    let y = &mut self.qkv_scratch[..sb * n];
+                    let xb = &x[t0 * k..(t0 + sb) * k];
+                    matmul(pool, xb, sb, k, w, n, Epilogue::None, y, exact)?;
+                    for (i, row) in y.chunks_exact(n).enumerate() {
+                        let t = t0 + i;
+                        q_out[t * qn..(t + 1) * qn].copy_from_slice(&row[..qn]);
+                        krows[t * kn..(t + 1) * kn].copy_from_slice(&row[qn..qn + kn]);
+                        vrows[t * kn..(t + 1) * kn].copy_from_slice(&row[qn + kn..qn + 2 * kn]);
+                    }
                 }
                 match st.ins[2].0 {
                     Loc::Table(ti) => {

@@ -507,6 +507,22 @@ impl GgufFile {
         })
     }
 
+    /// Releases the resident pages of the header (metadata and tensor
+    /// table, `0..data_offset`) once everything needed from it has been
+    /// parsed into owned values: for a model with a large vocabulary that is
+    /// a few MiB of clean file pages. Reading the header again stays valid
+    /// (the pages fault back in from the file). Owned images are left alone.
+    pub fn release_header_pages(&self) {
+        if let Source::Mapped(map) = &self.source {
+            crate::weights::TensorBytes::Mapped {
+                map: map.clone(),
+                offset: 0,
+                len: self.data_offset.min(map.len()),
+            }
+            .release_pages();
+        }
+    }
+
     /// Size of the whole file in bytes.
     pub fn file_len(&self) -> usize {
         self.source.bytes().len()
