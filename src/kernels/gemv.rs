@@ -186,6 +186,20 @@ mod avx2 {
         }
     }
 
+    /// Bytes per element of `D` (0 = F32, 1 = F16, 2 = BF16).
+    const ES: [usize; 3] = [4, 2, 2];
+
+    /// Eight elements of dtype `D` widened to f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn ld<const D: u8>(b: &[u8]) -> __m256 {
+        match D {
+            0 => ld_f32(b),
+            1 => ld_f16(b),
+            _ => ld_bf16(b),
+        }
+    }
+
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     fn hsum(v: __m256) -> f32 {
@@ -200,13 +214,7 @@ mod avx2 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     fn dot4_t<const D: u8>(rows: [&[u8]; 4], x: &[f32]) -> [f32; 4] {
-        const ES: [usize; 3] = [4, 2, 2];
         let es = ES[D as usize];
-        let ld = |b: &[u8]| match D {
-            0 => ld_f32(b),
-            1 => ld_f16(b),
-            _ => ld_bf16(b),
-        };
         let n = x.len();
         let n16 = n / 16 * 16;
         let mut a = [_mm256_setzero_ps(); 4];
@@ -215,8 +223,8 @@ mod avx2 {
         while i < n16 {
             let (x0, x1) = (ld_x(&x[i..]), ld_x(&x[i + 8..]));
             for r in 0..4 {
-                a[r] = _mm256_fmadd_ps(ld(&rows[r][i * es..]), x0, a[r]);
-                b[r] = _mm256_fmadd_ps(ld(&rows[r][(i + 8) * es..]), x1, b[r]);
+                a[r] = _mm256_fmadd_ps(ld::<D>(&rows[r][i * es..]), x0, a[r]);
+                b[r] = _mm256_fmadd_ps(ld::<D>(&rows[r][(i + 8) * es..]), x1, b[r]);
             }
             i += 16;
         }
@@ -225,7 +233,7 @@ mod avx2 {
             let mut acc = _mm256_add_ps(a[r], b[r]);
             let mut j = i;
             while j + 8 <= n {
-                acc = _mm256_fmadd_ps(ld(&rows[r][j * es..]), ld_x(&x[j..]), acc);
+                acc = _mm256_fmadd_ps(ld::<D>(&rows[r][j * es..]), ld_x(&x[j..]), acc);
                 j += 8;
             }
             out[r] = hsum(acc);
@@ -274,13 +282,7 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     /// `D`: 0 = F32, 1 = F16, 2 = BF16.
     fn dot_t<const D: u8>(row: &[u8], x: &[f32]) -> f32 {
-        const ES: [usize; 3] = [4, 2, 2];
         let es = ES[D as usize];
-        let ld = |b: &[u8]| match D {
-            0 => ld_f32(b),
-            1 => ld_f16(b),
-            _ => ld_bf16(b),
-        };
         let n = x.len();
         let n32 = n / 32 * 32;
         let mut acc = [_mm256_setzero_ps(); 4];
@@ -288,19 +290,16 @@ mod avx2 {
         while i < n32 {
             for (u, a) in acc.iter_mut().enumerate() {
                 let e = i + 8 * u;
-                *a = _mm256_fmadd_ps(ld(&row[e * es..]), ld_x(&x[e..]), *a);
+                *a = _mm256_fmadd_ps(ld::<D>(&row[e * es..]), ld_x(&x[e..]), *a);
             }
             i += 32;
         }
         while i + 8 <= n {
-            acc[0] = _mm256_fmadd_ps(ld(&row[i * es..]), ld_x(&x[i..]), acc[0]);
+            acc[0] = _mm256_fmadd_ps(ld::<D>(&row[i * es..]), ld_x(&x[i..]), acc[0]);
             i += 8;
         }
         let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        let mut sum = _mm_cvtss_f32(s);
+        let mut sum = hsum(v);
         if i < n {
             let d = [DType::F32, DType::F16, DType::BF16][D as usize];
             sum += super::dot_scalar(d, &row[i * es..], &x[i..]);
