@@ -378,6 +378,120 @@ fn item_portable(
     write_out(sh, it, acc, l, out);
 }
 
+/// The three per-block steps of a SIMD level; [`drive`] runs them.
+#[cfg(target_arch = "x86_64")]
+trait BlockSteps {
+    /// Scores of `nk` keys (`k`: rows of `kv_row` floats, `d` used) for all
+    /// `rp` rows of `qt` into `st`.
+    ///
+    /// # Safety
+    /// The level's CPU features are available; `nk` key rows of `d` floats
+    /// are readable at `k` with stride `kv_row`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn qk(
+        qt: &[f32],
+        rp: usize,
+        k: *const f32,
+        kv_row: usize,
+        nk: usize,
+        d: usize,
+        st: &mut [f32],
+    );
+    /// Online softmax update of one block.
+    ///
+    /// # Safety
+    /// The level's CPU features are available.
+    unsafe fn softmax(
+        st: &mut [f32],
+        rp: usize,
+        nk: usize,
+        m: &mut [f32],
+        l: &mut [f32],
+        corr: &mut [f32],
+    );
+    /// `acc = acc·corr + P·V` for one block.
+    ///
+    /// # Safety
+    /// As [`BlockSteps::qk`], for the value rows at `v`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn pv(
+        st: &[f32],
+        rp: usize,
+        nk: usize,
+        v: *const f32,
+        kv_row: usize,
+        d: usize,
+        acc: &mut [f32],
+        corr: &[f32],
+    );
+}
+
+/// One work item over key blocks with the steps of level `B`; inlined into
+/// each level's `#[target_feature]` entry point.
+///
+/// # Safety
+/// The CPU features of `B` are available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn drive<B: BlockSteps>(
+    q: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    sh: &AttnShape,
+    it: &Item,
+    out: SyncPtr<f32>,
+    scr: &mut [f32],
+) {
+    let d = sh.head_dim;
+    let rp = it.rp;
+    let kv_row = sh.n_kv_heads * d;
+    let col = it.g * d;
+    // Every key/value row read below lies in the checked caches.
+    assert!(it.t_end * kv_row <= kc.len().min(vc.len()) && col + d <= kv_row);
+    let (qt, st, acc, m, l, corr) = split_scratch(scr, rp, d);
+    pack_q(q, sh, it, qt);
+    acc.fill(0.0);
+    m.fill(f32::NEG_INFINITY);
+    l.fill(0.0);
+    let mut t0 = 0;
+    while t0 < it.t_end {
+        let nk = BK.min(it.t_end - t0);
+        // SAFETY: the features of B are available (this function's
+        // contract); key and value rows t0..t0+nk < t_end are in bounds
+        // (asserted above).
+        unsafe {
+            B::qk(
+                qt,
+                rp,
+                kc.as_ptr().add(t0 * kv_row + col),
+                kv_row,
+                nk,
+                d,
+                st,
+            )
+        };
+        if t0 + nk - 1 > it.t_diag {
+            mask_block(st, it, t0, nk);
+        }
+        // SAFETY: as above.
+        unsafe {
+            B::softmax(st, rp, nk, m, l, corr);
+            B::pv(
+                st,
+                rp,
+                nk,
+                vc.as_ptr().add(t0 * kv_row + col),
+                kv_row,
+                d,
+                acc,
+                corr,
+            );
+        }
+        t0 += nk;
+    }
+    write_out(sh, it, acc, l, out);
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::attention_ops::x86::exp_ps;
@@ -649,6 +763,51 @@ mod x86 {
         }
     }
 
+    /// The block steps of this level, for [`super::drive`].
+    pub(super) struct Blocks;
+
+    impl super::BlockSteps for Blocks {
+        #[inline(always)]
+        unsafe fn qk(
+            qt: &[f32],
+            rp: usize,
+            k: *const f32,
+            kv_row: usize,
+            nk: usize,
+            d: usize,
+            st: &mut [f32],
+        ) {
+            // SAFETY: forwarded contract (see `BlockSteps`).
+            unsafe { qk_block(qt, rp, k, kv_row, nk, d, st) }
+        }
+        #[inline(always)]
+        unsafe fn softmax(
+            st: &mut [f32],
+            rp: usize,
+            nk: usize,
+            m: &mut [f32],
+            l: &mut [f32],
+            corr: &mut [f32],
+        ) {
+            // SAFETY: forwarded contract (see `BlockSteps`).
+            unsafe { softmax_block(st, rp, nk, m, l, corr) }
+        }
+        #[inline(always)]
+        unsafe fn pv(
+            st: &[f32],
+            rp: usize,
+            nk: usize,
+            v: *const f32,
+            kv_row: usize,
+            d: usize,
+            acc: &mut [f32],
+            corr: &[f32],
+        ) {
+            // SAFETY: forwarded contract (see `BlockSteps`).
+            unsafe { pv_block(st, rp, nk, v, kv_row, d, acc, corr) }
+        }
+    }
+
     /// One work item with AVX2+FMA.
     ///
     /// # Safety
@@ -663,53 +822,8 @@ mod x86 {
         out: SyncPtr<f32>,
         scr: &mut [f32],
     ) {
-        let d = sh.head_dim;
-        let rp = it.rp;
-        let kv_row = sh.n_kv_heads * d;
-        let col = it.g * d;
-        // Every key/value row read below lies in the checked caches.
-        assert!(it.t_end * kv_row <= kc.len().min(vc.len()) && col + d <= kv_row);
-        let (qt, st, acc, m, l, corr) = split_scratch(scr, rp, d);
-        pack_q(q, sh, it, qt);
-        acc.fill(0.0);
-        m.fill(f32::NEG_INFINITY);
-        l.fill(0.0);
-        let mut t0 = 0;
-        while t0 < it.t_end {
-            let nk = BK.min(it.t_end - t0);
-            // SAFETY: keys t0..t0+nk < t_end are in bounds (asserted above).
-            unsafe {
-                qk_block(
-                    qt,
-                    rp,
-                    kc.as_ptr().add(t0 * kv_row + col),
-                    kv_row,
-                    nk,
-                    d,
-                    st,
-                );
-            }
-            if t0 + nk - 1 > it.t_diag {
-                mask_block(st, it, t0, nk);
-            }
-            // SAFETY: AVX2+FMA available (this function's contract); value
-            // rows t0..t0+nk are in bounds (asserted above).
-            unsafe {
-                softmax_block(st, rp, nk, m, l, corr);
-                pv_block(
-                    st,
-                    rp,
-                    nk,
-                    vc.as_ptr().add(t0 * kv_row + col),
-                    kv_row,
-                    d,
-                    acc,
-                    corr,
-                );
-            }
-            t0 += nk;
-        }
-        write_out(sh, it, acc, l, out);
+        // SAFETY: this level's features are available (this function's contract).
+        unsafe { super::drive::<Blocks>(q, kc, vc, sh, it, out, scr) }
     }
 }
 
@@ -1011,6 +1125,51 @@ mod x86_512 {
         }
     }
 
+    /// The block steps of this level, for [`super::drive`].
+    pub(super) struct Blocks;
+
+    impl super::BlockSteps for Blocks {
+        #[inline(always)]
+        unsafe fn qk(
+            qt: &[f32],
+            rp: usize,
+            k: *const f32,
+            kv_row: usize,
+            nk: usize,
+            d: usize,
+            st: &mut [f32],
+        ) {
+            // SAFETY: forwarded contract (see `BlockSteps`).
+            unsafe { qk_block(qt, rp, k, kv_row, nk, d, st) }
+        }
+        #[inline(always)]
+        unsafe fn softmax(
+            st: &mut [f32],
+            rp: usize,
+            nk: usize,
+            m: &mut [f32],
+            l: &mut [f32],
+            corr: &mut [f32],
+        ) {
+            // SAFETY: forwarded contract (see `BlockSteps`).
+            unsafe { softmax_block(st, rp, nk, m, l, corr) }
+        }
+        #[inline(always)]
+        unsafe fn pv(
+            st: &[f32],
+            rp: usize,
+            nk: usize,
+            v: *const f32,
+            kv_row: usize,
+            d: usize,
+            acc: &mut [f32],
+            corr: &[f32],
+        ) {
+            // SAFETY: forwarded contract (see `BlockSteps`).
+            unsafe { pv_block(st, rp, nk, v, kv_row, d, acc, corr) }
+        }
+    }
+
     /// One work item with AVX-512F.
     ///
     /// # Safety
@@ -1025,53 +1184,8 @@ mod x86_512 {
         out: SyncPtr<f32>,
         scr: &mut [f32],
     ) {
-        let d = sh.head_dim;
-        let rp = it.rp;
-        let kv_row = sh.n_kv_heads * d;
-        let col = it.g * d;
-        // Every key/value row read below lies in the checked caches.
-        assert!(it.t_end * kv_row <= kc.len().min(vc.len()) && col + d <= kv_row);
-        let (qt, st, acc, m, l, corr) = split_scratch(scr, rp, d);
-        pack_q(q, sh, it, qt);
-        acc.fill(0.0);
-        m.fill(f32::NEG_INFINITY);
-        l.fill(0.0);
-        let mut t0 = 0;
-        while t0 < it.t_end {
-            let nk = BK.min(it.t_end - t0);
-            // SAFETY: keys t0..t0+nk < t_end are in bounds (asserted above).
-            unsafe {
-                qk_block(
-                    qt,
-                    rp,
-                    kc.as_ptr().add(t0 * kv_row + col),
-                    kv_row,
-                    nk,
-                    d,
-                    st,
-                );
-            }
-            if t0 + nk - 1 > it.t_diag {
-                mask_block(st, it, t0, nk);
-            }
-            // SAFETY: AVX-512F available (this function's contract); value
-            // rows t0..t0+nk are in bounds (asserted above).
-            unsafe {
-                softmax_block(st, rp, nk, m, l, corr);
-                pv_block(
-                    st,
-                    rp,
-                    nk,
-                    vc.as_ptr().add(t0 * kv_row + col),
-                    kv_row,
-                    d,
-                    acc,
-                    corr,
-                );
-            }
-            t0 += nk;
-        }
-        write_out(sh, it, acc, l, out);
+        // SAFETY: this level's features are available (this function's contract).
+        unsafe { super::drive::<Blocks>(q, kc, vc, sh, it, out, scr) }
     }
 }
 
