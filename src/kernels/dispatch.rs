@@ -39,7 +39,8 @@ pub enum MatmulMode {
 
 thread_local! {
     /// Quantized-activation scratch of the fast path; grows to the largest
-    /// `s*k/32` seen on this thread and is then reused (no allocation per call).
+    /// [`qfast::scratch_len_for`] seen on this thread and is then reused (no
+    /// allocation per call).
     static ACT_SCRATCH: RefCell<Vec<Q8Act>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -57,7 +58,7 @@ pub fn matmul_any(
     mode: MatmulMode,
 ) -> Result<(), KernelError> {
     if mode == MatmulMode::Fast && qfast::supports(w.dtype) {
-        if let Some(need) = qfast::scratch_len(s, k) {
+        if let Some(need) = qfast::scratch_len_for(qfast::Level::detect(), s, k) {
             return ACT_SCRATCH.with(|cell| {
                 let mut scratch = cell.borrow_mut();
                 if scratch.len() < need {

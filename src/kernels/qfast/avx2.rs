@@ -1,33 +1,24 @@
 //! AVX2 kernels of the fast path: activation quantization and the
 //! `maddubs`/`madd` block products (R weight rows x up to 4 tokens).
 
-use super::{Q8Act, HALF, QK, SPLIT_SCALES};
+use super::{Q8Act, QK, RES, RES_SHIFT};
 use crate::ir::DType;
 use std::arch::x86_64::*;
 
-/// `max |v|` over 16 floats (two vectors).
+/// `max |v|` over 32 floats (four vectors).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn amax16(v0: __m256, v1: __m256) -> f32 {
+fn amax32(v: &[__m256; 4]) -> f32 {
     let sign = _mm256_set1_ps(-0.0);
-    let m = _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1));
+    let abs = |x| _mm256_andnot_ps(sign, x);
+    let m = _mm256_max_ps(
+        _mm256_max_ps(abs(v[0]), abs(v[1])),
+        _mm256_max_ps(abs(v[2]), abs(v[3])),
+    );
     let m4 = _mm_max_ps(_mm256_extractf128_ps::<1>(m), _mm256_castps256_ps128(m));
     let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     let m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
     _mm_cvtss_f32(m4)
-}
-
-/// Quantizes 16 floats (two vectors) with scale `amax / 127`; returns
-/// `(i32 quants lo, hi, d, d * Σ quants)`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn quant_half(v0: __m256, v1: __m256, amax: f32) -> (__m256i, __m256i, f32, f32) {
-    let d = amax / 127.0;
-    let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
-    // cvtps2dq rounds to nearest even under the default MXCSR.
-    let i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, id));
-    let i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, id));
-    (i0, i1, d, d * hsum_i32(_mm256_add_epi32(i0, i1)) as f32)
 }
 
 #[inline]
@@ -39,11 +30,15 @@ fn hsum_i32(v: __m256i) -> i32 {
     _mm_cvtsi128_si32(s4)
 }
 
+/// Same results as the scalar reference `quantize_act_scalar`, bit for bit.
+///
 /// # Safety
 /// The CPU must support avx2/fma/f16c; `x.len() == 32 * out.len()`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn quantize(x: &[f32], out: &mut [Q8Act]) {
     let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    let res = _mm256_set1_ps(RES as f32);
+    let (lo, hi) = (_mm256_set1_epi32(-127), _mm256_set1_epi32(127));
     for (xb, o) in x.chunks_exact(QK).zip(out.iter_mut()) {
         // SAFETY: xb has 32 f32; unaligned loads.
         let v = unsafe {
@@ -54,20 +49,33 @@ pub(super) unsafe fn quantize(x: &[f32], out: &mut [Q8Act]) {
                 _mm256_loadu_ps(xb.as_ptr().add(24)),
             ]
         };
-        let (mut m0, mut m1) = (amax16(v[0], v[1]), amax16(v[2], v[3]));
-        if !SPLIT_SCALES {
-            m0 = m0.max(m1);
-            m1 = m0;
+        let c = amax32(&v) / 127.0;
+        let id = _mm256_set1_ps(if c != 0.0 { 1.0 / c } else { 0.0 });
+        let mut q = [_mm256_setzero_si256(); 4];
+        let mut r = [_mm256_setzero_si256(); 4];
+        for i in 0..4 {
+            let vi = _mm256_mul_ps(v[i], id);
+            // cvtps2dq rounds to nearest even under the default MXCSR.
+            q[i] = _mm256_cvtps_epi32(vi);
+            let ri = _mm256_mul_ps(_mm256_sub_ps(vi, _mm256_cvtepi32_ps(q[i])), res);
+            r[i] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(ri), lo), hi);
         }
-        let (i0, i1, d0, s0) = quant_half(v[0], v[1], m0);
-        let (i2, i3, d1, s1) = quant_half(v[2], v[3], m1);
-        let p01 = _mm256_packs_epi32(i0, i1);
-        let p23 = _mm256_packs_epi32(i2, i3);
-        let p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), perm);
-        // SAFETY: qs has 32 bytes; unaligned store.
-        unsafe { _mm256_storeu_si256(o.qs.as_mut_ptr() as *mut __m256i, p) };
-        o.d = [d0, d1];
-        o.s = s0 + s1;
+        let pack = |a: &[__m256i; 4]| {
+            let p01 = _mm256_packs_epi32(a[0], a[1]);
+            let p23 = _mm256_packs_epi32(a[2], a[3]);
+            _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), perm)
+        };
+        // SAFETY: qs and qr have 32 bytes each; unaligned stores.
+        unsafe {
+            _mm256_storeu_si256(o.qs.as_mut_ptr() as *mut __m256i, pack(&q));
+            _mm256_storeu_si256(o.qr.as_mut_ptr() as *mut __m256i, pack(&r));
+        }
+        let sum = |a: &[__m256i; 4]| {
+            _mm256_add_epi32(_mm256_add_epi32(a[0], a[1]), _mm256_add_epi32(a[2], a[3]))
+        };
+        let isum = _mm256_add_epi32(_mm256_slli_epi32::<RES_SHIFT>(sum(&q)), sum(&r));
+        o.d = c / RES as f32;
+        o.s = o.d * hsum_i32(isum) as f32;
     }
 }
 
@@ -89,6 +97,15 @@ pub(super) trait Block {
     /// # Safety
     /// The CPU must support avx2/fma/f16c; `b` holds one block.
     unsafe fn load(b: &[u8]) -> (__m256i, f32, f32);
+    /// `(u, d, m')`: the quants as unsigned bytes `u` with every weight
+    /// `d·u + m'` (Q8_0 `q + 128`, `m' = -128 d`; Q4_0 the nibble,
+    /// `m' = -8 d`; Q4_1 the nibble and its minimum), so a kernel can use
+    /// the weights as `vpdpbusd`'s unsigned operand without moving signs,
+    /// paying `m' · Σ x` per block instead.
+    ///
+    /// # Safety
+    /// As [`Block::load`].
+    unsafe fn load_u(b: &[u8]) -> (__m256i, f32, f32);
 }
 
 pub(super) struct BQ8_0;
@@ -106,6 +123,13 @@ impl Block for BQ8_0 {
         // SAFETY: q has 32 bytes; unaligned load.
         let v = unsafe { _mm256_loadu_si256(q.as_ptr() as *const __m256i) };
         (v, f16_at(b, 0), 0.0)
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_u(b: &[u8]) -> (__m256i, f32, f32) {
+        // SAFETY: as load.
+        let (v, d, _) = unsafe { Self::load(b) };
+        (_mm256_xor_si256(v, _mm256_set1_epi8(-128)), d, -128.0 * d)
     }
 }
 
@@ -132,6 +156,13 @@ impl Block for BQ4_0 {
         let v = unsafe { _mm256_sub_epi8(nibbles32(&b[2..18]), _mm256_set1_epi8(8)) };
         (v, f16_at(b, 0), 0.0)
     }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_u(b: &[u8]) -> (__m256i, f32, f32) {
+        let d = f16_at(b, 0);
+        // SAFETY: as nibbles32.
+        (unsafe { nibbles32(&b[2..18]) }, d, -8.0 * d)
+    }
 }
 
 impl Block for BQ4_1 {
@@ -144,6 +175,12 @@ impl Block for BQ4_1 {
         // SAFETY: as nibbles32.
         let v = unsafe { nibbles32(&b[4..20]) };
         (v, f16_at(b, 0), f16_at(b, 2))
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_u(b: &[u8]) -> (__m256i, f32, f32) {
+        // SAFETY: as load.
+        unsafe { Self::load(b) }
     }
 }
 
@@ -227,16 +264,6 @@ fn rows_nt<B: Block, const NT: usize, const R: usize>(
     }
 }
 
-/// The activation block's two half-block scales as a vector: lanes 0-3
-/// (elements 0..16 after `madd(maddubs(..))`) `d[0]`, lanes 4-7 `d[1]`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn act_scales(ab: &Q8Act) -> __m256 {
-    let lo = _mm_set1_ps(ab.d[0]);
-    let hi = _mm_set1_ps(ab.d[1]);
-    _mm256_set_m128(hi, lo)
-}
-
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn kern<B: Block, const R: usize, const NT: usize>(
@@ -245,10 +272,10 @@ fn kern<B: Block, const R: usize, const NT: usize>(
     a: &[&[Q8Act]; NT],
     out: &mut [f32],
 ) {
-    const _: () = assert!(HALF * 2 == QK);
     let rb = nb * B::BYTES;
     assert!(w.len() == R * rb && out.len() == R * NT);
     let ones = _mm256_set1_epi16(1);
+    let res = _mm256_set1_epi16(RES as i16);
     let mut acc = [[_mm256_setzero_ps(); NT]; R];
     let mut msum = [[0f32; NT]; R];
     for b in 0..nb {
@@ -257,7 +284,7 @@ fn kern<B: Block, const R: usize, const NT: usize>(
         // symbol in the profile, called per block and row).
         let mut q = [_mm256_setzero_si256(); R];
         let mut qu = [_mm256_setzero_si256(); R];
-        let mut dw = [_mm256_setzero_ps(); R];
+        let mut dw = [0f32; R];
         let mut mw = [0f32; R];
         for r in 0..R {
             let at = r * rb + b * B::BYTES;
@@ -269,23 +296,35 @@ fn kern<B: Block, const R: usize, const NT: usize>(
             } else {
                 qq
             };
-            dw[r] = _mm256_set1_ps(d);
+            dw[r] = d;
             mw[r] = m;
         }
         for t in 0..NT {
             let ab = &a[t][b];
-            // SAFETY: qs has 32 bytes; unaligned load.
-            let av = unsafe { _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i) };
-            let da = act_scales(ab);
+            // SAFETY: qs and qr have 32 bytes each; unaligned loads.
+            let (av, ar) = unsafe {
+                (
+                    _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i),
+                    _mm256_loadu_si256(ab.qr.as_ptr() as *const __m256i),
+                )
+            };
             for r in 0..R {
-                let sa = if B::SIGNED {
-                    _mm256_sign_epi8(av, q[r])
+                let (sa, sr) = if B::SIGNED {
+                    (_mm256_sign_epi8(av, q[r]), _mm256_sign_epi8(ar, q[r]))
                 } else {
-                    av
+                    (av, ar)
                 };
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(qu[r], sa), ones);
-                acc[r][t] =
-                    _mm256_fmadd_ps(_mm256_mul_ps(dw[r], da), _mm256_cvtepi32_ps(p), acc[r][t]);
+                // 256·Σ w·qs + Σ w·qr per 4 elements; every maddubs pair
+                // sum is at most 2·128·127, inside i16.
+                let p = _mm256_add_epi32(
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(qu[r], sa), res),
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(qu[r], sr), ones),
+                );
+                acc[r][t] = _mm256_fmadd_ps(
+                    _mm256_set1_ps(dw[r] * ab.d),
+                    _mm256_cvtepi32_ps(p),
+                    acc[r][t],
+                );
                 if B::HAS_MIN {
                     msum[r][t] += mw[r] * ab.s;
                 }

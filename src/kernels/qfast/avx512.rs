@@ -1,27 +1,32 @@
-//! AVX-512 VNNI kernels of the fast path for S>1 (prefill): an outer-product
-//! formulation with `vpdpbusd`.
+//! AVX-512 VNNI kernels of the fast path: an outer-product formulation
+//! with `vpdpbusd` for S>1 (prefill), and the AVX2 kernel's structure with
+//! 256-bit `vpdpbusd` for small S.
 //!
 //! * Activations of 16 tokens are packed per 32-element block
 //!   ([`PackedBlock`]): for each group `j` of 4 elements, one 64-byte vector
 //!   holding those 4 quants of all 16 tokens (lane `t` = token `t`), stored
-//!   offset by +128 as unsigned bytes (`q ^ 0x80`).
+//!   offset by +128 as unsigned bytes (`q ^ 0x80`); the same again for the
+//!   remainders `qr`.
 //! * Weight rows are decoded once per work chunk into [`WBlock`]s: 32 signed
 //!   quants in element order (Q8_0 as stored, Q4_0 `q - 8`, Q4_1 `q`), the
-//!   scale, the Q4_1 minimum, and `corr[h] = -128 · Σ quants` of each half
-//!   block.
+//!   scale, the Q4_1 minimum, and `corr = -128 · Σ quants`.
 //! * `vpdpbusd(acc, acts_j, broadcast(w[4j..4j+4]))` then adds, in lane `t`,
-//!   `Σ (q_t + 128) · w` over 4 elements; starting the accumulator at
-//!   `corr[h]` makes the lane exactly `Σ q_t · w` over the half block. One
-//!   instruction does 16 tokens x 4 elements; the f32 work (convert, scale,
-//!   fmadd) is paid once per half block for 16 tokens, not per token.
-//!
-//! For small S ([`dot_rows`]) the AVX2 kernel's structure with `vpdpbusd`
-//! (256-bit) in place of `maddubs` + `madd`.
+//!   `Σ (q_t + 128) · w` over 4 elements; starting the accumulator at `corr`
+//!   makes the lane exactly `Σ q_t · w` over the block. One instruction does
+//!   16 tokens x 4 elements; the quants and the remainders go into two
+//!   accumulators that meet as `256·Σ q·w + Σ r·w`, and the f32 work
+//!   (convert, scale, fmadd) is paid once per block for 16 tokens.
+//! * For small S ([`dot_rows`]), the weights are the unsigned operand
+//!   ([`Block::load_u`]: Q8_0 offset by +128, Q4 nibbles as stored) and the
+//!   offset is paid as `m' · s` per block, with no sign juggling.
 
-use super::avx2::{act_scales, hsum, Block, BQ4_0, BQ4_1, BQ8_0};
-use super::{Q8Act, HALF, QK};
+use super::avx2::{hsum, Block, BQ4_0, BQ4_1, BQ8_0};
+use super::{Q8Act, QK, RES_SHIFT};
 use crate::ir::DType;
 use std::arch::x86_64::*;
+
+/// [`RES_SHIFT`] as the `u32` shift count of `_mm512_slli_epi32`.
+const RES_SHIFT_U: u32 = RES_SHIFT as u32;
 
 /// Tokens per packed group (one i32 lane each in a 512-bit register).
 pub(super) const TG: usize = 16;
@@ -34,7 +39,8 @@ pub(super) const R: usize = 8;
 #[repr(C, align(64))]
 pub struct PackedBlock {
     qs: [[u8; 64]; 8],
-    d: [[f32; TG]; 2],
+    qr: [[u8; 64]; 8],
+    d: [f32; TG],
     s: [f32; TG],
 }
 
@@ -42,7 +48,8 @@ impl Default for PackedBlock {
     fn default() -> Self {
         PackedBlock {
             qs: [[0x80; 64]; 8],
-            d: [[0.0; TG]; 2],
+            qr: [[0x80; 64]; 8],
+            d: [0.0; TG],
             s: [0.0; TG],
         }
     }
@@ -60,18 +67,18 @@ pub(super) fn pack(acts: &[&[Q8Act]], nb: usize, out: &mut [PackedBlock]) {
                     for j in 0..QK / 4 {
                         for i in 0..4 {
                             o.qs[j][4 * t + i] = ab.qs[4 * j + i] as u8 ^ 0x80;
+                            o.qr[j][4 * t + i] = ab.qr[4 * j + i] as u8 ^ 0x80;
                         }
                     }
-                    o.d[0][t] = ab.d[0];
-                    o.d[1][t] = ab.d[1];
+                    o.d[t] = ab.d;
                     o.s[t] = ab.s;
                 }
                 None => {
                     for j in 0..QK / 4 {
                         o.qs[j][4 * t..4 * t + 4].fill(0x80);
+                        o.qr[j][4 * t..4 * t + 4].fill(0x80);
                     }
-                    o.d[0][t] = 0.0;
-                    o.d[1][t] = 0.0;
+                    o.d[t] = 0.0;
                     o.s[t] = 0.0;
                 }
             }
@@ -86,7 +93,7 @@ pub struct WBlock {
     qs: [i8; 32],
     d: f32,
     m: f32,
-    corr: [i32; 2],
+    corr: i32,
 }
 
 /// True when the CPU has what these kernels need.
@@ -125,16 +132,12 @@ fn decode_t<B: Block>(w: &[u8], row_bytes: usize, out: &mut [WBlock]) {
         let (q, d, m) = unsafe { B::load(blk) };
         // SAFETY: o.qs has 32 bytes; unaligned store.
         unsafe { _mm256_storeu_si256(o.qs.as_mut_ptr() as *mut __m256i, q) };
-        // Lanes 0-3 sum elements 0..16, lanes 4-7 elements 16..32.
         let s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, q);
         let s = _mm256_hadd_epi32(s, s);
         let s = _mm256_hadd_epi32(s, s);
         o.d = d;
         o.m = if B::HAS_MIN { m } else { 0.0 };
-        o.corr = [
-            -128 * _mm256_extract_epi32::<0>(s),
-            -128 * _mm256_extract_epi32::<4>(s),
-        ];
+        o.corr = -128 * (_mm256_extract_epi32::<0>(s) + _mm256_extract_epi32::<4>(s));
     }
     out[nr * nb..].fill(WBlock::default());
 }
@@ -171,35 +174,43 @@ fn kern_t<const MIN: bool>(
     let wp = w.as_ptr();
     let mut f = [_mm512_setzero_ps(); R];
     for (b, pb) in acts.iter().enumerate() {
-        for h in 0..2 {
-            let mut acc = [_mm512_setzero_si512(); R];
+        // Σ w·qs and Σ w·qr per lane, each started at the correction;
+        // combined below as 256·Σ w·qs + Σ w·qr (at most 32·128·32639 < 2^31).
+        let mut acc = [_mm512_setzero_si512(); R];
+        let mut accr = [_mm512_setzero_si512(); R];
+        for r in 0..R {
+            // SAFETY: r * nb + b < R * nb = w.len().
+            let wb = unsafe { &*wp.add(r * nb + b) };
+            acc[r] = _mm512_set1_epi32(wb.corr);
+            accr[r] = acc[r];
+        }
+        for j in 0..QK / 4 {
+            // SAFETY: qs[j] and qr[j] are 64 bytes, 64-byte aligned
+            // (repr(align(64)) and every row a multiple of 64 bytes).
+            let (a, ar) = unsafe {
+                (
+                    _mm512_load_si512(pb.qs[j].as_ptr() as *const __m512i),
+                    _mm512_load_si512(pb.qr[j].as_ptr() as *const __m512i),
+                )
+            };
             for r in 0..R {
-                // SAFETY: r * nb + b < R * nb = w.len().
-                let wb = unsafe { &*wp.add(r * nb + b) };
-                acc[r] = _mm512_set1_epi32(wb.corr[h]);
+                // SAFETY: as above; 4 bytes at 4j < 32 of qs, unaligned read.
+                let wq = _mm512_set1_epi32(unsafe {
+                    let wb = &*wp.add(r * nb + b);
+                    std::ptr::read_unaligned(wb.qs.as_ptr().add(4 * j) as *const i32)
+                });
+                acc[r] = _mm512_dpbusd_epi32(acc[r], a, wq);
+                accr[r] = _mm512_dpbusd_epi32(accr[r], ar, wq);
             }
-            for jj in 0..HALF / 4 {
-                let j = h * (HALF / 4) + jj;
-                // SAFETY: qs[j] is 64 bytes, 64-byte aligned (repr(align(64)) and
-                // every row a multiple of 64 bytes).
-                let a = unsafe { _mm512_load_si512(pb.qs[j].as_ptr() as *const __m512i) };
-                for r in 0..R {
-                    // SAFETY: as above; 4 bytes at 4j < 32 of qs, unaligned read.
-                    let wq = unsafe {
-                        let wb = &*wp.add(r * nb + b);
-                        std::ptr::read_unaligned(wb.qs.as_ptr().add(4 * j) as *const i32)
-                    };
-                    acc[r] = _mm512_dpbusd_epi32(acc[r], a, _mm512_set1_epi32(wq));
-                }
-            }
-            // SAFETY: d[h] is 64 bytes, 64-byte aligned.
-            let da = unsafe { _mm512_load_ps(pb.d[h].as_ptr()) };
-            for r in 0..R {
-                // SAFETY: as above.
-                let dw = unsafe { (*wp.add(r * nb + b)).d };
-                let sc = _mm512_mul_ps(da, _mm512_set1_ps(dw));
-                f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), sc, f[r]);
-            }
+        }
+        // SAFETY: d is 64 bytes, 64-byte aligned.
+        let da = unsafe { _mm512_load_ps(pb.d.as_ptr()) };
+        for r in 0..R {
+            let p = _mm512_add_epi32(_mm512_slli_epi32::<RES_SHIFT_U>(acc[r]), accr[r]);
+            // SAFETY: as above.
+            let dw = unsafe { (*wp.add(r * nb + b)).d };
+            let sc = _mm512_mul_ps(da, _mm512_set1_ps(dw));
+            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, f[r]);
         }
         if MIN {
             // SAFETY: s is 64 bytes, 64-byte aligned.
@@ -306,41 +317,37 @@ fn small<B: Block, const RR: usize, const NT: usize>(
             if b >= nb {
                 break;
             }
-            let mut q = [_mm256_setzero_si256(); RR];
             let mut qu = [_mm256_setzero_si256(); RR];
-            let mut dw = [_mm256_setzero_ps(); RR];
+            let mut dw = [0f32; RR];
             let mut mw = [0f32; RR];
             for r in 0..RR {
                 let at = r * rb + b * B::BYTES;
                 // SAFETY: the slice has B::BYTES bytes.
-                let (qq, d, m) = unsafe { B::load(&w[at..at + B::BYTES]) };
-                q[r] = qq;
-                // Signed weights: |w| as the unsigned operand, the sign moved
-                // onto the activations (|-128| = 128 as u8 is still right).
-                qu[r] = if B::SIGNED { _mm256_abs_epi8(qq) } else { qq };
-                dw[r] = _mm256_set1_ps(d);
+                let (qq, d, m) = unsafe { B::load_u(&w[at..at + B::BYTES]) };
+                qu[r] = qq;
+                dw[r] = d;
                 mw[r] = m;
             }
             for t in 0..NT {
                 let ab = &a[t][b];
-                // SAFETY: qs has 32 bytes; unaligned load.
-                let av = unsafe { _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i) };
-                let da = act_scales(ab);
+                // SAFETY: qs and qr have 32 bytes each; unaligned loads.
+                let (av, ar) = unsafe {
+                    (
+                        _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i),
+                        _mm256_loadu_si256(ab.qr.as_ptr() as *const __m256i),
+                    )
+                };
                 for r in 0..RR {
-                    let sa = if B::SIGNED {
-                        _mm256_sign_epi8(av, q[r])
-                    } else {
-                        av
-                    };
-                    let p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), qu[r], sa);
+                    // 256·Σ u·qs + Σ u·qr per 4 elements (u = the unsigned
+                    // quants), then m' · s for the offset of u.
+                    let p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), qu[r], av);
+                    let p = _mm256_dpbusd_epi32(_mm256_slli_epi32::<RES_SHIFT>(p), qu[r], ar);
                     acc[u][r][t] = _mm256_fmadd_ps(
-                        _mm256_mul_ps(dw[r], da),
+                        _mm256_set1_ps(dw[r] * ab.d),
                         _mm256_cvtepi32_ps(p),
                         acc[u][r][t],
                     );
-                    if B::HAS_MIN {
-                        msum[r][t] += mw[r] * ab.s;
-                    }
+                    msum[r][t] += mw[r] * ab.s;
                 }
             }
         }

@@ -1,23 +1,35 @@
-//! The fast path for linear layers over block-quantized weights, as llama.cpp
-//! does it: each activation row is quantized once per matmul into 8-bit
-//! blocks ([`Q8Act`], 32 elements, one f32 scale per 16-element half), then
-//! every weight block is multiplied with an activation block in integers and
-//! scaled once per half block.
+//! The fast path for linear layers over block-quantized weights: each
+//! activation row is quantized once per matmul into 8-bit blocks
+//! ([`Q8Act`], 32 elements, one f32 scale), then every weight block is
+//! multiplied with an activation block in integers and scaled once, as
+//! llama.cpp does; unlike llama.cpp, each activation carries a second 8-bit
+//! quant for its rounding remainder.
 //!
 //! Supported weight types: Q8_0, Q4_0, Q4_1 ([`supports`]). Other dtypes go
 //! through the exact path ([`super::qmatmul`]).
 //!
 //! Accuracy: the only approximation is the activation quantization. With
-//! `d_h = max|x_h| / 127` per 16-element half block `h`, each activation moves
-//! by at most `d_h/2`, so one output differs from the exact product
-//! `Σ w_i x_i` (with the same dequantized weights) by at most
-//! `Σ_h (d_h / 2) Σ_{i∈h} |w_i|` plus f32 rounding; see [`act_error_bound`].
+//! `c = max|x| / 127` per block, an activation `x` is `c · v` with
+//! `|v| ≤ 127`; `q = round(v)` and the remainder `r = round(256 (v - q))`
+//! (clamped to ±127) are both stored as `i8`, and `x ≈ d (256 q + r)` with
+//! `d = c / 256`: in effect a 16-bit activation, every element within `d`
+//! (one step of the remainder) of its value. One output therefore differs
+//! from the exact product `Σ w_i x_i` (with the same dequantized weights) by
+//! at most about `Σ_b d_b Σ_{i∈b} |w_i|` plus f32 rounding; see
+//! [`act_error_bound`].
+//! The kernels do twice the integer work of plain 8-bit activations (each
+//! decoded weight block meets both quants) and read the same weight bytes.
+//! With 8-bit activations alone the largest top-10 logit error on the
+//! committed SmolLM2 prompts was 0.68, enough to flip near ties such as the
+//! France prompt's first token; with the remainder it is ~0.003 (see
+//! benches/compare/NOTES.md, "Accuracy of the fast path").
 //! The integer block products are exact. Q4_1's minimum term `m · Σ x_i`
 //! uses the sum of the quantized activations, as llama.cpp does: the error
 //! is then `Σ w_i e_i` with the dequantized `w` (centred on 0); with the f32
 //! sum of the unquantized ones it would be `Σ (w_i - m) e_i`, measured
-//! clearly worse. Two scales per block instead of llama.cpp's one: see
-//! benches/compare/NOTES.md, "Accuracy of the fast path".
+//! clearly worse. (Before the remainder, each block had one scale per
+//! 16-element half, which halved the 8-bit error; with the remainder it
+//! changes nothing measurable, so one scale per block it is.)
 //!
 //! Kernels, picked at run time ([`Level::detect`]):
 //! * [`Level::Avx512Vnni`] (AVX-512 F/BW/VL + VNNI), S ≥ [`PACKED_MIN_S`]:
@@ -47,25 +59,28 @@ use crate::ir::DType;
 use crate::pool::{SyncPtr, ThreadPool};
 use half::f16;
 
-/// One quantized block of 32 activations: `x[i] ≈ d[i / 16] * qs[i]`;
-/// `s = d[0] Σ_{i<16} qs[i] + d[1] Σ_{i≥16} qs[i]` (for Q4_1's minimum term).
+/// One quantized block of 32 activations:
+/// `x[i] ≈ d * (256 * qs[i] + qr[i])` ([`RES`] = 256);
+/// `s` is the sum of those 32 values (for weight offsets such as Q4_1's minimum).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 #[repr(C)]
 pub struct Q8Act {
-    pub d: [f32; 2],
+    pub d: f32,
     pub s: f32,
+    /// The 8-bit quants (`|qs| ≤ 127`).
     pub qs: [i8; 32],
+    /// The remainders, in units of 1/256 of a quant step (`|qr| ≤ 127`).
+    pub qr: [i8; 32],
 }
+
+/// Weight of [`Q8Act::qs`] against [`Q8Act::qr`] (a power of two, so the
+/// scale `d = c / RES` is exact).
+pub const RES: i32 = 256;
+/// `log2(RES)`.
+pub const RES_SHIFT: i32 = 8;
 
 /// Elements per activation block.
 pub const QK: usize = 32;
-/// Elements per activation scale when [`SPLIT_SCALES`].
-pub const HALF: usize = 16;
-/// One activation scale per 16 elements (`true`) or per 32 (`false`: both
-/// entries of [`Q8Act::d`] hold the block's scale, as llama.cpp's `q8_0`/`q8_1`).
-/// The kernels handle both; only the quantizer differs. See
-/// benches/compare/NOTES.md, "Accuracy of the fast path".
-pub const SPLIT_SCALES: bool = true;
 /// Weight rows per work chunk.
 pub const COLS_PER_CHUNK: usize = 16;
 /// Tokens per work chunk (S>1, AVX2/scalar kernels).
@@ -135,8 +150,8 @@ pub fn supports(dtype: DType) -> bool {
     matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1)
 }
 
-/// Activation blocks needed for an `[s, k]` input (`None` if `k` is not a
-/// multiple of 32 or the size overflows).
+/// Activation blocks of scratch enough for an `[s, k]` input at every
+/// level (`None` if `k` is not a multiple of 32 or the size overflows).
 pub fn scratch_len(s: usize, k: usize) -> Option<usize> {
     if !k.is_multiple_of(QK) {
         return None;
@@ -144,28 +159,37 @@ pub fn scratch_len(s: usize, k: usize) -> Option<usize> {
     s.checked_mul(k / QK)
 }
 
+/// Activation blocks of scratch [`qmatmul_fast_with`] needs at `level`:
+/// [`scratch_len`], except none where the AVX-512 VNNI kernels run (they
+/// quantize 16 tokens at a time into per-worker buffers of their own).
+pub fn scratch_len_for(level: Level, s: usize, k: usize) -> Option<usize> {
+    if level == Level::Avx512Vnni && s >= PACKED_MIN_S && k >= QK && k.is_multiple_of(QK) {
+        return Some(0);
+    }
+    scratch_len(s, k)
+}
+
 /// Scalar reference: quantizes `x` (a multiple of 32 elements) into `out`.
 /// Rounds half to even, as `cvtps2dq` does, so it matches the AVX2 version bit for bit.
 pub fn quantize_act_scalar(x: &[f32], out: &mut [Q8Act]) {
     assert_eq!(x.len(), out.len() * QK, "quantize_act: length mismatch");
     for (xb, o) in x.chunks_exact(QK).zip(out.iter_mut()) {
-        let mut isum = [0i32; 2];
-        let amax_of = |v: &[f32]| v.iter().fold(0f32, |a, v| a.max(v.abs()));
-        let whole = amax_of(xb);
-        for (h, xh) in xb.chunks_exact(HALF).enumerate() {
-            let amax = if SPLIT_SCALES { amax_of(xh) } else { whole };
-            let d = amax / 127.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-            let mut sum = 0i32;
-            for i in 0..HALF {
-                let q = (xh[i] * id).round_ties_even() as i32;
-                o.qs[h * HALF + i] = q as i8;
-                sum += q;
-            }
-            o.d[h] = d;
-            isum[h] = sum;
+        let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let c = amax / 127.0;
+        let id = if c != 0.0 { 1.0 / c } else { 0.0 };
+        let mut isum = 0i32;
+        for i in 0..QK {
+            let v = xb[i] * id;
+            let q = v.round_ties_even();
+            let r = ((v - q) * RES as f32)
+                .round_ties_even()
+                .clamp(-127.0, 127.0);
+            o.qs[i] = q as i32 as i8;
+            o.qr[i] = r as i32 as i8;
+            isum += RES * q as i32 + r as i32;
         }
-        o.s = o.d[0] * isum[0] as f32 + o.d[1] * isum[1] as f32;
+        o.d = c / RES as f32;
+        o.s = o.d * isum as f32;
     }
 }
 
@@ -192,25 +216,19 @@ fn quantize_act_with(level: Level, x: &[f32], out: &mut [Q8Act]) {
     quantize_act_scalar(x, out)
 }
 
-/// Upper bound of `|fast - exact|` for one output: `Σ_h d_h/2 · Σ_{i∈h} |w_i|`
-/// over the half blocks `h` of the quantized activation row `acts` (`w`
-/// dequantized).
+/// Upper bound of `|fast - exact|` for one output:
+/// `(1 + 1/64) Σ_b d_b · Σ_{i∈b} |w_i|` over the blocks `b` of the quantized
+/// activation row `acts` (`w` dequantized). Each activation is within one
+/// remainder step `d_b` of its value (half a step from rounding the
+/// remainder, the other half only where the clamp to ±127 bites); the 1/64
+/// covers the f32 rounding of `x / c`.
 pub fn act_error_bound(w: &[f32], acts: &[Q8Act]) -> f32 {
-    w.chunks_exact(QK)
+    let sum: f32 = w
+        .chunks_exact(QK)
         .zip(acts)
-        .map(|(wb, a)| {
-            (0..2)
-                .map(|h| {
-                    a.d[h]
-                        * 0.5
-                        * wb[h * HALF..(h + 1) * HALF]
-                            .iter()
-                            .map(|v| v.abs())
-                            .sum::<f32>()
-                })
-                .sum::<f32>()
-        })
-        .sum()
+        .map(|(wb, a)| a.d * wb.iter().map(|v| v.abs()).sum::<f32>())
+        .sum();
+    sum * (1.0 + 1.0 / 64.0)
 }
 
 #[inline(always)]
@@ -219,7 +237,7 @@ fn rd_f16(b: &[u8], at: usize) -> f32 {
 }
 
 /// Scalar reference: a stored weight row (`dtype`) dotted with a quantized
-/// activation row: per half block an exact integer sum, scaled in f32.
+/// activation row: per block an exact integer sum, scaled in f32.
 ///
 /// # Panics
 /// If `dtype` is not [`supported`](supports) or the lengths disagree.
@@ -230,36 +248,36 @@ pub fn dot_q8_scalar(dtype: DType, row: &[u8], acts: &[Q8Act]) -> f32 {
     let mut sum = 0f32;
     for (b, a) in row.chunks_exact(bb).zip(acts) {
         let (isum, d, m) = block_isums(dtype, b, a);
-        sum += d * (a.d[0] * isum[0] as f32 + a.d[1] * isum[1] as f32) + m * a.s;
+        sum += d * a.d * isum as f32 + m * a.s;
     }
     sum
 }
 
-/// Exact integer products of one weight block with one activation block, per
-/// half block, and the weight block's scale and minimum (0 unless Q4_1).
-pub fn block_isums(dtype: DType, b: &[u8], a: &Q8Act) -> ([i32; 2], f32, f32) {
+/// The exact integer product of one weight block with one activation block
+/// (`Σ w_i (256 qs_i + qr_i)`, at most 32·128·32639 in magnitude), and the
+/// weight block's scale and minimum (0 unless Q4_1).
+pub fn block_isums(dtype: DType, b: &[u8], a: &Q8Act) -> (i32, f32, f32) {
     let d = rd_f16(b, 0);
-    let mut isum = [0i32; 2];
+    let act = |i: usize| RES * a.qs[i] as i32 + a.qr[i] as i32;
+    let mut isum = 0i32;
     match dtype {
         DType::Q8_0 => {
             for i in 0..32 {
-                isum[i / HALF] += (b[2 + i] as i8) as i32 * a.qs[i] as i32;
+                isum += (b[2 + i] as i8) as i32 * act(i);
             }
             (isum, d, 0.0)
         }
         DType::Q4_0 => {
             for i in 0..16 {
                 let q = b[2 + i];
-                isum[0] += ((q & 15) as i32 - 8) * a.qs[i] as i32;
-                isum[1] += ((q >> 4) as i32 - 8) * a.qs[i + 16] as i32;
+                isum += ((q & 15) as i32 - 8) * act(i) + ((q >> 4) as i32 - 8) * act(i + 16);
             }
             (isum, d, 0.0)
         }
         DType::Q4_1 => {
             for i in 0..16 {
                 let q = b[4 + i];
-                isum[0] += (q & 15) as i32 * a.qs[i] as i32;
-                isum[1] += (q >> 4) as i32 * a.qs[i + 16] as i32;
+                isum += (q & 15) as i32 * act(i) + (q >> 4) as i32 * act(i + 16);
             }
             (isum, d, rd_f16(b, 2))
         }
@@ -302,8 +320,9 @@ fn dot_rows(
 }
 
 /// `y = x·Wᵀ` with `epilogue` for a Q8_0/Q4_0/Q4_1 `W` `[n, k]`, quantizing
-/// each row of `x` once into `scratch` (at least [`scratch_len`]`(s, k)`
-/// blocks). Same contract as [`super::qmatmul`] otherwise.
+/// each row of `x` once into `scratch` (at least
+/// [`scratch_len_for`]`(Level::detect(), s, k)` blocks). Same contract as
+/// [`super::qmatmul`] otherwise.
 #[allow(clippy::too_many_arguments)]
 pub fn qmatmul_fast(
     pool: &ThreadPool,
@@ -349,23 +368,23 @@ pub fn qmatmul_fast_with(
     }
     let (row_bytes, n_out) = check_linear(OP, x, s, k, &w, n, &epilogue, y)?;
     let nb = k / QK;
-    let need = s * nb;
+    let need = scratch_len_for(level, s, k).unwrap_or(usize::MAX);
     if scratch.len() < need {
         return Err(KernelError::Shape {
             op: OP,
-            what: "scratch blocks (at least s*k/32)",
+            what: "scratch blocks (scratch_len_for)",
             expected: need,
             actual: scratch.len(),
         });
     }
-    let acts = &mut scratch[..need];
     #[cfg(target_arch = "x86_64")]
     {
         if level == Level::Avx512Vnni && s >= PACKED_MIN_S && nb > 0 {
-            packed::run(pool, x, s, k, w, n_out, row_bytes, epilogue, y, acts);
+            packed::run(pool, x, s, k, w, n_out, row_bytes, epilogue, y);
             return Ok(());
         }
     }
+    let acts = &mut scratch[..need];
     if s * k >= 1 << 14 {
         // Large inputs (prefill): quantize the rows in parallel.
         let ap = SyncPtr::new(acts);
@@ -477,6 +496,8 @@ mod packed {
     thread_local! {
         /// Packed activations (the calling thread's, shared read-only with the workers).
         static PACKED: RefCell<Vec<PackedBlock>> = const { RefCell::new(Vec::new()) };
+        /// One group of 16 tokens' quantized rows before packing (per worker).
+        static GROUP: RefCell<Vec<Q8Act>> = const { RefCell::new(Vec::new()) };
         /// Decoded weight rows of the current chunk (per worker).
         static WDEC: RefCell<Vec<WBlock>> = const { RefCell::new(Vec::new()) };
     }
@@ -492,7 +513,6 @@ mod packed {
         row_bytes: usize,
         epilogue: Epilogue<'_>,
         y: &mut [f32],
-        acts: &mut [Q8Act],
     ) {
         let nb = k / QK;
         let groups = s.div_ceil(TG);
@@ -503,20 +523,25 @@ mod packed {
             }
             let packed = &mut packed[..groups * nb];
             {
-                let ap = SyncPtr::new(acts);
                 let pp = SyncPtr::new(packed);
                 pool.run(groups, &|g| {
                     let (t0, t1) = (g * TG, ((g + 1) * TG).min(s));
-                    // SAFETY: chunk g alone owns activation blocks t0*nb..t1*nb
-                    // and packed blocks g*nb..(g+1)*nb.
-                    let a = unsafe { ap.slice(t0 * nb, (t1 - t0) * nb) };
+                    // SAFETY: chunk g alone owns packed blocks g*nb..(g+1)*nb.
                     let p = unsafe { pp.slice(g * nb, nb) };
-                    quantize_act_with(Level::Avx512Vnni, &x[t0 * k..t1 * k], a);
-                    let mut rows: [&[Q8Act]; TG] = [&[]; TG];
-                    for (t, r) in a.chunks_exact(nb).enumerate() {
-                        rows[t] = r;
-                    }
-                    avx512::pack(&rows[..t1 - t0], nb, p);
+                    GROUP.with(|gcell| {
+                        let mut a = gcell.borrow_mut();
+                        let need = (t1 - t0) * nb;
+                        if a.len() < need {
+                            a.resize(need, Q8Act::default());
+                        }
+                        let a = &mut a[..need];
+                        quantize_act_with(Level::Avx512Vnni, &x[t0 * k..t1 * k], a);
+                        let mut rows: [&[Q8Act]; TG] = [&[]; TG];
+                        for (t, r) in a.chunks_exact(nb).enumerate() {
+                            rows[t] = r;
+                        }
+                        avx512::pack(&rows[..t1 - t0], nb, p);
+                    });
                 });
             }
             let packed: &[PackedBlock] = packed;
@@ -642,8 +667,8 @@ mod tests {
         a.iter()
             .flat_map(|b| {
                 b.qs.iter()
-                    .enumerate()
-                    .map(move |(i, &q)| b.d[i / HALF] * q as f32)
+                    .zip(&b.qr)
+                    .map(move |(&q, &r)| b.d * (RES * q as i32 + r as i32) as f32)
             })
             .collect()
     }
@@ -652,12 +677,13 @@ mod tests {
     fn quantize_act_simd_matches_scalar_and_bound() {
         let mut rng = Rng::new(3);
         let mut x = rng.vec(32 * 9);
-        // Ties, zeros, a zero block and a zero half block.
+        // Ties, zeros, a zero block, a block with one non-zero value.
         x[5] = 0.0;
         x[32..64].iter_mut().for_each(|v| *v = 0.0);
         x[64] = 1.0;
         x[65] = 0.5 / 127.0 * 1.0; // exactly half a step below the first level
-        x[96..112].iter_mut().for_each(|v| *v = 0.0);
+        x[96..128].iter_mut().for_each(|v| *v = 0.0);
+        x[100] = -3.0;
         let mut a = vec![Q8Act::default(); 9];
         quantize_act_scalar(&x, &mut a);
         for level in [Level::Avx2, Level::Avx512Vnni] {
@@ -668,33 +694,29 @@ mod tests {
             quantize_act_with(level, &x, &mut b);
             assert_eq!(a, b, "{level:?}");
         }
-        assert_eq!(a[1].d, [0.0, 0.0]);
+        assert_eq!(a[1].d, 0.0);
         assert!(a[1].qs.iter().all(|&q| q == 0));
-        assert_eq!(a[3].d[0] == 0.0, SPLIT_SCALES);
-        assert!(a[3].d[1] > 0.0);
+        assert_eq!(a[3].d, 3.0 / 127.0 / 256.0);
+        assert_eq!(a[3].qs[4], -127);
         let xd = deq_act(&a);
+        let mut clamped = 0;
         for (i, (&u, &v)) in x.iter().zip(&xd).enumerate() {
-            let d = a[i / 32].d[(i % 32) / HALF];
-            assert!((u - v).abs() <= d * 0.5 * (1.0 + 1e-5), "{i}: {u} vs {v}");
-        }
-        for (blk, xb) in a.iter().zip(x.chunks_exact(32)) {
-            let _ = xb;
-            let isum = |h: usize| {
-                blk.qs[h * HALF..(h + 1) * HALF]
-                    .iter()
-                    .map(|&q| q as i32)
-                    .sum::<i32>()
-            };
-            assert_eq!(blk.s, blk.d[0] * isum(0) as f32 + blk.d[1] * isum(1) as f32);
-            if SPLIT_SCALES {
-                for h in 0..2 {
-                    let q = &blk.qs[h * HALF..(h + 1) * HALF];
-                    assert!(q.iter().any(|&q| q.unsigned_abs() == 127) || blk.d[h] == 0.0);
-                }
-            } else {
-                assert_eq!(blk.d[0], blk.d[1]);
-                assert!(blk.qs.iter().any(|&q| q.unsigned_abs() == 127) || blk.d[0] == 0.0);
+            let d = a[i / 32].d;
+            // Within one remainder step (half a step unless the clamp bit),
+            // i.e. within 1/256 of an 8-bit step.
+            assert!((u - v).abs() <= d * (1.0 + 1.0 / 64.0), "{i}: {u} vs {v}");
+            if (u - v).abs() > d * 0.5 * (1.0 + 1.0 / 64.0) {
+                clamped += 1;
             }
+        }
+        assert!(clamped <= 2, "{clamped} remainders clamped");
+        for blk in &a {
+            assert!(blk.qr.iter().all(|&r| r != i8::MIN));
+            let isum: i32 = (0..QK)
+                .map(|i| RES * blk.qs[i] as i32 + blk.qr[i] as i32)
+                .sum();
+            assert_eq!(blk.s, blk.d * isum as f32);
+            assert!(blk.qs.iter().any(|&q| q.unsigned_abs() == 127) || blk.d == 0.0);
         }
     }
 
@@ -705,9 +727,7 @@ mod tests {
             .zip(acts)
             .map(|(b, a)| {
                 let (is, d, m) = block_isums(dtype, b, a);
-                (d * a.d[0] * is[0] as f32).abs()
-                    + (d * a.d[1] * is[1] as f32).abs()
-                    + (m * a.s).abs()
+                (d * a.d * is as f32).abs() + (m * a.s).abs()
             })
             .sum()
     }
@@ -724,7 +744,7 @@ mod tests {
         y: &mut [f32],
     ) {
         let pool = ThreadPool::new(2);
-        let mut scratch = vec![Q8Act::default(); scratch_len(s, k).unwrap()];
+        let mut scratch = vec![Q8Act::default(); scratch_len_for(level, s, k).unwrap()];
         qmatmul_fast_with(level, &pool, x, s, k, wr, n, e, y, &mut scratch).unwrap();
     }
 
@@ -837,8 +857,8 @@ mod tests {
             let mut x: Vec<f32> = (0..s * k)
                 .map(|_| (rng.vec(1)[0] * 254.0).round().clamp(-127.0, 127.0))
                 .collect();
-            for (i, h) in x.chunks_exact_mut(HALF).enumerate() {
-                h[i % HALF] = if i % 2 == 0 { 127.0 } else { -127.0 };
+            for (i, b) in x.chunks_exact_mut(QK).enumerate() {
+                b[i % QK] = if i % 2 == 0 { 127.0 } else { -127.0 };
             }
             for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
                 let bb = dtype.block_bytes();
@@ -914,13 +934,18 @@ mod tests {
         b[..2].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
         b[2..4].copy_from_slice(&f16::from_f32(-1.0).to_le_bytes());
         b[4..].iter_mut().for_each(|q| *q = 0x21);
+        // x = 0.25/256 * (256*1 + 64) = 0.3125 (elements 0..16), 0.25/256 * (256*2 - 128) = 0.375.
+        let (mut qs, mut qr) = ([1; 32], [64; 32]);
+        qs[16..].iter_mut().for_each(|q| *q = 2);
+        qr[16..].iter_mut().for_each(|r| *r = -128);
         let a = Q8Act {
-            d: [0.25, 0.5],
-            s: 0.25 * 16.0 + 0.5 * 16.0,
-            qs: [1; 32],
+            d: 0.25 / 256.0,
+            s: 0.3125 * 16.0 + 0.375 * 16.0,
+            qs,
+            qr,
         };
-        // w = 0.5*1-1 = -0.5 (16 of them, x = 0.25) and 0.5*2-1 = 0 (16, x = 0.5).
-        assert_eq!(dot_q8_scalar(DType::Q4_1, &b, &[a]), -0.5 * 0.25 * 16.0);
+        // w = 0.5*1-1 = -0.5 (16 of them, x = 0.3125) and 0.5*2-1 = 0 (16, x = 0.375).
+        assert_eq!(dot_q8_scalar(DType::Q4_1, &b, &[a]), -0.5 * 0.3125 * 16.0);
     }
 
     #[test]
