@@ -97,15 +97,17 @@ pub(super) trait Block {
     /// # Safety
     /// The CPU must support avx2/fma/f16c; `b` holds one block.
     unsafe fn load(b: &[u8]) -> (__m256i, f32, f32);
-    /// `(u, d, m')`: the quants as unsigned bytes `u` with every weight
-    /// `d·u + m'` (Q8_0 `q + 128`, `m' = -128 d`; Q4_0 the nibble,
+    /// `(u, [d, m', 0, 0])`: the quants as unsigned bytes `u` with every
+    /// weight `d·u + m'` (Q8_0 `q + 128`, `m' = -128 d`; Q4_0 the nibble,
     /// `m' = -8 d`; Q4_1 the nibble and its minimum), so a kernel can use
     /// the weights as `vpdpbusd`'s unsigned operand without moving signs,
-    /// paying `m' · Σ x` per block instead.
+    /// paying `m' · Σ x` per block instead. Scale and offset come as one
+    /// vector so a kernel can multiply both with an activation block's
+    /// `[d, s]` in one instruction.
     ///
     /// # Safety
     /// As [`Block::load`].
-    unsafe fn load_u(b: &[u8]) -> (__m256i, f32, f32);
+    unsafe fn load_u(b: &[u8]) -> (__m256i, __m128);
 }
 
 pub(super) struct BQ8_0;
@@ -126,11 +128,24 @@ impl Block for BQ8_0 {
     }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load_u(b: &[u8]) -> (__m256i, f32, f32) {
-        // SAFETY: as load.
-        let (v, d, _) = unsafe { Self::load(b) };
-        (_mm256_xor_si256(v, _mm256_set1_epi8(-128)), d, -128.0 * d)
+    unsafe fn load_u(b: &[u8]) -> (__m256i, __m128) {
+        let q = &b[2..34];
+        // SAFETY: q has 32 bytes; unaligned load.
+        let v = unsafe { _mm256_loadu_si256(q.as_ptr() as *const __m256i) };
+        (
+            _mm256_xor_si256(v, _mm256_set1_epi8(-128)),
+            scale_offset(b, -128.0),
+        )
     }
+}
+
+/// `[d, c·d, 0, 0]` for the f16 scale `d` at the start of block `b`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn scale_offset(b: &[u8], c: f32) -> __m128 {
+    let bits = u16::from_le_bytes([b[0], b[1]]);
+    let d = _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32));
+    _mm_mul_ps(_mm_broadcastss_ps(d), _mm_setr_ps(1.0, c, 0.0, 0.0))
 }
 
 #[inline]
@@ -158,10 +173,9 @@ impl Block for BQ4_0 {
     }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load_u(b: &[u8]) -> (__m256i, f32, f32) {
-        let d = f16_at(b, 0);
+    unsafe fn load_u(b: &[u8]) -> (__m256i, __m128) {
         // SAFETY: as nibbles32.
-        (unsafe { nibbles32(&b[2..18]) }, d, -8.0 * d)
+        (unsafe { nibbles32(&b[2..18]) }, scale_offset(b, -8.0))
     }
 }
 
@@ -178,9 +192,14 @@ impl Block for BQ4_1 {
     }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load_u(b: &[u8]) -> (__m256i, f32, f32) {
-        // SAFETY: as load.
-        unsafe { Self::load(b) }
+    unsafe fn load_u(b: &[u8]) -> (__m256i, __m128) {
+        // The f16 scale and minimum side by side, widened in one go.
+        let dm = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        (
+            // SAFETY: as nibbles32.
+            unsafe { nibbles32(&b[4..20]) },
+            _mm_cvtph_ps(_mm_cvtsi32_si128(dm as i32)),
+        )
     }
 }
 

@@ -308,9 +308,10 @@ fn small<B: Block, const RR: usize, const NT: usize>(
     let rb = nb * B::BYTES;
     assert!(w.len() == RR * rb && out.len() == RR * NT);
     // Two accumulator sets (even and odd blocks): one fmadd chain per
-    // (row, token) was latency-bound with one row and one token.
+    // (row, token) was latency-bound with one row and one token. Lane 1 of
+    // `msum` gathers the offsets `m' · s`.
     let mut acc = [[[_mm256_setzero_ps(); NT]; RR]; 2];
-    let mut msum = [[0f32; NT]; RR];
+    let mut msum = [[_mm_setzero_ps(); NT]; RR];
     for b0 in (0..nb).step_by(2) {
         for u in 0..2 {
             let b = b0 + u;
@@ -318,43 +319,43 @@ fn small<B: Block, const RR: usize, const NT: usize>(
                 break;
             }
             let mut qu = [_mm256_setzero_si256(); RR];
-            let mut dw = [0f32; RR];
-            let mut mw = [0f32; RR];
+            let mut dm = [_mm_setzero_ps(); RR];
             for r in 0..RR {
                 let at = r * rb + b * B::BYTES;
                 // SAFETY: the slice has B::BYTES bytes.
-                let (qq, d, m) = unsafe { B::load_u(&w[at..at + B::BYTES]) };
-                qu[r] = qq;
-                dw[r] = d;
-                mw[r] = m;
+                (qu[r], dm[r]) = unsafe { B::load_u(&w[at..at + B::BYTES]) };
             }
             for t in 0..NT {
                 let ab = &a[t][b];
-                // SAFETY: qs and qr have 32 bytes each; unaligned loads.
-                let (av, ar) = unsafe {
+                // SAFETY: qs and qr have 32 bytes each; unaligned loads. `d`
+                // and `s` are adjacent f32s (repr(C)): an 8-byte load.
+                let (av, ar, ds) = unsafe {
                     (
                         _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i),
                         _mm256_loadu_si256(ab.qr.as_ptr() as *const __m256i),
+                        _mm_castpd_ps(_mm_load_sd(&ab.d as *const f32 as *const f64)),
                     )
                 };
                 for r in 0..RR {
                     // 256·Σ u·qs + Σ u·qr per 4 elements (u = the unsigned
-                    // quants), then m' · s for the offset of u.
+                    // quants), scaled by d_w·d_a; then m' · s for the offset of u.
                     let p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), qu[r], av);
                     let p = _mm256_dpbusd_epi32(_mm256_slli_epi32::<RES_SHIFT>(p), qu[r], ar);
+                    let sc = _mm_mul_ps(dm[r], ds);
                     acc[u][r][t] = _mm256_fmadd_ps(
-                        _mm256_set1_ps(dw[r] * ab.d),
+                        _mm256_broadcastss_ps(sc),
                         _mm256_cvtepi32_ps(p),
                         acc[u][r][t],
                     );
-                    msum[r][t] += mw[r] * ab.s;
+                    msum[r][t] = _mm_add_ps(msum[r][t], sc);
                 }
             }
         }
     }
     for r in 0..RR {
         for t in 0..NT {
-            out[r * NT + t] = hsum(_mm256_add_ps(acc[0][r][t], acc[1][r][t])) + msum[r][t];
+            let m = _mm_cvtss_f32(_mm_movehdup_ps(msum[r][t]));
+            out[r * NT + t] = hsum(_mm256_add_ps(acc[0][r][t], acc[1][r][t])) + m;
         }
     }
 }
