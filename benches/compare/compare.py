@@ -351,6 +351,29 @@ def _cpu_name():
     return None
 
 
+def cmd_table(args):
+    """Prints a results JSON as the README's markdown table."""
+    doc = json.loads(Path(args.results).read_text())
+    cells = {}
+    for r in doc["rows"]:
+        cells[(r["variant"], r["threads"], r["metric"])] = r
+    names = {"q4_1": "Q4_1 (as shipped)", "q8_0": "Q8_0", "f16": "F16", "f32": "F32"}
+    print("| variant | threads | pp128 | pp512 | tg128 | peak RSS |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    keys = sorted({(v, t) for v, t, _ in cells}, key=lambda k: (list(names).index(k[0]), k[1]))
+    for v, t in keys:
+        out = []
+        for m in ("pp128", "pp512", "tg128", "peak_rss_mib"):
+            r = cells.get((v, t, m))
+            if r is None:
+                out.append("-")
+            elif m == "peak_rss_mib":
+                out.append(f"{r['llama_graph']:.1f} / {r['llama_cpp']:.1f} = {r['ratio']:.3f}")
+            else:
+                out.append(f"{r['llama_graph']:.0f} / {r['llama_cpp']:.0f} = {r['ratio']:.2f}")
+        print(f"| {names.get(v, v)} | {t} | " + " | ".join(out) + " |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -368,12 +391,14 @@ def main():
     p = sub.add_parser("llamacpp-logits", help="llama.cpp's logits vs the f32 reference fixture")
     p.add_argument("--model", default=str(SHIPPED))
     p.add_argument("--threads", type=int, default=1)
+    p = sub.add_parser("table", help="print a results JSON as the README's markdown table")
+    p.add_argument("results")
     p = sub.add_parser("llamacpp-worker", help=argparse.SUPPRESS)
     p.add_argument("--model", required=True)
     p.add_argument("--threads", type=int, required=True)
     args = ap.parse_args()
     {"prepare": cmd_prepare, "run": cmd_run, "llamacpp-worker": cmd_llamacpp_worker,
-     "llamacpp-logits": cmd_llamacpp_logits}[args.cmd](args)
+     "llamacpp-logits": cmd_llamacpp_logits, "table": cmd_table}[args.cmd](args)
 
 
 if __name__ == "__main__":
