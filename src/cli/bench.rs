@@ -65,7 +65,8 @@ pub struct BenchArgs {
     #[arg(long = "no-warmup")]
     pub no_warmup: bool,
     /// Exact quantized matmuls (f32 activations) instead of the fast path
-    /// (activations quantized to 8 bits, as llama.cpp does).
+    /// (activations quantized per block to an 8-bit quant plus an 8-bit
+    /// remainder, integer dot products).
     #[arg(long = "exact")]
     pub exact: bool,
     /// Optimisation passes: `all`, `none` or a comma-separated list of pass

@@ -28,9 +28,10 @@ pub struct RuntimeFlags {
     /// names (see `llama-graph graph --help`); they run in declared order.
     #[arg(long = "passes", value_name = "LIST", default_value = "all", value_parser = parse_passes)]
     pub passes: String,
-    /// Exact f32 activations in every matmul (no int8 activation shortcut
-    /// for quantized weights): results match a float reference on the same
-    /// weights within rounding.
+    /// Exact f32 activations in every matmul (no integer shortcut for
+    /// quantized weights, whose activations are otherwise quantized to an
+    /// 8-bit quant plus an 8-bit remainder, logits within ~0.01): results
+    /// match a float reference on the same weights within rounding.
     #[arg(long = "exact")]
     pub exact: bool,
 }

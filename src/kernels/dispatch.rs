@@ -29,7 +29,8 @@ pub enum MatmulMode {
     /// f32 activations, weights dequantized in registers ([`qmatmul`]).
     #[default]
     Exact,
-    /// Activations quantized once per row into 8-bit blocks and integer
+    /// Activations quantized once per row into blocks of 8-bit quants and
+    /// 8-bit remainders ([`qfast::Q8Act`]), and integer
     /// block dot products ([`qfast::qmatmul_fast`]) for Q8_0/Q4_0/Q4_1
     /// weights; single-row products over F32/F16/BF16 weights use
     /// [`gemv::gemv`] (exact arithmetic, another summation order); other
