@@ -34,7 +34,15 @@ fn main() {
     println!("|---|---|---|---|---|---|---|---|");
     for threads in [1, 2] {
         let pool = ThreadPool::new(threads);
-        for (s, pos) in [(128, 0), (512, 0), (64, 448), (16, 200), (4, 200), (1, 511)] {
+        for (s, pos) in [
+            (128, 0),
+            (512, 0),
+            (64, 448),
+            (16, 200),
+            (4, 200),
+            (1, 511),
+            (1, 2047),
+        ] {
             let shape = AttnShape {
                 s,
                 pos,

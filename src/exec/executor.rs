@@ -95,11 +95,16 @@ impl<'a> Logits<'a> {
 /// SmolLM2) instead of one of the whole prefill chunk (2 MiB at 512).
 const QKV_BLOCK: usize = 128;
 
-/// Fused attention calls of at most this many multiply-adds (a few hundred
+/// Fused attention calls of at most this many multiply-adds (tens of
 /// microseconds on one core) run on the calling thread: decode over a
-/// cache of up to 256 positions for a 2048-wide model. Waking the pool's
-/// workers costs more than that work when the cores are shared.
-pub const SERIAL_ATTENTION_WORK: usize = 1 << 20;
+/// cache of up to ~220 positions for SmolLM2 (576 wide), ~60 for a
+/// 2048-wide model. Waking the pool's workers costs more than that work
+/// when the cores are shared. Beyond it, decode attention splits the keys
+/// over the threads (`kernels::attention_fused::decode_key_splits`); with
+/// that split, lowering this limit from 2^20 took SmolLM2 Q4_1 tg1024 at
+/// 2 threads from 69-72 to 94-95 tokens/s, and tg128 did not change
+/// measurably (127-140 both).
+pub const SERIAL_ATTENTION_WORK: usize = 1 << 18;
 
 pub struct Executor {
     steps: Vec<Step>,

@@ -360,6 +360,62 @@ mod tests {
         );
     }
 
+    /// Decode steps with long histories, where the streaming kernel splits
+    /// the keys into ranges and merges their partial results.
+    #[test]
+    fn decode_with_split_keys() {
+        use crate::kernels::attention_fused::decode_key_splits;
+        for (threads, sh, cap) in [
+            (
+                2,
+                AttnShape {
+                    s: 1,
+                    pos: 1000,
+                    n_heads: 9,
+                    n_kv_heads: 3,
+                    head_dim: 64,
+                },
+                1001,
+            ),
+            (
+                2,
+                AttnShape {
+                    s: 3,
+                    pos: 700,
+                    n_heads: 4,
+                    n_kv_heads: 2,
+                    head_dim: 8,
+                },
+                710,
+            ),
+            (
+                4,
+                AttnShape {
+                    s: 2,
+                    pos: 1100,
+                    n_heads: 4,
+                    n_kv_heads: 1,
+                    head_dim: 7,
+                },
+                1102,
+            ),
+        ] {
+            let splits = decode_key_splits(&sh, threads);
+            assert!(splits > 1, "{sh:?} on {threads} threads: {splits} splits");
+            case(threads, sh, cap, 7);
+        }
+        let sh = AttnShape {
+            s: 1,
+            pos: 1000,
+            n_heads: 9,
+            n_kv_heads: 3,
+            head_dim: 64,
+        };
+        assert_eq!(decode_key_splits(&sh, 1), 1);
+        assert_eq!(decode_key_splits(&AttnShape { pos: 100, ..sh }, 2), 1);
+        assert_eq!(decode_key_splits(&AttnShape { s: 4, ..sh }, 2), 1);
+    }
+
     #[test]
     fn causal_mask_in_scores() {
         let pool = ThreadPool::new(1);

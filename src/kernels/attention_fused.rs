@@ -6,6 +6,13 @@
 //! and value row is loaded once per tile for all those rows; scores of the
 //! tile go to scratch, the running max / sum / output accumulators are
 //! rescaled as in the online softmax; the `S×T` matrix never exists.
+//!
+//! Decode (`S < TILED_MIN_S`) has only one item per kv head (3 for
+//! SmolLM2), too few to keep every thread busy once the context is long,
+//! so the streaming kernel then also splits the keys
+//! ([`decode_key_splits`]): each item covers one key range and leaves its
+//! unnormalised accumulators, running max and sum in scratch, and a merge
+//! rescales them to the common max and sums them (as flash-decoding does).
 
 use super::attention::AttnShape;
 #[cfg(target_arch = "x86_64")]
@@ -26,9 +33,37 @@ fn fused_per_thread(shape: &AttnShape) -> usize {
     rows * (shape.head_dim + K_TILE + 2)
 }
 
+/// Most key ranges one decode item is split into.
+pub const MAX_KEY_SPLITS: usize = 8;
+/// Fewest keys per range of a split decode item.
+const MIN_KEYS_PER_SPLIT: usize = 2 * K_TILE;
+
+/// Key ranges per kv head for a decode step (`s < TILED_MIN_S`) on
+/// `n_threads`: enough items for about four per thread, each range at
+/// least [`MIN_KEYS_PER_SPLIT`] keys, at most [`MAX_KEY_SPLITS`]; 1 (no
+/// split) for prefill shapes and for one thread.
+pub fn decode_key_splits(shape: &AttnShape, n_threads: usize) -> usize {
+    if shape.s == 0 || shape.s >= TILED_MIN_S || n_threads <= 1 || shape.n_kv_heads == 0 {
+        return 1;
+    }
+    let keys = shape.pos + shape.s;
+    let want = (4 * n_threads).div_ceil(shape.n_kv_heads);
+    want.min(keys / MIN_KEYS_PER_SPLIT).clamp(1, MAX_KEY_SPLITS)
+}
+
+/// Scratch for the split items' partial results: per (kv head, split,
+/// row) `head_dim` accumulators, the running max and the sum. Sized for the
+/// largest decode shape (`s = TILED_MIN_S - 1`) so one buffer planned for a
+/// prefill chunk also serves decode.
+fn partials_len(shape: &AttnShape) -> usize {
+    let n_rep = shape.n_heads / shape.n_kv_heads.max(1);
+    let rows = n_rep * shape.s.clamp(1, TILED_MIN_S - 1);
+    shape.n_kv_heads * MAX_KEY_SPLITS * rows * (shape.head_dim + 2)
+}
+
 /// Scratch elements [`attention_stream_with`] needs for a pool of `n_threads`.
 pub fn attention_stream_scratch_len(shape: &AttnShape, n_threads: usize) -> usize {
-    fused_per_thread(shape) * n_threads.max(1)
+    fused_per_thread(shape) * n_threads.max(1) + partials_len(shape)
 }
 
 /// From this many query tokens on, [`attention_fused`] runs the tiled
@@ -119,31 +154,100 @@ pub fn attention_stream_with(
         return Ok(());
     }
     let n_qb = shape.s.div_ceil(Q_BLOCK);
-    let sp = SyncPtr::new(scratch);
+    let splits = decode_key_splits(&shape, pool.n_threads());
+    let (work, partials) = scratch.split_at_mut(per * pool.n_threads().max(1));
+    let sp = SyncPtr::new(work);
+    let pp = SyncPtr::new(partials);
     let op = SyncPtr::new(out);
     let out_len = out_len(&shape);
+    let keys = shape.pos + shape.s;
+    let n_rep = shape.n_heads / shape.n_kv_heads;
+    // With splits, every item's rows: n_rep * s (decode: one query block).
+    let rows = n_rep * shape.s;
+    let part = rows * (shape.head_dim + 2);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = isa;
     #[cfg(target_arch = "x86_64")]
     let avx2 = isa == Isa::Auto
         && std::is_x86_feature_detected!("avx2")
         && std::is_x86_feature_detected!("fma");
-    pool.run_indexed(shape.n_kv_heads * n_qb, &|c, tid| {
-        let g = c / n_qb;
-        let s0 = (c % n_qb) * Q_BLOCK;
+    pool.run_indexed(shape.n_kv_heads * n_qb * splits, &|c, tid| {
+        let (gq, split) = (c / splits, c % splits);
+        let g = gq / n_qb;
+        let s0 = (gq % n_qb) * Q_BLOCK;
         let s1 = (s0 + Q_BLOCK).min(shape.s);
+        let range = (split * keys / splits)..((split + 1) * keys / splits);
+        let sink = if splits == 1 {
+            Sink::Out(op, out_len)
+        } else {
+            // SAFETY: item c alone writes partial slot c (splits > 1 only
+            // for decode shapes, which partials_len covers).
+            Sink::Partial(unsafe { pp.slice(c * part, part) })
+        };
         // SAFETY: thread `tid` is the only user of its scratch slice during
-        // this job; work item c writes only out[s0..s1, heads of group g, :].
+        // this job; work item c writes only out[s0..s1, heads of group g, :]
+        // or its own partial slot.
         let scr = unsafe { sp.slice(tid * per, per) };
         #[cfg(target_arch = "x86_64")]
         if avx2 {
             // SAFETY: AVX2 and FMA were detected at run time.
-            unsafe { fused_item_avx2(q, k_cache, v_cache, &shape, g, s0, s1, op, out_len, scr) };
+            unsafe { fused_item_avx2(q, k_cache, v_cache, &shape, g, s0, s1, range, sink, scr) };
             return;
         }
-        fused_item::<Portable>(q, k_cache, v_cache, &shape, g, s0, s1, op, out_len, scr);
+        fused_item::<Portable>(q, k_cache, v_cache, &shape, g, s0, s1, range, sink, scr);
     });
+    if splits > 1 {
+        merge_partials(
+            &shape,
+            splits,
+            &partials[..shape.n_kv_heads * splits * part],
+            out,
+        );
+    }
     Ok(())
+}
+
+/// Where a work item's result goes.
+enum Sink<'a> {
+    /// Normalised, into the output (`[S, H, D]`, its length).
+    Out(SyncPtr<f32>, usize),
+    /// Unnormalised: `rows × D` accumulators, then `rows` maxima, then
+    /// `rows` sums.
+    Partial(&'a mut [f32]),
+}
+
+/// Combines the split items' partial results of a decode step into `out`:
+/// each split's accumulators and sum rescaled by `e^(m_i - M)` to the rows'
+/// common maximum `M`, summed, divided by the summed sums.
+fn merge_partials(shape: &AttnShape, splits: usize, partials: &[f32], out: &mut [f32]) {
+    let d = shape.head_dim;
+    let n_rep = shape.n_heads / shape.n_kv_heads;
+    let rows = n_rep * shape.s;
+    let part = rows * (d + 2);
+    for g in 0..shape.n_kv_heads {
+        let slot = |i: usize| &partials[(g * splits + i) * part..][..part];
+        for r in 0..rows {
+            let (rep, qi) = (r / shape.s, r % shape.s);
+            let m_of = |i: usize| slot(i)[rows * d + r];
+            let l_of = |i: usize| slot(i)[rows * d + rows + r];
+            let mx = (0..splits).map(m_of).fold(f32::NEG_INFINITY, f32::max);
+            let o = &mut out[(qi * shape.n_heads + g * n_rep + rep) * d..][..d];
+            o.fill(0.0);
+            let mut l = 0.0;
+            for i in 0..splits {
+                if m_of(i) == f32::NEG_INFINITY {
+                    continue;
+                }
+                let w = (m_of(i) - mx).exp();
+                l += l_of(i) * w;
+                for (ov, &a) in o.iter_mut().zip(&slot(i)[r * d..(r + 1) * d]) {
+                    *ov += a * w;
+                }
+            }
+            let inv = 1.0 / l;
+            o.iter_mut().for_each(|v| *v *= inv);
+        }
+    }
 }
 
 fn out_len(shape: &AttnShape) -> usize {
@@ -163,11 +267,11 @@ unsafe fn fused_item_avx2(
     g: usize,
     s0: usize,
     s1: usize,
-    out: SyncPtr<f32>,
-    out_len: usize,
+    keys: std::ops::Range<usize>,
+    sink: Sink<'_>,
     scr: &mut [f32],
 ) {
-    fused_item::<Avx2>(q, kc, vc, sh, g, s0, s1, out, out_len, scr)
+    fused_item::<Avx2>(q, kc, vc, sh, g, s0, s1, keys, sink, scr)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -180,8 +284,8 @@ fn fused_item<O: AttnOps>(
     g: usize,
     s0: usize,
     s1: usize,
-    out: SyncPtr<f32>,
-    out_len: usize,
+    keys: std::ops::Range<usize>,
+    sink: Sink<'_>,
     scr: &mut [f32],
 ) {
     let d = sh.head_dim;
@@ -201,8 +305,10 @@ fn fused_item<O: AttnOps>(
         let (rep, qi) = (r / nq, r % nq);
         &q[((s0 + qi) * sh.n_heads + g * n_rep + rep) * d..][..d]
     };
-    let t_end = sh.pos + s1;
-    let mut t0 = 0;
+    // Keys `keys` (all of them unless the item is one split of a decode
+    // step), up to the last one any of the item's rows sees.
+    let t_end = (sh.pos + s1).min(keys.end);
+    let mut t0 = keys.start;
     while t0 < t_end {
         let t1 = (t0 + K_TILE).min(t_end);
         let nt = t1 - t0;
@@ -264,16 +370,25 @@ fn fused_item<O: AttnOps>(
         }
         t0 = t1;
     }
-    for r in 0..rows {
-        let (rep, qi) = (r / nq, r % nq);
-        let h = g * n_rep + rep;
-        let start = ((s0 + qi) * sh.n_heads + h) * d;
-        debug_assert!(start + d <= out_len);
-        // SAFETY: (s0+qi, h) belongs to this work item only; in bounds.
-        let o = unsafe { out.slice(start, d) };
-        let inv = 1.0 / l[r];
-        for (oi, &a) in o.iter_mut().zip(&acc[r * d..(r + 1) * d]) {
-            *oi = a * inv;
+    match sink {
+        Sink::Out(out, out_len) => {
+            for r in 0..rows {
+                let (rep, qi) = (r / nq, r % nq);
+                let h = g * n_rep + rep;
+                let start = ((s0 + qi) * sh.n_heads + h) * d;
+                debug_assert!(start + d <= out_len);
+                // SAFETY: (s0+qi, h) belongs to this work item only; in bounds.
+                let o = unsafe { out.slice(start, d) };
+                let inv = 1.0 / l[r];
+                for (oi, &a) in o.iter_mut().zip(&acc[r * d..(r + 1) * d]) {
+                    *oi = a * inv;
+                }
+            }
+        }
+        Sink::Partial(p) => {
+            p[..rows * d].copy_from_slice(acc);
+            p[rows * d..rows * d + rows].copy_from_slice(m);
+            p[rows * d + rows..rows * (d + 2)].copy_from_slice(l);
         }
     }
 }
