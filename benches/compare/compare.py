@@ -356,11 +356,13 @@ def cmd_table(args):
     doc = json.loads(Path(args.results).read_text())
     cells = {}
     for r in doc["rows"]:
-        cells[(r["variant"], r["threads"], r["metric"])] = r
+        cells[(r["variant"].lower(), r["threads"], r["metric"])] = r
     names = {"q4_1": "Q4_1 (as shipped)", "q8_0": "Q8_0", "f16": "F16", "f32": "F32"}
     print("| variant | threads | pp128 | pp512 | tg128 | peak RSS |")
     print("| --- | --- | --- | --- | --- | --- |")
-    keys = sorted({(v, t) for v, t, _ in cells}, key=lambda k: (list(names).index(k[0]), k[1]))
+    order = list(names)
+    keys = sorted({(v, t) for v, t, _ in cells},
+                  key=lambda k: (order.index(k[0]) if k[0] in order else len(order), k[0], k[1]))
     for v, t in keys:
         out = []
         for m in ("pp128", "pp512", "tg128", "peak_rss_mib"):
