@@ -492,6 +492,59 @@ unsafe fn drive<B: BlockSteps>(
     write_out(sh, it, acc, l, out);
 }
 
+/// `Blocks`: the [`BlockSteps`] of the SIMD level module it is invoked in,
+/// forwarding to that module's `qk_block`, `softmax_block` and `pv_block`
+/// (names resolve where the macro is invoked).
+#[cfg(target_arch = "x86_64")]
+macro_rules! block_steps {
+    () => {
+        /// The block steps of this level, for [`super::drive`].
+        pub(super) struct Blocks;
+
+        impl super::BlockSteps for Blocks {
+            #[inline(always)]
+            unsafe fn qk(
+                qt: &[f32],
+                rp: usize,
+                k: *const f32,
+                kv_row: usize,
+                nk: usize,
+                d: usize,
+                st: &mut [f32],
+            ) {
+                // SAFETY: forwarded contract (see `BlockSteps`).
+                unsafe { qk_block(qt, rp, k, kv_row, nk, d, st) }
+            }
+            #[inline(always)]
+            unsafe fn softmax(
+                st: &mut [f32],
+                rp: usize,
+                nk: usize,
+                m: &mut [f32],
+                l: &mut [f32],
+                corr: &mut [f32],
+            ) {
+                // SAFETY: forwarded contract (see `BlockSteps`).
+                unsafe { softmax_block(st, rp, nk, m, l, corr) }
+            }
+            #[inline(always)]
+            unsafe fn pv(
+                st: &[f32],
+                rp: usize,
+                nk: usize,
+                v: *const f32,
+                kv_row: usize,
+                d: usize,
+                acc: &mut [f32],
+                corr: &[f32],
+            ) {
+                // SAFETY: forwarded contract (see `BlockSteps`).
+                unsafe { pv_block(st, rp, nk, v, kv_row, d, acc, corr) }
+            }
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::attention_ops::x86::exp_ps;
@@ -763,50 +816,7 @@ mod x86 {
         }
     }
 
-    /// The block steps of this level, for [`super::drive`].
-    pub(super) struct Blocks;
-
-    impl super::BlockSteps for Blocks {
-        #[inline(always)]
-        unsafe fn qk(
-            qt: &[f32],
-            rp: usize,
-            k: *const f32,
-            kv_row: usize,
-            nk: usize,
-            d: usize,
-            st: &mut [f32],
-        ) {
-            // SAFETY: forwarded contract (see `BlockSteps`).
-            unsafe { qk_block(qt, rp, k, kv_row, nk, d, st) }
-        }
-        #[inline(always)]
-        unsafe fn softmax(
-            st: &mut [f32],
-            rp: usize,
-            nk: usize,
-            m: &mut [f32],
-            l: &mut [f32],
-            corr: &mut [f32],
-        ) {
-            // SAFETY: forwarded contract (see `BlockSteps`).
-            unsafe { softmax_block(st, rp, nk, m, l, corr) }
-        }
-        #[inline(always)]
-        unsafe fn pv(
-            st: &[f32],
-            rp: usize,
-            nk: usize,
-            v: *const f32,
-            kv_row: usize,
-            d: usize,
-            acc: &mut [f32],
-            corr: &[f32],
-        ) {
-            // SAFETY: forwarded contract (see `BlockSteps`).
-            unsafe { pv_block(st, rp, nk, v, kv_row, d, acc, corr) }
-        }
-    }
+    block_steps!();
 
     /// One work item with AVX2+FMA.
     ///
@@ -1125,50 +1135,7 @@ mod x86_512 {
         }
     }
 
-    /// The block steps of this level, for [`super::drive`].
-    pub(super) struct Blocks;
-
-    impl super::BlockSteps for Blocks {
-        #[inline(always)]
-        unsafe fn qk(
-            qt: &[f32],
-            rp: usize,
-            k: *const f32,
-            kv_row: usize,
-            nk: usize,
-            d: usize,
-            st: &mut [f32],
-        ) {
-            // SAFETY: forwarded contract (see `BlockSteps`).
-            unsafe { qk_block(qt, rp, k, kv_row, nk, d, st) }
-        }
-        #[inline(always)]
-        unsafe fn softmax(
-            st: &mut [f32],
-            rp: usize,
-            nk: usize,
-            m: &mut [f32],
-            l: &mut [f32],
-            corr: &mut [f32],
-        ) {
-            // SAFETY: forwarded contract (see `BlockSteps`).
-            unsafe { softmax_block(st, rp, nk, m, l, corr) }
-        }
-        #[inline(always)]
-        unsafe fn pv(
-            st: &[f32],
-            rp: usize,
-            nk: usize,
-            v: *const f32,
-            kv_row: usize,
-            d: usize,
-            acc: &mut [f32],
-            corr: &[f32],
-        ) {
-            // SAFETY: forwarded contract (see `BlockSteps`).
-            unsafe { pv_block(st, rp, nk, v, kv_row, d, acc, corr) }
-        }
-    }
+    block_steps!();
 
     /// One work item with AVX-512F.
     ///
