@@ -243,12 +243,35 @@ fn run(
     epilogue: Epilogue<'_>,
     y: &mut [f32],
 ) {
-    let yp = SyncPtr::new(y);
     let row = |j: usize| &w[j * row_bytes..(j + 1) * row_bytes];
+    let four = kern.four_rows(k);
+    let dot4 = |j: usize| kern.dot4([row(j), row(j + 1), row(j + 2), row(j + 3)]);
+    run_rows(
+        pool,
+        n_out,
+        epilogue,
+        y,
+        &|j| kern.dot(row(j)),
+        four.then_some(&dot4 as &(dyn Fn(usize) -> [f32; 4] + Sync)),
+    );
+}
+
+/// The row loop of a single-token product, shared by the weight formats:
+/// `dot(j)` is weight row `j` · x, `dot4(j)` rows `j..j + 4` at once (used
+/// when given). Rows are split over the pool in a few long contiguous ranges
+/// per thread, and `epilogue` is applied to `y` (`n_out` outputs).
+pub(crate) fn run_rows(
+    pool: &ThreadPool,
+    n_out: usize,
+    epilogue: Epilogue<'_>,
+    y: &mut [f32],
+    dot: &(dyn Fn(usize) -> f32 + Sync),
+    dot4: Option<&(dyn Fn(usize) -> [f32; 4] + Sync)>,
+) {
+    let yp = SyncPtr::new(y);
     // A few long contiguous row ranges per thread (see qfast: short chunks
     // taken alternately by two threads break the prefetcher's streams).
     let rows = ROWS_PER_CHUNK.max(n_out.div_ceil(4 * pool.n_threads()));
-    let four_rows = kern.four_rows(k);
     pool.run(n_out.div_ceil(rows), &|c| {
         let (j0, j1) = (c * rows, ((c + 1) * rows).min(n_out));
         // SAFETY: chunk c alone owns y[j0..j1].
@@ -256,22 +279,16 @@ fn run(
         // Calls f(j, row(base + j) · x) for j in j0..j1, in order.
         let dots = |base: usize, f: &mut dyn FnMut(usize, f32)| {
             let mut j = j0;
-            if four_rows {
+            if let Some(dot4) = dot4 {
                 while j + 4 <= j1 {
-                    let rs = [
-                        row(base + j),
-                        row(base + j + 1),
-                        row(base + j + 2),
-                        row(base + j + 3),
-                    ];
-                    for (u, v) in kern.dot4(rs).into_iter().enumerate() {
+                    for (u, v) in dot4(base + j).into_iter().enumerate() {
                         f(j + u, v);
                     }
                     j += 4;
                 }
             }
             for j in j..j1 {
-                f(j, kern.dot(row(base + j)));
+                f(j, dot(base + j));
             }
         };
         match epilogue {

@@ -10,6 +10,7 @@ pub mod attention;
 pub mod attention_fused;
 mod attention_ops;
 pub mod attention_tiled;
+pub mod bf16z;
 pub mod dispatch;
 pub mod elementwise;
 pub mod embedding;

@@ -1,0 +1,523 @@
+//! `bf16z`: bf16 weights stored losslessly in 12.25 bits each, and the
+//! single-token product that reads them.
+//!
+//! Decode streams every weight byte once per token and runs at the
+//! machine's memory bandwidth, so fewer bytes per weight is the only way
+//! left to make it faster. Trained and random weights alike have
+//! exponents that cluster within a few binades of the largest one in a
+//! block, so the high byte of a bf16 (sign and top seven exponent bits)
+//! carries little information. The format keeps the low byte as it is and
+//! codes the high byte in four bits against the block's largest value.
+//!
+//! **Layout.** A matrix `[n, k]` (`k` a multiple of 32) is `n · k/32`
+//! blocks of [`BLOCK_BYTES`] = 49 bytes, row-major, then an exception table.
+//! A block of 32 weights `w[0..32]`, with `hi(w)` = bits 14..8 of the bf16
+//! (the exponent without its lowest bit) and `f` = the largest `hi` in the
+//! block minus 7 (at least 0), the bottom of an 8-value window:
+//!
+//! - byte 0: `f`;
+//! - bytes 1..17: one nibble per weight, `sign << 3 | (hi(w) - f)`, with
+//!   `w[i]` in the low nibble of byte `1 + i` and `w[i + 16]` in its high
+//!   nibble (so one shift splits them into two 16-weight halves);
+//! - bytes 17..49: the low byte of each weight (the lowest exponent bit and
+//!   the seven mantissa bits).
+//!
+//! So a weight decodes as `sign << 15 | (f + e) << 8 | low`, where `e` is
+//! the nibble's low three bits, and in SIMD as a fixed 16-entry table
+//! lookup (`sign << 7 | e`) plus `f` in each high byte (`f + e` < 128, so
+//! the sign bit is never carried into). Weights below the window (values
+//! under about 2^-14 of the block's largest, exact zeros) are stored with
+//! `e = 0` and listed as exceptions: after the blocks, `n + 1`
+//! little-endian u32 row starts into the entries, then the entries, each
+//! `(column: u32, exact: u16, coded: u16)`. The product adds
+//! `(exact - coded) · x[column]` per exception of the row, and decoding to
+//! bf16 writes `exact` back, so nothing is lost.
+//!
+//! On weights drawn like the random checkpoints (near-Gaussian) about one
+//! block in 600 has an exception. The size is 49/64 of bf16 plus the table.
+
+use super::matmul::Epilogue;
+use super::{check_len, KernelError};
+use crate::pool::ThreadPool;
+
+/// Weights per block.
+pub const BLOCK: usize = 32;
+/// Bytes per block.
+pub const BLOCK_BYTES: usize = 49;
+/// Bytes per exception entry.
+const ENTRY_BYTES: usize = 8;
+
+fn hi7(w: u16) -> u8 {
+    ((w >> 8) & 0x7f) as u8
+}
+
+/// Encodes one block of 32 bf16 values into `out` (49 bytes) and returns
+/// the exceptions as `(index in block, exact, coded)`.
+fn encode_block(w: &[u16], out: &mut [u8], exc: &mut Vec<(usize, u16, u16)>) {
+    let h = w.iter().map(|&v| hi7(v)).max().unwrap_or(0);
+    let f = h.saturating_sub(7);
+    out[0] = f;
+    for (i, &v) in w.iter().enumerate() {
+        let sign = (v >> 15) as u8;
+        let e = hi7(v).saturating_sub(f);
+        let nib = sign << 3 | e;
+        let byte = &mut out[1 + i % 16];
+        if i < 16 {
+            *byte = (*byte & 0xf0) | nib;
+        } else {
+            *byte = (*byte & 0x0f) | nib << 4;
+        }
+        out[17 + i] = v as u8;
+        let coded = (sign as u16) << 15 | ((f + e) as u16) << 8 | (v & 0xff);
+        if coded != v {
+            exc.push((i, v, coded));
+        }
+    }
+}
+
+/// Encoded size of an `[n, k]` matrix with `n_exceptions` exceptions.
+pub fn encoded_len(n: usize, k: usize, n_exceptions: usize) -> Option<usize> {
+    let blocks = n.checked_mul(k / BLOCK)?.checked_mul(BLOCK_BYTES)?;
+    let starts = n.checked_add(1)?.checked_mul(4)?;
+    blocks
+        .checked_add(starts)?
+        .checked_add(n_exceptions.checked_mul(ENTRY_BYTES)?)
+}
+
+/// Encodes a row-major bf16 matrix `[n, k]` (`k` a multiple of 32).
+pub fn encode(bf16: &[u8], n: usize, k: usize) -> Result<Vec<u8>, KernelError> {
+    const OP: &str = "bf16z::encode";
+    if k == 0 || !k.is_multiple_of(BLOCK) {
+        return Err(KernelError::Invalid {
+            op: OP,
+            what: "k is not a positive multiple of 32",
+        });
+    }
+    let want = n
+        .checked_mul(k)
+        .and_then(|e| e.checked_mul(2))
+        .ok_or(KernelError::Invalid {
+            op: OP,
+            what: "n*k overflows",
+        })?;
+    check_len(OP, "bf16 bytes (2*n*k)", want, bf16.len())?;
+    let nb = k / BLOCK;
+    let mut blocks = vec![0u8; n * nb * BLOCK_BYTES];
+    let mut starts = Vec::with_capacity(n + 1);
+    let mut entries: Vec<(u32, u16, u16)> = Vec::new();
+    let mut exc = Vec::new();
+    let mut w = [0u16; BLOCK];
+    for r in 0..n {
+        starts.push(entries.len() as u32);
+        for b in 0..nb {
+            let src = &bf16[(r * k + b * BLOCK) * 2..(r * k + (b + 1) * BLOCK) * 2];
+            for (v, c) in w.iter_mut().zip(src.chunks_exact(2)) {
+                *v = u16::from_le_bytes([c[0], c[1]]);
+            }
+            let o = (r * nb + b) * BLOCK_BYTES;
+            exc.clear();
+            encode_block(&w, &mut blocks[o..o + BLOCK_BYTES], &mut exc);
+            for &(i, exact, coded) in &exc {
+                entries.push(((b * BLOCK + i) as u32, exact, coded));
+            }
+        }
+    }
+    starts.push(entries.len() as u32);
+    let mut out = blocks;
+    out.reserve(encoded_len(n, k, entries.len()).unwrap_or(0) - out.len());
+    for s in starts {
+        out.extend_from_slice(&s.to_le_bytes());
+    }
+    for (c, e, d) in entries {
+        out.extend_from_slice(&c.to_le_bytes());
+        out.extend_from_slice(&e.to_le_bytes());
+        out.extend_from_slice(&d.to_le_bytes());
+    }
+    Ok(out)
+}
+
+/// A checked view of an encoded matrix.
+#[derive(Clone, Copy)]
+pub struct Bf16z<'a> {
+    n: usize,
+    k: usize,
+    blocks: &'a [u8],
+    starts: &'a [u8],
+    entries: &'a [u8],
+}
+
+impl<'a> Bf16z<'a> {
+    /// Checks `bytes` as an encoded `[n, k]` matrix: sizes, row starts in
+    /// order and within the table, columns below `k`.
+    pub fn parse(bytes: &'a [u8], n: usize, k: usize) -> Result<Self, KernelError> {
+        const OP: &str = "bf16z";
+        let bad = |what| KernelError::Invalid { op: OP, what };
+        if k == 0 || !k.is_multiple_of(BLOCK) {
+            return Err(bad("k is not a positive multiple of 32"));
+        }
+        let head = encoded_len(n, k, 0).ok_or(bad("size overflows"))?;
+        if bytes.len() < head || !(bytes.len() - head).is_multiple_of(ENTRY_BYTES) {
+            return Err(bad(
+                "byte length does not fit n, k and whole exception entries",
+            ));
+        }
+        let nblk = n * (k / BLOCK) * BLOCK_BYTES;
+        let (blocks, rest) = bytes.split_at(nblk);
+        let (starts, entries) = rest.split_at((n + 1) * 4);
+        let z = Bf16z {
+            n,
+            k,
+            blocks,
+            starts,
+            entries,
+        };
+        let n_entries = entries.len() / ENTRY_BYTES;
+        let mut prev = 0;
+        for r in 0..=n {
+            let s = z.start(r);
+            if s < prev || s > n_entries || (r == 0 && s != 0) || (r == n && s != n_entries) {
+                return Err(bad("exception row starts are out of order or out of range"));
+            }
+            prev = s;
+        }
+        if (0..n_entries).any(|e| z.entry(e).0 >= k) {
+            return Err(bad("an exception column is not below k"));
+        }
+        Ok(z)
+    }
+
+    fn start(&self, r: usize) -> usize {
+        let b = &self.starts[r * 4..r * 4 + 4];
+        u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize
+    }
+
+    /// Entry `e`: (column, exact bf16, coded bf16).
+    fn entry(&self, e: usize) -> (usize, u16, u16) {
+        let b = &self.entries[e * ENTRY_BYTES..(e + 1) * ENTRY_BYTES];
+        (
+            u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize,
+            u16::from_le_bytes([b[4], b[5]]),
+            u16::from_le_bytes([b[6], b[7]]),
+        )
+    }
+
+    /// Number of exceptions.
+    pub fn n_exceptions(&self) -> usize {
+        self.entries.len() / ENTRY_BYTES
+    }
+
+    fn row_blocks(&self, r: usize) -> &'a [u8] {
+        let rb = self.k / BLOCK * BLOCK_BYTES;
+        &self.blocks[r * rb..(r + 1) * rb]
+    }
+
+    /// Row `r` as bf16 values (exact).
+    pub fn decode_row(&self, r: usize, out: &mut [u16]) {
+        let out = &mut out[..self.k];
+        for (blk, o) in self
+            .row_blocks(r)
+            .chunks_exact(BLOCK_BYTES)
+            .zip(out.chunks_exact_mut(BLOCK))
+        {
+            let f = blk[0];
+            for (i, v) in o.iter_mut().enumerate() {
+                let nib = (blk[1 + i % 16] >> (4 * (i / 16))) & 0xf;
+                let hi = f.wrapping_add(nib & 7) & 0x7f;
+                *v = ((nib >> 3) as u16) << 15 | (hi as u16) << 8 | blk[17 + i] as u16;
+            }
+        }
+        for e in self.start(r)..self.start(r + 1) {
+            let (c, exact, _) = self.entry(e);
+            out[c] = exact;
+        }
+    }
+
+    /// `row r · x` with the coded blocks, plus the row's exceptions.
+    fn dot_scalar(&self, r: usize, x: &[f32]) -> f32 {
+        let mut row = vec![0u16; self.k];
+        self.decode_row(r, &mut row);
+        row.iter()
+            .zip(x)
+            .map(|(&w, &v)| super::bf16_to_f32(w) * v)
+            .sum()
+    }
+
+    /// The exception corrections of row `r`.
+    fn corrections(&self, r: usize, x: &[f32]) -> f32 {
+        let mut s = 0f32;
+        for e in self.start(r)..self.start(r + 1) {
+            let (c, exact, coded) = self.entry(e);
+            s += (super::bf16_to_f32(exact) - super::bf16_to_f32(coded)) * x[c];
+        }
+        s
+    }
+}
+
+/// `x` rearranged for the AVX2 kernel: per block of 32, the element order
+/// in which [`avx2::dot`] produces weights (see there).
+fn permute_x(x: &[f32], out: &mut Vec<f32>) {
+    const ORDER: [usize; 32] = [
+        0, 2, 4, 6, 16, 18, 20, 22, 1, 3, 5, 7, 17, 19, 21, 23, 8, 10, 12, 14, 24, 26, 28, 30, 9,
+        11, 13, 15, 25, 27, 29, 31,
+    ];
+    out.clear();
+    for b in x.chunks_exact(BLOCK) {
+        out.extend(ORDER.iter().map(|&i| b[i]));
+    }
+}
+
+std::thread_local! {
+    static X_PERM: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `y = x·Wᵀ` with `epilogue` for one activation row and an encoded `W`
+/// (`[n, k]`); the same contract as [`super::gemv::gemv`]. `simd` false
+/// forces the portable kernel (tests).
+#[allow(clippy::too_many_arguments)]
+pub fn gemv(
+    pool: &ThreadPool,
+    x: &[f32],
+    w: Bf16z<'_>,
+    epilogue: Epilogue<'_>,
+    y: &mut [f32],
+    simd: bool,
+) -> Result<(), KernelError> {
+    const OP: &str = "bf16z::gemv";
+    check_len(OP, "x elements (k)", w.k, x.len())?;
+    let n_out = match epilogue {
+        Epilogue::SwiGlu if w.n.is_multiple_of(2) => w.n / 2,
+        Epilogue::SwiGlu => {
+            return Err(KernelError::Invalid {
+                op: OP,
+                what: "SwiGLU needs an even number of rows",
+            })
+        }
+        _ => w.n,
+    };
+    check_len(OP, "output elements", n_out, y.len())?;
+    if let Epilogue::AddResidual(r) = epilogue {
+        check_len(OP, "residual elements", n_out, r.len())?;
+    }
+    let simd = simd && super::quant::simd_available();
+    if !simd {
+        super::gemv::run_rows(pool, n_out, epilogue, y, &|r| w.dot_scalar(r, x), None);
+        return Ok(());
+    }
+    X_PERM.with(|cell| {
+        let mut xp = cell.borrow_mut();
+        permute_x(x, &mut xp);
+        let xp = &xp[..];
+        super::gemv::run_rows(
+            pool,
+            n_out,
+            epilogue,
+            y,
+            // SAFETY: avx2 checked above; the row holds k/32 blocks and
+            // xp is x permuted (k elements).
+            &|r| unsafe { avx2::dot(w.row_blocks(r), xp) } + w.corrections(r, x),
+            None,
+        );
+    });
+    Ok(())
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{BLOCK, BLOCK_BYTES};
+    use std::arch::x86_64::*;
+
+    /// One row's blocks · `xp` (x permuted by `permute_x`).
+    ///
+    /// Per block: the 16 nibble bytes, loaded into both 128-bit lanes and
+    /// shifted right by 0 in the low lane and 4 in the high one, give the
+    /// nibbles of weights 0-15 and 16-31; a fixed table (`vpshufb`) turns
+    /// each into `sign << 7 | e`, and adding `f` makes the high bytes.
+    /// Interleaving with the low bytes gives bf16 words: weights 0-7 and
+    /// 16-23 in one register, 8-15 and 24-31 in the other (the unpacks work
+    /// per 128-bit lane). Each 32-bit lane then holds a pair, widened by
+    /// shift (even) and mask (odd), hence `permute_x`'s order.
+    ///
+    /// # Safety
+    /// The CPU must support avx2/fma; `blocks` is whole blocks and `xp`
+    /// holds 32 elements per block.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot(blocks: &[u8], xp: &[f32]) -> f32 {
+        let nb = blocks.len() / BLOCK_BYTES;
+        let xp = &xp[..nb * BLOCK];
+        let lo4 = _mm256_set1_epi8(0x0f);
+        let halves = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+        let m = -128i8;
+        let table = _mm256_setr_epi8(
+            0,
+            1,
+            2,
+            3,
+            4,
+            5,
+            6,
+            7,
+            m,
+            m | 1,
+            m | 2,
+            m | 3,
+            m | 4,
+            m | 5,
+            m | 6,
+            m | 7,
+            0,
+            1,
+            2,
+            3,
+            4,
+            5,
+            6,
+            7,
+            m,
+            m | 1,
+            m | 2,
+            m | 3,
+            m | 4,
+            m | 5,
+            m | 6,
+            m | 7,
+        );
+        let odd = _mm256_set1_epi32(0xffff_0000_u32 as i32);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let p = blocks.as_ptr();
+        for (b, x) in xp.chunks_exact(BLOCK).enumerate() {
+            // SAFETY: block b < nb lies within `blocks` (49 bytes from q);
+            // x holds 32 f32. Unaligned loads.
+            let (f, nib, low, xv) = unsafe {
+                let q = p.add(b * BLOCK_BYTES);
+                (
+                    _mm256_set1_epi8(*q as i8),
+                    _mm256_broadcastsi128_si256(_mm_loadu_si128(q.add(1) as *const __m128i)),
+                    _mm256_loadu_si256(q.add(17) as *const __m256i),
+                    [
+                        _mm256_loadu_ps(x.as_ptr()),
+                        _mm256_loadu_ps(x.as_ptr().add(8)),
+                        _mm256_loadu_ps(x.as_ptr().add(16)),
+                        _mm256_loadu_ps(x.as_ptr().add(24)),
+                    ],
+                )
+            };
+            let nibs = _mm256_and_si256(_mm256_srlv_epi32(nib, halves), lo4);
+            let hi = _mm256_add_epi8(_mm256_shuffle_epi8(table, nibs), f);
+            let wa = _mm256_unpacklo_epi8(low, hi);
+            let wb = _mm256_unpackhi_epi8(low, hi);
+            let ws = [
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wa)),
+                _mm256_castsi256_ps(_mm256_and_si256(wa, odd)),
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wb)),
+                _mm256_castsi256_ps(_mm256_and_si256(wb, odd)),
+            ];
+            for u in 0..4 {
+                acc[u] = _mm256_fmadd_ps(ws[u], xv[u], acc[u]);
+            }
+        }
+        let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::DType;
+    use crate::kernels::testutil::{encode as encode_dtype, Rng};
+
+    fn bf16s(b: &[u8]) -> Vec<u16> {
+        b.chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect()
+    }
+
+    #[test]
+    fn round_trips_exactly_with_exceptions() {
+        let mut rng = Rng::new(11);
+        let (n, k) = (7, 96);
+        let mut wf = rng.vec(n * k);
+        // Exceptions: zeros, a tiny value next to a large one, negatives.
+        wf[3] = 0.0;
+        wf[5] = -0.0;
+        wf[40] = 1e-30;
+        wf[41] = 3.0;
+        wf[100] = -1e-12;
+        let wb = encode_dtype(&wf, DType::BF16);
+        let z = encode(&wb, n, k).unwrap();
+        let v = Bf16z::parse(&z, n, k).unwrap();
+        assert!(v.n_exceptions() >= 4, "{}", v.n_exceptions());
+        let want = bf16s(&wb);
+        let mut row = vec![0u16; k];
+        for r in 0..n {
+            v.decode_row(r, &mut row);
+            assert_eq!(row, want[r * k..(r + 1) * k], "row {r}");
+        }
+        assert_eq!(z.len(), encoded_len(n, k, v.n_exceptions()).unwrap());
+    }
+
+    #[test]
+    fn gemv_matches_bf16_gemv_on_every_kernel() {
+        let pool = ThreadPool::new(2);
+        let mut rng = Rng::new(12);
+        for (n, k) in [(6, 32), (38, 160), (22, 4128)] {
+            let x = rng.vec(k);
+            let mut wf = rng.vec(n * k);
+            wf[k + 1] = 0.0;
+            wf[2 * k + 7] = 1e-20;
+            let r = rng.vec(n);
+            let wb = encode_dtype(&wf, DType::BF16);
+            let z = encode(&wb, n, k).unwrap();
+            let v = Bf16z::parse(&z, n, k).unwrap();
+            let w = crate::kernels::WeightRef::new(DType::BF16, &wb);
+            let mut want = vec![0f32; n];
+            crate::kernels::gemv::gemv(&pool, &x, k, w, n, Epilogue::AddResidual(&r), &mut want)
+                .unwrap();
+            let mut want_g = vec![0f32; n / 2];
+            crate::kernels::gemv::gemv(&pool, &x, k, w, n, Epilogue::SwiGlu, &mut want_g).unwrap();
+            for simd in [false, true] {
+                let mut y = vec![0f32; n];
+                gemv(&pool, &x, v, Epilogue::AddResidual(&r), &mut y, simd).unwrap();
+                for j in 0..n {
+                    assert!(
+                        (y[j] - want[j]).abs() < 1e-4 * (1.0 + want[j].abs()),
+                        "simd={simd} n={n} k={k} j={j}: {} vs {}",
+                        y[j],
+                        want[j]
+                    );
+                }
+                let mut g = vec![0f32; n / 2];
+                gemv(&pool, &x, v, Epilogue::SwiGlu, &mut g, simd).unwrap();
+                for j in 0..n / 2 {
+                    assert!((g[j] - want_g[j]).abs() < 1e-4 * (1.0 + want_g[j].abs()));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn parse_rejects_bad_tables() {
+        let mut rng = Rng::new(13);
+        let (n, k) = (3, 64);
+        let mut wf = rng.vec(n * k);
+        wf[1] = 0.0;
+        let z = encode(&encode_dtype(&wf, DType::BF16), n, k).unwrap();
+        assert!(Bf16z::parse(&z, n, k).is_ok());
+        assert!(Bf16z::parse(&z[..z.len() - 1], n, k).is_err());
+        assert!(Bf16z::parse(&z, n, 48).is_err());
+        assert!(Bf16z::parse(&z, n + 1, k).is_err());
+        // A column past k.
+        let mut bad = z.clone();
+        let e0 = n * (k / BLOCK) * BLOCK_BYTES + (n + 1) * 4;
+        bad[e0..e0 + 4].copy_from_slice(&(k as u32).to_le_bytes());
+        assert!(Bf16z::parse(&bad, n, k).is_err());
+        // Row starts out of order.
+        let mut bad = z.clone();
+        let s1 = n * (k / BLOCK) * BLOCK_BYTES + 4;
+        bad[s1..s1 + 4].copy_from_slice(&99u32.to_le_bytes());
+        assert!(Bf16z::parse(&bad, n, k).is_err());
+    }
+}
