@@ -139,20 +139,24 @@ fn assert_close(a: &[Vec<f32>], b: &[Vec<f32>], what: &str) {
     }
 }
 
-/// Every pass alone (and the dependent chain for fuse_rope_cache) gives
-/// the unfused graph's logits, for f32, bf16 and block-quantized (Q8_0,
-/// Q4_1) weights, which packing concatenates byte-wise.
+/// Every pass alone (and the dependent chains for fuse_rope_cache and
+/// compress_weights) gives the unfused graph's logits, for f32, bf16 and
+/// block-quantized (Q8_0, Q4_1) weights, which packing concatenates
+/// byte-wise (and compress_weights stores losslessly when they are bf16).
 #[test]
 fn each_fusion_matches_the_unfused_graph() {
     // fuse_rope_cache alone finds nothing (it needs fuse_qkv and
-    // fuse_attention first), so it is tested in that chain.
+    // fuse_attention first), nor does compress_weights (it needs packed
+    // weights), so they are tested in those chains.
     let singles: Vec<String> = PASSES
         .iter()
         .map(|p| p.name.to_string())
-        .filter(|n| n != "fuse_rope_cache")
+        .filter(|n| n != "fuse_rope_cache" && n != "compress_weights")
         .collect();
     let mut configs: Vec<String> = singles.clone();
     configs.push("fuse_qkv,fuse_attention,fuse_rope_cache".into());
+    configs.push("pack_weights,compress_weights".into());
+    configs.push("fuse_qkv,fuse_gate_up,compress_weights".into());
     configs.push("all".into());
     for (dtype, scaled) in [
         (DType::F32, true),
@@ -168,6 +172,18 @@ fn each_fusion_matches_the_unfused_graph() {
             // dead_code has nothing to remove in the builder's graph.
             if c != "dead_code" {
                 assert!(rewrites > 0, "{c} rewrote nothing");
+            }
+            // The bf16 model's packed weights are stored compressed.
+            if dtype == DType::BF16 && (c == "all" || c.contains("compress_weights")) {
+                let compressed = sess
+                    .passes
+                    .passes
+                    .iter()
+                    .find(|p| p.name == "compress_weights");
+                assert!(
+                    compressed.is_some_and(|p| p.rewrites > 0),
+                    "{c}: compress_weights rewrote nothing"
+                );
             }
             assert_close(&got, &want, &format!("{dtype} {c}"));
         }
@@ -376,6 +392,7 @@ fn packed_weights_are_byte_concatenations_for_any_dtype() {
             name: "ab".into(),
             parts: vec!["a".into(), "b".into()],
             axis: 0,
+            stored_as: None,
         });
         let out = materialize_packed(&g, &store).unwrap();
         let ab = &out.tensors["ab"];

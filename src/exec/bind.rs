@@ -82,7 +82,13 @@ pub fn bind_weights(graph: &Graph, store: &WeightStore) -> Result<BoundWeights, 
         }
         let numel: usize = expected.iter().product();
         let want = t.dtype.bytes_for(numel);
-        if want != Some(t.data.len()) {
+        // A BF16Z tensor's exception table follows its blocks (its layout is
+        // checked in full where it is read: `kernels::bf16z::Bf16z::parse`).
+        let fits = match want {
+            Some(w) if t.dtype == DType::BF16Z => t.data.len() >= w,
+            w => w == Some(t.data.len()),
+        };
+        if !fits {
             return Err(BindError::Size {
                 tensor: tensor.clone(),
                 dtype: t.dtype,
@@ -109,6 +115,26 @@ struct PackPlan<'a> {
     shape: Vec<usize>,
     parts: Vec<&'a WeightTensor>,
     bytes: usize,
+    /// The arena's dtype: `dtype` (a byte copy) or BF16Z.
+    stored: DType,
+    /// For BF16Z storage: each row's exception count (see
+    /// [`crate::kernels::bf16z`]).
+    counts: Vec<u32>,
+}
+
+impl PackPlan<'_> {
+    /// Row `r` of the concatenated parts (rows of `row_bytes`).
+    fn row(&self, r: usize, row_bytes: usize) -> &[u8] {
+        let mut r = r;
+        for part in &self.parts {
+            let rows = part.shape[0];
+            if r < rows {
+                return &part.data.as_bytes()[r * row_bytes..(r + 1) * row_bytes];
+            }
+            r -= rows;
+        }
+        &[]
+    }
 }
 
 /// Alignment of each packed weight inside the arena (a cache line).
@@ -187,16 +213,42 @@ pub fn materialize_packed(graph: &Graph, store: &WeightStore) -> Result<WeightSt
         let (Some(cols), Some(dtype)) = (cols, dtype) else {
             return Err(err("no parts".into()));
         };
-        plans.push(PackPlan {
+        let mut plan = PackPlan {
             name: &p.name,
             dtype,
             shape: vec![rows, cols],
             parts,
             bytes: total,
-        });
+            stored: p.stored_as.unwrap_or(dtype),
+            counts: Vec::new(),
+        };
+        match p.stored_as {
+            None => {}
+            Some(DType::BF16Z) if dtype == DType::BF16 => {
+                use crate::kernels::bf16z;
+                if cols == 0 || !cols.is_multiple_of(bf16z::BLOCK) {
+                    return Err(err(format!("{cols} columns are not a multiple of 32")));
+                }
+                let rb = cols * 2;
+                plan.counts = bf16z::exception_counts(&|r| plan.row(r, rb), rows, cols);
+                for part in &plan.parts {
+                    part.data.release_range(0, part.data.len());
+                }
+                let exceptions = plan.counts.iter().map(|&c| c as usize).sum();
+                plan.bytes = bf16z::encoded_len(rows, cols, exceptions)
+                    .ok_or_else(|| err("size overflows".into()))?;
+            }
+            Some(other) => {
+                return Err(err(format!("cannot store {dtype} parts as {other}")));
+            }
+        }
+        plans.push(plan);
     }
-    let shared =
-        |p: &PackPlan| p.parts.len() == 1 && matches!(p.parts[0].data, TensorBytes::Owned(_));
+    let shared = |p: &PackPlan| {
+        p.parts.len() == 1
+            && p.stored == p.dtype
+            && matches!(p.parts[0].data, TensorBytes::Owned(_))
+    };
     // Offsets in the arena. Every size was checked against bytes that exist,
     // so the sum is bounded by the store's size.
     let mut offsets = Vec::with_capacity(plans.len());
@@ -215,7 +267,7 @@ pub fn materialize_packed(graph: &Graph, store: &WeightStore) -> Result<WeightSt
     }
     let arena = fill_arena(&plans, &offsets, arena_len, shared).map_err(|e| BindError::Packed {
         packed: "(weight arena)".into(),
-        message: format!("cannot map {arena_len} bytes of anonymous memory: {e}"),
+        message: format!("cannot map or fill {arena_len} bytes of anonymous memory: {e}"),
     })?;
     let mut out = store.clone();
     for (p, &offset) in plans.iter().zip(&offsets) {
@@ -231,7 +283,7 @@ pub fn materialize_packed(graph: &Graph, store: &WeightStore) -> Result<WeightSt
         out.tensors.insert(
             p.name.to_string(),
             WeightTensor {
-                dtype: p.dtype,
+                dtype: p.stored,
                 shape: p.shape.clone(),
                 data,
             },
@@ -255,6 +307,16 @@ fn fill_arena(
     let _ = map.advise(memmap2::Advice::HugePage);
     for (p, &offset) in plans.iter().zip(offsets) {
         if shared(p) {
+            continue;
+        }
+        if p.stored == DType::BF16Z {
+            let (rows, cols) = (p.shape[0], p.shape[1]);
+            let out = &mut map[offset..offset + p.bytes];
+            crate::kernels::bf16z::encode_into(&|r| p.row(r, cols * 2), rows, cols, &p.counts, out)
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
+            for part in &p.parts {
+                part.data.release_range(0, part.data.len());
+            }
             continue;
         }
         let mut at = offset;
@@ -318,6 +380,7 @@ mod tests {
                 name: name.to_string(),
                 parts: parts.iter().map(|p| p.to_string()).collect(),
                 axis: 0,
+                stored_as: None,
             });
         }
         g

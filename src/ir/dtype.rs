@@ -20,6 +20,10 @@ pub enum DType {
     Q4_1,
     Q4_K,
     Q6_K,
+    /// BF16 weights stored losslessly in 49-byte blocks of 32 plus a table
+    /// of exceptions after the blocks (see `kernels::bf16z`); made by the
+    /// `compress_weights` pass, never read from a file.
+    BF16Z,
 }
 
 impl DType {
@@ -27,7 +31,7 @@ impl DType {
     pub const fn block_elems(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 | DType::I32 => 1,
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => 32,
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::BF16Z => 32,
             DType::Q4_K | DType::Q6_K => 256,
         }
     }
@@ -42,6 +46,7 @@ impl DType {
             DType::Q4_1 => 20,
             DType::Q4_K => 144,
             DType::Q6_K => 210,
+            DType::BF16Z => 49,
         }
     }
 
@@ -69,6 +74,7 @@ impl DType {
             DType::Q4_1 => "q4_1",
             DType::Q4_K => "q4_K",
             DType::Q6_K => "q6_K",
+            DType::BF16Z => "bf16z",
         }
     }
 }

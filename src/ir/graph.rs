@@ -83,6 +83,11 @@ pub struct PackedWeight {
     pub name: String,
     pub parts: Vec<String>,
     pub axis: usize,
+    /// The storage dtype when it differs from the parts' (the
+    /// `compress_weights` pass stores bf16 weights as
+    /// [`DType::BF16Z`](crate::ir::DType::BF16Z)).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stored_as: Option<crate::ir::DType>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -218,6 +223,11 @@ impl Graph {
     /// The packed weight of this name, if any.
     pub fn packed_weight(&self, name: &str) -> Option<&PackedWeight> {
         self.packed.get(name)
+    }
+
+    /// The packed weight of this name, to change how it is stored.
+    pub fn packed_weight_mut(&mut self, name: &str) -> Option<&mut PackedWeight> {
+        self.packed.get_mut(name)
     }
 
     /// Renames a node (the new name must be free).

@@ -84,6 +84,143 @@ pub fn encoded_len(n: usize, k: usize, n_exceptions: usize) -> Option<usize> {
         .checked_add(n_exceptions.checked_mul(ENTRY_BYTES)?)
 }
 
+/// Exceptions in one block of 32 bf16 values (64 little-endian bytes).
+fn block_exceptions(b: &[u8]) -> u32 {
+    let hi = |i: usize| b[2 * i + 1] & 0x7f;
+    let h = (0..BLOCK).map(hi).max().unwrap_or(0);
+    let f = h.saturating_sub(7);
+    (0..BLOCK).filter(|&i| hi(i) < f).count() as u32
+}
+
+/// Runs `f(r0, r1)` on `0..n` split into contiguous ranges over the CPU's
+/// threads (encoding happens once per session, before the pool exists).
+fn par_ranges(n: usize, f: &(dyn Fn(usize, usize) + Sync)) {
+    let t = std::thread::available_parallelism()
+        .map_or(1, |v| v.get())
+        .clamp(1, 8)
+        .min(n.max(1));
+    let per = n.div_ceil(t);
+    std::thread::scope(|sc| {
+        for i in 1..t {
+            sc.spawn(move || f((i * per).min(n), ((i + 1) * per).min(n)));
+        }
+        f(0, per.min(n));
+    });
+}
+
+/// Per-row exception counts of the bf16 rows `row(0..n)`, `k` values each
+/// (`k` a multiple of 32): what [`encode_into`] and [`encoded_len`] need.
+pub fn exception_counts<'a>(
+    row: &(dyn Fn(usize) -> &'a [u8] + Sync),
+    n: usize,
+    k: usize,
+) -> Vec<u32> {
+    let mut counts = vec![0u32; n];
+    let cp = crate::pool::SyncPtr::new(&mut counts);
+    par_ranges(n, &|r0, r1| {
+        // SAFETY: each range writes only its own rows' counts.
+        let c = unsafe { cp.slice(r0, r1 - r0) };
+        for (r, o) in (r0..r1).zip(c) {
+            *o = row(r)[..2 * k]
+                .chunks_exact(2 * BLOCK)
+                .map(block_exceptions)
+                .sum();
+        }
+    });
+    counts
+}
+
+/// Encodes the bf16 rows `row(0..n)` (`k` values each, `k` a multiple of
+/// 32) into `out`, which holds exactly `encoded_len(n, k, Σ counts)` bytes,
+/// `counts` being [`exception_counts`] of the same rows.
+pub fn encode_into<'a>(
+    row: &(dyn Fn(usize) -> &'a [u8] + Sync),
+    n: usize,
+    k: usize,
+    counts: &[u32],
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    const OP: &str = "bf16z::encode";
+    if k == 0 || !k.is_multiple_of(BLOCK) {
+        return Err(KernelError::Invalid {
+            op: OP,
+            what: "k is not a positive multiple of 32",
+        });
+    }
+    check_len(OP, "exception counts", n, counts.len())?;
+    let total: usize = counts.iter().map(|&c| c as usize).sum();
+    let want = encoded_len(n, k, total).ok_or(KernelError::Invalid {
+        op: OP,
+        what: "size overflows",
+    })?;
+    check_len(OP, "output bytes", want, out.len())?;
+    let nb = k / BLOCK;
+    let rb = nb * BLOCK_BYTES;
+    let (blocks, rest) = out.split_at_mut(n * rb);
+    let (starts, entries) = rest.split_at_mut((n + 1) * 4);
+    let mut first = Vec::with_capacity(n + 1);
+    let mut acc = 0usize;
+    for (r, &c) in counts.iter().enumerate() {
+        first.push(acc);
+        starts[r * 4..r * 4 + 4].copy_from_slice(&(acc as u32).to_le_bytes());
+        acc += c as usize;
+    }
+    first.push(acc);
+    starts[n * 4..].copy_from_slice(&(acc as u32).to_le_bytes());
+    let (bp, ep) = (
+        crate::pool::SyncPtr::new(blocks),
+        crate::pool::SyncPtr::new(entries),
+    );
+    let bad = std::sync::atomic::AtomicBool::new(false);
+    par_ranges(n, &|r0, r1| {
+        // SAFETY: rows r0..r1 own their blocks and their entries
+        // (first[r0]..first[r1], from the same counts).
+        let (bl, en) = unsafe {
+            (
+                bp.slice(r0 * rb, (r1 - r0) * rb),
+                ep.slice(
+                    first[r0] * ENTRY_BYTES,
+                    (first[r1] - first[r0]) * ENTRY_BYTES,
+                ),
+            )
+        };
+        let mut at = 0;
+        let mut exc = Vec::new();
+        let mut w = [0u16; BLOCK];
+        for r in r0..r1 {
+            let src = &row(r)[..2 * k];
+            for b in 0..nb {
+                for (v, c) in w.iter_mut().zip(src[b * 2 * BLOCK..].chunks_exact(2)) {
+                    *v = u16::from_le_bytes([c[0], c[1]]);
+                }
+                let o = ((r - r0) * nb + b) * BLOCK_BYTES;
+                exc.clear();
+                encode_block(&w, &mut bl[o..o + BLOCK_BYTES], &mut exc);
+                for &(i, exact, coded) in &exc {
+                    let Some(e) = en.get_mut(at..at + ENTRY_BYTES) else {
+                        bad.store(true, std::sync::atomic::Ordering::Relaxed);
+                        return;
+                    };
+                    e[..4].copy_from_slice(&((b * BLOCK + i) as u32).to_le_bytes());
+                    e[4..6].copy_from_slice(&exact.to_le_bytes());
+                    e[6..].copy_from_slice(&coded.to_le_bytes());
+                    at += ENTRY_BYTES;
+                }
+            }
+        }
+        if at != en.len() {
+            bad.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    if bad.into_inner() {
+        return Err(KernelError::Invalid {
+            op: OP,
+            what: "the exception counts do not match the rows",
+        });
+    }
+    Ok(())
+}
+
 /// Encodes a row-major bf16 matrix `[n, k]` (`k` a multiple of 32).
 pub fn encode(bf16: &[u8], n: usize, k: usize) -> Result<Vec<u8>, KernelError> {
     const OP: &str = "bf16z::encode";
@@ -101,38 +238,11 @@ pub fn encode(bf16: &[u8], n: usize, k: usize) -> Result<Vec<u8>, KernelError> {
             what: "n*k overflows",
         })?;
     check_len(OP, "bf16 bytes (2*n*k)", want, bf16.len())?;
-    let nb = k / BLOCK;
-    let mut blocks = vec![0u8; n * nb * BLOCK_BYTES];
-    let mut starts = Vec::with_capacity(n + 1);
-    let mut entries: Vec<(u32, u16, u16)> = Vec::new();
-    let mut exc = Vec::new();
-    let mut w = [0u16; BLOCK];
-    for r in 0..n {
-        starts.push(entries.len() as u32);
-        for b in 0..nb {
-            let src = &bf16[(r * k + b * BLOCK) * 2..(r * k + (b + 1) * BLOCK) * 2];
-            for (v, c) in w.iter_mut().zip(src.chunks_exact(2)) {
-                *v = u16::from_le_bytes([c[0], c[1]]);
-            }
-            let o = (r * nb + b) * BLOCK_BYTES;
-            exc.clear();
-            encode_block(&w, &mut blocks[o..o + BLOCK_BYTES], &mut exc);
-            for &(i, exact, coded) in &exc {
-                entries.push(((b * BLOCK + i) as u32, exact, coded));
-            }
-        }
-    }
-    starts.push(entries.len() as u32);
-    let mut out = blocks;
-    out.reserve(encoded_len(n, k, entries.len()).unwrap_or(0) - out.len());
-    for s in starts {
-        out.extend_from_slice(&s.to_le_bytes());
-    }
-    for (c, e, d) in entries {
-        out.extend_from_slice(&c.to_le_bytes());
-        out.extend_from_slice(&e.to_le_bytes());
-        out.extend_from_slice(&d.to_le_bytes());
-    }
+    let row = |r: usize| &bf16[r * 2 * k..(r + 1) * 2 * k];
+    let counts = exception_counts(&row, n, k);
+    let total = counts.iter().map(|&c| c as usize).sum();
+    let mut out = vec![0u8; encoded_len(n, k, total).unwrap_or(0)];
+    encode_into(&row, n, k, &counts, &mut out)?;
     Ok(out)
 }
 
@@ -213,6 +323,27 @@ impl<'a> Bf16z<'a> {
 
     /// Row `r` as bf16 values (exact).
     pub fn decode_row(&self, r: usize, out: &mut [u16]) {
+        #[cfg(target_arch = "x86_64")]
+        if super::quant::simd_available() {
+            let out = &mut out[..self.k];
+            // SAFETY: avx2 checked; the row holds k/32 blocks and `out` k values.
+            unsafe { avx2::decode(self.row_blocks(r), out) };
+            self.apply_exceptions(r, out);
+            return;
+        }
+        self.decode_row_scalar(r, out);
+    }
+
+    /// Writes row `r`'s exact values over their coded ones.
+    fn apply_exceptions(&self, r: usize, out: &mut [u16]) {
+        for e in self.start(r)..self.start(r + 1) {
+            let (c, exact, _) = self.entry(e);
+            out[c] = exact;
+        }
+    }
+
+    /// [`Self::decode_row`] in portable code.
+    fn decode_row_scalar(&self, r: usize, out: &mut [u16]) {
         let out = &mut out[..self.k];
         for (blk, o) in self
             .row_blocks(r)
@@ -226,16 +357,32 @@ impl<'a> Bf16z<'a> {
                 *v = ((nib >> 3) as u16) << 15 | (hi as u16) << 8 | blk[17 + i] as u16;
             }
         }
-        for e in self.start(r)..self.start(r + 1) {
-            let (c, exact, _) = self.entry(e);
-            out[c] = exact;
-        }
+        self.apply_exceptions(r, out);
+    }
+
+    /// Rows `r0..r0 + out.len() / (2k)` as little-endian bf16 bytes,
+    /// decoded over the pool.
+    pub fn decode_rows(&self, pool: &ThreadPool, r0: usize, out: &mut [u8]) {
+        let k = self.k;
+        let rows = out.len() / (2 * k);
+        let op = crate::pool::SyncPtr::new(out);
+        pool.run(rows.div_ceil(8), &|c| {
+            let mut buf = vec![0u16; k];
+            for r in c * 8..((c + 1) * 8).min(rows) {
+                self.decode_row(r0 + r, &mut buf);
+                // SAFETY: chunk c alone writes rows c*8..c*8+8 of `out`.
+                let o = unsafe { op.slice(r * 2 * k, 2 * k) };
+                for (d, v) in o.chunks_exact_mut(2).zip(&buf) {
+                    d.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+        });
     }
 
     /// `row r · x` with the coded blocks, plus the row's exceptions.
     fn dot_scalar(&self, r: usize, x: &[f32]) -> f32 {
         let mut row = vec![0u16; self.k];
-        self.decode_row(r, &mut row);
+        self.decode_row_scalar(r, &mut row);
         row.iter()
             .zip(x)
             .map(|(&w, &v)| super::bf16_to_f32(w) * v)
@@ -321,10 +468,165 @@ pub fn gemv(
     Ok(())
 }
 
+/// Output rows per group of the multi-token product.
+const GROUP: usize = 64;
+
+std::thread_local! {
+    /// Decoded bf16 rows and product scratch of [`matmul`], reused.
+    static GROUP_SCRATCH: std::cell::RefCell<(Vec<u8>, Vec<f32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// `y = x·Wᵀ` with `epilogue` for `s` activation rows and an encoded `W`
+/// (`bytes`, `[n, k]`); the contract of [`super::matmul::matmul`]. One row
+/// goes to [`gemv`]. More rows are multiplied [`GROUP`] output rows at a
+/// time: the group's weight rows (gate and up rows for SwiGLU) are decoded
+/// to bf16, multiplied by the bf16 kernels into a scratch, and the
+/// epilogue is applied while scattering into `y`. Decoding costs one pass
+/// over the weights per call, which a prefill chunk shares among its tokens.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul(
+    pool: &ThreadPool,
+    x: &[f32],
+    s: usize,
+    k: usize,
+    bytes: &[u8],
+    n: usize,
+    epilogue: Epilogue<'_>,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    const OP: &str = "bf16z::matmul";
+    let w = Bf16z::parse(bytes, n, k)?;
+    if s == 1 {
+        return gemv(pool, x, w, epilogue, y, true);
+    }
+    let swiglu = matches!(epilogue, Epilogue::SwiGlu);
+    if swiglu && !n.is_multiple_of(2) {
+        return Err(KernelError::Invalid {
+            op: OP,
+            what: "SwiGLU needs an even number of rows",
+        });
+    }
+    let n_out = if swiglu { n / 2 } else { n };
+    let len = |a: usize, b: usize| super::mul_dims(OP, "size overflows", a, b);
+    check_len(OP, "x elements (s*k)", len(s, k)?, x.len())?;
+    check_len(OP, "output elements", len(s, n_out)?, y.len())?;
+    if let Epilogue::AddResidual(r) = epilogue {
+        check_len(OP, "residual elements", len(s, n_out)?, r.len())?;
+    }
+    GROUP_SCRATCH.with(|cell| {
+        let (wbuf, tmp) = &mut *cell.borrow_mut();
+        let per = if swiglu { 2 } else { 1 };
+        wbuf.resize(per * GROUP * k * 2, 0);
+        tmp.resize(s * GROUP, 0.0);
+        for j0 in (0..n_out).step_by(GROUP) {
+            let g = GROUP.min(n_out - j0);
+            w.decode_rows(pool, j0, &mut wbuf[..g * k * 2]);
+            if swiglu {
+                w.decode_rows(pool, n_out + j0, &mut wbuf[g * k * 2..2 * g * k * 2]);
+            }
+            let wr = super::WeightRef::new(crate::ir::DType::BF16, &wbuf[..per * g * k * 2]);
+            let ep = if swiglu {
+                Epilogue::SwiGlu
+            } else {
+                Epilogue::None
+            };
+            let t = &mut tmp[..s * g];
+            super::matmul::matmul(pool, x, s, k, wr, per * g, ep, t)?;
+            for (tok, tr) in t.chunks_exact(g).enumerate() {
+                let o = tok * n_out + j0;
+                let yr = &mut y[o..o + g];
+                match epilogue {
+                    Epilogue::None | Epilogue::SwiGlu => yr.copy_from_slice(tr),
+                    Epilogue::Accumulate => yr.iter_mut().zip(tr).for_each(|(a, b)| *a += b),
+                    Epilogue::AddResidual(r) => yr
+                        .iter_mut()
+                        .zip(tr.iter().zip(&r[o..o + g]))
+                        .for_each(|(a, (b, c))| *a = b + c),
+                }
+            }
+        }
+        Ok(())
+    })
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{BLOCK, BLOCK_BYTES};
     use std::arch::x86_64::*;
+
+    /// `sign << 7 | e` for each nibble `sign << 3 | e`, in both lanes.
+    static TABLE: [u8; 32] = {
+        let mut t = [0u8; 32];
+        let mut i = 0;
+        while i < 32 {
+            let n = (i % 16) as u8;
+            t[i] = (n & 8) << 4 | (n & 7);
+            i += 1;
+        }
+        t
+    };
+
+    /// A block's bf16 words from its broadcast `f`, its nibble bytes in
+    /// both lanes and its low bytes: weights 0-7 and 16-23, then 8-15 and
+    /// 24-31 (see [`dot`]).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn words(
+        f: __m256i,
+        nib: __m256i,
+        low: __m256i,
+        table: __m256i,
+        halves: __m256i,
+        lo4: __m256i,
+    ) -> (__m256i, __m256i) {
+        let nibs = _mm256_and_si256(_mm256_srlv_epi32(nib, halves), lo4);
+        let hi = _mm256_add_epi8(_mm256_shuffle_epi8(table, nibs), f);
+        (_mm256_unpacklo_epi8(low, hi), _mm256_unpackhi_epi8(low, hi))
+    }
+
+    /// The constants of [`words`]: the table, the lane shifts, the nibble mask.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn consts() -> (__m256i, __m256i, __m256i) {
+        // SAFETY: TABLE is 32 bytes; unaligned load.
+        let table = unsafe { _mm256_loadu_si256(TABLE.as_ptr() as *const __m256i) };
+        (
+            table,
+            _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4),
+            _mm256_set1_epi8(0x0f),
+        )
+    }
+
+    /// The blocks of one row as bf16 values in natural order (exceptions
+    /// still coded).
+    ///
+    /// # Safety
+    /// The CPU must support avx2/fma; `out` holds 32 values per block.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn decode(blocks: &[u8], out: &mut [u16]) {
+        let (table, halves, lo4) = consts();
+        let p = blocks.as_ptr();
+        let nb = blocks.len() / BLOCK_BYTES;
+        for (b, o) in out.chunks_exact_mut(BLOCK).take(nb).enumerate() {
+            // SAFETY: block b lies within `blocks`; `o` holds 32 u16 (64
+            // bytes). Unaligned loads and stores.
+            unsafe {
+                let q = p.add(b * BLOCK_BYTES);
+                let (wa, wb) = words(
+                    _mm256_set1_epi8(*q as i8),
+                    _mm256_broadcastsi128_si256(_mm_loadu_si128(q.add(1) as *const __m128i)),
+                    _mm256_loadu_si256(q.add(17) as *const __m256i),
+                    table,
+                    halves,
+                    lo4,
+                );
+                let d = o.as_mut_ptr() as *mut __m256i;
+                _mm256_storeu_si256(d, _mm256_permute2x128_si256::<0x20>(wa, wb));
+                _mm256_storeu_si256(d.add(1), _mm256_permute2x128_si256::<0x31>(wa, wb));
+            }
+        }
+    }
 
     /// One row's blocks · `xp` (x permuted by `permute_x`).
     ///
@@ -344,43 +646,7 @@ mod avx2 {
     pub(super) unsafe fn dot(blocks: &[u8], xp: &[f32]) -> f32 {
         let nb = blocks.len() / BLOCK_BYTES;
         let xp = &xp[..nb * BLOCK];
-        let lo4 = _mm256_set1_epi8(0x0f);
-        let halves = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
-        let m = -128i8;
-        let table = _mm256_setr_epi8(
-            0,
-            1,
-            2,
-            3,
-            4,
-            5,
-            6,
-            7,
-            m,
-            m | 1,
-            m | 2,
-            m | 3,
-            m | 4,
-            m | 5,
-            m | 6,
-            m | 7,
-            0,
-            1,
-            2,
-            3,
-            4,
-            5,
-            6,
-            7,
-            m,
-            m | 1,
-            m | 2,
-            m | 3,
-            m | 4,
-            m | 5,
-            m | 6,
-            m | 7,
-        );
+        let (table, halves, lo4) = consts();
         let odd = _mm256_set1_epi32(0xffff_0000_u32 as i32);
         let mut acc = [_mm256_setzero_ps(); 4];
         let p = blocks.as_ptr();
@@ -401,10 +667,7 @@ mod avx2 {
                     ],
                 )
             };
-            let nibs = _mm256_and_si256(_mm256_srlv_epi32(nib, halves), lo4);
-            let hi = _mm256_add_epi8(_mm256_shuffle_epi8(table, nibs), f);
-            let wa = _mm256_unpacklo_epi8(low, hi);
-            let wb = _mm256_unpackhi_epi8(low, hi);
+            let (wa, wb) = words(f, nib, low, table, halves, lo4);
             let ws = [
                 _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wa)),
                 _mm256_castsi256_ps(_mm256_and_si256(wa, odd)),
@@ -455,6 +718,8 @@ mod tests {
         for r in 0..n {
             v.decode_row(r, &mut row);
             assert_eq!(row, want[r * k..(r + 1) * k], "row {r}");
+            v.decode_row_scalar(r, &mut row);
+            assert_eq!(row, want[r * k..(r + 1) * k], "row {r}, portable");
         }
         assert_eq!(z.len(), encoded_len(n, k, v.n_exceptions()).unwrap());
     }
@@ -493,6 +758,47 @@ mod tests {
                 gemv(&pool, &x, v, Epilogue::SwiGlu, &mut g, simd).unwrap();
                 for j in 0..n / 2 {
                     assert!((g[j] - want_g[j]).abs() < 1e-4 * (1.0 + want_g[j].abs()));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn matmul_matches_bf16_matmul_for_every_epilogue() {
+        let pool = ThreadPool::new(2);
+        let mut rng = Rng::new(14);
+        // n_out above one group with a partial last group; s = 1 and s > 1.
+        for (s, n, k) in [(1, 150, 64), (3, 150, 64), (5, 2 * 70, 96)] {
+            let x = rng.vec(s * k);
+            let mut wf = rng.vec(n * k);
+            wf[7] = 0.0;
+            wf[k + 3] = 1e-25;
+            let wb = encode_dtype(&wf, DType::BF16);
+            let z = encode(&wb, n, k).unwrap();
+            let w = crate::kernels::WeightRef::new(DType::BF16, &wb);
+            let r = rng.vec(s * n);
+            let eps = [
+                Epilogue::None,
+                Epilogue::Accumulate,
+                Epilogue::AddResidual(&r),
+                Epilogue::SwiGlu,
+            ];
+            for ep in eps {
+                let n_out = if matches!(ep, Epilogue::SwiGlu) {
+                    n / 2
+                } else {
+                    n
+                };
+                let init = rng.vec(s * n_out);
+                let mut want = init.clone();
+                crate::kernels::matmul::matmul(&pool, &x, s, k, w, n, ep, &mut want).unwrap();
+                let mut got = init.clone();
+                matmul(&pool, &x, s, k, &z, n, ep, &mut got).unwrap();
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (a - b).abs() < 1e-4 * (1.0 + b.abs()),
+                        "s={s} n={n} {ep:?} [{i}]: {a} vs {b}"
+                    );
                 }
             }
         }

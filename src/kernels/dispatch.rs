@@ -58,6 +58,10 @@ pub fn matmul_any(
     y: &mut [f32],
     mode: MatmulMode,
 ) -> Result<(), KernelError> {
+    if w.dtype == crate::ir::DType::BF16Z {
+        // Exact in both modes, as for plain bf16.
+        return super::bf16z::matmul(pool, x, s, k, w.bytes, n, epilogue, y);
+    }
     if mode == MatmulMode::Fast && qfast::supports(w.dtype) {
         if let Some(need) = qfast::scratch_len_for(qfast::Level::detect(), s, k) {
             return ACT_SCRATCH.with(|cell| {

@@ -13,7 +13,12 @@ pub fn embedding_rows<I: Copy + Into<i64>>(
     out: &mut [f32],
 ) -> Result<(), KernelError> {
     const OP: &str = "embedding_rows";
-    table.check_elems(OP, mul_dims(OP, "vocab*dim overflows", vocab, dim)?)?;
+    let compressed = if table.dtype == crate::ir::DType::BF16Z {
+        Some(super::bf16z::Bf16z::parse(table.bytes, vocab, dim)?)
+    } else {
+        table.check_elems(OP, mul_dims(OP, "vocab*dim overflows", vocab, dim)?)?;
+        None
+    };
     check_len(
         OP,
         "out elements (ids*dim)",
@@ -35,9 +40,19 @@ pub fn embedding_rows<I: Copy + Into<i64>>(
     if dim == 0 {
         return Ok(());
     }
+    let mut buf = Vec::new();
     for (&id, row) in ids.iter().zip(out.chunks_exact_mut(dim)) {
         let id: i64 = id.into();
-        table.read_into(id as usize * dim, row);
+        match &compressed {
+            Some(z) => {
+                buf.resize(dim, 0u16);
+                z.decode_row(id as usize, &mut buf);
+                for (o, &b) in row.iter_mut().zip(&buf) {
+                    *o = super::bf16_to_f32(b);
+                }
+            }
+            None => table.read_into(id as usize * dim, row),
+        }
     }
     Ok(())
 }

@@ -56,7 +56,8 @@ pub enum QuantError {
 }
 
 fn check(dtype: DType, n: usize, bytes: usize) -> Result<(), QuantError> {
-    if dtype == DType::I32 {
+    if matches!(dtype, DType::I32 | DType::BF16Z) {
+        // BF16Z rows are not self-contained (see `kernels::bf16z`).
         return Err(QuantError::NotFloat(dtype));
     }
     let expected = dtype.bytes_for(n).ok_or(QuantError::PartialBlock {
@@ -98,7 +99,7 @@ fn dequant_block(dtype: DType, b: &[u8], out: &mut [f32]) {
         DType::F32 => out[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
         DType::F16 => out[0] = rd_f16(b, 0),
         DType::BF16 => out[0] = bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
-        DType::I32 => unreachable!("rejected by check()"),
+        DType::I32 | DType::BF16Z => unreachable!("rejected by check()"),
         DType::Q8_0 => {
             let d = rd_f16(b, 0);
             for i in 0..32 {
@@ -371,7 +372,7 @@ mod avx2 {
             DType::Q4_1 => dot_q4_1(row, x),
             DType::Q4_K => dot_q4_k(row, x),
             DType::Q6_K => dot_q6_k(row, x),
-            DType::I32 => unreachable!("rejected by check()"),
+            DType::I32 | DType::BF16Z => unreachable!("rejected by check()"),
         }
     }
 

@@ -117,6 +117,7 @@ fn packed_weight(
         name: name.to_string(),
         parts: names,
         axis: 0,
+        stored_as: None,
     });
     Ok(Some(id))
 }

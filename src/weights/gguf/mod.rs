@@ -86,9 +86,10 @@ pub fn dtype_from_ggml(id: u32) -> Option<DType> {
     })
 }
 
-/// The ggml type id of one of our [`DType`]s.
-pub fn ggml_from_dtype(dtype: DType) -> u32 {
-    match dtype {
+/// The ggml type id of one of our [`DType`]s (`None` for BF16Z, which only
+/// exists in a session's weight arena).
+pub fn ggml_from_dtype(dtype: DType) -> Option<u32> {
+    Some(match dtype {
         DType::F32 => ggml_type::F32,
         DType::F16 => ggml_type::F16,
         DType::Q4_0 => ggml_type::Q4_0,
@@ -98,7 +99,8 @@ pub fn ggml_from_dtype(dtype: DType) -> u32 {
         DType::Q6_K => ggml_type::Q6_K,
         DType::I32 => ggml_type::I32,
         DType::BF16 => ggml_type::BF16,
-    }
+        DType::BF16Z => return None,
+    })
 }
 
 /// ggml's name for a type id (also for the ones we do not support), for messages.
