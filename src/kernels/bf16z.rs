@@ -454,15 +454,23 @@ pub fn gemv(
         let mut xp = cell.borrow_mut();
         permute_x(x, &mut xp);
         let xp = &xp[..];
+        // Rows of more than 4096 values: x no longer stays in L1 next to
+        // the weights, so four rows share each load of it (as in gemv).
+        let dot4 = |r: usize| {
+            let rows = [r, r + 1, r + 2, r + 3];
+            // SAFETY: avx2 checked above; each row holds k/32 blocks and xp
+            // is x permuted (k elements).
+            let d = unsafe { avx2::dot4(rows.map(|r| w.row_blocks(r)), xp) };
+            std::array::from_fn(|i| d[i] + w.corrections(rows[i], x))
+        };
         super::gemv::run_rows(
             pool,
             n_out,
             epilogue,
             y,
-            // SAFETY: avx2 checked above; the row holds k/32 blocks and
-            // xp is x permuted (k elements).
+            // SAFETY: as for dot4, one row.
             &|r| unsafe { avx2::dot(w.row_blocks(r), xp) } + w.corrections(r, x),
-            None,
+            (w.k > 4096).then_some(&dot4 as &(dyn Fn(usize) -> [f32; 4] + Sync)),
         );
     });
     Ok(())
@@ -626,6 +634,63 @@ mod avx2 {
                 _mm256_storeu_si256(d.add(1), _mm256_permute2x128_si256::<0x31>(wa, wb));
             }
         }
+    }
+
+    /// [`dot`] for four rows of the same length, sharing each load of
+    /// `xp`; two accumulators per row (even and odd lanes).
+    ///
+    /// # Safety
+    /// As [`dot`], for each row.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot4(rows: [&[u8]; 4], xp: &[f32]) -> [f32; 4] {
+        let nb = rows[0].len() / BLOCK_BYTES;
+        let xp = &xp[..nb * BLOCK];
+        // One bounds check per row here instead of one per block below.
+        let p = rows.map(|r| r[..nb * BLOCK_BYTES].as_ptr());
+        let (table, halves, lo4) = consts();
+        let odd = _mm256_set1_epi32(0xffff_0000_u32 as i32);
+        let mut ev = [_mm256_setzero_ps(); 4];
+        let mut od = [_mm256_setzero_ps(); 4];
+        for (b, x) in xp.chunks_exact(BLOCK).enumerate() {
+            // SAFETY: 32 f32; unaligned loads.
+            let xv = unsafe {
+                [
+                    _mm256_loadu_ps(x.as_ptr()),
+                    _mm256_loadu_ps(x.as_ptr().add(8)),
+                    _mm256_loadu_ps(x.as_ptr().add(16)),
+                    _mm256_loadu_ps(x.as_ptr().add(24)),
+                ]
+            };
+            for r in 0..4 {
+                // SAFETY: block b < nb of a row checked to hold nb blocks.
+                let (wa, wb) = unsafe {
+                    let q = p[r].add(b * BLOCK_BYTES);
+                    words(
+                        _mm256_set1_epi8(*q as i8),
+                        _mm256_broadcastsi128_si256(_mm_loadu_si128(q.add(1) as *const __m128i)),
+                        _mm256_loadu_si256(q.add(17) as *const __m256i),
+                        table,
+                        halves,
+                        lo4,
+                    )
+                };
+                let e0 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wa));
+                let o0 = _mm256_castsi256_ps(_mm256_and_si256(wa, odd));
+                let e1 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wb));
+                let o1 = _mm256_castsi256_ps(_mm256_and_si256(wb, odd));
+                ev[r] = _mm256_fmadd_ps(e1, xv[2], _mm256_fmadd_ps(e0, xv[0], ev[r]));
+                od[r] = _mm256_fmadd_ps(o1, xv[3], _mm256_fmadd_ps(o0, xv[1], od[r]));
+            }
+        }
+        let mut out = [0f32; 4];
+        for r in 0..4 {
+            let v = _mm256_add_ps(ev[r], od[r]);
+            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+            out[r] = _mm_cvtss_f32(s);
+        }
+        out
     }
 
     /// One row's blocks · `xp` (x permuted by `permute_x`).
