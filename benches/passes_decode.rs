@@ -1,6 +1,7 @@
 //! Decode speed with `--passes all` against `--passes none`, and with the
-//! pipeline minus `pack_weights` (fusion and dead work only) to show what
-//! each part contributes.
+//! pipeline minus `pack_weights` (fusion and dead work; of the weights only
+//! the fused `wqkv` and `w13` are then in the arena, and compressed) to show
+//! what each part contributes.
 //!
 //! Uses a random bf16 checkpoint shaped like Llama 3.2 1B
 //! (`graphs/llama-3.2-1b/params.json`), generated once (2.5 GB, a few
@@ -94,8 +95,9 @@ fn main() {
         // arithmetic; the default one runs single tokens on the GEMV kernel.
         exact: false,
     };
-    // The pipeline, the pipeline without the weight-arena copy (fusion and
-    // dead work only), and the builder's graph.
+    // The pipeline, the pipeline without copying the unfused weights into
+    // the arena (`wo`, `w2` and the head stay bf16 in the file mapping), and
+    // the builder's graph.
     let configs = [
         ("all", PassList::all()),
         ("fusion", PassList::all().without("pack_weights")),
