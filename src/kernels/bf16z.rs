@@ -360,21 +360,16 @@ impl<'a> Bf16z<'a> {
         self.apply_exceptions(r, out);
     }
 
-    /// Rows `r0..r0 + out.len() / (2k)` as little-endian bf16 bytes,
-    /// decoded over the pool.
-    pub fn decode_rows(&self, pool: &ThreadPool, r0: usize, out: &mut [u8]) {
+    /// Rows `r0..r0 + out.len() / k` as bf16 values, decoded over the pool.
+    pub fn decode_rows(&self, pool: &ThreadPool, r0: usize, out: &mut [u16]) {
         let k = self.k;
-        let rows = out.len() / (2 * k);
+        let rows = out.len() / k;
         let op = crate::pool::SyncPtr::new(out);
         pool.run(rows.div_ceil(8), &|c| {
-            let mut buf = vec![0u16; k];
             for r in c * 8..((c + 1) * 8).min(rows) {
-                self.decode_row(r0 + r, &mut buf);
                 // SAFETY: chunk c alone writes rows c*8..c*8+8 of `out`.
-                let o = unsafe { op.slice(r * 2 * k, 2 * k) };
-                for (d, v) in o.chunks_exact_mut(2).zip(&buf) {
-                    d.copy_from_slice(&v.to_le_bytes());
-                }
+                let o = unsafe { op.slice(r * k, k) };
+                self.decode_row(r0 + r, o);
             }
         });
     }
@@ -477,11 +472,11 @@ pub fn gemv(
 }
 
 /// Output rows per group of the multi-token product.
-const GROUP: usize = 64;
+const GROUP: usize = 256;
 
 std::thread_local! {
     /// Decoded bf16 rows and product scratch of [`matmul`], reused.
-    static GROUP_SCRATCH: std::cell::RefCell<(Vec<u8>, Vec<f32>)> =
+    static GROUP_SCRATCH: std::cell::RefCell<(Vec<u16>, Vec<f32>)> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
@@ -525,15 +520,24 @@ pub fn matmul(
     GROUP_SCRATCH.with(|cell| {
         let (wbuf, tmp) = &mut *cell.borrow_mut();
         let per = if swiglu { 2 } else { 1 };
-        wbuf.resize(per * GROUP * k * 2, 0);
+        wbuf.resize(per * GROUP * k, 0);
         tmp.resize(s * GROUP, 0.0);
         for j0 in (0..n_out).step_by(GROUP) {
             let g = GROUP.min(n_out - j0);
-            w.decode_rows(pool, j0, &mut wbuf[..g * k * 2]);
+            w.decode_rows(pool, j0, &mut wbuf[..g * k]);
             if swiglu {
-                w.decode_rows(pool, n_out + j0, &mut wbuf[g * k * 2..2 * g * k * 2]);
+                w.decode_rows(pool, n_out + j0, &mut wbuf[g * k..2 * g * k]);
             }
-            let wr = super::WeightRef::new(crate::ir::DType::BF16, &wbuf[..per * g * k * 2]);
+            if cfg!(target_endian = "big") {
+                wbuf.iter_mut().for_each(|v| *v = v.to_le());
+            }
+            let rows = &wbuf[..per * g * k];
+            // SAFETY: any u16 slice is a valid byte slice of twice the
+            // length (alignment 1); the values are little-endian (above).
+            let bytes = unsafe {
+                std::slice::from_raw_parts(rows.as_ptr().cast::<u8>(), std::mem::size_of_val(rows))
+            };
+            let wr = super::WeightRef::new(crate::ir::DType::BF16, bytes);
             let ep = if swiglu {
                 Epilogue::SwiGlu
             } else {
@@ -832,8 +836,9 @@ mod tests {
     fn matmul_matches_bf16_matmul_for_every_epilogue() {
         let pool = ThreadPool::new(2);
         let mut rng = Rng::new(14);
-        // n_out above one group with a partial last group; s = 1 and s > 1.
-        for (s, n, k) in [(1, 150, 64), (3, 150, 64), (5, 2 * 70, 96)] {
+        // One partial group, and several groups with a partial last one
+        // (600 rows; 300 for SwiGLU); s = 1 and s > 1.
+        for (s, n, k) in [(1, 150, 64), (3, 150, 64), (5, 140, 96), (3, 600, 64)] {
             let x = rng.vec(s * k);
             let mut wf = rng.vec(n * k);
             wf[7] = 0.0;
