@@ -123,6 +123,20 @@ struct PackPlan<'a> {
 }
 
 impl PackPlan<'_> {
+    /// Releases the source pages of rows `r0..r1` (rows of `row_bytes`).
+    fn release_rows(&self, r0: usize, r1: usize, row_bytes: usize) {
+        let mut base = 0;
+        for part in &self.parts {
+            let rows = part.shape[0];
+            let (a, b) = (r0.max(base), r1.min(base + rows));
+            if a < b {
+                part.data
+                    .release_range((a - base) * row_bytes, (b - base) * row_bytes);
+            }
+            base += rows;
+        }
+    }
+
     /// Row `r` of the concatenated parts (rows of `row_bytes`).
     fn row(&self, r: usize, row_bytes: usize) -> &[u8] {
         let mut r = r;
@@ -230,7 +244,8 @@ pub fn materialize_packed(graph: &Graph, store: &WeightStore) -> Result<WeightSt
                     return Err(err(format!("{cols} columns are not a multiple of 32")));
                 }
                 let rb = cols * 2;
-                plan.counts = bf16z::exception_counts(&|r| plan.row(r, rb), rows, cols);
+                let release = |r0, r1| plan.release_rows(r0, r1, rb);
+                plan.counts = bf16z::exception_counts(&|r| plan.row(r, rb), rows, cols, &release);
                 for part in &plan.parts {
                     part.data.release_range(0, part.data.len());
                 }
@@ -312,8 +327,16 @@ fn fill_arena(
         if p.stored == DType::BF16Z {
             let (rows, cols) = (p.shape[0], p.shape[1]);
             let out = &mut map[offset..offset + p.bytes];
-            crate::kernels::bf16z::encode_into(&|r| p.row(r, cols * 2), rows, cols, &p.counts, out)
-                .map_err(|e| std::io::Error::other(e.to_string()))?;
+            let release = |r0, r1| p.release_rows(r0, r1, cols * 2);
+            crate::kernels::bf16z::encode_into(
+                &|r| p.row(r, cols * 2),
+                rows,
+                cols,
+                &p.counts,
+                out,
+                &release,
+            )
+            .map_err(|e| std::io::Error::other(e.to_string()))?;
             for part in &p.parts {
                 part.data.release_range(0, part.data.len());
             }

@@ -108,12 +108,18 @@ fn par_ranges(n: usize, f: &(dyn Fn(usize, usize) + Sync)) {
     });
 }
 
+/// Rows between two calls of an encoder's `done` callback.
+const DONE_ROWS: usize = 64;
+
 /// Per-row exception counts of the bf16 rows `row(0..n)`, `k` values each
 /// (`k` a multiple of 32): what [`encode_into`] and [`encoded_len`] need.
+/// `done(r0, r1)` is called as rows `r0..r1` have been read (so that a
+/// caller can release their source pages).
 pub fn exception_counts<'a>(
     row: &(dyn Fn(usize) -> &'a [u8] + Sync),
     n: usize,
     k: usize,
+    done: &(dyn Fn(usize, usize) + Sync),
 ) -> Vec<u32> {
     let mut counts = vec![0u32; n];
     let cp = crate::pool::SyncPtr::new(&mut counts);
@@ -125,6 +131,9 @@ pub fn exception_counts<'a>(
                 .chunks_exact(2 * BLOCK)
                 .map(block_exceptions)
                 .sum();
+            if (r + 1 - r0) % DONE_ROWS == 0 || r + 1 == r1 {
+                done(r + 1 - ((r - r0) % DONE_ROWS + 1), r + 1);
+            }
         }
     });
     counts
@@ -132,13 +141,14 @@ pub fn exception_counts<'a>(
 
 /// Encodes the bf16 rows `row(0..n)` (`k` values each, `k` a multiple of
 /// 32) into `out`, which holds exactly `encoded_len(n, k, Σ counts)` bytes,
-/// `counts` being [`exception_counts`] of the same rows.
+/// `counts` being [`exception_counts`] of the same rows. `done` as there.
 pub fn encode_into<'a>(
     row: &(dyn Fn(usize) -> &'a [u8] + Sync),
     n: usize,
     k: usize,
     counts: &[u32],
     out: &mut [u8],
+    done: &(dyn Fn(usize, usize) + Sync),
 ) -> Result<(), KernelError> {
     const OP: &str = "bf16z::encode";
     if k == 0 || !k.is_multiple_of(BLOCK) {
@@ -207,6 +217,9 @@ pub fn encode_into<'a>(
                     at += ENTRY_BYTES;
                 }
             }
+            if (r + 1 - r0) % DONE_ROWS == 0 || r + 1 == r1 {
+                done(r + 1 - ((r - r0) % DONE_ROWS + 1), r + 1);
+            }
         }
         if at != en.len() {
             bad.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -239,10 +252,10 @@ pub fn encode(bf16: &[u8], n: usize, k: usize) -> Result<Vec<u8>, KernelError> {
         })?;
     check_len(OP, "bf16 bytes (2*n*k)", want, bf16.len())?;
     let row = |r: usize| &bf16[r * 2 * k..(r + 1) * 2 * k];
-    let counts = exception_counts(&row, n, k);
+    let counts = exception_counts(&row, n, k, &|_, _| {});
     let total = counts.iter().map(|&c| c as usize).sum();
     let mut out = vec![0u8; encoded_len(n, k, total).unwrap_or(0)];
-    encode_into(&row, n, k, &counts, &mut out)?;
+    encode_into(&row, n, k, &counts, &mut out, &|_, _| {})?;
     Ok(out)
 }
 
