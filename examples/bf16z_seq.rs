@@ -10,22 +10,11 @@ use llama_graph::kernels::bf16z::{self, Bf16z};
 use llama_graph::kernels::matmul::Epilogue;
 use llama_graph::kernels::{gemv, WeightRef};
 use llama_graph::pool::ThreadPool;
-use std::hint::black_box;
 use std::time::Instant;
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-fn huge(len: usize) -> memmap2::MmapMut {
-    let map = memmap2::MmapOptions::new()
-        .len(len)
-        .map_anon()
-        .expect("map");
-    let _ = map.advise(memmap2::Advice::HugePage);
-    map
-}
+#[path = "common/decode_step.rs"]
+mod decode_step;
+use decode_step::{huge, median, n_out};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -43,16 +32,7 @@ fn main() {
         l2_rate(&plain, &x);
         return;
     }
-    let mut ops = Vec::new();
-    for _ in 0..16 {
-        ops.extend([
-            (3072, 2048, Epilogue::None),
-            (2048, 2048, Epilogue::Accumulate),
-            (16384, 2048, Epilogue::SwiGlu),
-            (2048, 8192, Epilogue::Accumulate),
-        ]);
-    }
-    ops.push((128256, 2048, Epilogue::None));
+    let ops = decode_step::ops();
     let total: usize = ops.iter().map(|&(n, k, _)| n * k * 2).sum();
     let mut plain = huge(total);
     // Near-Gaussian values, as the random checkpoints draw them.
@@ -109,41 +89,18 @@ fn main() {
         for &(n, k, ep) in &ops {
             let w = WeightRef::new(DType::BF16, &plain[off..off + n * k * 2]);
             off += n * k * 2;
-            let n_out = if matches!(ep, Epilogue::SwiGlu) {
-                n / 2
-            } else {
-                n
-            };
+            let n_out = n_out(n, &ep);
             gemv::gemv(&pool, &x[..k], k, w, n, ep, &mut y[..n_out]).expect("gemv");
         }
     };
     let step_z = |y: &mut [f32]| {
         for (&(n, k, ep), v) in ops.iter().zip(&views) {
-            let n_out = if matches!(ep, Epilogue::SwiGlu) {
-                n / 2
-            } else {
-                n
-            };
+            let n_out = n_out(n, &ep);
             bf16z::gemv(&pool, &x[..k], *v, ep, &mut y[..n_out], true).expect("gemv");
         }
     };
-    let words: &[u64] = {
-        let b: &[u8] = &plain;
-        assert!((b.as_ptr() as usize).is_multiple_of(8) && b.len().is_multiple_of(8));
-        // SAFETY: aligned, in bounds, any bits are a valid u64.
-        unsafe { std::slice::from_raw_parts(b.as_ptr() as *const u64, b.len() / 8) }
-    };
-    let read = || {
-        const CHUNK: usize = 1 << 17;
-        let sums: Vec<std::sync::atomic::AtomicU64> =
-            (0..threads).map(|_| Default::default()).collect();
-        pool.run_indexed(words.len().div_ceil(CHUNK), &|c, t| {
-            let w = &words[c * CHUNK..((c + 1) * CHUNK).min(words.len())];
-            let s = w.iter().fold(0u64, |a, &v| a.wrapping_add(v));
-            sums[t].fetch_add(s, std::sync::atomic::Ordering::Relaxed);
-        });
-        black_box(sums);
-    };
+    let words = decode_step::words(&plain);
+    let read = || decode_step::read(&pool, words, 1 << 17);
     step_plain(&mut y);
     step_z(&mut y2);
     let worst = y

@@ -10,16 +10,13 @@
 //! `cargo run --release --example gemv_seq -- [threads, default 2] [reps, default 10] [bf16|f16|f32]`
 
 use llama_graph::ir::DType;
-use llama_graph::kernels::matmul::Epilogue;
 use llama_graph::kernels::{gemv, WeightRef};
 use llama_graph::pool::ThreadPool;
-use std::hint::black_box;
 use std::time::Instant;
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
+#[path = "common/decode_step.rs"]
+mod decode_step;
+use decode_step::{median, n_out};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -32,23 +29,9 @@ fn main() {
     };
     let es = dtype.block_bytes();
     let pool = ThreadPool::new(threads);
-    // (n, k, epilogue) per weight GEMV of one decode step.
-    let mut ops = Vec::new();
-    for _ in 0..16 {
-        ops.extend([
-            (3072, 2048, Epilogue::None),
-            (2048, 2048, Epilogue::Accumulate),
-            (16384, 2048, Epilogue::SwiGlu),
-            (2048, 8192, Epilogue::Accumulate),
-        ]);
-    }
-    ops.push((128256, 2048, Epilogue::None));
+    let ops = decode_step::ops();
     let total: usize = ops.iter().map(|&(n, k, _)| n * k * es).sum();
-    let mut map = memmap2::MmapOptions::new()
-        .len(total)
-        .map_anon()
-        .expect("map");
-    let _ = map.advise(memmap2::Advice::HugePage);
+    let mut map = decode_step::huge(total);
     for (i, b) in map.iter_mut().enumerate() {
         *b = (i % 61) as u8 & 0x3f;
     }
@@ -60,27 +43,13 @@ fn main() {
             let bytes = n * k * es;
             let w = WeightRef::new(dtype, &map[off..off + bytes]);
             off += bytes;
-            let n_out = if matches!(ep, Epilogue::SwiGlu) {
-                n / 2
-            } else {
-                n
-            };
+            let n_out = n_out(n, &ep);
             gemv::gemv_at(level, &pool, &x[..k], k, w, n, ep, &mut y[..n_out]).expect("gemv");
         }
     };
     // The same bytes summed as u64 words, in 1 MiB chunks over the threads.
-    let words: &[u64] = bytemuck_words(&map);
-    let read = || {
-        const CHUNK: usize = 1 << 17;
-        let sums: Vec<std::sync::atomic::AtomicU64> =
-            (0..threads).map(|_| Default::default()).collect();
-        pool.run_indexed(words.len().div_ceil(CHUNK), &|c, t| {
-            let w = &words[c * CHUNK..((c + 1) * CHUNK).min(words.len())];
-            let s = w.iter().fold(0u64, |a, &v| a.wrapping_add(v));
-            sums[t].fetch_add(s, std::sync::atomic::Ordering::Relaxed);
-        });
-        black_box(sums);
-    };
+    let words = decode_step::words(&map);
+    let read = || decode_step::read(&pool, words, 1 << 17);
     // The same read, one pool job per weight matrix, split into row ranges
     // as the GEMV splits it: what the op boundaries cost on their own.
     let read_ops = || {
@@ -89,15 +58,7 @@ fn main() {
             let (lo, len) = (off / 8, n * k * es / 8);
             off += n * k * es;
             let m = &words[lo..lo + len];
-            let chunk = (len / (4 * threads)).max(1);
-            let sums: Vec<std::sync::atomic::AtomicU64> =
-                (0..threads).map(|_| Default::default()).collect();
-            pool.run_indexed(len.div_ceil(chunk), &|c, t| {
-                let w = &m[c * chunk..((c + 1) * chunk).min(len)];
-                let s = w.iter().fold(0u64, |a, &v| a.wrapping_add(v));
-                sums[t].fetch_add(s, std::sync::atomic::Ordering::Relaxed);
-            });
-            black_box(sums);
+            decode_step::read(&pool, m, (len / (4 * threads)).max(1));
         }
     };
     let levels: Vec<gemv::Level> = gemv::Level::ALL
@@ -142,11 +103,4 @@ fn main() {
             median(&mut ratios)
         );
     }
-}
-
-/// The mapping as u64 words (it is page-aligned, and its length a multiple of 8).
-fn bytemuck_words(b: &[u8]) -> &[u64] {
-    assert!((b.as_ptr() as usize).is_multiple_of(8) && b.len().is_multiple_of(8));
-    // SAFETY: aligned, in bounds, and every bit pattern is a valid u64.
-    unsafe { std::slice::from_raw_parts(b.as_ptr() as *const u64, b.len() / 8) }
 }
