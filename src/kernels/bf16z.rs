@@ -33,8 +33,10 @@
 //! `(exact - coded) · x[column]` per exception of the row, and decoding to
 //! bf16 writes `exact` back, so nothing is lost.
 //!
-//! On weights drawn like the random checkpoints (near-Gaussian) about one
-//! block in 600 has an exception. The size is 49/64 of bf16 plus the table.
+//! The size is 49/64 of bf16 plus the table. Measured with
+//! `examples/bf16z_stats.rs`: 0.007% of the random 1B checkpoint's weights
+//! are exceptions (0.767 of bf16 in all), 0.03% of SmolLM2's trained layer
+//! weights and 1% of its embedding table (0.778 in all).
 
 use super::matmul::Epilogue;
 use super::{check_len, KernelError};
