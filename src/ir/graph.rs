@@ -85,7 +85,7 @@ pub struct PackedWeight {
     pub axis: usize,
     /// The storage dtype when it differs from the parts' (the
     /// `compress_weights` pass stores bf16 weights as
-    /// [`DType::BF16Z`](crate::ir::DType::BF16Z)).
+    /// [`DType::BF16Z`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stored_as: Option<crate::ir::DType>,
 }

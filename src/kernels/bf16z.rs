@@ -519,7 +519,7 @@ std::thread_local! {
 
 /// `y = x·Wᵀ` with `epilogue` for `s` activation rows and an encoded `W`
 /// (`bytes`, `[n, k]`); the contract of [`super::matmul::matmul`]. One row
-/// goes to [`gemv`]. More rows are multiplied [`GROUP`] output rows at a
+/// goes to [`gemv`]. More rows are multiplied `GROUP` (256) output rows at a
 /// time: the group's weight rows (gate and up rows for SwiGLU) are decoded
 /// to bf16, multiplied by the bf16 kernels into a scratch, and the
 /// epilogue is applied while scattering into `y`. Decoding costs one pass

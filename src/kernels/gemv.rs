@@ -3,7 +3,7 @@
 //! with four independent FMA accumulators (the dependent-FMA latency would
 //! otherwise cap one row at ~8 elements per 4-5 cycles). Exact: f32
 //! activations, f32 accumulation (only the summation order differs from
-//! [`super::matmul`]).
+//! [`super::matmul::matmul`]).
 //!
 //! The kernel has to convert weights to f32 faster than memory delivers
 //! them, or decode runs below the machine's bandwidth. BF16 is the common
@@ -12,7 +12,7 @@
 //! widen: they load 32-bit lanes, each holding an adjacent pair of bf16
 //! values, and a shift left by 16 gives the even element as f32 while a
 //! mask of the high half gives the odd one. `x` is rearranged once per call
-//! to match ([`split_even_odd`]): per block of lanes, its even-indexed
+//! to match (`split_even_odd`): per block of lanes, its even-indexed
 //! elements, then its odd-indexed ones. On the development machine (Zen 4,
 //! 2 threads, `examples/gemv_seq.rs`) this took the bf16 kernel's
 //! L2-resident rate from ~25 to ~45 GB/s per core, and a decode step's
@@ -171,7 +171,7 @@ impl Kernels<'_> {
 }
 
 /// `y = x·Wᵀ` with `epilogue` for one activation row (`x`: `[k]`) and a
-/// plain-dtype `W` `[n, k]`. Same contract as [`super::matmul`] with `s = 1`.
+/// plain-dtype `W` `[n, k]`. Same contract as [`super::matmul::matmul`] with `s = 1`.
 #[allow(clippy::too_many_arguments)]
 pub fn gemv(
     pool: &ThreadPool,
