@@ -387,14 +387,30 @@ impl<'a> Bf16z<'a> {
             .chunks_exact(BLOCK_BYTES)
             .zip(out.chunks_exact_mut(BLOCK))
         {
-            let f = blk[0];
-            for (i, v) in o.iter_mut().enumerate() {
-                let nib = (blk[1 + i % 16] >> (4 * (i / 16))) & 0xf;
-                let hi = f.wrapping_add(nib & 7) & 0x7f;
-                *v = ((nib >> 3) as u16) << 15 | (hi as u16) << 8 | blk[17 + i] as u16;
-            }
+            decode_block(blk, o);
         }
         self.apply_exceptions(r, out);
+    }
+
+    /// Row `r` as f32 values (exact), without allocating: the embedding
+    /// gather of a table stored as bf16z.
+    pub fn decode_row_f32(&self, r: usize, out: &mut [f32]) {
+        let out = &mut out[..self.k];
+        let mut w = [0u16; BLOCK];
+        for (blk, o) in self
+            .row_blocks(r)
+            .chunks_exact(BLOCK_BYTES)
+            .zip(out.chunks_exact_mut(BLOCK))
+        {
+            decode_block(blk, &mut w);
+            for (d, &v) in o.iter_mut().zip(&w) {
+                *d = super::bf16_to_f32(v);
+            }
+        }
+        for e in self.start(r)..self.start(r + 1) {
+            let (c, exact, _) = self.entry(e);
+            out[c] = super::bf16_to_f32(exact);
+        }
     }
 
     /// Rows `r0..r0 + out.len() / k` as bf16 values, decoded over the pool.
@@ -411,14 +427,24 @@ impl<'a> Bf16z<'a> {
         });
     }
 
-    /// `row r · x` with the coded blocks, plus the row's exceptions.
+    /// `row r · x` with the coded blocks, plus the row's exceptions, in
+    /// portable code and without allocating.
     fn dot_scalar(&self, r: usize, x: &[f32]) -> f32 {
-        let mut row = vec![0u16; self.k];
-        self.decode_row_scalar(r, &mut row);
-        row.iter()
-            .zip(x)
-            .map(|(&w, &v)| super::bf16_to_f32(w) * v)
-            .sum()
+        let mut w = [0u16; BLOCK];
+        let mut sum = 0f32;
+        for (blk, xb) in self
+            .row_blocks(r)
+            .chunks_exact(BLOCK_BYTES)
+            .zip(x.chunks_exact(BLOCK))
+        {
+            decode_block(blk, &mut w);
+            sum += w
+                .iter()
+                .zip(xb)
+                .map(|(&v, &xv)| super::bf16_to_f32(v) * xv)
+                .sum::<f32>();
+        }
+        sum + self.corrections(r, x)
     }
 
     /// The exception corrections of row `r`.
@@ -429,6 +455,16 @@ impl<'a> Bf16z<'a> {
             s += (super::bf16_to_f32(exact) - super::bf16_to_f32(coded)) * x[c];
         }
         s
+    }
+}
+
+/// One block's 32 coded values (exceptions not applied), in portable code.
+fn decode_block(blk: &[u8], out: &mut [u16]) {
+    let f = blk[0];
+    for (i, v) in out[..BLOCK].iter_mut().enumerate() {
+        let nib = (blk[1 + i % 16] >> (4 * (i / 16))) & 0xf;
+        let hi = f.wrapping_add(nib & 7) & 0x7f;
+        *v = ((nib >> 3) as u16) << 15 | (hi as u16) << 8 | blk[17 + i] as u16;
     }
 }
 
@@ -878,6 +914,13 @@ mod tests {
             assert_eq!(row, want[r * k..(r + 1) * k], "row {r}");
             v.decode_row_scalar(r, &mut row);
             assert_eq!(row, want[r * k..(r + 1) * k], "row {r}, portable");
+            let mut rf = vec![0f32; k];
+            v.decode_row_f32(r, &mut rf);
+            let wf: Vec<f32> = want[r * k..(r + 1) * k]
+                .iter()
+                .map(|&b| crate::kernels::bf16_to_f32(b))
+                .collect();
+            assert_eq!(rf, wf, "row {r}, as f32");
         }
         assert_eq!(z.len(), encoded_len(n, k, v.n_exceptions()).unwrap());
     }

@@ -40,17 +40,10 @@ pub fn embedding_rows<I: Copy + Into<i64>>(
     if dim == 0 {
         return Ok(());
     }
-    let mut buf = Vec::new();
     for (&id, row) in ids.iter().zip(out.chunks_exact_mut(dim)) {
         let id: i64 = id.into();
         match &compressed {
-            Some(z) => {
-                buf.resize(dim, 0u16);
-                z.decode_row(id as usize, &mut buf);
-                for (o, &b) in row.iter_mut().zip(&buf) {
-                    *o = super::bf16_to_f32(b);
-                }
-            }
+            Some(z) => z.decode_row_f32(id as usize, row),
             None => table.read_into(id as usize * dim, row),
         }
     }
