@@ -85,6 +85,9 @@ pub struct Model {
     pub chat_template: Option<String>,
     /// The model's name, where the file gives one.
     pub name: Option<String>,
+    /// The file's declared quantization (GGUF `general.file_type`), e.g.
+    /// `Q4_K_M`, where the file gives one.
+    pub file_type: Option<String>,
 }
 
 impl Model {
@@ -191,6 +194,12 @@ impl Model {
             args,
             chat_template: g.tokenizer.chat_template.clone(),
             name: g.meta.name.clone(),
+            file_type: g.meta.file_type.map(|t| {
+                format!(
+                    "{} (general.file_type {t})",
+                    crate::weights::gguf::file_type_name(t)
+                )
+            }),
             weights: g.store,
             tokenizer,
         })
@@ -258,6 +267,7 @@ impl Model {
             tokenizer,
             chat_template: None,
             name: None,
+            file_type: None,
         })
     }
 }

@@ -31,8 +31,15 @@ fn dtype(name: &str) -> DType {
         "q8_0" => DType::Q8_0,
         "q4_0" => DType::Q4_0,
         "q4_1" => DType::Q4_1,
-        "q4_K" => DType::Q4_K,
-        "q6_K" => DType::Q6_K,
+        "q5_0" => DType::Q5_0,
+        "q5_1" => DType::Q5_1,
+        "q2_K" | "q2_k" => DType::Q2_K,
+        "q3_K" | "q3_k" => DType::Q3_K,
+        "q4_K" | "q4_k" => DType::Q4_K,
+        "q5_K" | "q5_k" => DType::Q5_K,
+        "q6_K" | "q6_k" => DType::Q6_K,
+        "iq4_nl" => DType::IQ4_NL,
+        "iq4_xs" => DType::IQ4_XS,
         other => panic!("unknown dtype {other}"),
     }
 }
@@ -64,7 +71,7 @@ fn activations(n: usize, seed: u64) -> Vec<f32> {
 fn dequantize_matches_gguf_py_bit_exact() {
     let fx = fixture();
     let formats = fx["formats"].as_array().expect("formats");
-    assert_eq!(formats.len(), 8, "every supported format is covered");
+    assert_eq!(formats.len(), 15, "every supported format is covered");
     for f in formats {
         let dt = dtype(f["dtype"].as_str().expect("dtype"));
         let bytes = hex(f["bytes_hex"].as_str().expect("hex"));

@@ -76,6 +76,7 @@ fn random_model(args: &ModelArgs, dtype: DType, seed: u64) -> Model {
         tokenizer: None,
         chat_template: None,
         name: None,
+        file_type: None,
     }
 }
 

@@ -71,6 +71,9 @@ pub fn inspect(a: InspectArgs) -> super::CliResult {
     if let Some(n) = &model.name {
         println!("name        {n}");
     }
+    if let Some(t) = &model.file_type {
+        println!("file type   {t}");
+    }
     print!(
         "{}",
         super::graph::args_summary(args, args.plan_context(None))
@@ -87,6 +90,12 @@ pub fn inspect(a: InspectArgs) -> super::CliResult {
     } else {
         println!("tokenizer   none");
     }
+    let mut by_type = std::collections::BTreeMap::new();
+    for t in model.weights.tensors.values() {
+        *by_type.entry(t.dtype.to_string()).or_insert(0usize) += 1;
+    }
+    let counts: Vec<String> = by_type.iter().map(|(d, n)| format!("{d}: {n}")).collect();
+    println!("tensor types {}", counts.join(", "));
     println!("tensors ({})", model.weights.tensors.len());
     let mut total = 0usize;
     for (name, t) in &model.weights.tensors {

@@ -18,8 +18,15 @@ pub enum DType {
     Q8_0,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
+    Q2_K,
+    Q3_K,
     Q4_K,
+    Q5_K,
     Q6_K,
+    IQ4_NL,
+    IQ4_XS,
     /// BF16 weights stored losslessly in 49-byte blocks of 32 plus a table
     /// of exceptions after the blocks (see `kernels::bf16z`); made by the
     /// `compress_weights` pass, never read from a file.
@@ -31,8 +38,16 @@ impl DType {
     pub const fn block_elems(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 | DType::I32 => 1,
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::BF16Z => 32,
-            DType::Q4_K | DType::Q6_K => 256,
+            DType::Q8_0
+            | DType::Q4_0
+            | DType::Q4_1
+            | DType::Q5_0
+            | DType::Q5_1
+            | DType::IQ4_NL
+            | DType::BF16Z => 32,
+            DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_XS => {
+                256
+            }
         }
     }
 
@@ -44,8 +59,15 @@ impl DType {
             DType::Q8_0 => 34,
             DType::Q4_0 => 18,
             DType::Q4_1 => 20,
+            DType::Q5_0 => 22,
+            DType::Q5_1 => 24,
+            DType::Q2_K => 84,
+            DType::Q3_K => 110,
             DType::Q4_K => 144,
+            DType::Q5_K => 176,
             DType::Q6_K => 210,
+            DType::IQ4_NL => 18,
+            DType::IQ4_XS => 136,
             DType::BF16Z => 49,
         }
     }
@@ -72,8 +94,15 @@ impl DType {
             DType::Q8_0 => "q8_0",
             DType::Q4_0 => "q4_0",
             DType::Q4_1 => "q4_1",
+            DType::Q5_0 => "q5_0",
+            DType::Q5_1 => "q5_1",
+            DType::Q2_K => "q2_K",
+            DType::Q3_K => "q3_K",
             DType::Q4_K => "q4_K",
+            DType::Q5_K => "q5_K",
             DType::Q6_K => "q6_K",
+            DType::IQ4_NL => "iq4_nl",
+            DType::IQ4_XS => "iq4_xs",
             DType::BF16Z => "bf16z",
         }
     }
@@ -95,6 +124,9 @@ mod tests {
         assert_eq!(DType::Q4_0.bytes_for(64), Some(36));
         assert_eq!(DType::Q4_0.bytes_for(33), None);
         assert_eq!(DType::Q6_K.bytes_for(256), Some(210));
+        assert_eq!(DType::Q5_K.bytes_for(512), Some(352));
+        assert_eq!(DType::IQ4_XS.bytes_for(256), Some(136));
+        assert_eq!(DType::Q5_0.bytes_for(64), Some(44));
         assert_eq!(DType::F32.bytes_for(usize::MAX), None);
     }
 }

@@ -24,6 +24,7 @@ pub mod norm;
 pub mod qfast;
 pub mod qmatmul;
 pub mod quant;
+pub mod quant_blocks;
 pub mod rope;
 #[cfg(test)]
 pub(crate) mod testutil;

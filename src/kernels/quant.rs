@@ -1,27 +1,6 @@
-//! Block-quantized weight formats (ggml layouts) and row kernels.
-//!
-//! Layouts, bit for bit as in ggml's `ggml-common.h` (all little-endian, `f16` = IEEE half):
-//!
-//! | type | elems/block | bytes | layout |
-//! |------|-------------|-------|--------|
-//! | Q8_0 | 32  | 34  | `f16 d; i8 qs[32]`; `x[i] = d * qs[i]` |
-//! | Q4_0 | 32  | 18  | `f16 d; u8 qs[16]`; `x[i] = d * ((qs[i] & 15) - 8)`, `x[i+16] = d * ((qs[i] >> 4) - 8)` |
-//! | Q4_1 | 32  | 20  | `f16 d; f16 m; u8 qs[16]`; `x[i] = d * (qs[i] & 15) + m`, `x[i+16] = d * (qs[i] >> 4) + m` |
-//! | Q4_K | 256 | 144 | `f16 d; f16 dmin; u8 scales[12]; u8 qs[128]`: 8 sub-blocks of 32 with 6-bit scale/min |
-//! | Q6_K | 256 | 210 | `u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d`: 16 sub-blocks of 16 with 8-bit scale |
-//!
-//! Q4_K: for each 64-element chunk `j` (32 bytes of `qs`), low nibbles are elements
-//! `64j..64j+32` with (scale, min) number `2j`, high nibbles `64j+32..64j+64` with number
-//! `2j+1`; `x = d*sc*q - dmin*m`. Scale/min `k < 4`: `sc = s[k] & 63`, `m = s[k+4] & 63`;
-//! `k >= 4`: `sc = (s[k+4] & 15) | ((s[k-4] >> 6) << 4)`, `m = (s[k+4] >> 4) | ((s[k] >> 6) << 4)`.
-//!
-//! Q6_K: per 128-element half `h` (ql += 64h, qh += 32h, scales += 8h), for `l < 32`:
-//! `q1 = (ql[l] & 15) | ((qh[l] & 3) << 4)`, `q2 = (ql[l+32] & 15) | (((qh[l] >> 2) & 3) << 4)`,
-//! `q3 = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)`, `q4 = (ql[l+32] >> 4) | (((qh[l] >> 6) & 3) << 4)`,
-//! elements `l, l+32, l+64, l+96` are `d * scales[l/16 + 0/2/4/6] * (q - 32)`.
-//!
-//! Dequantization is bit-exact with ggml's reference (`dequantize_row_*`) and with the
-//! `gguf` Python package: the same f32 operations in the same order.
+//! Block-quantized weight formats: row dequantization, exact dot products and the
+//! reference quantizers. The block layouts and their dequantization (bit-exact with
+//! ggml's reference and the `gguf` Python package) are in [`super::quant_blocks`].
 //!
 //! [`dot_row`] multiplies one quantized row with an f32 vector without materialising the
 //! row: an AVX2+FMA+F16C kernel when the CPU has them (runtime detection), else the scalar
@@ -30,6 +9,7 @@
 // Block kernels index several arrays with one loop counter, mirroring ggml's reference code.
 #![allow(clippy::needless_range_loop)]
 
+use super::quant_blocks::dequant_block;
 use crate::ir::DType;
 use half::{bf16, f16};
 use thiserror::Error;
@@ -74,94 +54,6 @@ fn check(dtype: DType, n: usize, bytes: usize) -> Result<(), QuantError> {
         });
     }
     Ok(())
-}
-
-#[inline(always)]
-fn rd_f16(b: &[u8], at: usize) -> f32 {
-    f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
-}
-
-#[inline(always)]
-fn q4k_scale_min(s: &[u8], k: usize) -> (u8, u8) {
-    if k < 4 {
-        (s[k] & 63, s[k + 4] & 63)
-    } else {
-        (
-            (s[k + 4] & 15) | ((s[k - 4] >> 6) << 4),
-            (s[k + 4] >> 4) | ((s[k] >> 6) << 4),
-        )
-    }
-}
-
-/// Dequantizes one block (`dtype.block_bytes()` bytes) into `out` (`dtype.block_elems()`).
-fn dequant_block(dtype: DType, b: &[u8], out: &mut [f32]) {
-    match dtype {
-        DType::F32 => out[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-        DType::F16 => out[0] = rd_f16(b, 0),
-        DType::BF16 => out[0] = bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
-        DType::I32 | DType::BF16Z => unreachable!("rejected by check()"),
-        DType::Q8_0 => {
-            let d = rd_f16(b, 0);
-            for i in 0..32 {
-                out[i] = (b[2 + i] as i8) as f32 * d;
-            }
-        }
-        DType::Q4_0 => {
-            let d = rd_f16(b, 0);
-            for i in 0..16 {
-                let q = b[2 + i];
-                out[i] = ((q & 15) as i32 - 8) as f32 * d;
-                out[i + 16] = ((q >> 4) as i32 - 8) as f32 * d;
-            }
-        }
-        DType::Q4_1 => {
-            let d = rd_f16(b, 0);
-            let m = rd_f16(b, 2);
-            for i in 0..16 {
-                let q = b[4 + i];
-                out[i] = (q & 15) as f32 * d + m;
-                out[i + 16] = (q >> 4) as f32 * d + m;
-            }
-        }
-        DType::Q4_K => {
-            let d = rd_f16(b, 0);
-            let dmin = rd_f16(b, 2);
-            let scales = &b[4..16];
-            let qs = &b[16..144];
-            for j in 0..4 {
-                let (sc1, m1) = q4k_scale_min(scales, 2 * j);
-                let (sc2, m2) = q4k_scale_min(scales, 2 * j + 1);
-                let (d1, mm1) = (d * sc1 as f32, dmin * m1 as f32);
-                let (d2, mm2) = (d * sc2 as f32, dmin * m2 as f32);
-                let q = &qs[32 * j..32 * j + 32];
-                let y = &mut out[64 * j..64 * j + 64];
-                for l in 0..32 {
-                    y[l] = d1 * (q[l] & 15) as f32 - mm1;
-                    y[l + 32] = d2 * (q[l] >> 4) as f32 - mm2;
-                }
-            }
-        }
-        DType::Q6_K => {
-            let d = rd_f16(b, 208);
-            for h in 0..2 {
-                let ql = &b[64 * h..64 * h + 64];
-                let qh = &b[128 + 32 * h..128 + 32 * h + 32];
-                let sc = &b[192 + 8 * h..192 + 8 * h + 8];
-                let y = &mut out[128 * h..128 * h + 128];
-                for l in 0..32 {
-                    let is = l / 16;
-                    let q1 = ((ql[l] & 15) | ((qh[l] & 3) << 4)) as i32 - 32;
-                    let q2 = ((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
-                    let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
-                    let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
-                    y[l] = d * (sc[is] as i8) as f32 * q1 as f32;
-                    y[l + 32] = d * (sc[is + 2] as i8) as f32 * q2 as f32;
-                    y[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
-                    y[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
-                }
-            }
-        }
-    }
 }
 
 /// Dequantizes a row of `out.len()` elements stored as `dtype` in `bytes`.
@@ -306,7 +198,7 @@ pub fn quantize_row(dtype: DType, x: &[f32], out: &mut [u8]) -> Result<(), Quant
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{q4k_scale_min, rd_f16};
+    use super::super::quant_blocks::{dequant_block, k_scale_min as q4k_scale_min, rd_f16};
     use crate::ir::DType;
     use std::arch::x86_64::*;
 
@@ -372,8 +264,31 @@ mod avx2 {
             DType::Q4_1 => dot_q4_1(row, x),
             DType::Q4_K => dot_q4_k(row, x),
             DType::Q6_K => dot_q6_k(row, x),
+            DType::Q5_0
+            | DType::Q5_1
+            | DType::Q2_K
+            | DType::Q3_K
+            | DType::Q5_K
+            | DType::IQ4_NL
+            | DType::IQ4_XS => dot_dequant(dtype, row, x),
             DType::I32 | DType::BF16Z => unreachable!("rejected by check()"),
         }
+    }
+
+    /// Any block format: each block dequantized (scalar, exact) into a
+    /// buffer, then multiplied with `x` in vector registers.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn dot_dequant(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
+        let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
+        let mut buf = [0f32; 256];
+        let mut acc = _mm256_setzero_ps();
+        for (b, xb) in row.chunks_exact(bb).zip(x.chunks_exact(be)) {
+            dequant_block(dtype, b, &mut buf[..be]);
+            for i in (0..be).step_by(8) {
+                acc = _mm256_fmadd_ps(ld8(&buf, i), ld8(xb, i), acc);
+            }
+        }
+        hsum(acc)
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]

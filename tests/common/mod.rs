@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod llamacpp;
+
 use std::path::PathBuf;
 
 /// The repository root.

@@ -50,6 +50,35 @@ def random_blocks(qtype, n_blocks):
     return b
 
 
+rng2 = np.random.default_rng(20261124)
+
+
+def random_blocks_v2(qtype, n_blocks):
+    """As random_blocks, for the types added in the second round (own generator)."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    b = rng2.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+
+    def put(at, vals):
+        b[:, at:at + 2] = f16_bytes(vals).reshape(n_blocks, 2)
+
+    if qtype in (T.Q5_0, T.IQ4_NL):
+        put(0, rng2.normal(0, 0.02, size=n_blocks))
+    elif qtype == T.Q5_1:
+        put(0, rng2.uniform(0.001, 0.02, size=n_blocks))
+        put(2, rng2.normal(0, 0.1, size=n_blocks))
+    elif qtype == T.Q2_K:
+        put(80, rng2.uniform(0.0005, 0.003, size=n_blocks))
+        put(82, rng2.uniform(0.0005, 0.003, size=n_blocks))
+    elif qtype == T.Q3_K:
+        put(108, rng2.uniform(0.0005, 0.003, size=n_blocks))
+    elif qtype == T.Q5_K:
+        put(0, rng2.uniform(0.0005, 0.003, size=n_blocks))
+        put(2, rng2.uniform(0.0005, 0.003, size=n_blocks))
+    elif qtype == T.IQ4_XS:
+        put(0, rng2.uniform(0.0005, 0.003, size=n_blocks))
+    return b
+
+
 def plain_bytes(qtype, n):
     v = rng.normal(0, 1, size=n).astype(np.float32)
     if qtype == T.F32:
@@ -73,6 +102,18 @@ def quant_fixture():
     ]:
         block_size, _ = gguf.GGML_QUANT_SIZES[qtype]
         raw = random_blocks(qtype, n_blocks).reshape(-1)
+        vals = dequantize(raw, qtype)
+        assert vals.size == n_blocks * block_size and np.all(np.isfinite(vals))
+        out["formats"].append({"dtype": name, "ggml_type": int(qtype), "n": int(vals.size),
+                               "bytes_hex": raw.tobytes().hex(), "values": floats(vals)})
+    # Types added later draw from their own generator, so the blocks above
+    # (and everything after) stay byte-identical to earlier runs.
+    for name, qtype, n_blocks in [
+        ("q5_0", T.Q5_0, 4), ("q5_1", T.Q5_1, 4), ("q2_K", T.Q2_K, 3), ("q3_K", T.Q3_K, 3),
+        ("q5_K", T.Q5_K, 3), ("iq4_nl", T.IQ4_NL, 4), ("iq4_xs", T.IQ4_XS, 3),
+    ]:
+        block_size, _ = gguf.GGML_QUANT_SIZES[qtype]
+        raw = random_blocks_v2(qtype, n_blocks).reshape(-1)
         vals = dequantize(raw, qtype)
         assert vals.size == n_blocks * block_size and np.all(np.isfinite(vals))
         out["formats"].append({"dtype": name, "ggml_type": int(qtype), "n": int(vals.size),

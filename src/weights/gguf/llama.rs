@@ -25,6 +25,9 @@ pub struct LlamaGgufMeta {
     pub architecture: String,
     /// `general.name`, if present.
     pub name: Option<String>,
+    /// `general.file_type` (llama.cpp's `llama_ftype`: the file's main
+    /// quantization), if present; see [`file_type_name`].
+    pub file_type: Option<u32>,
     /// `llama.embedding_length`.
     pub dim: usize,
     /// `llama.block_count`.
@@ -52,6 +55,49 @@ pub struct LlamaGgufMeta {
     /// True when the file has a `rope_freqs.weight` tensor: llama.cpp's way of storing
     /// Llama-3.1-style per-frequency rope factors (divide each frequency by the factor).
     pub has_rope_freqs: bool,
+}
+
+/// llama.cpp's name for a `general.file_type` value (`llama_ftype` in llama.h).
+pub fn file_type_name(ftype: u32) -> &'static str {
+    match ftype {
+        0 => "F32",
+        1 => "F16",
+        2 => "Q4_0",
+        3 => "Q4_1",
+        7 => "Q8_0",
+        8 => "Q5_0",
+        9 => "Q5_1",
+        10 => "Q2_K",
+        11 => "Q3_K_S",
+        12 => "Q3_K_M",
+        13 => "Q3_K_L",
+        14 => "Q4_K_S",
+        15 => "Q4_K_M",
+        16 => "Q5_K_S",
+        17 => "Q5_K_M",
+        18 => "Q6_K",
+        19 => "IQ2_XXS",
+        20 => "IQ2_XS",
+        21 => "Q2_K_S",
+        22 => "IQ3_XS",
+        23 => "IQ3_XXS",
+        24 => "IQ1_S",
+        25 => "IQ4_NL",
+        26 => "IQ3_S",
+        27 => "IQ3_M",
+        28 => "IQ2_S",
+        29 => "IQ2_M",
+        30 => "IQ4_XS",
+        31 => "IQ1_M",
+        32 => "BF16",
+        36 => "TQ1_0",
+        37 => "TQ2_0",
+        38 => "MXFP4_MOE",
+        39 => "NVFP4",
+        40 => "Q1_0",
+        41 => "Q2_0",
+        _ => "unknown",
+    }
 }
 
 /// `llama.rope.scaling.*` keys.
@@ -225,6 +271,7 @@ impl LlamaGgufMeta {
             name: f
                 .opt("general.name", GgufFile::get_str)?
                 .map(str::to_string),
+            file_type: f.opt("general.file_type", GgufFile::get_u32)?,
             dim,
             n_layers,
             n_heads,

@@ -29,7 +29,9 @@ use std::path::Path;
 use std::sync::Arc;
 use thiserror::Error;
 
-pub use llama::{gguf_to_meta_name, LlamaGguf, LlamaGgufMeta, RopeScaling, TokenizerParts};
+pub use llama::{
+    file_type_name, gguf_to_meta_name, LlamaGguf, LlamaGgufMeta, RopeScaling, TokenizerParts,
+};
 
 /// `"GGUF"` as the first four bytes of the file.
 pub const GGUF_MAGIC: [u8; 4] = *b"GGUF";
@@ -63,12 +65,23 @@ pub mod ggml_type {
     pub const F16: u32 = 1;
     pub const Q4_0: u32 = 2;
     pub const Q4_1: u32 = 3;
+    pub const Q5_0: u32 = 6;
+    pub const Q5_1: u32 = 7;
     pub const Q8_0: u32 = 8;
+    pub const Q2_K: u32 = 10;
+    pub const Q3_K: u32 = 11;
     pub const Q4_K: u32 = 12;
+    pub const Q5_K: u32 = 13;
     pub const Q6_K: u32 = 14;
+    pub const IQ4_NL: u32 = 20;
+    pub const IQ4_XS: u32 = 23;
     pub const I32: u32 = 26;
     pub const BF16: u32 = 30;
 }
+
+/// The tensor types this reader accepts, as named in messages and `--help`.
+pub const SUPPORTED_TYPE_NAMES: &str =
+    "f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_K, q3_K, q4_K, q5_K, q6_K, iq4_nl, iq4_xs";
 
 /// Maps a ggml type id to our [`DType`]; `None` for types we cannot compute with.
 pub fn dtype_from_ggml(id: u32) -> Option<DType> {
@@ -77,9 +90,16 @@ pub fn dtype_from_ggml(id: u32) -> Option<DType> {
         ggml_type::F16 => DType::F16,
         ggml_type::Q4_0 => DType::Q4_0,
         ggml_type::Q4_1 => DType::Q4_1,
+        ggml_type::Q5_0 => DType::Q5_0,
+        ggml_type::Q5_1 => DType::Q5_1,
         ggml_type::Q8_0 => DType::Q8_0,
+        ggml_type::Q2_K => DType::Q2_K,
+        ggml_type::Q3_K => DType::Q3_K,
         ggml_type::Q4_K => DType::Q4_K,
+        ggml_type::Q5_K => DType::Q5_K,
         ggml_type::Q6_K => DType::Q6_K,
+        ggml_type::IQ4_NL => DType::IQ4_NL,
+        ggml_type::IQ4_XS => DType::IQ4_XS,
         ggml_type::I32 => DType::I32,
         ggml_type::BF16 => DType::BF16,
         _ => return None,
@@ -94,9 +114,16 @@ pub fn ggml_from_dtype(dtype: DType) -> Option<u32> {
         DType::F16 => ggml_type::F16,
         DType::Q4_0 => ggml_type::Q4_0,
         DType::Q4_1 => ggml_type::Q4_1,
+        DType::Q5_0 => ggml_type::Q5_0,
+        DType::Q5_1 => ggml_type::Q5_1,
         DType::Q8_0 => ggml_type::Q8_0,
+        DType::Q2_K => ggml_type::Q2_K,
+        DType::Q3_K => ggml_type::Q3_K,
         DType::Q4_K => ggml_type::Q4_K,
+        DType::Q5_K => ggml_type::Q5_K,
         DType::Q6_K => ggml_type::Q6_K,
+        DType::IQ4_NL => ggml_type::IQ4_NL,
+        DType::IQ4_XS => ggml_type::IQ4_XS,
         DType::I32 => ggml_type::I32,
         DType::BF16 => ggml_type::BF16,
         DType::BF16Z => return None,
@@ -190,7 +217,7 @@ pub enum GgufError {
     TooManyDims { name: String, n_dims: u32, max: u32 },
     #[error("GGUF tensor {name:?}: dimensions {ne:?} overflow")]
     DimsOverflow { name: String, ne: Vec<u64> },
-    #[error("GGUF tensor {name:?}: unsupported tensor type {type_id} ({type_name})")]
+    #[error("GGUF tensor {name:?}: tensor type {type_name} (ggml type {type_id}) is not supported; supported types: {supported}", supported = SUPPORTED_TYPE_NAMES)]
     UnsupportedTensorType {
         name: String,
         type_id: u32,

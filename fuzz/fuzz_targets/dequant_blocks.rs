@@ -1,0 +1,69 @@
+//! Fuzz the block dequantizers and the quantized dot products with arbitrary
+//! block bytes (NaN and infinite f16 scales included): the first byte picks
+//! the weight format, the rest is cut into whole blocks. Nothing may panic or
+//! misbehave; SIMD and scalar dot products must agree wherever the values are
+//! finite.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use llama_graph::ir::DType;
+use llama_graph::kernels::quant::{dequantize_row, dot_row_scalar, dot_row_simd};
+
+const TYPES: [DType; 15] = [
+    DType::F32,
+    DType::F16,
+    DType::BF16,
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q8_0,
+    DType::Q2_K,
+    DType::Q3_K,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+    DType::IQ4_NL,
+    DType::IQ4_XS,
+];
+
+fuzz_target!(|data: &[u8]| {
+    let Some((&sel, rest)) = data.split_first() else {
+        return;
+    };
+    let dtype = TYPES[sel as usize % TYPES.len()];
+    let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
+    let nblocks = rest.len() / bb;
+    let bytes = &rest[..nblocks * bb];
+    let n = nblocks * be;
+    let mut out = vec![0f32; n];
+    dequantize_row(dtype, bytes, &mut out).expect("whole blocks");
+    // Every element is a function of its block alone: dequantizing block by
+    // block gives the same bits.
+    let mut one = vec![0f32; be];
+    for (b, chunk) in bytes.chunks_exact(bb).zip(out.chunks_exact(be)) {
+        dequantize_row(dtype, b, &mut one).expect("one block");
+        for (a, c) in one.iter().zip(chunk) {
+            assert_eq!(a.to_bits(), c.to_bits());
+        }
+    }
+    let x: Vec<f32> = (0..n).map(|i| ((i % 7) as f32 - 3.0) * 0.25).collect();
+    let s = dot_row_scalar(dtype, bytes, &x);
+    if let Some(v) = dot_row_simd(dtype, bytes, &x) {
+        let sum_abs: f64 = out
+            .iter()
+            .zip(&x)
+            .map(|(w, x)| f64::from((w * x).abs()))
+            .sum();
+        // Q4_1/Q4_K factor the block minimum out of the sum: their rounding
+        // is bounded by other terms (see the gguf_reader target).
+        let comparable = !matches!(dtype, DType::Q4_1 | DType::Q4_K);
+        if comparable && s.is_finite() && v.is_finite() && sum_abs < 1e30 {
+            let tol = 4.0 * n as f64 * f64::from(f32::EPSILON) * sum_abs + 1e-30;
+            assert!(
+                (f64::from(s) - f64::from(v)).abs() <= tol,
+                "{dtype}: scalar {s} vs simd {v}"
+            );
+        }
+    }
+});
