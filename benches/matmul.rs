@@ -7,7 +7,8 @@
 
 use llama_graph::ir::DType;
 use llama_graph::kernels::attention::attn_scores_len;
-use llama_graph::kernels::matmul::{flops, matmul_with, Isa};
+use llama_graph::kernels::matmul::{flops, matmul_bf16_dot, matmul_with};
+use llama_graph::kernels::Isa;
 use llama_graph::kernels::{
     attention_fused, attention_fused_scratch_len, attn_scores, attn_values, softmax_rows,
     AttnShape, Epilogue, WeightRef,
@@ -331,7 +332,11 @@ fn main() {
     } else {
         &[(2048, 2048), (8192, 2048)]
     };
-    let isa = if portable { Isa::Portable } else { Isa::Auto };
+    let isa = if portable {
+        Isa::Scalar
+    } else {
+        Isa::current()
+    };
     for &(n, k) in sizes {
         let wf: Vec<f32> = (0..n * k)
             .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3)
@@ -356,20 +361,30 @@ fn main() {
                     }
                     let pool = ThreadPool::new(threads);
                     let budget = Duration::from_millis(if s == 1 { 400 } else { 1200 });
-                    let isas: &[Isa] = if dtype == DType::BF16 && !portable {
-                        &[isa, Isa::Bf16Dot]
+                    // The bf16 dot product (opt-in) next to the level's kernels.
+                    let dots: &[bool] = if dtype == DType::BF16 && !portable {
+                        &[false, true]
                     } else {
-                        &[isa]
+                        &[false]
                     };
-                    for &isa in isas {
+                    for &dot in dots {
                         let t = time_it(budget, || {
-                            matmul_with(&pool, isa, &x, s, k, w, n, Epilogue::None, &mut y)
-                                .unwrap();
+                            if dot {
+                                matmul_bf16_dot(&pool, &x, s, k, w, n, Epilogue::None, &mut y)
+                            } else {
+                                matmul_with(&pool, isa, &x, s, k, w, n, Epilogue::None, &mut y)
+                            }
+                            .unwrap();
                             black_box(&y);
                         });
+                        let kind = if dot {
+                            "bf16dot".to_string()
+                        } else {
+                            isa.to_string()
+                        };
                         let gbs = (wb.len() as f64) / t / 1e9;
                         println!(
-                            "matmul {isa:>8?} {dtype:>4} N={n:>5} K={k} S={s:>3} threads={threads}: {:7.2} GFLOP/s  {:8.3} ms  (weights {:6.2} GB/s)",
+                            "matmul {kind:>10} {dtype:>4} N={n:>5} K={k} S={s:>3} threads={threads}: {:7.2} GFLOP/s  {:8.3} ms  (weights {:6.2} GB/s)",
                             flops(s, n, k) / t / 1e9,
                             t * 1e3,
                             gbs

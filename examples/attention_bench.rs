@@ -6,8 +6,8 @@
 //! `cargo run --release --example attention_bench -- [reps]`
 //! (run it under `flock /tmp/llama-graph-bench.lock` on a shared machine).
 use llama_graph::kernels::{
-    attention_stream_scratch_len, attention_stream_with, attention_tiled_at,
-    attention_tiled_scratch_len, AttnShape, Isa, TiledLevel,
+    attention_stream_scratch_len, attention_stream_with, attention_tiled_scratch_len,
+    attention_tiled_with, AttnShape, Isa,
 };
 use llama_graph::pool::ThreadPool;
 use std::time::Instant;
@@ -29,7 +29,7 @@ fn main() {
         seed ^= seed << 17;
         ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     };
-    let has512 = TiledLevel::Avx512.available();
+    let has512 = Isa::Avx512.supported();
     println!("| threads | S | P | stream (us) | tiled AVX2 (us) | tiled AVX-512 (us) | best speed-up | best GFLOP/s |");
     println!("|---|---|---|---|---|---|---|---|");
     for threads in [1, 2] {
@@ -64,7 +64,7 @@ fn main() {
                 for _ in 0..inner {
                     attention_stream_with(
                         &pool,
-                        Isa::Auto,
+                        Isa::current(),
                         &q,
                         &kc,
                         &vc,
@@ -77,16 +77,16 @@ fn main() {
                 let a = t.elapsed().as_secs_f64() / inner as f64;
                 let t = Instant::now();
                 for _ in 0..inner {
-                    let l = TiledLevel::Avx2;
-                    attention_tiled_at(&pool, l, &q, &kc, &vc, shape, &mut out, &mut scr_b)
+                    let l = Isa::Avx2;
+                    attention_tiled_with(&pool, l, &q, &kc, &vc, shape, &mut out, &mut scr_b)
                         .unwrap();
                 }
                 let b = t.elapsed().as_secs_f64() / inner as f64;
                 let t = Instant::now();
                 if has512 {
                     for _ in 0..inner {
-                        let l = TiledLevel::Avx512;
-                        attention_tiled_at(&pool, l, &q, &kc, &vc, shape, &mut out, &mut scr_b)
+                        let l = Isa::Avx512;
+                        attention_tiled_with(&pool, l, &q, &kc, &vc, shape, &mut out, &mut scr_b)
                             .unwrap();
                     }
                 }

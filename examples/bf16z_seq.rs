@@ -6,7 +6,7 @@
 //! `cargo run --release --example bf16z_seq -- [threads, default 2] [reps, default 8]`
 
 use llama_graph::ir::DType;
-use llama_graph::kernels::bf16z::{self, Bf16z};
+use llama_graph::kernels::matmul::bf16z::{self, Bf16z};
 use llama_graph::kernels::matmul::Epilogue;
 use llama_graph::kernels::{gemv, WeightRef};
 use llama_graph::pool::ThreadPool;

@@ -5,7 +5,7 @@
 //! `cargo run --release --example bf16z_stats -- MODEL`
 
 use llama_graph::ir::DType;
-use llama_graph::kernels::bf16z;
+use llama_graph::kernels::matmul::bf16z;
 use llama_graph::session::Model;
 
 fn main() {

@@ -10,7 +10,7 @@
 //! `cargo run --release --example gemv_seq -- [threads, default 2] [reps, default 10] [bf16|f16|f32]`
 
 use llama_graph::ir::DType;
-use llama_graph::kernels::{gemv, WeightRef};
+use llama_graph::kernels::{gemv, Isa, WeightRef};
 use llama_graph::pool::ThreadPool;
 use std::time::Instant;
 
@@ -37,7 +37,7 @@ fn main() {
     }
     let x: Vec<f32> = (0..8192).map(|i| (i % 7) as f32 * 0.01).collect();
     let mut y = vec![0f32; 128256];
-    let step = |level: gemv::Level, y: &mut [f32]| {
+    let step = |level: Isa, y: &mut [f32]| {
         let mut off = 0;
         for &(n, k, ep) in &ops {
             let bytes = n * k * es;
@@ -61,9 +61,9 @@ fn main() {
             decode_step::read(&pool, m, (len / (4 * threads)).max(1));
         }
     };
-    let levels: Vec<gemv::Level> = gemv::Level::ALL
+    let levels: Vec<Isa> = [Isa::Avx2, Isa::Avx512]
         .into_iter()
-        .filter(|l| *l > gemv::Level::Scalar && l.available())
+        .filter(|l| l.supported())
         .collect();
     for &l in &levels {
         step(l, &mut y);

@@ -9,8 +9,9 @@
 
 use llama_graph::ir::DType;
 use llama_graph::kernels::dispatch::{matmul_any, MatmulMode};
-use llama_graph::kernels::qfast::{self, Level, Q8Act};
-use llama_graph::kernels::quant::quantize_row;
+use llama_graph::kernels::quantized::fast::{self as qfast, Q8Act};
+use llama_graph::kernels::quantized::quantize_row;
+use llama_graph::kernels::Isa;
 use llama_graph::kernels::{Epilogue, WeightRef};
 use llama_graph::pool::ThreadPool;
 use std::time::Instant;
@@ -101,7 +102,7 @@ fn main() {
                 continue;
             }
             // Kernel levels A/B, interleaved: rounds of (each level: reps runs).
-            let levels: Vec<Level> = [Level::Avx2, Level::Avx512Vnni]
+            let levels: Vec<Isa> = [Isa::Avx2, Isa::Avx512Vnni]
                 .into_iter()
                 .filter(|l| l.supported())
                 .collect();

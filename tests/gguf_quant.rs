@@ -2,7 +2,7 @@
 //! (fixture: tests/reference/gguf_fixtures.py -> tests/fixtures/gguf/quant_blocks.json).
 
 use llama_graph::ir::DType;
-use llama_graph::kernels::quant::{
+use llama_graph::kernels::quantized::{
     dequantize_row, dot_row, dot_row_scalar, dot_row_simd, quantize_row, simd_available,
 };
 use serde_json::Value;

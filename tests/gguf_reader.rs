@@ -3,7 +3,7 @@
 //! file when present, and malformed files that must fail with specific errors.
 
 use llama_graph::ir::DType;
-use llama_graph::kernels::quant::dequantize_row;
+use llama_graph::kernels::quantized::dequantize_row;
 use llama_graph::weights::gguf::writer::{GgufWriter, WriterTensor};
 use llama_graph::weights::gguf::{
     ggml_type, gguf_to_meta_name, GgufArray, GgufError, GgufFile, GgufValue, LlamaGguf,

@@ -5,7 +5,7 @@ mod common;
 
 use llama_graph::exec::materialize_packed;
 use llama_graph::ir::{print, DType, Graph, LogitRows, Op, PackedWeight, RopeScaling};
-use llama_graph::kernels::quant::quantize_row;
+use llama_graph::kernels::quantized::quantize_row;
 use llama_graph::model::{build_llama, BuildOptions, ModelArgs};
 use llama_graph::passes::{count_kind, run_pipeline, PassList, PASSES};
 use llama_graph::session::{Model, ModelFormat, Session, SessionOptions};

@@ -15,7 +15,7 @@ mod common;
 use common::llamacpp::smollm2_variant;
 use llama_graph::generate::sampler::argmax;
 use llama_graph::ir::{DType, LogitRows};
-use llama_graph::kernels::quant::{dequantize_row, dot_row_scalar, dot_row_simd};
+use llama_graph::kernels::quantized::{dequantize_row, dot_row_scalar, dot_row_simd};
 use llama_graph::session::{Model, Session, SessionOptions};
 use serde_json::Value;
 use sha2::{Digest, Sha256};

@@ -113,8 +113,8 @@ fn france(extra: &[&str]) -> (String, String, bool) {
     france_with(extra, None)
 }
 
-/// `qfast_level`: the fast path's kernel level (`LLAMA_GRAPH_QFAST_LEVEL`).
-fn france_with(extra: &[&str], qfast_level: Option<&str>) -> (String, String, bool) {
+/// `isa`: the kernels' instruction-set level (`LLAMA_GRAPH_ISA`).
+fn france_with(extra: &[&str], isa: Option<&str>) -> (String, String, bool) {
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_llama-graph"));
     cmd.args([
         "run",
@@ -129,8 +129,8 @@ fn france_with(extra: &[&str], qfast_level: Option<&str>) -> (String, String, bo
         "2",
     ])
     .args(extra);
-    if let Some(level) = qfast_level {
-        cmd.env("LLAMA_GRAPH_QFAST_LEVEL", level);
+    if let Some(level) = isa {
+        cmd.env("LLAMA_GRAPH_ISA", level);
     }
     let out = cmd.output().unwrap();
     (
@@ -155,16 +155,16 @@ fn default_model_answers_paris() {
     );
 }
 
-/// The same prompt on the default fast path (quantized activations), with
-/// every kernel level (levels this CPU lacks fall back to the best it has).
+/// The same prompt on the default fast path (quantized activations), at
+/// every instruction-set level this CPU supports.
 /// Its first answer token is a near tie in float32 ("The" over "L" by 0.082
 /// logits): with plain 8-bit activations the AVX-512 VNNI kernels (like
 /// llama.cpp 0.3.36) started with "L'Étoile"; with the 8-bit remainder
 /// (see `kernels::qfast`) every level answers Paris.
 #[test]
 fn default_model_answers_paris_on_the_fast_path() {
-    for level in ["scalar", "avx2", "avx512"] {
-        let (stdout, stderr, ok) = france_with(&[], Some(level));
+    for level in llama_graph::kernels::Isa::supported_levels() {
+        let (stdout, stderr, ok) = france_with(&[], Some(level.name()));
         assert!(ok, "{level}: {stderr}");
         assert!(stdout.contains("Paris"), "{level}: stdout: {stdout:?}");
     }

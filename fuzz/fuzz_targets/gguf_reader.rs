@@ -6,7 +6,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use llama_graph::ir::DType;
-use llama_graph::kernels::quant::{dequantize_row, dot_row_scalar, dot_row_simd};
+use llama_graph::kernels::quantized::{dequantize_row, dot_row_scalar, dot_row_simd};
 use llama_graph::weights::gguf::{GgufFile, LlamaGguf};
 
 fuzz_target!(|data: &[u8]| {

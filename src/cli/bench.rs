@@ -99,6 +99,9 @@ pub struct BenchRow {
     pub load_s: f64,
     /// Exact (f32-activation) quantized matmuls (not in llama-bench).
     pub exact: bool,
+    /// The instruction-set level the kernels ran at (not in llama-bench;
+    /// `LLAMA_GRAPH_ISA` caps it).
+    pub isa: String,
 }
 
 /// Mean and sample standard deviation (0 for fewer than two samples).
@@ -192,6 +195,7 @@ pub fn run(a: BenchArgs) -> super::CliResult {
         .unwrap_or(0);
     let mut rows = Vec::new();
     let mut seed = a.seed.max(1);
+    eprintln!("{}", super::run::isa_line());
     if matches!(a.output, OutputFormat::Md) {
         println!("| model | size | params | threads | test | t/s |");
         println!("| --- | ---: | ---: | ---: | ---: | ---: |");
@@ -242,6 +246,7 @@ pub fn run(a: BenchArgs) -> super::CliResult {
                 samples_ts: ts,
                 load_s,
                 exact: a.exact,
+                isa: llama_graph::kernels::Isa::current().to_string(),
             };
             if matches!(a.output, OutputFormat::Md) {
                 println!(

@@ -45,6 +45,8 @@ pub enum Command {
 pub type CliResult = Result<(), Box<dyn std::error::Error>>;
 
 pub fn run(cli: Cli) -> CliResult {
+    // A bad LLAMA_GRAPH_ISA is refused before any work.
+    llama_graph::kernels::Isa::from_env()?;
     match cli.command {
         Command::Graph(a) => graph::run(a),
         Command::Run(a) => run::run(a),

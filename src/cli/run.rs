@@ -73,6 +73,17 @@ pub struct RunArgs {
     pub verbose: bool,
 }
 
+/// The instruction-set level the kernels run at, and what the CPU has.
+pub fn isa_line() -> String {
+    use llama_graph::kernels::isa::{Isa, ISA_ENV};
+    let (cur, best) = (Isa::current(), Isa::detect());
+    if cur == best {
+        format!("kernels: {cur} instruction set (the best this CPU has; {ISA_ENV} can lower it)")
+    } else {
+        format!("kernels: {cur} instruction set ({ISA_ENV}; this CPU has {best})")
+    }
+}
+
 fn read_prompt(a: &RunArgs) -> Result<Option<String>, String> {
     if let Some(p) = &a.prompt {
         return Ok(Some(p.clone()));
@@ -165,6 +176,9 @@ pub fn run(a: RunArgs) -> super::CliResult {
 
     let opts = a.runtime.session_options(context, threads)?;
     let mut session = Session::new(&model, &opts)?;
+    if a.verbose || a.debug {
+        eprintln!("{}", isa_line());
+    }
     if a.verbose {
         let b = &session.plan.buffers;
         eprintln!(

@@ -239,7 +239,7 @@ pub fn materialize_packed(graph: &Graph, store: &WeightStore) -> Result<WeightSt
         match p.stored_as {
             None => {}
             Some(DType::BF16Z) if dtype == DType::BF16 => {
-                use crate::kernels::bf16z;
+                use crate::kernels::matmul::bf16z;
                 if cols == 0 || !cols.is_multiple_of(bf16z::BLOCK) {
                     return Err(err(format!("{cols} columns are not a multiple of 32")));
                 }
@@ -328,7 +328,7 @@ fn fill_arena(
             let (rows, cols) = (p.shape[0], p.shape[1]);
             let out = &mut map[offset..offset + p.bytes];
             let release = |r0, r1| p.release_rows(r0, r1, cols * 2);
-            crate::kernels::bf16z::encode_into(
+            crate::kernels::matmul::bf16z::encode_into(
                 &|r| p.row(r, cols * 2),
                 rows,
                 cols,

@@ -683,7 +683,7 @@ impl Executor {
                 if self.tiled_attention {
                     kernels::attention_fused(pool, q, kc, vc, shape, out_fresh()?, scratch)?;
                 } else {
-                    let isa = kernels::Isa::Auto;
+                    let isa = kernels::Isa::current();
                     let out = out_fresh()?;
                     kernels::attention_stream_with(pool, isa, q, kc, vc, shape, out, scratch)?;
                 }

@@ -2,12 +2,12 @@
 //! block-quantized), per-step RoPE angles, single-cache writes and in-place
 //! elementwise ops.
 
-use super::gemv;
-use super::matmul::{matmul, Epilogue};
-use super::qfast::{self, Q8Act};
-use super::qmatmul::qmatmul;
-use super::quant::dequantize_row;
-use super::rope::{rope_freq, RopeScaling};
+use super::elementwise::rope::{rope_freq, RopeScaling};
+use super::matmul::{gemv, matmul, Epilogue};
+use super::quantized::dequantize_row;
+use super::quantized::exact::qmatmul;
+use super::quantized::fast::{self as qfast, Q8Act};
+use super::Isa;
 use super::{check_len, embedding_rows, mul_dims, KernelError, WeightRef};
 use crate::pool::ThreadPool;
 use std::cell::RefCell;
@@ -60,10 +60,10 @@ pub fn matmul_any(
 ) -> Result<(), KernelError> {
     if w.dtype == crate::ir::DType::BF16Z {
         // Exact in both modes, as for plain bf16.
-        return super::bf16z::matmul(pool, x, s, k, w.bytes, n, epilogue, y);
+        return super::matmul::bf16z::matmul(pool, x, s, k, w.bytes, n, epilogue, y);
     }
     if mode == MatmulMode::Fast && qfast::supports(w.dtype) {
-        if let Some(need) = qfast::scratch_len_for(qfast::Level::detect(), s, k) {
+        if let Some(need) = qfast::scratch_len_for(Isa::current(), s, k) {
             return ACT_SCRATCH.with(|cell| {
                 let mut scratch = cell.borrow_mut();
                 if scratch.len() < need {
@@ -217,7 +217,7 @@ pub fn mul_broadcast_inplace(x: &mut [f32], v: &[f32]) -> Result<(), KernelError
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::rope::rope_reference;
+    use crate::kernels::elementwise::rope::rope_reference;
 
     #[test]
     fn per_step_rope_matches_reference() {

@@ -14,7 +14,7 @@ pub fn embedding_rows<I: Copy + Into<i64>>(
 ) -> Result<(), KernelError> {
     const OP: &str = "embedding_rows";
     let compressed = if table.dtype == crate::ir::DType::BF16Z {
-        Some(super::bf16z::Bf16z::parse(table.bytes, vocab, dim)?)
+        Some(super::matmul::bf16z::Bf16z::parse(table.bytes, vocab, dim)?)
     } else {
         table.check_elems(OP, mul_dims(OP, "vocab*dim overflows", vocab, dim)?)?;
         None

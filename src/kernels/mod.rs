@@ -1,5 +1,18 @@
 //! Compute kernels, separate from scheduling.
 //!
+//! One directory per family, each with its scalar reference and its SIMD
+//! variants side by side; every family dispatches on one instruction-set
+//! level, [`Isa`] (probed once, cappable with `LLAMA_GRAPH_ISA`):
+//!
+//! | family | what |
+//! | --- | --- |
+//! | [`matmul`](mod@matmul) | linear layers over f32/f16/bf16 weights: tiled GEMM (`avx2`, `avx512`, `bf16dot`), single-token GEMV (`gemv`), and the lossless `bf16z` weight format |
+//! | [`quantized`] | block-quantized weights (GGUF formats): block layouts and dequantization (`blocks`), the exact f32-activation path (`exact`), the integer fast path (`fast`) |
+//! | [`attention`] | reference scores/softmax/values, the fused streaming kernel (`fused`), the tiled prefill kernel (`tiled`) and their vector helpers (`ops`) |
+//! | [`elementwise`] | add, mul, SiLU/SwiGLU, RMSNorm (`norm`), RoPE (`rope`) |
+//! | [`embedding`], [`kv`] | token-row gather, KV-cache row writes |
+//! | [`dispatch`] | the forms the executor calls: dispatch on weight dtype and mode |
+//!
 //! Conventions: row-major; activations are `f32`; weights are raw
 //! little-endian bytes in their stored dtype (see [`WeightRef`]), read with
 //! unaligned loads. Kernels never allocate: scratch space is passed in by the
@@ -7,45 +20,31 @@
 //! [`ThreadPool`](crate::pool::ThreadPool).
 
 pub mod attention;
-pub mod attention_fused;
-mod attention_ops;
-pub mod attention_tiled;
-pub mod bf16z;
 pub mod dispatch;
 pub mod elementwise;
 pub mod embedding;
-pub mod gemv;
+pub mod isa;
 pub mod kv;
 pub mod matmul;
-mod matmul_avx2;
-mod matmul_avx512;
-mod matmul_bf16dot;
-pub mod norm;
-pub mod qfast;
-pub mod qmatmul;
-pub mod quant;
-pub mod quant_blocks;
-pub mod rope;
+pub mod quantized;
 #[cfg(test)]
 pub(crate) mod testutil;
 
-pub use attention::{attn_scores, attn_scores_len, attn_values, softmax_rows, AttnShape};
-pub use attention_fused::{
+pub use attention::fused::{
     attention_fused, attention_fused_scratch_len, attention_fused_with,
     attention_stream_scratch_len, attention_stream_with, TILED_MIN_S,
 };
-pub use attention_tiled::{
-    attention_tiled, attention_tiled_at, attention_tiled_scratch_len, attention_tiled_with,
-    TiledLevel,
-};
+pub use attention::tiled::{attention_tiled, attention_tiled_scratch_len, attention_tiled_with};
+pub use attention::{attn_scores, attn_scores_len, attn_values, softmax_rows, AttnShape};
 pub use dispatch::{embedding_any, matmul_any, MatmulMode};
+pub use elementwise::norm::rmsnorm;
+pub use elementwise::rope::{rope_reference, RopeScaling, RopeTable};
 pub use elementwise::{add, add_inplace, argmax, mul, mul_broadcast_rows, silu, swiglu};
 pub use embedding::embedding_rows;
+pub use isa::Isa;
 pub use kv::kv_write_rows;
-pub use matmul::{matmul, matmul_with, Epilogue, Isa};
-pub use norm::rmsnorm;
-pub use quant::dequantize_row;
-pub use rope::{rope_reference, RopeScaling, RopeTable};
+pub use matmul::{gemv, matmul, matmul_with, Epilogue};
+pub use quantized::dequantize_row;
 
 use crate::ir::DType;
 use thiserror::Error;

@@ -90,7 +90,7 @@ pub fn pack_weights(g: &mut Graph) -> Result<PassStats, GraphError> {
 
 /// `compress_weights`: every packed weight stored as bf16 is stored as
 /// [`DType::BF16Z`] instead: the same values, losslessly, in 49 bytes per 32
-/// weights plus a small table of exceptions (see [`crate::kernels::bf16z`]).
+/// weights plus a small table of exceptions (see [`crate::kernels::matmul::bf16z`]).
 ///
 /// Decode reads every weight byte once per token at the memory bandwidth,
 /// so a quarter fewer bytes is a quarter less to wait for; the weight arena
@@ -113,7 +113,7 @@ pub fn compress_weights(g: &mut Graph) -> Result<PassStats, GraphError> {
         if meta.dtype != DType::BF16 || stored.is_some() {
             continue;
         }
-        if !cols.is_some_and(|c| c > 0 && c % crate::kernels::bf16z::BLOCK == 0) {
+        if !cols.is_some_and(|c| c > 0 && c % crate::kernels::matmul::bf16z::BLOCK == 0) {
             continue;
         }
         g.node_mut(id).meta.dtype = DType::BF16Z;

@@ -6,7 +6,7 @@
 //! quant for its rounding remainder.
 //!
 //! Supported weight types: Q8_0, Q4_0, Q4_1 ([`supports`]). Other dtypes go
-//! through the exact path ([`super::qmatmul`]).
+//! through the exact path ([`super::exact::qmatmul`]).
 //!
 //! Accuracy: the only approximation is the activation quantization. With
 //! `c = max|x| / 127` per block, an activation `x` is `c · v` with
@@ -31,17 +31,17 @@
 //! 16-element half, which halved the 8-bit error; with the remainder it
 //! changes nothing measurable, so one scale per block it is.)
 //!
-//! Kernels, picked at run time ([`Level::detect`]):
-//! * [`Level::Avx512Vnni`] (AVX-512 F/BW/VL + VNNI), S ≥ [`PACKED_MIN_S`]:
+//! Kernels, picked from the instruction-set level ([`Isa::current`]):
+//! * [`Isa::Avx512Vnni`] (AVX-512 F/BW/VL + VNNI), S ≥ [`PACKED_MIN_S`]:
 //!   16 tokens per 512-bit register, `vpdpbusd` with broadcast weights (see
 //!   `avx512.rs`); work chunks of [`COLS_PER_CHUNK`] rows x
 //!   [`PACKED_TOKENS_PER_CHUNK`] tokens, the weight rows decoded once per chunk.
-//! * [`Level::Avx2`] (and AVX-512 for small S, with `vpdpbusd` in place of
+//! * [`Isa::Avx2`] and [`Isa::Avx512`] (and VNNI for small S, with `vpdpbusd` in place of
 //!   `maddubs`/`madd`): `maddubs`/`madd`, tiles of
 //!   [`COLS_PER_CHUNK`] weight rows × [`TOKENS_PER_CHUNK`] tokens; inside a
 //!   tile every weight block is decoded once and multiplied with up to four
 //!   tokens' activation blocks.
-//! * [`Level::Scalar`]: the reference. The SIMD kernels agree with it exactly
+//! * [`Isa::Scalar`]: the reference. The SIMD kernels agree with it exactly
 //!   on the quantized activations and the integer block products, and up to
 //!   f32 summation order on the outputs.
 
@@ -53,9 +53,9 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 
-use super::matmul::Epilogue;
-use super::{check_linear, KernelError, WeightRef};
 use crate::ir::DType;
+use crate::kernels::matmul::Epilogue;
+use crate::kernels::{check_linear, Isa, KernelError, WeightRef};
 use crate::pool::{SyncPtr, ThreadPool};
 use half::f16;
 
@@ -90,9 +90,10 @@ pub const PACKED_TOKENS_PER_CHUNK: usize = 256;
 /// Smallest S that uses the AVX-512 VNNI kernels (smaller S use the AVX2 ones).
 pub const PACKED_MIN_S: usize = 4;
 
-/// Which kernels run.
+/// The kernel set the fast path runs at a given [`Isa`] level (there is
+/// no plain AVX-512 kernel: that level runs the AVX2 ones).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Level {
+enum Level {
     /// Scalar reference.
     Scalar,
     /// AVX2 + FMA + F16C.
@@ -102,45 +103,12 @@ pub enum Level {
 }
 
 impl Level {
-    /// The best level this CPU supports, or the one named by the
-    /// environment variable `LLAMA_GRAPH_QFAST_LEVEL` (`scalar`, `avx2`,
-    /// `avx512`) when this CPU supports it (read once per process).
-    pub fn detect() -> Level {
-        static LEVEL: std::sync::OnceLock<Level> = std::sync::OnceLock::new();
-        *LEVEL.get_or_init(|| {
-            let best = Level::best();
-            let want = match std::env::var("LLAMA_GRAPH_QFAST_LEVEL").as_deref() {
-                Ok("scalar") => Level::Scalar,
-                Ok("avx2") => Level::Avx2,
-                _ => best,
-            };
-            if want == Level::Scalar || (want == Level::Avx2 && best != Level::Scalar) {
-                want
-            } else {
-                best
-            }
-        })
-    }
-
-    fn best() -> Level {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if avx512::available() {
-                return Level::Avx512Vnni;
-            }
-            if super::quant::simd_available() {
-                return Level::Avx2;
-            }
-        }
-        Level::Scalar
-    }
-
-    /// True when this CPU can run `self`'s kernels.
-    pub fn supported(self) -> bool {
-        match self {
-            Level::Scalar => true,
-            Level::Avx2 => super::quant::simd_available(),
-            Level::Avx512Vnni => Level::best() == Level::Avx512Vnni,
+    /// The kernels of `isa`, lowered to what this CPU supports.
+    fn of(isa: Isa) -> Level {
+        match isa.min(Isa::detect()) {
+            Isa::Scalar => Level::Scalar,
+            Isa::Avx2 | Isa::Avx512 => Level::Avx2,
+            Isa::Avx512Vnni => Level::Avx512Vnni,
         }
     }
 }
@@ -162,8 +130,8 @@ pub fn scratch_len(s: usize, k: usize) -> Option<usize> {
 /// Activation blocks of scratch [`qmatmul_fast_with`] needs at `level`:
 /// [`scratch_len`], except none where the AVX-512 VNNI kernels run (they
 /// quantize 16 tokens at a time into per-worker buffers of their own).
-pub fn scratch_len_for(level: Level, s: usize, k: usize) -> Option<usize> {
-    if level == Level::Avx512Vnni && s >= PACKED_MIN_S && k >= QK && k.is_multiple_of(QK) {
+pub fn scratch_len_for(isa: Isa, s: usize, k: usize) -> Option<usize> {
+    if Level::of(isa) == Level::Avx512Vnni && s >= PACKED_MIN_S && k >= QK && k.is_multiple_of(QK) {
         return Some(0);
     }
     scratch_len(s, k)
@@ -198,7 +166,7 @@ pub fn quantize_act_scalar(x: &[f32], out: &mut [Q8Act]) {
 /// # Panics
 /// If `x.len() != 32 * out.len()`.
 pub fn quantize_act(x: &[f32], out: &mut [Q8Act]) {
-    quantize_act_with(Level::detect(), x, out)
+    quantize_act_with(Level::of(Isa::current()), x, out)
 }
 
 fn quantize_act_with(level: Level, x: &[f32], out: &mut [Q8Act]) {
@@ -321,8 +289,8 @@ fn dot_rows(
 
 /// `y = x·Wᵀ` with `epilogue` for a Q8_0/Q4_0/Q4_1 `W` `[n, k]`, quantizing
 /// each row of `x` once into `scratch` (at least
-/// [`scratch_len_for`]`(Level::detect(), s, k)` blocks). Same contract as
-/// [`super::qmatmul`] otherwise.
+/// [`scratch_len_for`]`(Isa::current(), s, k)` blocks). Same contract as
+/// [`super::exact::qmatmul`] otherwise.
 #[allow(clippy::too_many_arguments)]
 pub fn qmatmul_fast(
     pool: &ThreadPool,
@@ -335,16 +303,14 @@ pub fn qmatmul_fast(
     y: &mut [f32],
     scratch: &mut [Q8Act],
 ) -> Result<(), KernelError> {
-    qmatmul_fast_with(Level::detect(), pool, x, s, k, w, n, epilogue, y, scratch)
+    qmatmul_fast_with(Isa::current(), pool, x, s, k, w, n, epilogue, y, scratch)
 }
 
-/// [`qmatmul_fast`] with the kernels of `level` (for tests and benchmarks).
-///
-/// # Panics
-/// If this CPU does not support `level` ([`Level::supported`]).
+/// [`qmatmul_fast`] with the kernels of `isa` (for tests and benchmarks),
+/// lowered to what this CPU supports.
 #[allow(clippy::too_many_arguments)]
 pub fn qmatmul_fast_with(
-    level: Level,
+    isa: Isa,
     pool: &ThreadPool,
     x: &[f32],
     s: usize,
@@ -355,10 +321,7 @@ pub fn qmatmul_fast_with(
     y: &mut [f32],
     scratch: &mut [Q8Act],
 ) -> Result<(), KernelError> {
-    assert!(
-        level.supported(),
-        "qmatmul_fast: {level:?} not supported by this CPU"
-    );
+    let level = Level::of(isa);
     const OP: &str = "qmatmul_fast";
     if !supports(w.dtype) {
         return Err(KernelError::DType {
@@ -368,7 +331,7 @@ pub fn qmatmul_fast_with(
     }
     let (row_bytes, n_out) = check_linear(OP, x, s, k, &w, n, &epilogue, y)?;
     let nb = k / QK;
-    let need = scratch_len_for(level, s, k).unwrap_or(usize::MAX);
+    let need = scratch_len_for(isa, s, k).unwrap_or(usize::MAX);
     if scratch.len() < need {
         return Err(KernelError::Shape {
             op: OP,
@@ -482,7 +445,7 @@ fn apply_epilogue(
         Epilogue::None => val,
         Epilogue::Accumulate => old + val,
         Epilogue::AddResidual(res) => val + res[t * n_out + j],
-        Epilogue::SwiGlu => super::elementwise::silu_f32(val) * up,
+        Epilogue::SwiGlu => crate::kernels::elementwise::silu_f32(val) * up,
     }
 }
 
@@ -637,10 +600,10 @@ mod packed {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::quant::{dequantize_row, quantize_row};
+    use crate::kernels::quantized::{dequantize_row, quantize_row};
     use crate::kernels::testutil::Rng;
 
-    const LEVELS: [Level; 3] = [Level::Scalar, Level::Avx2, Level::Avx512Vnni];
+    const LEVELS: [Isa; 4] = Isa::ALL;
 
     fn quantized_weights(dtype: DType, wf: &[f32], n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
         let rb = dtype.bytes_for(k).unwrap();
@@ -686,12 +649,12 @@ mod tests {
         x[100] = -3.0;
         let mut a = vec![Q8Act::default(); 9];
         quantize_act_scalar(&x, &mut a);
-        for level in [Level::Avx2, Level::Avx512Vnni] {
+        for level in [Isa::Avx2, Isa::Avx512Vnni] {
             if !level.supported() {
                 continue;
             }
             let mut b = vec![Q8Act::default(); 9];
-            quantize_act_with(level, &x, &mut b);
+            quantize_act_with(Level::of(level), &x, &mut b);
             assert_eq!(a, b, "{level:?}");
         }
         assert_eq!(a[1].d, 0.0);
@@ -734,7 +697,7 @@ mod tests {
 
     #[allow(clippy::too_many_arguments)]
     fn run_level(
-        level: Level,
+        level: Isa,
         x: &[f32],
         s: usize,
         k: usize,

@@ -1,4 +1,4 @@
-//! AVX-512 tile kernels for [`matmul`](super::matmul::matmul) with several tokens (S > 1).
+//! AVX-512 tile kernels for [`matmul`](super::matmul()) with several tokens (S > 1).
 //!
 //! Dot-product form, nothing packed: a tile is up to 4 weight rows × up to
 //! 6 tokens, 24 zmm accumulators over 16-element K steps (10 loads per 24
@@ -18,8 +18,8 @@
 // Register tiles are indexed explicitly on purpose.
 #![allow(clippy::needless_range_loop)]
 
-use super::WeightRef;
 use crate::ir::DType;
+use crate::kernels::WeightRef;
 
 /// Bytes of x one token group may span (it is re-read from L2 for every
 /// weight-row tile of the chunk).
@@ -41,18 +41,7 @@ pub(crate) type Emit<'a> = dyn FnMut(usize, usize, usize, &[[f32; RT]]) + 'a;
 
 /// Whether this CPU has AVX-512F/BW/VL with FMA and F16C.
 pub(crate) fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx512f")
-            && std::is_x86_feature_detected!("avx512bw")
-            && std::is_x86_feature_detected!("avx512vl")
-            && std::is_x86_feature_detected!("fma")
-            && std::is_x86_feature_detected!("f16c")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    crate::kernels::Isa::detect().avx512()
 }
 
 /// Which weight rows one output tile reads, relative to the weight tensor.

@@ -96,20 +96,11 @@ pub struct WBlock {
     corr: i32,
 }
 
-/// True when the CPU has what these kernels need.
-pub(super) fn available() -> bool {
-    is_x86_feature_detected!("avx512f")
-        && is_x86_feature_detected!("avx512bw")
-        && is_x86_feature_detected!("avx512vl")
-        && is_x86_feature_detected!("avx512vnni")
-        && super::super::quant::simd_available()
-}
-
 /// Decodes the rows of `w` (`row_bytes` each) into `out` (`nb` blocks per
 /// row, row-major); rows of `out` past the end of `w` are zeroed.
 ///
 /// # Safety
-/// The CPU must pass [`available`]; `dtype` is Q8_0/Q4_0/Q4_1.
+/// The CPU must support the [`Isa::Avx512Vnni`](crate::kernels::Isa::Avx512Vnni) level; `dtype` is Q8_0/Q4_0/Q4_1.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn decode(dtype: DType, w: &[u8], row_bytes: usize, out: &mut [WBlock]) {
     match dtype {
@@ -147,7 +138,7 @@ fn decode_t<B: Block>(w: &[u8], row_bytes: usize, out: &mut [WBlock]) {
 /// `min`: add the Q4_1 minimum term `m · s`.
 ///
 /// # Safety
-/// The CPU must pass [`available`].
+/// The CPU must support the [`Isa::Avx512Vnni`](crate::kernels::Isa::Avx512Vnni) level.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn kern(
     w: &[WBlock],
@@ -231,7 +222,7 @@ fn kern_t<const MIN: bool>(
 /// Same contract as the AVX2 `dot_rows` (1..=4 tokens).
 ///
 /// # Safety
-/// The CPU must pass [`available`]; `dtype` is Q8_0/Q4_0/Q4_1.
+/// The CPU must support the [`Isa::Avx512Vnni`](crate::kernels::Isa::Avx512Vnni) level; `dtype` is Q8_0/Q4_0/Q4_1.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn dot_rows(
     dtype: DType,
@@ -389,7 +380,7 @@ fn exp16(x: __m512) -> __m512 {
 /// `g[r] = silu(g[r]) * u[r]` lane-wise (`silu(v) = v / (1 + e^-v)`).
 ///
 /// # Safety
-/// The CPU must pass [`available`].
+/// The CPU must support the [`Isa::Avx512Vnni`](crate::kernels::Isa::Avx512Vnni) level.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn swiglu(g: &mut [[f32; TG]; R], u: &[[f32; TG]; R]) {
     for r in 0..R {
@@ -413,7 +404,7 @@ mod tests {
     /// a tiny negative number).
     #[test]
     fn swiglu_matches_libm() {
-        if !available() {
+        if !crate::kernels::Isa::detect().vnni() {
             return;
         }
         let mut worst = 0f32;
@@ -428,7 +419,7 @@ mod tests {
                 }
             }
             let (g0, u0) = (g, u);
-            // SAFETY: available() checked above.
+            // SAFETY: the VNNI level was detected above.
             unsafe { swiglu(&mut g, &u) };
             for r in 0..R {
                 for t in 0..TG {

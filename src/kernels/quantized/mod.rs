@@ -1,6 +1,7 @@
 //! Block-quantized weight formats: row dequantization, exact dot products and the
 //! reference quantizers. The block layouts and their dequantization (bit-exact with
-//! ggml's reference and the `gguf` Python package) are in [`super::quant_blocks`].
+//! ggml's reference and the `gguf` Python package) are in [`blocks`]; the exact
+//! f32-activation matmul is [`exact`], the integer fast path [`fast`].
 //!
 //! [`dot_row`] multiplies one quantized row with an f32 vector without materialising the
 //! row: an AVX2+FMA+F16C kernel when the CPU has them (runtime detection), else the scalar
@@ -9,8 +10,13 @@
 // Block kernels index several arrays with one loop counter, mirroring ggml's reference code.
 #![allow(clippy::needless_range_loop)]
 
-use super::quant_blocks::dequant_block;
+pub mod blocks;
+pub mod exact;
+pub mod fast;
+
+use self::blocks::dequant_block;
 use crate::ir::DType;
+use crate::kernels::Isa;
 use half::{bf16, f16};
 use thiserror::Error;
 
@@ -96,18 +102,9 @@ pub fn dot_row_scalar(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
     sum
 }
 
-/// True when the AVX2 kernels can run on this CPU (AVX2, FMA and F16C).
+/// True when the AVX2 kernels can run on this CPU (the [`Isa::Avx2`] level).
 pub fn simd_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    Isa::detect().avx2()
 }
 
 /// The AVX2 kernel, or `None` when the CPU lacks AVX2/FMA/F16C. Same contract as
@@ -127,16 +124,27 @@ pub fn dot_row_simd(dtype: DType, row: &[u8], x: &[f32]) -> Option<f32> {
     None
 }
 
-/// Dot product of a stored row with `x`, dequantizing in registers. Uses the AVX2
-/// kernel when available, else the scalar reference.
+/// Dot product of a stored row with `x`, dequantizing in registers: the AVX2
+/// kernel at the [`Isa::Avx2`] level and above ([`Isa::current`]), else the
+/// scalar reference.
 ///
 /// # Panics
 /// As [`dot_row_scalar`].
 pub fn dot_row(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
-    match dot_row_simd(dtype, row, x) {
-        Some(v) => v,
-        None => dot_row_scalar(dtype, row, x),
+    dot_row_at(Isa::current(), dtype, row, x)
+}
+
+/// [`dot_row`] with the kernels of `isa` (lowered to what the CPU supports).
+///
+/// # Panics
+/// As [`dot_row_scalar`].
+pub fn dot_row_at(isa: Isa, dtype: DType, row: &[u8], x: &[f32]) -> f32 {
+    if isa.avx2() {
+        if let Some(v) = dot_row_simd(dtype, row, x) {
+            return v;
+        }
     }
+    dot_row_scalar(dtype, row, x)
 }
 
 /// Quantizes `x` into `out` with ggml's reference quantizers (`quantize_row_*_ref`).
@@ -198,7 +206,7 @@ pub fn quantize_row(dtype: DType, x: &[f32], out: &mut [u8]) -> Result<(), Quant
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::super::quant_blocks::{dequant_block, k_scale_min as q4k_scale_min, rd_f16};
+    use super::blocks::{dequant_block, k_scale_min as q4k_scale_min, rd_f16};
     use crate::ir::DType;
     use std::arch::x86_64::*;
 

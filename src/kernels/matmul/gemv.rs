@@ -3,7 +3,7 @@
 //! with four independent FMA accumulators (the dependent-FMA latency would
 //! otherwise cap one row at ~8 elements per 4-5 cycles). Exact: f32
 //! activations, f32 accumulation (only the summation order differs from
-//! [`super::matmul::matmul`]).
+//! [`super::matmul`](super::matmul())).
 //!
 //! The kernel has to convert weights to f32 faster than memory delivers
 //! them, or decode runs below the machine's bandwidth. BF16 is the common
@@ -19,19 +19,18 @@
 //! stream of 1B-shaped weights from 0.7-0.9 to 0.9-0.95 of a plain read of
 //! the same bytes.
 
-use super::matmul::Epilogue;
-use super::{check_linear, KernelError, WeightRef};
+use super::Epilogue;
 use crate::ir::DType;
+use crate::kernels::{check_linear, Isa, KernelError, WeightRef};
 use crate::pool::{SyncPtr, ThreadPool};
 use std::cell::RefCell;
-use std::sync::OnceLock;
 
 /// Weight rows per work chunk.
 const ROWS_PER_CHUNK: usize = 16;
 
-/// The instruction-set level a GEMV runs at.
+/// The kernel set a GEMV runs at a given [`Isa`] level.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Level {
+enum Level {
     /// Portable Rust.
     Scalar,
     /// AVX2 + FMA + F16C, 8 f32 lanes.
@@ -42,32 +41,11 @@ pub enum Level {
 }
 
 impl Level {
-    /// Every level, lowest first.
-    pub const ALL: [Level; 3] = [Level::Scalar, Level::Avx2, Level::Avx512];
-
-    /// The highest level this CPU supports (probed once).
-    pub fn detect() -> Level {
-        static LEVEL: OnceLock<Level> = OnceLock::new();
-        *LEVEL.get_or_init(|| {
-            Level::ALL
-                .into_iter()
-                .rev()
-                .find(|l| l.available())
-                .unwrap_or(Level::Scalar)
-        })
-    }
-
-    /// True if this CPU can run the level.
-    pub fn available(self) -> bool {
-        match self {
-            Level::Scalar => true,
-            Level::Avx2 => super::quant::simd_available(),
-            #[cfg(target_arch = "x86_64")]
-            Level::Avx512 => {
-                super::quant::simd_available() && std::is_x86_feature_detected!("avx512f")
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            Level::Avx512 => false,
+    fn of(isa: Isa) -> Level {
+        match isa.min(Isa::detect()) {
+            Isa::Scalar => Level::Scalar,
+            Isa::Avx2 => Level::Avx2,
+            Isa::Avx512 | Isa::Avx512Vnni => Level::Avx512,
         }
     }
 
@@ -93,8 +71,8 @@ pub fn dot_scalar(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
     for (c, &v) in row.chunks_exact(es).zip(x) {
         let w = match dtype {
             DType::F32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
-            DType::F16 => super::f16_to_f32(u16::from_le_bytes([c[0], c[1]])),
-            DType::BF16 => super::bf16_to_f32(u16::from_le_bytes([c[0], c[1]])),
+            DType::F16 => crate::kernels::f16_to_f32(u16::from_le_bytes([c[0], c[1]])),
+            DType::BF16 => crate::kernels::bf16_to_f32(u16::from_le_bytes([c[0], c[1]])),
             _ => unreachable!("checked by supports()"),
         };
         sum += w * v;
@@ -171,7 +149,7 @@ impl Kernels<'_> {
 }
 
 /// `y = x·Wᵀ` with `epilogue` for one activation row (`x`: `[k]`) and a
-/// plain-dtype `W` `[n, k]`. Same contract as [`super::matmul::matmul`] with `s = 1`.
+/// plain-dtype `W` `[n, k]`. Same contract as [`super::matmul`](super::matmul()) with `s = 1`.
 #[allow(clippy::too_many_arguments)]
 pub fn gemv(
     pool: &ThreadPool,
@@ -182,14 +160,14 @@ pub fn gemv(
     epilogue: Epilogue<'_>,
     y: &mut [f32],
 ) -> Result<(), KernelError> {
-    gemv_at(Level::detect(), pool, x, k, w, n, epilogue, y)
+    gemv_at(Isa::current(), pool, x, k, w, n, epilogue, y)
 }
 
 /// [`gemv`] at a chosen level (lowered to what the CPU supports), for
 /// tests and benchmarks.
 #[allow(clippy::too_many_arguments)]
 pub fn gemv_at(
-    level: Level,
+    isa: Isa,
     pool: &ThreadPool,
     x: &[f32],
     k: usize,
@@ -206,7 +184,7 @@ pub fn gemv_at(
         });
     }
     let (row_bytes, n_out) = check_linear(OP, x, 1, k, &w, n, &epilogue, y)?;
-    let level = level.min(Level::detect());
+    let level = Level::of(isa);
     let Some(width) = level.split_width(w.dtype) else {
         let kern = Kernels {
             level,
@@ -298,7 +276,7 @@ pub(crate) fn run_rows(
                 dots(0, &mut |j, g| yr[j - j0] = g);
                 dots(n_out, &mut |j, up| {
                     let o = &mut yr[j - j0];
-                    *o = super::elementwise::silu_f32(*o) * up;
+                    *o = crate::kernels::elementwise::silu_f32(*o) * up;
                 });
             }
             Epilogue::None => dots(0, &mut |j, v| yr[j - j0] = v),
@@ -629,7 +607,7 @@ mod tests {
                     .collect();
                 let naive =
                     |j: usize| -> f64 { (0..k).map(|i| wd[j * k + i] as f64 * x[i] as f64).sum() };
-                for level in Level::ALL.into_iter().filter(|l| l.available()) {
+                for level in Isa::supported_levels() {
                     let mut y = vec![0f32; n];
                     gemv_at(
                         level,

@@ -32,7 +32,7 @@
 //! * **Q4_K / Q5_K**: for chunk `j` in 0..4 (`qs[32j..32j+32]`), element
 //!   `64j + l` is the low nibble of `qs[32j+l]`, `64j + 32 + l` the high one;
 //!   Q5_K's fifth bit of element `e` is bit `e / 32` of `qh[e % 32]`. The 6-bit
-//!   (scale, min) of sub-block `k` are given by [`k_scale_min`]; value
+//!   (scale, min) of sub-block `k` are given by `k_scale_min`; value
 //!   `(d * sc) * q - (dmin * m)`.
 //! * **Q6_K**: per 128-element half `h` (`ql += 64h`, `qh += 32h`,
 //!   `scales += 8h`), for `l < 32`: `q1 = (ql[l] & 15) | ((qh[l] & 3) << 4)`,

@@ -1,4 +1,4 @@
-//! AVX2 + FMA + F16C tile kernels for [`super::matmul`].
+//! AVX2 + FMA + F16C tile kernels for [`super::matmul`](super::matmul()).
 //!
 //! A tile computes `R` weight rows × `T` tokens of dot products with `R·T`
 //! 8-lane accumulators. One token (GEMV, memory-bound): 8×1 / 4×1 / 1×1
@@ -11,21 +11,12 @@
 // Register tiles are indexed explicitly on purpose.
 #![allow(clippy::needless_range_loop)]
 
-use super::WeightRef;
 use crate::ir::DType;
+use crate::kernels::WeightRef;
 
 /// Whether the SIMD kernels can run on this CPU.
 pub(crate) fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx2")
-            && std::is_x86_feature_detected!("fma")
-            && std::is_x86_feature_detected!("f16c")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    crate::kernels::Isa::detect().avx2()
 }
 
 /// `out[t * nr + r] = dot(x[t], W[row0 + r])`; requires [`available`].
@@ -113,14 +104,14 @@ mod x86 {
     pub(super) unsafe fn one_f16(p: *const u8) -> f32 {
         // SAFETY: caller guarantees 2 readable bytes at p.
         unsafe {
-            super::super::f16_to_f32(u16::from_le_bytes(p.cast::<[u8; 2]>().read_unaligned()))
+            crate::kernels::f16_to_f32(u16::from_le_bytes(p.cast::<[u8; 2]>().read_unaligned()))
         }
     }
     #[inline]
     pub(super) unsafe fn one_bf16(p: *const u8) -> f32 {
         // SAFETY: caller guarantees 2 readable bytes at p.
         unsafe {
-            super::super::bf16_to_f32(u16::from_le_bytes(p.cast::<[u8; 2]>().read_unaligned()))
+            crate::kernels::bf16_to_f32(u16::from_le_bytes(p.cast::<[u8; 2]>().read_unaligned()))
         }
     }
 

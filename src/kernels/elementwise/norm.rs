@@ -1,7 +1,7 @@
 //! RMSNorm as in Meta's reference: `x * rsqrt(mean(x²) + eps) * weight`,
 //! computed in f32 per row.
 
-use super::{check_len, KernelError, WeightRef};
+use crate::kernels::{check_len, KernelError, WeightRef};
 
 /// Normalises each row of `x` (`[R, dim]`) into `out`, optionally scaling by
 /// `weight` (`[dim]`, F32/F16/BF16). No scratch needed.
@@ -34,7 +34,7 @@ pub fn rmsnorm(
     const WB: usize = 256;
     let mut wbuf = [0f32; WB];
     for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
-        let ss = super::matmul::dot8(xr, xr);
+        let ss = crate::kernels::matmul::dot8(xr, xr);
         let r = 1.0 / (ss / dim as f32 + eps).sqrt();
         match weight {
             None => {

@@ -38,8 +38,8 @@
 //! are exceptions (0.767 of bf16 in all), 0.03% of SmolLM2's trained layer
 //! weights and 1% of its embedding table (0.778 in all).
 
-use super::matmul::Epilogue;
-use super::{check_len, KernelError};
+use super::Epilogue;
+use crate::kernels::{check_len, Isa, KernelError};
 use crate::pool::ThreadPool;
 
 /// Weights per block.
@@ -90,7 +90,7 @@ pub fn encoded_len(n: usize, k: usize, n_exceptions: usize) -> Option<usize> {
 fn block_exceptions(b: &[u8]) -> u32 {
     let b = &b[..2 * BLOCK];
     #[cfg(target_arch = "x86_64")]
-    if super::quant::simd_available() {
+    if Isa::current().avx2() {
         // SAFETY: avx2 checked; 64 readable bytes; the block is only read
         // (no output pointer).
         return unsafe { avx2::encode_block(b.as_ptr(), None) }.count_ones();
@@ -206,7 +206,7 @@ pub fn encode_into<'a>(
         let mut at = 0;
         let mut exc = Vec::new();
         let mut w = [0u16; BLOCK];
-        let simd = super::quant::simd_available();
+        let simd = Isa::current().avx2();
         for r in r0..r1 {
             let src = &row(r)[..2 * k];
             for b in 0..nb {
@@ -361,7 +361,7 @@ impl<'a> Bf16z<'a> {
     /// Row `r` as bf16 values (exact).
     pub fn decode_row(&self, r: usize, out: &mut [u16]) {
         #[cfg(target_arch = "x86_64")]
-        if super::quant::simd_available() {
+        if Isa::current().avx2() {
             let out = &mut out[..self.k];
             // SAFETY: avx2 checked; the row holds k/32 blocks and `out` k values.
             unsafe { avx2::decode(self.row_blocks(r), out) };
@@ -404,12 +404,12 @@ impl<'a> Bf16z<'a> {
         {
             decode_block(blk, &mut w);
             for (d, &v) in o.iter_mut().zip(&w) {
-                *d = super::bf16_to_f32(v);
+                *d = crate::kernels::bf16_to_f32(v);
             }
         }
         for e in self.start(r)..self.start(r + 1) {
             let (c, exact, _) = self.entry(e);
-            out[c] = super::bf16_to_f32(exact);
+            out[c] = crate::kernels::bf16_to_f32(exact);
         }
     }
 
@@ -441,7 +441,7 @@ impl<'a> Bf16z<'a> {
             sum += w
                 .iter()
                 .zip(xb)
-                .map(|(&v, &xv)| super::bf16_to_f32(v) * xv)
+                .map(|(&v, &xv)| crate::kernels::bf16_to_f32(v) * xv)
                 .sum::<f32>();
         }
         sum + self.corrections(r, x)
@@ -452,7 +452,7 @@ impl<'a> Bf16z<'a> {
         let mut s = 0f32;
         for e in self.start(r)..self.start(r + 1) {
             let (c, exact, coded) = self.entry(e);
-            s += (super::bf16_to_f32(exact) - super::bf16_to_f32(coded)) * x[c];
+            s += (crate::kernels::bf16_to_f32(exact) - crate::kernels::bf16_to_f32(coded)) * x[c];
         }
         s
     }
@@ -513,7 +513,7 @@ pub fn gemv(
     if let Epilogue::AddResidual(r) = epilogue {
         check_len(OP, "residual elements", n_out, r.len())?;
     }
-    let simd = simd && super::quant::simd_available();
+    let simd = simd && Isa::current().avx2();
     if !simd {
         super::gemv::run_rows(pool, n_out, epilogue, y, &|r| w.dot_scalar(r, x), None);
         return Ok(());
@@ -554,7 +554,7 @@ std::thread_local! {
 }
 
 /// `y = x·Wᵀ` with `epilogue` for `s` activation rows and an encoded `W`
-/// (`bytes`, `[n, k]`); the contract of [`super::matmul::matmul`]. One row
+/// (`bytes`, `[n, k]`); the contract of [`super::matmul`](super::matmul()). One row
 /// goes to [`gemv`]. More rows are multiplied `GROUP` (256) output rows at a
 /// time: the group's weight rows (gate and up rows for SwiGLU) are decoded
 /// to bf16, multiplied by the bf16 kernels into a scratch, and the
@@ -584,7 +584,7 @@ pub fn matmul(
         });
     }
     let n_out = if swiglu { n / 2 } else { n };
-    let len = |a: usize, b: usize| super::mul_dims(OP, "size overflows", a, b);
+    let len = |a: usize, b: usize| crate::kernels::mul_dims(OP, "size overflows", a, b);
     check_len(OP, "x elements (s*k)", len(s, k)?, x.len())?;
     check_len(OP, "output elements", len(s, n_out)?, y.len())?;
     if let Epilogue::AddResidual(r) = epilogue {
@@ -610,14 +610,14 @@ pub fn matmul(
             let bytes = unsafe {
                 std::slice::from_raw_parts(rows.as_ptr().cast::<u8>(), std::mem::size_of_val(rows))
             };
-            let wr = super::WeightRef::new(crate::ir::DType::BF16, bytes);
+            let wr = crate::kernels::WeightRef::new(crate::ir::DType::BF16, bytes);
             let ep = if swiglu {
                 Epilogue::SwiGlu
             } else {
                 Epilogue::None
             };
             let t = &mut tmp[..s * g];
-            super::matmul::matmul(pool, x, s, k, wr, per * g, ep, t)?;
+            super::matmul(pool, x, s, k, wr, per * g, ep, t)?;
             for (tok, tr) in t.chunks_exact(g).enumerate() {
                 let o = tok * n_out + j0;
                 let yr = &mut y[o..o + g];
@@ -1010,7 +1010,7 @@ mod tests {
     /// same exceptions, block by block.
     #[test]
     fn simd_encoder_matches_the_portable_one() {
-        if !crate::kernels::quant::simd_available() {
+        if !crate::kernels::Isa::detect().avx2() {
             return;
         }
         let mut rng = Rng::new(15);

@@ -1,18 +1,18 @@
 //! Linear layers over block-quantized weights (the exact path): each output
 //! is one weight row dotted with one activation row by
-//! [`quant::dot_row`](super::quant::dot_row), which dequantizes in registers.
+//! [`super::dot_row`], which dequantizes in registers.
 //! The weights stay quantized in memory. Work is split over output columns.
 
-use super::matmul::Epilogue;
-use super::quant::dot_row;
-use super::{check_linear, KernelError, WeightRef};
+use super::dot_row;
+use crate::kernels::matmul::Epilogue;
+use crate::kernels::{check_linear, KernelError, WeightRef};
 use crate::pool::{SyncPtr, ThreadPool};
 
 /// Output columns per work chunk.
 const COLS_PER_CHUNK: usize = 16;
 
 /// `y = x·Wᵀ` with `epilogue`, for a quantized `W` `[n, k]`. Same contract
-/// as [`super::matmul`].
+/// as [`matmul`](crate::kernels::matmul()).
 #[allow(clippy::too_many_arguments)]
 pub fn qmatmul(
     pool: &ThreadPool,
@@ -42,7 +42,7 @@ pub fn qmatmul(
                     Epilogue::AddResidual(r) => v + r[t * n_out + j],
                     Epilogue::SwiGlu => {
                         let up = dot_row(w.dtype, row(j + n_out), xr);
-                        super::elementwise::silu_f32(v) * up
+                        crate::kernels::elementwise::silu_f32(v) * up
                     }
                 };
             }
@@ -55,7 +55,7 @@ pub fn qmatmul(
 mod tests {
     use super::*;
     use crate::ir::DType;
-    use crate::kernels::quant::{dequantize_row, quantize_row};
+    use crate::kernels::quantized::{dequantize_row, quantize_row};
 
     #[test]
     fn matches_dequantize_then_multiply() {

@@ -2,7 +2,7 @@
 //! implementation and an AVX2+FMA one (dot products of four keys at once,
 //! register-blocked P·V accumulation, vectorised exp).
 
-use super::attention::axpy;
+use super::axpy;
 
 /// The inner vector operations of the fused kernel, so the same loop nest
 /// runs with portable code or with AVX2+FMA intrinsics.
@@ -259,7 +259,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_exp_accuracy() {
-        if !(std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")) {
+        if !crate::kernels::Isa::detect().avx2() {
             return;
         }
         // Special values first (vector lanes), then a range, then a scalar tail.

@@ -1,4 +1,4 @@
-//! Optional AVX-512 BF16 path for BF16 weights ([`super::matmul::Isa::Bf16Dot`]).
+//! Optional AVX-512 BF16 path for BF16 weights ([`super::matmul_bf16_dot`]).
 //!
 //! Activations are rounded to bf16 (round-to-nearest-even, as llama.cpp does
 //! for its BF16 dot products) and multiplied with `VDPBF16PS`, which does 32
@@ -19,17 +19,7 @@ pub(crate) const MAX_NS: usize = 24;
 
 /// Whether this CPU has AVX-512F/BW and AVX-512 BF16.
 pub(crate) fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx512f")
-            && std::is_x86_feature_detected!("avx512bw")
-            && std::is_x86_feature_detected!("avx512bf16")
-            && std::is_x86_feature_detected!("avx2")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    crate::kernels::Isa::detect().avx512_bf16()
 }
 
 /// `out[t * nr + r] = dot(bf16(x[t]), W[row0 + r])` for BF16 `w_bytes`

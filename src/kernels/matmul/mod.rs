@@ -6,19 +6,27 @@
 //! in blocks of [`TOKEN_BLOCK`], so each weight element is read once per
 //! token block, not once per token; within a block the SIMD path works in
 //! K blocks with packed x rows and weight tiles widened to f32 once (see
-//! `matmul_avx2`). With AVX2+FMA+F16C (detected at run time) the tile
-//! kernels are SIMD; otherwise a portable path computes the same sums
-//! (within f32 rounding). Epilogues are applied as each block is stored.
+//! `avx2`). At the [`Isa::Avx2`] level and above the tile kernels are
+//! SIMD; at [`Isa::Scalar`] a portable path computes the same sums (within
+//! f32 rounding). Epilogues are applied as each block is stored.
 //!
-//! With several tokens on a CPU with AVX-512F/BW/VL, [`Isa::Auto`] uses
-//! `matmul_avx512` instead: contiguous output-column chunks sized for L2,
-//! 4-row × 6-token register tiles over the full K, nothing packed for F32
-//! weights (F16/BF16 row tiles widened once per token group), epilogues
-//! applied per tile. [`Isa::Avx2`] / [`Isa::Avx512`] pick a level
-//! explicitly (tests and benches run both on AVX-512 machines).
+//! With several tokens at the [`Isa::Avx512`] level and above, `avx512`
+//! runs instead: contiguous output-column chunks sized for L2, 4-row ×
+//! 6-token register tiles over the full K, nothing packed for F32 weights
+//! (F16/BF16 row tiles widened once per token group), epilogues applied per
+//! tile. [`matmul_with`] picks a level explicitly (tests and benches run
+//! every level the CPU has); [`matmul_bf16_dot`] is the opt-in bf16
+//! activation product (`bf16dot`, AVX-512 BF16).
 
-use super::matmul_avx512::{self, RowLayout};
-use super::{check_len, matmul_avx2, matmul_bf16dot, mul_dims, KernelError, WeightRef};
+pub(crate) mod avx2;
+pub(crate) mod avx512;
+pub(crate) mod bf16dot;
+pub mod bf16z;
+pub mod gemv;
+
+use self::avx512::RowLayout;
+use super::isa::Isa;
+use super::{check_len, mul_dims, KernelError, WeightRef};
 use crate::ir::DType;
 use crate::pool::{SyncPtr, ThreadPool};
 
@@ -39,7 +47,7 @@ pub enum Epilogue<'a> {
 /// Tokens per block in the S>1 path (a multiple of the 3- and 6-token
 /// SIMD tiles).
 pub const TOKEN_BLOCK: usize = 24;
-const _: () = assert!(TOKEN_BLOCK <= matmul_bf16dot::MAX_NS);
+const _: () = assert!(TOKEN_BLOCK <= bf16dot::MAX_NS);
 /// Largest number of output columns per chunk (half of it with SwiGLU,
 /// whose chunks compute gate and up columns). Large chunks amortise packing
 /// the x block; weights are read once per token block either way, which at
@@ -49,23 +57,14 @@ const MAX_CHUNK_ROWS: usize = 256;
 /// balance better).
 const MAX_GEMV_CHUNK_ROWS: usize = 64;
 
-/// Which implementation of the tile kernels to use.
+/// What a call asks for: the kernels of a level, or the bf16 dot product.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Isa {
-    /// The best exact-f32 implementation available on this CPU.
-    Auto,
-    /// Portable Rust (no explicit SIMD).
-    Portable,
-    /// The AVX2+FMA+F16C kernels even where AVX-512 is available (tests,
-    /// benches); portable if the CPU lacks AVX2.
-    Avx2,
-    /// The AVX-512 kernels for S > 1 (S = 1 uses the AVX2 GEMV); falls back
-    /// like [`Isa::Auto`] on CPUs without AVX-512F/BW/VL.
-    Avx512,
-    /// For BF16 weights on CPUs with AVX-512 BF16: round activations to
-    /// bf16 and use `VDPBF16PS` (about 2× the arithmetic rate; results differ
-    /// by the activation rounding, as in llama.cpp's BF16 path). Other
-    /// dtypes or CPUs fall back to [`Isa::Auto`].
+enum Mode {
+    Level(Isa),
+    /// Activations rounded to bf16 and `VDPBF16PS` (about 2× the
+    /// arithmetic rate; results differ by the activation rounding, as in
+    /// llama.cpp's BF16 path), for BF16 weights on CPUs with AVX-512 BF16;
+    /// otherwise as `Level(Isa::current())`.
     Bf16Dot,
 }
 
@@ -95,14 +94,47 @@ pub fn matmul(
     epilogue: Epilogue<'_>,
     y: &mut [f32],
 ) -> Result<(), KernelError> {
-    matmul_with(pool, Isa::Auto, x, s, k, w, n, epilogue, y)
+    matmul_with(pool, Isa::current(), x, s, k, w, n, epilogue, y)
 }
 
-/// [`matmul`] with an explicit choice of implementation (tests, benches).
+/// [`matmul`] with the kernels of `isa` (tests, benches); a level above
+/// what this CPU supports runs the best one it has.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_with(
     pool: &ThreadPool,
     isa: Isa,
+    x: &[f32],
+    s: usize,
+    k: usize,
+    w: WeightRef<'_>,
+    n: usize,
+    epilogue: Epilogue<'_>,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    matmul_mode(pool, Mode::Level(isa), x, s, k, w, n, epilogue, y)
+}
+
+/// [`matmul`] with activations rounded to bf16 and the AVX-512 BF16 dot
+/// product for BF16 weights, where the CPU has it (an opt-in trade of
+/// accuracy for speed); otherwise exactly [`matmul`].
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_bf16_dot(
+    pool: &ThreadPool,
+    x: &[f32],
+    s: usize,
+    k: usize,
+    w: WeightRef<'_>,
+    n: usize,
+    epilogue: Epilogue<'_>,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    matmul_mode(pool, Mode::Bf16Dot, x, s, k, w, n, epilogue, y)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn matmul_mode(
+    pool: &ThreadPool,
+    mode: Mode,
     x: &[f32],
     s: usize,
     k: usize,
@@ -151,13 +183,14 @@ pub fn matmul_with(
         }
         return Ok(());
     }
-    let path = match isa {
-        Isa::Portable => Path::Portable,
-        Isa::Bf16Dot if w.dtype == DType::BF16 && matmul_bf16dot::available() => Path::Bf16Dot,
-        Isa::Auto | Isa::Avx512 | Isa::Bf16Dot if s > 1 && matmul_avx512::available() => {
-            Path::Avx512
-        }
-        _ if matmul_avx2::available() => Path::Avx2,
+    let isa = match mode {
+        Mode::Level(l) => l.min(Isa::detect()),
+        Mode::Bf16Dot => Isa::current(),
+    };
+    let path = match mode {
+        Mode::Bf16Dot if w.dtype == DType::BF16 && isa.avx512_bf16() => Path::Bf16Dot,
+        _ if s > 1 && isa.avx512() => Path::Avx512,
+        _ if isa.avx2() => Path::Avx2,
         _ => Path::Portable,
     };
     if path == Path::Avx512 {
@@ -212,7 +245,7 @@ fn run_avx512(
     pool.run(n_chunks, &|ci| {
         let c0 = ci * cols;
         let c1 = (c0 + cols).min(n_out);
-        let mut emit = |t: usize, c: usize, nc: usize, sums: &[[f32; matmul_avx512::RT]]| {
+        let mut emit = |t: usize, c: usize, nc: usize, sums: &[[f32; avx512::RT]]| {
             for (j, v) in sums.iter().enumerate() {
                 let at = (t + j) * n_out + c;
                 // SAFETY: this chunk alone owns columns c0..c1 (c + nc <= c1)
@@ -230,13 +263,13 @@ fn run_avx512(
                     }
                     Epilogue::SwiGlu => {
                         for (i, o) in yrow.iter_mut().enumerate() {
-                            *o = super::elementwise::silu_f32(v[i]) * v[nc + i];
+                            *o = crate::kernels::elementwise::silu_f32(v[i]) * v[nc + i];
                         }
                     }
                 }
             }
         };
-        matmul_avx512::columns(x, s, k, w, layout, c0, c1, &mut emit);
+        avx512::columns(x, s, k, w, layout, c0, c1, &mut emit);
     });
 }
 
@@ -294,7 +327,7 @@ fn run_chunk(
                 Epilogue::SwiGlu => {
                     let urow = &acc_up[t * nr..(t + 1) * nr];
                     for ((o, g), u) in yrow.iter_mut().zip(arow).zip(urow) {
-                        *o = super::elementwise::silu_f32(*g) * u;
+                        *o = crate::kernels::elementwise::silu_f32(*g) * u;
                     }
                 }
             }
@@ -316,8 +349,8 @@ fn block(
     out: &mut [f32],
 ) {
     match path {
-        Path::Avx2 | Path::Avx512 => matmul_avx2::block(x, ns, k, w, row0, nr, out),
-        Path::Bf16Dot => matmul_bf16dot::block(x, ns, k, w.bytes, row0, nr, out),
+        Path::Avx2 | Path::Avx512 => avx2::block(x, ns, k, w, row0, nr, out),
+        Path::Bf16Dot => bf16dot::block(x, ns, k, w.bytes, row0, nr, out),
         Path::Portable => block_portable(x, ns, k, w, row0, nr, out),
     }
 }
@@ -405,7 +438,7 @@ mod tests {
             let wb = encode(&wf, dtype);
             let w = WeightRef::new(dtype, &wb);
             let want = naive(&x, s, k, &decoded(&wf, dtype), n);
-            for isa in [Isa::Auto, Isa::Portable, Isa::Avx2, Isa::Avx512] {
+            for isa in Isa::supported_levels() {
                 let what = format!("{dtype} s={s} k={k} n={n} {isa:?}");
                 let mut y = vec![f32::NAN; s * n];
                 matmul_with(pool, isa, &x, s, k, w, n, Epilogue::None, &mut y).unwrap();
@@ -488,7 +521,7 @@ mod tests {
         // AVX-512 BF16 the call falls back to the exact path, which must
         // then match the unrounded-x reference instead.
         let pool = ThreadPool::new(2);
-        let has = matmul_bf16dot::available();
+        let has = Isa::current().avx512_bf16();
         for (i, &(s, k, n)) in [
             (1, 576, 72),
             (5, 67, 20),
@@ -511,7 +544,7 @@ mod tests {
             let want = naive(&xr, s, k, &decoded(&wf, DType::BF16), n);
             let mut y = vec![f32::NAN; s * n];
             let w = WeightRef::new(DType::BF16, &wb);
-            matmul_with(&pool, Isa::Bf16Dot, &x, s, k, w, n, Epilogue::None, &mut y).unwrap();
+            matmul_bf16_dot(&pool, &x, s, k, w, n, Epilogue::None, &mut y).unwrap();
             assert_close(
                 &y,
                 &want,
@@ -522,18 +555,7 @@ mod tests {
             // SwiGLU epilogue through the same path.
             let mut ys = vec![f32::NAN; s * n / 2];
             if n % 2 == 0 {
-                matmul_with(
-                    &pool,
-                    Isa::Bf16Dot,
-                    &x,
-                    s,
-                    k,
-                    w,
-                    n,
-                    Epilogue::SwiGlu,
-                    &mut ys,
-                )
-                .unwrap();
+                matmul_bf16_dot(&pool, &x, s, k, w, n, Epilogue::SwiGlu, &mut ys).unwrap();
                 let f = n / 2;
                 for t in 0..s {
                     for j in 0..f {
@@ -551,9 +573,8 @@ mod tests {
         let x = vec![0.3f32; 2 * 9];
         let w = vec![1.0f32 / 3.0; 4 * 9];
         let mut y = vec![0.0; 8];
-        matmul_with(
+        matmul_bf16_dot(
             &pool,
-            Isa::Bf16Dot,
             &x,
             2,
             9,

@@ -14,13 +14,13 @@
 //! unnormalised accumulators, running max and sum in scratch, and a merge
 //! rescales them to the common max and sums them (as flash-decoding does).
 
-use super::attention::AttnShape;
 #[cfg(target_arch = "x86_64")]
-use super::attention_ops::Avx2;
-use super::attention_ops::{AttnOps, Portable};
-use super::attention_tiled::{attention_tiled_scratch_len, attention_tiled_with};
-use super::matmul::{dot8, Isa};
-use super::KernelError;
+use super::ops::Avx2;
+use super::ops::{AttnOps, Portable};
+use super::tiled::{attention_tiled_scratch_len, attention_tiled_with};
+use super::AttnShape;
+use crate::kernels::matmul::dot8;
+use crate::kernels::{Isa, KernelError};
 use crate::pool::{SyncPtr, ThreadPool};
 
 /// Query tokens per work item of the fused kernel.
@@ -91,11 +91,20 @@ pub fn attention_fused(
     out: &mut [f32],
     scratch: &mut [f32],
 ) -> Result<(), KernelError> {
-    attention_fused_with(pool, Isa::Auto, q, k_cache, v_cache, shape, out, scratch)
+    attention_fused_with(
+        pool,
+        Isa::current(),
+        q,
+        k_cache,
+        v_cache,
+        shape,
+        out,
+        scratch,
+    )
 }
 
-/// [`attention_fused`] with an explicit choice of implementation: the
-/// tiled kernel for `s >= TILED_MIN_S`, else the streaming one.
+/// [`attention_fused`] with the kernels of `isa`: the tiled kernel for
+/// `s >= TILED_MIN_S`, else the streaming one.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_fused_with(
     pool: &ThreadPool,
@@ -168,9 +177,7 @@ pub fn attention_stream_with(
     #[cfg(not(target_arch = "x86_64"))]
     let _ = isa;
     #[cfg(target_arch = "x86_64")]
-    let avx2 = isa == Isa::Auto
-        && std::is_x86_feature_detected!("avx2")
-        && std::is_x86_feature_detected!("fma");
+    let avx2 = isa.min(Isa::detect()).avx2();
     pool.run_indexed(shape.n_kv_heads * n_qb * splits, &|c, tid| {
         let (gq, split) = (c / splits, c % splits);
         let g = gq / n_qb;

@@ -1,7 +1,10 @@
 //! Elementwise kernels and argmax. These are memory-bound and cheap next to
 //! the matmuls, so they run on the calling thread.
 
-use super::{check_len, KernelError};
+pub mod norm;
+pub mod rope;
+
+use crate::kernels::{check_len, KernelError};
 
 /// `v * sigmoid(v)`.
 #[inline]

@@ -6,11 +6,15 @@
 //!
 //! Two forms: the unfused pieces here, [`attn_scores`] → [`softmax_rows`] →
 //! [`attn_values`] (materialising `[H, S, T]`), and
-//! [`attention_fused`](super::attention_fused::attention_fused), a
+//! [`attention_fused`](fused::attention_fused), a
 //! streaming-softmax kernel that never materialises the score matrix.
 
-use super::matmul::dot8;
-use super::{check_len, mul_dims, KernelError};
+pub mod fused;
+pub(crate) mod ops;
+pub mod tiled;
+
+use crate::kernels::matmul::dot8;
+use crate::kernels::{check_len, mul_dims, KernelError};
 use crate::pool::{SyncPtr, ThreadPool};
 
 /// Geometry of one attention call.
@@ -235,11 +239,11 @@ pub(super) fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::attention_fused::{
+    use crate::kernels::attention::fused::{
         attention_fused, attention_fused_scratch_len, attention_fused_with,
     };
-    use crate::kernels::matmul::Isa;
     use crate::kernels::testutil::{assert_close, Rng};
+    use crate::kernels::Isa;
 
     fn naive(q: &[f32], kc: &[f32], vc: &[f32], sh: &AttnShape) -> Vec<f64> {
         let (d, h_n) = (sh.head_dim, sh.n_heads);
@@ -295,7 +299,7 @@ mod tests {
         assert_close(&out_a, &want, 1e-5, 1e-4, "unfused vs naive");
         // Fused.
         let mut scratch = vec![f32::NAN; attention_fused_scratch_len(&sh, pool.n_threads())];
-        for isa in [Isa::Auto, Isa::Portable] {
+        for isa in Isa::supported_levels() {
             let mut out_b = vec![f32::NAN; q.len()];
             attention_fused_with(&pool, isa, &q, &kc, &vc, sh, &mut out_b, &mut scratch).unwrap();
             assert_close(&out_b, &want, 1e-5, 1e-4, "fused vs naive");
@@ -364,7 +368,7 @@ mod tests {
     /// the keys into ranges and merges their partial results.
     #[test]
     fn decode_with_split_keys() {
-        use crate::kernels::attention_fused::decode_key_splits;
+        use crate::kernels::attention::fused::decode_key_splits;
         for (threads, sh, cap) in [
             (
                 2,

@@ -7,7 +7,7 @@
 //! num-complex, all in f32 like the reference; [`RopeTable`] precomputes the
 //! same cos/sin values per position and is the fast path.
 
-use super::{check_len, mul_dims, KernelError};
+use crate::kernels::{check_len, mul_dims, KernelError};
 use num_complex::Complex32;
 
 /// Llama 3.1 frequency scaling (`apply_scaling` in Meta's model.py).
@@ -246,7 +246,7 @@ mod tests {
     /// tests/reference/rope_fixture.py).
     #[test]
     fn matches_meta_fixture() {
-        let text = include_str!("../../tests/fixtures/kernels/rope_meta.json");
+        let text = include_str!("../../../tests/fixtures/kernels/rope_meta.json");
         let cases: serde_json::Value = serde_json::from_str(text).unwrap();
         for c in cases.as_array().unwrap() {
             let get = |k: &str| c[k].as_u64().unwrap() as usize;

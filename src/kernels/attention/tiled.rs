@@ -24,12 +24,11 @@
 //! the pool largest first (causal work grows with the query block), so the
 //! dynamic chunk counter balances the threads.
 //!
-//! Levels ([`TiledLevel`]): scalar (the reference, same blocking), AVX2+FMA
+//! Levels ([`Isa`]): scalar (the reference, same blocking), AVX2+FMA
 //! and AVX-512F, chosen at run time.
 
-use super::attention::AttnShape;
-use super::matmul::Isa;
-use super::KernelError;
+use super::AttnShape;
+use crate::kernels::{Isa, KernelError};
 use crate::pool::{SyncPtr, ThreadPool};
 
 /// Keys per block of the tiled kernel.
@@ -67,12 +66,43 @@ pub fn attention_tiled(
     out: &mut [f32],
     scratch: &mut [f32],
 ) -> Result<(), KernelError> {
-    attention_tiled_with(pool, Isa::Auto, q, k_cache, v_cache, shape, out, scratch)
+    attention_tiled_with(
+        pool,
+        Isa::current(),
+        q,
+        k_cache,
+        v_cache,
+        shape,
+        out,
+        scratch,
+    )
 }
 
-/// [`attention_tiled`] with an explicit implementation: [`Isa::Portable`]
-/// is the scalar reference; anything else uses the best SIMD level the CPU
-/// has ([`TiledLevel::best`]).
+/// The kernel set of the tiled kernel at a given [`Isa`] level.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TiledLevel {
+    /// Portable Rust: the reference.
+    Scalar,
+    /// AVX2 + FMA, 8 rows per vector.
+    Avx2,
+    /// AVX-512F, 16 rows per vector (falls back to AVX2 where 16-row
+    /// vectors do not fit).
+    Avx512,
+}
+
+impl TiledLevel {
+    /// The kernels of `isa`, lowered to what this CPU supports.
+    fn of(isa: Isa) -> Self {
+        match isa.min(Isa::detect()) {
+            Isa::Scalar => Self::Scalar,
+            Isa::Avx2 => Self::Avx2,
+            Isa::Avx512 | Isa::Avx512Vnni => Self::Avx512,
+        }
+    }
+}
+
+/// [`attention_tiled`] with the kernels of `isa` (for tests and
+/// benchmarks), lowered to what this CPU supports.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_tiled_with(
     pool: &ThreadPool,
@@ -84,76 +114,8 @@ pub fn attention_tiled_with(
     out: &mut [f32],
     scratch: &mut [f32],
 ) -> Result<(), KernelError> {
-    let level = if isa == Isa::Portable {
-        TiledLevel::Scalar
-    } else {
-        TiledLevel::best()
-    };
-    attention_tiled_at(pool, level, q, k_cache, v_cache, shape, out, scratch)
-}
-
-/// Instruction-set levels of the tiled kernel.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TiledLevel {
-    /// Portable Rust: the reference.
-    Scalar,
-    /// AVX2 + FMA, 8 rows per vector.
-    Avx2,
-    /// AVX-512F, 16 rows per vector (falls back to AVX2 where 16-row
-    /// vectors do not fit).
-    Avx512,
-}
-
-impl TiledLevel {
-    /// The best level this CPU supports.
-    pub fn best() -> Self {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::is_x86_feature_detected!("avx512f") && Self::Avx2.available() {
-                return Self::Avx512;
-            }
-            if Self::Avx2.available() {
-                return Self::Avx2;
-            }
-        }
-        Self::Scalar
-    }
-    /// Whether this CPU can run the level.
-    pub fn available(self) -> bool {
-        match self {
-            Self::Scalar => true,
-            #[cfg(target_arch = "x86_64")]
-            Self::Avx2 => {
-                std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
-            }
-            #[cfg(target_arch = "x86_64")]
-            Self::Avx512 => std::is_x86_feature_detected!("avx512f") && Self::Avx2.available(),
-            #[cfg(not(target_arch = "x86_64"))]
-            _ => false,
-        }
-    }
-}
-
-/// [`attention_tiled`] at an explicit level (for tests and benchmarks); a
-/// level the CPU lacks is an error.
-#[allow(clippy::too_many_arguments)]
-pub fn attention_tiled_at(
-    pool: &ThreadPool,
-    level: TiledLevel,
-    q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
-    shape: AttnShape,
-    out: &mut [f32],
-    scratch: &mut [f32],
-) -> Result<(), KernelError> {
     const OP: &str = "attention_tiled";
-    if !level.available() {
-        return Err(KernelError::Invalid {
-            op: OP,
-            what: "instruction set not available on this CPU",
-        });
-    }
+    let level = TiledLevel::of(isa);
     shape.check(OP, q, k_cache, v_cache, out.len())?;
     let per = per_thread(&shape);
     let need = attention_tiled_scratch_len(&shape, pool.n_threads());
@@ -186,7 +148,7 @@ pub fn attention_tiled_at(
         match level {
             TiledLevel::Scalar => item_portable(q, k_cache, v_cache, &shape, &it, op, scr),
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: AVX2 and FMA were detected (`available` above).
+            // SAFETY: AVX2 and FMA were detected (`TiledLevel::of` lowers to the CPU's level).
             TiledLevel::Avx2 => unsafe { x86::item(q, k_cache, v_cache, &shape, &it, op, scr) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: AVX-512F, AVX2 and FMA were detected.
@@ -194,7 +156,7 @@ pub fn attention_tiled_at(
                 x86_512::item(q, k_cache, v_cache, &shape, &it, op, scr)
             },
             #[cfg(not(target_arch = "x86_64"))]
-            _ => unreachable!("checked by available()"),
+            _ => unreachable!("TiledLevel::of gives Scalar off x86-64"),
         }
     });
     Ok(())
@@ -547,7 +509,7 @@ macro_rules! block_steps {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::attention_ops::x86::exp_ps;
+    use super::super::ops::x86::exp_ps;
     use super::*;
     use std::arch::x86_64::*;
 
@@ -1159,10 +1121,10 @@ mod x86_512 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::attention_fused::{attention_stream_scratch_len, attention_stream_with};
+    use crate::kernels::attention::fused::{attention_stream_scratch_len, attention_stream_with};
     use crate::kernels::testutil::{assert_close, Rng};
 
-    const LEVELS: [TiledLevel; 3] = [TiledLevel::Scalar, TiledLevel::Avx2, TiledLevel::Avx512];
+    const LEVELS: [Isa; 4] = Isa::ALL;
 
     /// Straightforward causal GQA attention in f64.
     fn naive(q: &[f32], kc: &[f32], vc: &[f32], sh: &AttnShape) -> Vec<f64> {
@@ -1215,17 +1177,17 @@ mod tests {
         let want = naive(&q, &kc, &vc, &sh);
         let mut scratch = vec![f32::NAN; attention_tiled_scratch_len(&sh, threads)];
         for level in LEVELS {
-            if !level.available() {
+            if !level.supported() {
                 eprintln!("skipping {level:?}: not available on this CPU");
                 continue;
             }
             let mut out = vec![f32::NAN; q.len()];
-            attention_tiled_at(&pool, level, &q, &kc, &vc, sh, &mut out, &mut scratch).unwrap();
+            attention_tiled_with(&pool, level, &q, &kc, &vc, sh, &mut out, &mut scratch).unwrap();
             assert_close(&out, &want, 2e-5, 2e-4, &format!("tiled {level:?} {sh:?}"));
         }
         // The streaming kernel on the same inputs (both ISAs).
         let mut scratch = vec![f32::NAN; attention_stream_scratch_len(&sh, threads)];
-        for isa in [Isa::Auto, Isa::Portable] {
+        for isa in Isa::supported_levels() {
             let mut out = vec![f32::NAN; q.len()];
             attention_stream_with(&pool, isa, &q, &kc, &vc, sh, &mut out, &mut scratch).unwrap();
             assert_close(&out, &want, 2e-5, 2e-4, &format!("stream {isa:?} {sh:?}"));
@@ -1283,11 +1245,11 @@ mod tests {
         for t in 0..t_n {
             vc[t * d + t] = 1.0;
         }
-        for level in LEVELS.into_iter().filter(|l| l.available()) {
+        for level in LEVELS.into_iter().filter(|l| l.supported()) {
             let pool = ThreadPool::new(2);
             let mut scr = vec![0.0; attention_tiled_scratch_len(&shape, 2)];
             let mut out = vec![f32::NAN; q.len()];
-            attention_tiled_at(&pool, level, &q, &kc, &vc, shape, &mut out, &mut scr).unwrap();
+            attention_tiled_with(&pool, level, &q, &kc, &vc, shape, &mut out, &mut scr).unwrap();
             for s in 0..s_n {
                 for h in 0..3 {
                     let o = &out[(s * 3 + h) * d..][..d];
