@@ -66,7 +66,7 @@ pub struct BenchArgs {
     pub no_warmup: bool,
     /// Exact quantized matmuls (f32 activations) instead of the fast path
     /// (activations quantized per block to an 8-bit quant plus an 8-bit
-    /// remainder, integer dot products).
+    /// remainder, integer dot products; every quantized type but Q2_K).
     #[arg(long = "exact")]
     pub exact: bool,
     /// Optimisation passes: `all`, `none` or a comma-separated list of pass

@@ -28,10 +28,12 @@ pub struct RuntimeFlags {
     /// names (see `llama-graph graph --help`); they run in declared order.
     #[arg(long = "passes", value_name = "LIST", default_value = "all", value_parser = parse_passes)]
     pub passes: String,
-    /// Exact f32 activations in every matmul (no integer shortcut for
-    /// quantized weights, whose activations are otherwise quantized to an
-    /// 8-bit quant plus an 8-bit remainder, logits within ~0.01): results
-    /// match a float reference on the same weights within rounding.
+    /// Exact f32 activations in every matmul. Without it, matmuls over
+    /// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and
+    /// IQ4_XS weights quantize their activations to an 8-bit quant plus an
+    /// 8-bit remainder and multiply in integers (logits within ~0.01 of
+    /// exact); Q2_K always uses the exact path. With it, results match a
+    /// float reference on the same weights within rounding.
     #[arg(long = "exact")]
     pub exact: bool,
 }

@@ -31,8 +31,8 @@ pub enum MatmulMode {
     Exact,
     /// Activations quantized once per row into blocks of 8-bit quants and
     /// 8-bit remainders ([`qfast::Q8Act`]), and integer
-    /// block dot products ([`qfast::qmatmul_fast`]) for Q8_0/Q4_0/Q4_1
-    /// weights; single-row products over F32/F16/BF16 weights use
+    /// block dot products ([`qfast::qmatmul_fast`]) for the weight dtypes
+    /// [`qfast::supports`] (every block type but Q2_K); single-row products over F32/F16/BF16 weights use
     /// [`gemv::gemv`] (exact arithmetic, another summation order); other
     /// cases use the exact kernels.
     Fast,
@@ -63,7 +63,7 @@ pub fn matmul_any(
         return super::matmul::bf16z::matmul(pool, x, s, k, w.bytes, n, epilogue, y);
     }
     if mode == MatmulMode::Fast && qfast::supports(w.dtype) {
-        if let Some(need) = qfast::scratch_len_for(Isa::current(), s, k) {
+        if let Some(need) = qfast::scratch_len_for(Isa::current(), w.dtype, s, k) {
             return ACT_SCRATCH.with(|cell| {
                 let mut scratch = cell.borrow_mut();
                 if scratch.len() < need {

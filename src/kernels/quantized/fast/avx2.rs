@@ -204,7 +204,8 @@ impl Block for BQ4_1 {
 }
 
 /// # Safety
-/// The CPU must support avx2/fma/f16c; `dtype` must be Q8_0/Q4_0/Q4_1.
+/// The CPU must support avx2/fma/f16c; `dtype` must be one the fast path
+/// [supports](super::supports).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn dot_rows(
     dtype: DType,
@@ -217,6 +218,14 @@ pub(super) unsafe fn dot_rows(
         DType::Q8_0 => rows::<BQ8_0>(w, row_bytes, acts, out),
         DType::Q4_0 => rows::<BQ4_0>(w, row_bytes, acts, out),
         DType::Q4_1 => rows::<BQ4_1>(w, row_bytes, acts, out),
+        DType::Q5_0 => unit_rows::<UQ5_0>(w, row_bytes, acts, out),
+        DType::Q5_1 => unit_rows::<UQ5_1>(w, row_bytes, acts, out),
+        DType::IQ4_NL => unit_rows::<UIq4Nl>(w, row_bytes, acts, out),
+        DType::Q3_K => unit_rows::<UQ3K>(w, row_bytes, acts, out),
+        DType::Q4_K => unit_rows::<UQ4K>(w, row_bytes, acts, out),
+        DType::Q5_K => unit_rows::<UQ5K>(w, row_bytes, acts, out),
+        DType::Q6_K => unit_rows::<UQ6K>(w, row_bytes, acts, out),
+        DType::IQ4_XS => unit_rows::<UIq4Xs>(w, row_bytes, acts, out),
         _ => unreachable!("checked by supports()"),
     }
 }
@@ -346,6 +355,350 @@ fn kern<B: Block, const R: usize, const NT: usize>(
                 );
                 if B::HAS_MIN {
                     msum[r][t] += mw[r] * ab.s;
+                }
+            }
+        }
+    }
+    for r in 0..R {
+        for t in 0..NT {
+            out[r * NT + t] = hsum(acc[r][t]) + msum[r][t];
+        }
+    }
+}
+
+/// `0xff` in byte `i` where bit `i` of `x` is set, else 0.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn bit_bytes(x: u32) -> __m256i {
+    let v = _mm256_set1_epi32(x as i32);
+    let spread = _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, //
+        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+    );
+    let mask = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(v, spread), mask), mask)
+}
+
+/// `0xff` in byte `i` where bit `n` of byte `i` of the 32 bytes at `p` is set.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn bit_n(p: &[u8], n: usize) -> __m256i {
+    let p = &p[..32];
+    // SAFETY: p has 32 bytes; unaligned load.
+    let v = unsafe { _mm256_loadu_si256(p.as_ptr() as *const __m256i) };
+    let bit = _mm256_set1_epi8((1u8 << n) as i8);
+    _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit)
+}
+
+/// 32 bytes at `p` shifted right by `n` bits (per byte: `n` < 8) and masked with `mask`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn bits_at(p: &[u8], n: usize, mask: i8) -> __m256i {
+    let p = &p[..32];
+    // SAFETY: p has 32 bytes; unaligned load.
+    let v = unsafe { _mm256_loadu_si256(p.as_ptr() as *const __m256i) };
+    let v = _mm256_srl_epi16(v, _mm_cvtsi32_si128(n as i32));
+    _mm256_and_si256(v, _mm256_set1_epi8(mask))
+}
+
+/// The IQ4 grid looked up for 32 nibbles.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn iq4_grid(nib: __m256i) -> __m256i {
+    let g = crate::kernels::quantized::blocks::IQ4_VALUES;
+    // SAFETY: the grid has 16 bytes; unaligned load.
+    let t = unsafe { _mm_loadu_si128(g.as_ptr() as *const __m128i) };
+    _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nib)
+}
+
+/// A weight format seen as 32-element units (`units.rs`): per block the
+/// scales and additive terms of its units, per unit its 32 quants.
+pub(super) trait Unit {
+    /// Bytes per storage block.
+    const BYTES: usize;
+    /// Units per storage block.
+    const UNITS: usize;
+    /// Signed quants (else 0..31).
+    const SIGNED: bool;
+    /// A non-zero additive term `m`.
+    const HAS_MIN: bool;
+    /// One scale per 16-element half (else `d[u][0] == d[u][1]`).
+    const SPLIT: bool;
+    /// The dtype (its scales are decoded by `units::block_scales`).
+    const DTYPE: DType;
+    /// The 32 quants of unit `u` of block `b`, as `decode_unit` gives them.
+    ///
+    /// # Safety
+    /// The CPU must support avx2/fma/f16c; `b` holds one block, `u < UNITS`.
+    unsafe fn quants(b: &[u8], u: usize) -> __m256i;
+}
+
+pub(super) struct UQ5_0;
+pub(super) struct UQ5_1;
+pub(super) struct UIq4Nl;
+pub(super) struct UQ3K;
+pub(super) struct UQ4K;
+pub(super) struct UQ5K;
+pub(super) struct UQ6K;
+pub(super) struct UIq4Xs;
+
+impl Unit for UQ5_0 {
+    const BYTES: usize = 22;
+    const UNITS: usize = 1;
+    const SIGNED: bool = true;
+    const HAS_MIN: bool = false;
+    const SPLIT: bool = false;
+    const DTYPE: DType = DType::Q5_0;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn quants(b: &[u8], _u: usize) -> __m256i {
+        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+        // SAFETY: as nibbles32.
+        let nib = unsafe { nibbles32(&b[6..22]) };
+        let q = _mm256_or_si256(nib, _mm256_and_si256(bit_bytes(qh), _mm256_set1_epi8(16)));
+        _mm256_sub_epi8(q, _mm256_set1_epi8(16))
+    }
+}
+
+impl Unit for UQ5_1 {
+    const BYTES: usize = 24;
+    const UNITS: usize = 1;
+    const SIGNED: bool = false;
+    const HAS_MIN: bool = true;
+    const SPLIT: bool = false;
+    const DTYPE: DType = DType::Q5_1;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn quants(b: &[u8], _u: usize) -> __m256i {
+        let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+        // SAFETY: as nibbles32.
+        let nib = unsafe { nibbles32(&b[8..24]) };
+        _mm256_or_si256(nib, _mm256_and_si256(bit_bytes(qh), _mm256_set1_epi8(16)))
+    }
+}
+
+impl Unit for UIq4Nl {
+    const BYTES: usize = 18;
+    const UNITS: usize = 1;
+    const SIGNED: bool = true;
+    const HAS_MIN: bool = false;
+    const SPLIT: bool = false;
+    const DTYPE: DType = DType::IQ4_NL;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn quants(b: &[u8], _u: usize) -> __m256i {
+        // SAFETY: as nibbles32.
+        iq4_grid(unsafe { nibbles32(&b[2..18]) })
+    }
+}
+
+impl Unit for UQ3K {
+    const BYTES: usize = 110;
+    const UNITS: usize = 8;
+    const SIGNED: bool = true;
+    const HAS_MIN: bool = false;
+    const SPLIT: bool = true;
+    const DTYPE: DType = DType::Q3_K;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn quants(b: &[u8], u: usize) -> __m256i {
+        let (h, s) = (u / 4, u % 4);
+        // SAFETY: both ranges lie inside the block.
+        let (low, high) = unsafe { (bits_at(&b[32 + 32 * h..], 2 * s, 3), bit_n(&b[0..32], u)) };
+        _mm256_sub_epi8(low, _mm256_andnot_si256(high, _mm256_set1_epi8(4)))
+    }
+}
+
+impl Unit for UQ4K {
+    const BYTES: usize = 144;
+    const UNITS: usize = 8;
+    const SIGNED: bool = false;
+    const HAS_MIN: bool = true;
+    const SPLIT: bool = false;
+    const DTYPE: DType = DType::Q4_K;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn quants(b: &[u8], u: usize) -> __m256i {
+        // SAFETY: the range lies inside the block.
+        unsafe { bits_at(&b[16 + 32 * (u / 2)..], 4 * (u % 2), 15) }
+    }
+}
+
+impl Unit for UQ5K {
+    const BYTES: usize = 176;
+    const UNITS: usize = 8;
+    const SIGNED: bool = false;
+    const HAS_MIN: bool = true;
+    const SPLIT: bool = false;
+    const DTYPE: DType = DType::Q5_K;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn quants(b: &[u8], u: usize) -> __m256i {
+        // SAFETY: both ranges lie inside the block.
+        let (lo, hi) = unsafe {
+            (
+                bits_at(&b[48 + 32 * (u / 2)..], 4 * (u % 2), 15),
+                bit_n(&b[16..48], u),
+            )
+        };
+        _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(16)))
+    }
+}
+
+impl Unit for UQ6K {
+    const BYTES: usize = 210;
+    const UNITS: usize = 8;
+    const SIGNED: bool = true;
+    const HAS_MIN: bool = false;
+    const SPLIT: bool = true;
+    const DTYPE: DType = DType::Q6_K;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn quants(b: &[u8], u: usize) -> __m256i {
+        let (n, k) = (u / 4, u % 4);
+        // SAFETY: both ranges lie inside the block.
+        let (lo, hi) = unsafe {
+            (
+                bits_at(&b[64 * n + 32 * (k & 1)..], 4 * (k >> 1), 15),
+                bits_at(&b[128 + 32 * n..], 2 * k, 3),
+            )
+        };
+        let q = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi));
+        _mm256_sub_epi8(q, _mm256_set1_epi8(32))
+    }
+}
+
+impl Unit for UIq4Xs {
+    const BYTES: usize = 136;
+    const UNITS: usize = 8;
+    const SIGNED: bool = true;
+    const HAS_MIN: bool = false;
+    const SPLIT: bool = false;
+    const DTYPE: DType = DType::IQ4_XS;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn quants(b: &[u8], u: usize) -> __m256i {
+        // SAFETY: as nibbles32.
+        iq4_grid(unsafe { nibbles32(&b[8 + 16 * u..8 + 16 * u + 16]) })
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn unit_rows<U: Unit>(w: &[u8], row_bytes: usize, acts: &[&[Q8Act]], out: &mut [f32]) {
+    match acts.len() {
+        1 if row_bytes <= 512 => unit_rows_nt::<U, 1, 2>(w, row_bytes, acts, out),
+        1 => unit_rows_nt::<U, 1, 1>(w, row_bytes, acts, out),
+        2 => unit_rows_nt::<U, 2, 2>(w, row_bytes, acts, out),
+        3 => unit_rows_nt::<U, 3, 2>(w, row_bytes, acts, out),
+        4 => unit_rows_nt::<U, 4, 2>(w, row_bytes, acts, out),
+        _ => unreachable!("tiles have 1..=4 tokens"),
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn unit_rows_nt<U: Unit, const NT: usize, const R: usize>(
+    w: &[u8],
+    row_bytes: usize,
+    acts: &[&[Q8Act]],
+    out: &mut [f32],
+) {
+    let nr = w.len() / row_bytes;
+    assert!(w.len() == nr * row_bytes && out.len() == nr * NT && acts.len() == NT);
+    let nblk = row_bytes / U::BYTES;
+    assert!(nblk * U::BYTES == row_bytes);
+    let mut a: [&[Q8Act]; NT] = [&[]; NT];
+    for t in 0..NT {
+        a[t] = &acts[t][..nblk * U::UNITS];
+    }
+    let mut r = 0;
+    while r + R <= nr {
+        unit_kern::<U, R, NT>(
+            &w[r * row_bytes..(r + R) * row_bytes],
+            nblk,
+            &a,
+            &mut out[r * NT..(r + R) * NT],
+        );
+        r += R;
+    }
+    while r < nr {
+        unit_kern::<U, 1, NT>(
+            &w[r * row_bytes..(r + 1) * row_bytes],
+            nblk,
+            &a,
+            &mut out[r * NT..(r + 1) * NT],
+        );
+        r += 1;
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn unit_kern<U: Unit, const R: usize, const NT: usize>(
+    w: &[u8],
+    nblk: usize,
+    a: &[&[Q8Act]; NT],
+    out: &mut [f32],
+) {
+    let rb = nblk * U::BYTES;
+    assert!(w.len() == R * rb && out.len() == R * NT);
+    let ones = _mm256_set1_epi16(1);
+    let res = _mm256_set1_epi16(RES as i16);
+    let mut acc = [[_mm256_setzero_ps(); NT]; R];
+    let mut msum = [[0f32; NT]; R];
+    for blk in 0..nblk {
+        let mut d = [[[0f32; 2]; 8]; R];
+        let mut m = [[0f32; 8]; R];
+        for r in 0..R {
+            let at = r * rb + blk * U::BYTES;
+            super::units::block_scales(U::DTYPE, &w[at..at + U::BYTES], &mut d[r], &mut m[r]);
+        }
+        for u in 0..U::UNITS {
+            let mut q = [_mm256_setzero_si256(); R];
+            let mut qu = [_mm256_setzero_si256(); R];
+            for r in 0..R {
+                let at = r * rb + blk * U::BYTES;
+                // SAFETY: the slice holds one block; u < UNITS.
+                q[r] = unsafe { U::quants(&w[at..at + U::BYTES], u) };
+                qu[r] = if U::SIGNED {
+                    _mm256_sign_epi8(q[r], q[r])
+                } else {
+                    q[r]
+                };
+            }
+            for t in 0..NT {
+                let ab = &a[t][blk * U::UNITS + u];
+                // SAFETY: qs and qr have 32 bytes each; unaligned loads.
+                let (av, ar) = unsafe {
+                    (
+                        _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i),
+                        _mm256_loadu_si256(ab.qr.as_ptr() as *const __m256i),
+                    )
+                };
+                for r in 0..R {
+                    let (sa, sr) = if U::SIGNED {
+                        (_mm256_sign_epi8(av, q[r]), _mm256_sign_epi8(ar, q[r]))
+                    } else {
+                        (av, ar)
+                    };
+                    // |q| ≤ 127 (the IQ4 grid's -127 at most): every maddubs
+                    // pair sum is at most 2·127·127, inside i16.
+                    let p = _mm256_add_epi32(
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(qu[r], sa), res),
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(qu[r], sr), ones),
+                    );
+                    // Lanes 0..4 hold elements 0..16, lanes 4..8 elements 16..32.
+                    let sc = if U::SPLIT {
+                        _mm256_set_m128(
+                            _mm_set1_ps(d[r][u][1] * ab.d),
+                            _mm_set1_ps(d[r][u][0] * ab.d),
+                        )
+                    } else {
+                        _mm256_set1_ps(d[r][u][0] * ab.d)
+                    };
+                    acc[r][t] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(p), acc[r][t]);
+                    if U::HAS_MIN {
+                        msum[r][t] += m[r][u] * ab.s;
+                    }
                 }
             }
         }

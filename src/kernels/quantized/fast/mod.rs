@@ -5,8 +5,11 @@
 //! llama.cpp does; unlike llama.cpp, each activation carries a second 8-bit
 //! quant for its rounding remainder.
 //!
-//! Supported weight types: Q8_0, Q4_0, Q4_1 ([`supports`]). Other dtypes go
-//! through the exact path ([`super::exact::qmatmul`]).
+//! Supported weight types ([`supports`]): Q8_0, Q4_0, Q4_1 (block kernels of
+//! their own), and Q5_0, Q5_1, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, seen
+//! as 32-element units of small integer quants with one scale per unit or
+//! per 16-element half ([`units`]). Q2_K (a minimum per 16 elements) and
+//! the float types go through the exact path ([`super::exact::qmatmul`]).
 //!
 //! Accuracy: the only approximation is the activation quantization. With
 //! `c = max|x| / 127` per block, an activation `x` is `c · v` with
@@ -52,6 +55,7 @@
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+pub mod units;
 
 use crate::ir::DType;
 use crate::kernels::matmul::Epilogue;
@@ -115,7 +119,22 @@ impl Level {
 
 /// True for the weight dtypes this path handles.
 pub fn supports(dtype: DType) -> bool {
+    has_block_kernels(dtype) || units::is_unit_format(dtype)
+}
+
+/// The dtypes with block kernels of their own (and the AVX-512 VNNI
+/// kernels); the other supported ones run the unit kernels.
+fn has_block_kernels(dtype: DType) -> bool {
     matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1)
+}
+
+/// True where [`qmatmul_fast_with`] runs the AVX-512 VNNI packed kernels.
+fn packed_for(level: Level, dtype: DType, s: usize, k: usize) -> bool {
+    level == Level::Avx512Vnni
+        && has_block_kernels(dtype)
+        && s >= PACKED_MIN_S
+        && k >= QK
+        && k.is_multiple_of(QK)
 }
 
 /// Activation blocks of scratch enough for an `[s, k]` input at every
@@ -127,11 +146,12 @@ pub fn scratch_len(s: usize, k: usize) -> Option<usize> {
     s.checked_mul(k / QK)
 }
 
-/// Activation blocks of scratch [`qmatmul_fast_with`] needs at `level`:
-/// [`scratch_len`], except none where the AVX-512 VNNI kernels run (they
-/// quantize 16 tokens at a time into per-worker buffers of their own).
-pub fn scratch_len_for(isa: Isa, s: usize, k: usize) -> Option<usize> {
-    if Level::of(isa) == Level::Avx512Vnni && s >= PACKED_MIN_S && k >= QK && k.is_multiple_of(QK) {
+/// Activation blocks of scratch [`qmatmul_fast_with`] needs at `isa` for
+/// weights of `dtype`: [`scratch_len`], except none where the AVX-512 VNNI
+/// kernels run (they quantize 16 tokens at a time into per-worker buffers
+/// of their own).
+pub fn scratch_len_for(isa: Isa, dtype: DType, s: usize, k: usize) -> Option<usize> {
+    if packed_for(Level::of(isa), dtype, s, k) {
         return Some(0);
     }
     scratch_len(s, k)
@@ -212,8 +232,19 @@ fn rd_f16(b: &[u8], at: usize) -> f32 {
 pub fn dot_q8_scalar(dtype: DType, row: &[u8], acts: &[Q8Act]) -> f32 {
     let bb = dtype.block_bytes();
     assert!(supports(dtype), "dot_q8: unsupported {dtype}");
-    assert_eq!(row.len(), acts.len() * bb, "dot_q8: length mismatch");
+    let upb = units::units_per_block(dtype);
+    assert_eq!(row.len() * upb, acts.len() * bb, "dot_q8: length mismatch");
     let mut sum = 0f32;
+    if units::is_unit_format(dtype) {
+        let (mut d, mut m) = ([[0f32; 2]; 8], [0f32; 8]);
+        for (b, ab) in row.chunks_exact(bb).zip(acts.chunks_exact(upb)) {
+            units::block_scales(dtype, b, &mut d, &mut m);
+            for (u, a) in ab.iter().enumerate() {
+                sum += units::unit_dot(&units::unit_quants(dtype, b, u), d[u], m[u], a);
+            }
+        }
+        return sum;
+    }
     for (b, a) in row.chunks_exact(bb).zip(acts) {
         let (isum, d, m) = block_isums(dtype, b, a);
         sum += d * a.d * isum as f32 + m * a.s;
@@ -266,13 +297,13 @@ fn dot_rows(
 ) {
     #[cfg(target_arch = "x86_64")]
     {
-        if level == Level::Avx512Vnni {
+        if level == Level::Avx512Vnni && has_block_kernels(dtype) {
             // SAFETY: the caller checked `level.supported()`; the lengths are
             // checked inside.
             unsafe { avx512::dot_rows(dtype, w, row_bytes, acts, out) };
             return;
         }
-        if level == Level::Avx2 {
+        if level != Level::Scalar {
             // SAFETY: as above (avx2/fma/f16c).
             unsafe { avx2::dot_rows(dtype, w, row_bytes, acts, out) };
             return;
@@ -287,9 +318,9 @@ fn dot_rows(
     }
 }
 
-/// `y = x·Wᵀ` with `epilogue` for a Q8_0/Q4_0/Q4_1 `W` `[n, k]`, quantizing
-/// each row of `x` once into `scratch` (at least
-/// [`scratch_len_for`]`(Isa::current(), s, k)` blocks). Same contract as
+/// `y = x·Wᵀ` with `epilogue` for a `W` `[n, k]` of a [supported](supports)
+/// dtype, quantizing each row of `x` once into `scratch` (at least
+/// [`scratch_len_for`]`(Isa::current(), w.dtype, s, k)` blocks). Same contract as
 /// [`super::exact::qmatmul`] otherwise.
 #[allow(clippy::too_many_arguments)]
 pub fn qmatmul_fast(
@@ -331,7 +362,7 @@ pub fn qmatmul_fast_with(
     }
     let (row_bytes, n_out) = check_linear(OP, x, s, k, &w, n, &epilogue, y)?;
     let nb = k / QK;
-    let need = scratch_len_for(isa, s, k).unwrap_or(usize::MAX);
+    let need = scratch_len_for(isa, w.dtype, s, k).unwrap_or(usize::MAX);
     if scratch.len() < need {
         return Err(KernelError::Shape {
             op: OP,
@@ -342,7 +373,7 @@ pub fn qmatmul_fast_with(
     }
     #[cfg(target_arch = "x86_64")]
     {
-        if level == Level::Avx512Vnni && s >= PACKED_MIN_S && nb > 0 {
+        if packed_for(level, w.dtype, s, k) && nb > 0 {
             packed::run(pool, x, s, k, w, n_out, row_bytes, epilogue, y);
             return Ok(());
         }
@@ -686,6 +717,21 @@ mod tests {
     /// Sum of the magnitudes of the f32 terms of the scalar reference (for
     /// summation-order tolerances).
     fn ref_scale(dtype: DType, row: &[u8], acts: &[Q8Act]) -> f32 {
+        if units::is_unit_format(dtype) {
+            let upb = units::units_per_block(dtype);
+            return row
+                .chunks_exact(dtype.block_bytes())
+                .zip(acts.chunks_exact(upb))
+                .flat_map(|(b, ab)| {
+                    ab.iter().enumerate().map(move |(u, a)| {
+                        let (q, d, m) = units::decode_unit(dtype, b, u);
+                        let abs_d = [d[0].abs(), d[1].abs()];
+                        units::unit_dot(&q.map(|v| v.unsigned_abs() as i8), abs_d, 0.0, &abs_act(a))
+                            + (m * a.s).abs()
+                    })
+                })
+                .sum();
+        }
         row.chunks_exact(dtype.block_bytes())
             .zip(acts)
             .map(|(b, a)| {
@@ -707,8 +753,72 @@ mod tests {
         y: &mut [f32],
     ) {
         let pool = ThreadPool::new(2);
-        let mut scratch = vec![Q8Act::default(); scratch_len_for(level, s, k).unwrap()];
+        let mut scratch = vec![Q8Act::default(); scratch_len_for(level, wr.dtype, s, k).unwrap()];
         qmatmul_fast_with(level, &pool, x, s, k, wr, n, e, y, &mut scratch).unwrap();
+    }
+
+    /// `a` with every quant and remainder made non-negative (for magnitudes).
+    fn abs_act(a: &Q8Act) -> Q8Act {
+        Q8Act {
+            d: a.d.abs(),
+            s: a.s,
+            qs: a.qs.map(|v| v.unsigned_abs().min(127) as i8),
+            qr: a.qr.map(|v| v.unsigned_abs().min(127) as i8),
+        }
+    }
+
+    /// Every supported dtype, the unit formats last.
+    const ALL_FAST: [DType; 11] = [
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::IQ4_NL,
+        DType::Q3_K,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+        DType::IQ4_XS,
+    ];
+
+    /// Weights of `dtype` for an `[n, k]` matrix: `wf` quantized where the
+    /// crate has a quantizer for it, else random block bytes with small
+    /// finite scales; and their dequantized values.
+    fn weights_for(
+        dtype: DType,
+        wf: &[f32],
+        n: usize,
+        k: usize,
+        rng: &mut Rng,
+    ) -> (Vec<u8>, Vec<f32>) {
+        if has_block_kernels(dtype) {
+            return quantized_weights(dtype, wf, n, k);
+        }
+        let rb = dtype.bytes_for(k).unwrap();
+        let mut wq: Vec<u8> = (0..n * rb).map(|_| rng.next_u64() as u8).collect();
+        let scale_at: &[usize] = match dtype {
+            DType::Q3_K => &[108],
+            DType::Q6_K => &[208],
+            DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
+            _ => &[0],
+        };
+        for b in wq.chunks_exact_mut(dtype.block_bytes()) {
+            for &at in scale_at {
+                let v = f16::from_f32(rng.uniform() * 0.05);
+                b[at..at + 2].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        let mut wd = vec![0f32; n * k];
+        for j in 0..n {
+            dequantize_row(
+                dtype,
+                &wq[j * rb..(j + 1) * rb],
+                &mut wd[j * k..(j + 1) * k],
+            )
+            .unwrap();
+        }
+        (wq, wd)
     }
 
     /// Every level's kernels against the scalar block reference
@@ -726,6 +836,11 @@ mod tests {
         // Several token chunks of both tilings, a partial 8-row group.
         shapes.push((200, 64, 22));
         shapes.push((17, 96, 6));
+        // Rows of one and two 256-element super-blocks (the K formats).
+        for s in [1, 4, 65] {
+            shapes.push((s, 256, 38));
+        }
+        shapes.push((200, 512, 22));
         for (s, k, n) in shapes {
             let x = rng.vec(s * k);
             let wf = rng.vec(n * k);
@@ -733,8 +848,11 @@ mod tests {
             let nb = k / QK;
             let mut acts = vec![Q8Act::default(); s * nb];
             quantize_act_scalar(&x, &mut acts);
-            for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
-                let (wq, wd) = quantized_weights(dtype, &wf, n, k);
+            for dtype in ALL_FAST {
+                if !k.is_multiple_of(dtype.block_elems()) {
+                    continue;
+                }
+                let (wq, wd) = weights_for(dtype, &wf, n, k, &mut rng);
                 let rb = dtype.bytes_for(k).unwrap();
                 let wr = WeightRef::new(dtype, &wq);
                 let at = |t: usize| &acts[t * nb..(t + 1) * nb];
@@ -932,14 +1050,16 @@ mod tests {
             ),
             Err(KernelError::Shape { .. })
         ));
-        let wk = WeightRef::new(DType::Q4_K, &w);
-        let mut sc = vec![Q8Act::default(); 1];
+        let w2 = vec![0u8; 84];
+        let wk = WeightRef::new(DType::Q2_K, &w2);
+        let mut sc = vec![Q8Act::default(); 8];
+        assert!(!supports(DType::Q2_K) && !supports(DType::F16));
         assert!(matches!(
             qmatmul_fast(
                 &pool,
-                &[0.0; 32],
+                &[0.0; 256],
                 1,
-                32,
+                256,
                 wk,
                 1,
                 Epilogue::None,
