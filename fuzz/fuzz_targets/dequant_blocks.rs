@@ -1,13 +1,20 @@
-//! Fuzz the block dequantizers and the quantized dot products with arbitrary
-//! block bytes (NaN and infinite f16 scales included): the first byte picks
-//! the weight format, the rest is cut into whole blocks. Nothing may panic or
-//! misbehave; SIMD and scalar dot products must agree wherever the values are
-//! finite.
+//! Fuzz the block dequantizers, the quantized dot products and the integer
+//! fast path (`qmatmul_fast_with`) with arbitrary block bytes (NaN and
+//! infinite f16 scales included): the first byte picks the weight format, the
+//! rest is cut into whole blocks. Nothing may panic or misbehave; SIMD and
+//! scalar results must agree wherever the values are finite.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use llama_graph::ir::DType;
+use llama_graph::kernels::matmul::Epilogue;
+use llama_graph::kernels::quantized::fast::{qmatmul_fast_with, scratch_len_for, supports, Q8Act};
 use llama_graph::kernels::quantized::{dequantize_row, dot_row_scalar, dot_row_simd};
+use llama_graph::kernels::{Isa, WeightRef};
+use llama_graph::pool::ThreadPool;
+use std::sync::OnceLock;
+
+static POOL: OnceLock<ThreadPool> = OnceLock::new();
 
 const TYPES: [DType; 15] = [
     DType::F32,
@@ -64,6 +71,36 @@ fuzz_target!(|data: &[u8]| {
                 (f64::from(s) - f64::from(v)).abs() <= tol,
                 "{dtype}: scalar {s} vs simd {v}"
             );
+        }
+    }
+    // The fast path: the bytes as one weight row, two activation rows, at
+    // the scalar level and at this CPU's own.
+    if supports(dtype) && n > 0 {
+        let pool = POOL.get_or_init(|| ThreadPool::new(2));
+        let w = WeightRef::new(dtype, bytes);
+        let xs: Vec<f32> = x.iter().chain(x.iter().rev()).copied().collect();
+        let mut got = [[0f32; 2]; 2];
+        for (i, isa) in [Isa::Scalar, Isa::current()].into_iter().enumerate() {
+            let need = scratch_len_for(isa, dtype, 2, n).expect("whole blocks");
+            let mut scratch = vec![Q8Act::default(); need];
+            qmatmul_fast_with(isa, pool, &xs, 2, n, w, 1, Epilogue::None, &mut got[i], &mut scratch)
+                .expect("valid shapes");
+        }
+        let sum_abs: f64 = out.iter().zip(&x).map(|(w, x)| f64::from((w * x).abs())).sum();
+        // Formats with an additive term factor it out of the sum (as above).
+        let comparable = !matches!(
+            dtype,
+            DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K
+        );
+        for t in 0..2 {
+            let (a, b) = (got[0][t], got[1][t]);
+            if comparable && a.is_finite() && b.is_finite() && sum_abs < 1e30 {
+                let tol = 8.0 * n as f64 * f64::from(f32::EPSILON) * sum_abs + 1e-30;
+                assert!(
+                    (f64::from(a) - f64::from(b)).abs() <= tol,
+                    "{dtype} fast path, token {t}: scalar {a} vs {b}"
+                );
+            }
         }
     }
 });

@@ -645,9 +645,10 @@ fn unit_kern<U: Unit, const R: usize, const NT: usize>(
     let res = _mm256_set1_epi16(RES as i16);
     let mut acc = [[_mm256_setzero_ps(); NT]; R];
     let mut msum = [[0f32; NT]; R];
+    // Overwritten per block (the first UNITS entries), zeroed once.
+    let mut d = [[[0f32; 2]; 8]; R];
+    let mut m = [[0f32; 8]; R];
     for blk in 0..nblk {
-        let mut d = [[[0f32; 2]; 8]; R];
-        let mut m = [[0f32; 8]; R];
         for r in 0..R {
             let at = r * rb + blk * U::BYTES;
             super::units::block_scales(U::DTYPE, &w[at..at + U::BYTES], &mut d[r], &mut m[r]);

