@@ -13,6 +13,7 @@ pub mod model;
 pub mod passes;
 pub mod plan;
 pub mod pool;
+pub mod server;
 pub mod session;
 pub mod tokenizer;
 pub mod weights;
