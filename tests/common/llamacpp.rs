@@ -52,8 +52,11 @@ pub fn variants_dir() -> PathBuf {
 
 /// `llama-quantize [--allow-requantize] SRC DST TYPE THREADS`, written to a
 /// temporary name first so that an interrupted run leaves no partial file.
+/// The temporary name is per process: several test binaries (or checkouts
+/// sharing the cache) may make the same variant at once; each renames its own
+/// complete file into place, and llama-quantize's output is deterministic.
 fn quantize(bin: &Path, extra: &[&str], src: &Path, dst: &Path, ty: &str, threads: &str) {
-    let part = dst.with_extension("gguf.part");
+    let part = dst.with_extension(format!("gguf.{}.part", std::process::id()));
     let mut cmd = Command::new(bin.join("llama-quantize"));
     cmd.args(extra);
     let o = cmd
@@ -68,7 +71,8 @@ fn quantize(bin: &Path, extra: &[&str], src: &Path, dst: &Path, ty: &str, thread
         src.display(),
         String::from_utf8_lossy(&o.stderr)
     );
-    std::fs::rename(&part, dst).unwrap();
+    std::fs::rename(&part, dst)
+        .unwrap_or_else(|e| panic!("cannot move {} into place: {e}", part.display()));
 }
 
 /// The SmolLM2-135M-Instruct variant `name` (file
