@@ -83,9 +83,11 @@ fn random_model(args: &ModelArgs, dtype: DType, seed: u64) -> Model {
 fn tiny_args(scaled_rope: bool) -> ModelArgs {
     let mut a = common::graph_params("tiny");
     if scaled_rope {
-        a.rope_scaling = Some(RopeScaling {
+        a.rope_scaling = Some(RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
             original_context: 16,
-            ..RopeScaling::LLAMA3_1
         });
         a.rope_theta = 500000.0;
     }

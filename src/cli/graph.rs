@@ -2,7 +2,7 @@
 
 use clap::Args;
 use llama_graph::ir::dot::{to_dot, DotOptions};
-use llama_graph::ir::{print, Bindings, Graph};
+use llama_graph::ir::{print, Bindings, Graph, RopeScaling};
 use llama_graph::model::{build_llama, BuildOptions, ModelArgs};
 use llama_graph::passes::{run_pipeline, PassList, PipelineReport};
 use llama_graph::plan::compile;
@@ -154,12 +154,19 @@ pub fn args_summary(args: &ModelArgs, ctx: usize) -> String {
     let _ = writeln!(s, "  norm_eps          {:e}", args.norm_eps);
     let _ = writeln!(s, "  rope_theta        {}", args.rope_theta);
     match args.rope_scaling {
-        Some(r) => {
+        Some(RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_context,
+        }) => {
             let _ = writeln!(
                 s,
-                "  rope scaling      llama3 (factor {}, low {}, high {}, original context {})",
-                r.factor, r.low_freq_factor, r.high_freq_factor, r.original_context
+                "  rope scaling      llama3 (factor {factor}, low {low_freq_factor}, high {high_freq_factor}, original context {original_context})",
             );
+        }
+        Some(RopeScaling::Linear { factor }) => {
+            let _ = writeln!(s, "  rope scaling      linear (factor {factor})");
         }
         None => {
             let _ = writeln!(s, "  rope scaling      none");

@@ -7,21 +7,29 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Llama 3.1 RoPE frequency scaling ("llama3" rope type), as in Meta's
-/// `apply_scaling`: wavelengths longer than `original_context / low_freq_factor`
-/// are divided by `factor`, shorter than `original_context / high_freq_factor`
-/// are kept, and those in between are interpolated smoothly.
+/// RoPE frequency scaling: how the frequencies `1 / theta^(2i/D)` are
+/// rescaled to stretch a model's context.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct RopeScaling {
-    pub factor: f64,
-    pub low_freq_factor: f64,
-    pub high_freq_factor: f64,
-    pub original_context: usize,
+pub enum RopeScaling {
+    /// Llama 3.1 scaling ("llama3" rope type), as in Meta's `apply_scaling`:
+    /// wavelengths longer than `original_context / low_freq_factor` are
+    /// divided by `factor`, shorter than `original_context / high_freq_factor`
+    /// are kept, and those in between are interpolated smoothly.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_context: usize,
+    },
+    /// Linear position interpolation (Hugging Face's "linear" rope type,
+    /// GGUF `rope.scaling.type = linear`): every frequency is divided by
+    /// `factor`, i.e. positions are compressed by it.
+    Linear { factor: f64 },
 }
 
 impl RopeScaling {
     /// The constants Meta's reference uses when `use_scaled_rope` is true.
-    pub const LLAMA3_1: RopeScaling = RopeScaling {
+    pub const LLAMA3_1: RopeScaling = RopeScaling::Llama3 {
         factor: 8.0,
         low_freq_factor: 1.0,
         high_freq_factor: 4.0,
@@ -216,14 +224,23 @@ impl Op {
         fn rope(p: &RopeParams) -> String {
             match p.scaling {
                 None => format!("head_dim={}, theta={}", p.head_dim, p.theta),
-                Some(s) => format!(
+                Some(RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_context,
+                }) => format!(
                     "head_dim={}, theta={}, scaled(factor={}, low={}, high={}, orig_ctx={})",
                     p.head_dim,
                     p.theta,
-                    s.factor,
-                    s.low_freq_factor,
-                    s.high_freq_factor,
-                    s.original_context
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_context
+                ),
+                Some(RopeScaling::Linear { factor }) => format!(
+                    "head_dim={}, theta={}, linear(factor={})",
+                    p.head_dim, p.theta, factor
                 ),
             }
         }

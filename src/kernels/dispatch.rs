@@ -14,11 +14,21 @@ use std::cell::RefCell;
 
 impl From<crate::ir::RopeScaling> for RopeScaling {
     fn from(s: crate::ir::RopeScaling) -> Self {
-        RopeScaling {
-            factor: s.factor as f32,
-            low_freq_factor: s.low_freq_factor as f32,
-            high_freq_factor: s.high_freq_factor as f32,
-            original_max_position: s.original_context as f32,
+        match s {
+            crate::ir::RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_context,
+            } => RopeScaling::Llama3 {
+                factor: factor as f32,
+                low_freq_factor: low_freq_factor as f32,
+                high_freq_factor: high_freq_factor as f32,
+                original_max_position: original_context as f32,
+            },
+            crate::ir::RopeScaling::Linear { factor } => RopeScaling::Linear {
+                factor: factor as f32,
+            },
         }
     }
 }

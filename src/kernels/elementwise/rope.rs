@@ -10,18 +10,24 @@
 use crate::kernels::{check_len, mul_dims, KernelError};
 use num_complex::Complex32;
 
-/// Llama 3.1 frequency scaling (`apply_scaling` in Meta's model.py).
+/// Frequency scaling: Llama 3.1's (`apply_scaling` in Meta's model.py) or
+/// linear position interpolation (Hugging Face's "linear" rope type).
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct RopeScaling {
-    pub factor: f32,
-    pub low_freq_factor: f32,
-    pub high_freq_factor: f32,
-    pub original_max_position: f32,
+pub enum RopeScaling {
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_max_position: f32,
+    },
+    /// Every frequency divided by `factor` (as `inv_freq /= factor` in
+    /// transformers' `_compute_linear_scaling_rope_parameters`).
+    Linear { factor: f32 },
 }
 
 impl RopeScaling {
     /// The constants hard-coded in Meta's Llama 3.1 `apply_scaling`.
-    pub const LLAMA3_1: RopeScaling = RopeScaling {
+    pub const LLAMA3_1: RopeScaling = RopeScaling::Llama3 {
         factor: 8.0,
         low_freq_factor: 1.0,
         high_freq_factor: 4.0,
@@ -30,18 +36,32 @@ impl RopeScaling {
 
     /// Rescales one frequency (f32 arithmetic, same formula as Meta's).
     pub fn apply(&self, freq: f32) -> f32 {
-        let low_freq_wavelen = self.original_max_position / self.low_freq_factor;
-        let high_freq_wavelen = self.original_max_position / self.high_freq_factor;
+        let (factor, low_freq_factor, high_freq_factor, original_max_position) = match *self {
+            RopeScaling::Linear { factor } => return freq / factor,
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position,
+            } => (
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position,
+            ),
+        };
+        let low_freq_wavelen = original_max_position / low_freq_factor;
+        let high_freq_wavelen = original_max_position / high_freq_factor;
         let wavelen = 2.0 * std::f32::consts::PI / freq;
         let new_freq = if wavelen > low_freq_wavelen {
-            freq / self.factor
+            freq / factor
         } else {
             freq
         };
-        let smooth = (self.original_max_position / wavelen - self.low_freq_factor)
-            / (self.high_freq_factor - self.low_freq_factor);
+        let smooth = (original_max_position / wavelen - low_freq_factor)
+            / (high_freq_factor - low_freq_factor);
         if wavelen >= high_freq_wavelen && wavelen <= low_freq_wavelen {
-            (1.0 - smooth) * new_freq / self.factor + smooth * new_freq
+            (1.0 - smooth) * new_freq / factor + smooth * new_freq
         } else {
             new_freq
         }
@@ -302,6 +322,15 @@ mod tests {
         let f = 2.0 * std::f32::consts::PI / 4000.0;
         let g = sc.apply(f);
         assert!(g > f / 8.0 && g < f);
+    }
+
+    #[test]
+    fn linear_scaling_divides_every_frequency() {
+        let sc = RopeScaling::Linear { factor: 4.0 };
+        for i in 0..32 {
+            let f = rope_freq(i, 64, 10000.0, None);
+            assert_eq!(rope_freq(i, 64, 10000.0, Some(sc)), f / 4.0);
+        }
     }
 
     #[test]
