@@ -2,8 +2,9 @@
 //! compiler/executor.
 //!
 //! [`Model::open`] reads a Meta checkpoint directory (`params.json`,
-//! `consolidated.*.pth`) or a GGUF file into model arguments and a weight
-//! store. [`Session::new`] builds the graph for those arguments, compiles it
+//! `consolidated.*.pth`), a Hugging Face directory (`config.json`,
+//! `*.safetensors`) or a GGUF file into model arguments and a weight store,
+//! always under Meta's tensor names and with Meta's Q/K row order. [`Session::new`] builds the graph for those arguments, compiles it
 //! into a plan, binds the weights and prepares an executor. The session
 //! keeps the KV-cache position across calls.
 
@@ -16,6 +17,7 @@ use crate::plan::{compile, ExecPlan};
 use crate::tokenizer::gguf::GgufTokenizerParts;
 use crate::tokenizer::{Tokenizer, TokenizerError};
 use crate::weights::gguf::{GgufError, LlamaGguf};
+use crate::weights::hf::{load_hf_checkpoint, HfError};
 use crate::weights::pth::{load_meta_checkpoint, PthError};
 use crate::weights::WeightStore;
 use std::path::{Path, PathBuf};
@@ -33,6 +35,8 @@ pub enum LoadError {
     },
     #[error(transparent)]
     Pth(#[from] PthError),
+    #[error(transparent)]
+    Hf(#[from] HfError),
     #[error("{path}: {source}")]
     Gguf {
         path: String,
@@ -72,6 +76,8 @@ pub enum ModelFormat {
     MetaDir,
     /// A GGUF file.
     Gguf,
+    /// Hugging Face's layout: config.json + *.safetensors (+ tokenizer files).
+    HfDir,
 }
 
 /// A model's arguments, weights and (when it has one) tokenizer.
@@ -99,7 +105,17 @@ impl Model {
         };
         let meta = std::fs::metadata(path).map_err(|e| perr(format!("cannot open: {e}")))?;
         if meta.is_dir() {
-            return Model::open_meta_dir(path);
+            if path.join("config.json").is_file() {
+                return Model::open_hf_dir(path);
+            }
+            if path.join("params.json").is_file() {
+                return Model::open_meta_dir(path);
+            }
+            return Err(perr(
+                "is a directory, but neither a Meta checkpoint (params.json + consolidated.*.pth) \
+                 nor a Hugging Face one (config.json + model.safetensors)"
+                    .into(),
+            ));
         }
         let mut magic = [0u8; 4];
         use std::io::Read;
@@ -110,7 +126,9 @@ impl Model {
             return Model::open_gguf(path);
         }
         Err(perr(
-            "neither a GGUF file nor a Meta checkpoint directory (params.json + consolidated.*.pth)".into(),
+            "neither a GGUF file nor a checkpoint directory (Meta: params.json + consolidated.*.pth; \
+             Hugging Face: config.json + model.safetensors)"
+                .into(),
         ))
     }
 
@@ -136,7 +154,45 @@ impl Model {
             (None, false) => None,
             // llama.cpp stores Llama 3.1's per-frequency factors in
             // `rope_freqs.weight`; they come from the same formula.
-            (None, true) => Some(crate::ir::RopeScaling::LLAMA3_1),
+            (None, true) => {
+                let factors = g
+                    .store
+                    .tensors
+                    .get("rope_freqs.weight")
+                    .filter(|t| t.dtype == crate::ir::DType::F32)
+                    .map(|t| {
+                        t.data
+                            .as_bytes()
+                            .chunks_exact(4)
+                            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                            .collect::<Vec<f32>>()
+                    })
+                    .unwrap_or_default();
+                let s = crate::weights::gguf::llama::llama3_scaling_from_rope_freqs(
+                    &factors,
+                    m.head_dim,
+                    m.rope_theta,
+                )
+                .ok_or_else(|| {
+                    perr(
+                        "rope_freqs.weight holds per-frequency RoPE factors that are not \
+                         Llama 3.x scaling (low 1, high 4, original context 8192); not supported"
+                            .into(),
+                    )
+                })?;
+                Some(s)
+            }
+            (Some(s), false) if s.kind == "linear" => match s.factor {
+                Some(f) if f.is_finite() && f > 0.0 => Some(crate::ir::RopeScaling::Linear {
+                    factor: f64::from(f),
+                }),
+                _ => {
+                    return Err(perr(
+                        "RoPE scaling type `linear` needs a positive llama.rope.scaling.factor"
+                            .into(),
+                    ))
+                }
+            },
             (Some(s), _) => {
                 return Err(perr(format!(
                     "RoPE scaling type `{}` is not supported",
@@ -153,8 +209,11 @@ impl Model {
             multiple_of: 1,
             ffn_dim_multiplier: None,
             ffn_hidden_dim: m.ffn_dim,
-            norm_eps: m.norm_eps as f64,
-            rope_theta: m.rope_theta as f64,
+            // The f32 in the file, as its shortest decimal (1e-5, not
+            // 9.99999974738e-6): the same f32 value, and the same graph as
+            // the checkpoint the file was converted from.
+            norm_eps: shortest_f64(m.norm_eps),
+            rope_theta: shortest_f64(m.rope_theta),
             rope_scaling,
             max_context: Some(m.context_length).filter(|&c| c > 0),
             tied_embeddings: g.tied_output,
@@ -205,6 +264,57 @@ impl Model {
         })
     }
 
+    /// Opens a Hugging Face checkpoint directory (`config.json`,
+    /// `model.safetensors` or shards).
+    pub fn open_hf_dir(dir: &Path) -> Result<Model, LoadError> {
+        let ck = load_hf_checkpoint(dir)?;
+        let args = ck.config.args.clone();
+        let tokenizer = Model::tokenizer_model_file(dir, &args)?;
+        Ok(Model {
+            path: dir.to_path_buf(),
+            format: ModelFormat::HfDir,
+            args,
+            weights: ck.weights,
+            tokenizer,
+            chat_template: None,
+            name: None,
+            file_type: None,
+        })
+    }
+
+    /// The `tokenizer.model` of a directory (SentencePiece or tiktoken),
+    /// where there is one.
+    fn tokenizer_model_file(dir: &Path, args: &ModelArgs) -> Result<Option<Tokenizer>, LoadError> {
+        let tok_path = dir.join("tokenizer.model");
+        if !tok_path.exists() {
+            return Ok(None);
+        }
+        let data = std::fs::read(&tok_path).map_err(|e| LoadError::Path {
+            path: tok_path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        // SentencePiece files are protobuf (first field tag 0x0a);
+        // Llama 3's tiktoken file is base64 text.
+        let t = if data.first() == Some(&0x0a) {
+            Tokenizer::from_sentencepiece_bytes(&data)
+        } else {
+            Tokenizer::from_tiktoken_bytes(&data)
+        }
+        .map_err(|source| LoadError::Tokenizer {
+            path: tok_path.display().to_string(),
+            source,
+        })?;
+        if let Some(v) = args.vocab_size {
+            if t.n_vocab() > v {
+                return Err(LoadError::Vocab(format!(
+                    "the tokenizer has {} tokens but the model's vocabulary is {v}",
+                    t.n_vocab()
+                )));
+            }
+        }
+        Ok(Some(t))
+    }
+
     /// Opens a Meta checkpoint directory.
     pub fn open_meta_dir(dir: &Path) -> Result<Model, LoadError> {
         let pj = dir.join("params.json");
@@ -230,35 +340,7 @@ impl Model {
             }
             _ => {}
         }
-        let tok_path = dir.join("tokenizer.model");
-        let tokenizer = if tok_path.exists() {
-            let data = std::fs::read(&tok_path).map_err(|e| LoadError::Path {
-                path: tok_path.display().to_string(),
-                message: e.to_string(),
-            })?;
-            // SentencePiece files are protobuf (first field tag 0x0a);
-            // Llama 3's tiktoken file is base64 text.
-            let t = if data.first() == Some(&0x0a) {
-                Tokenizer::from_sentencepiece_bytes(&data)
-            } else {
-                Tokenizer::from_tiktoken_bytes(&data)
-            }
-            .map_err(|source| LoadError::Tokenizer {
-                path: tok_path.display().to_string(),
-                source,
-            })?;
-            if let Some(v) = args.vocab_size {
-                if t.n_vocab() > v {
-                    return Err(LoadError::Vocab(format!(
-                        "the tokenizer has {} tokens but the model's vocabulary is {v}",
-                        t.n_vocab()
-                    )));
-                }
-            }
-            Some(t)
-        } else {
-            None
-        };
+        let tokenizer = Model::tokenizer_model_file(dir, &args)?;
         Ok(Model {
             path: dir.to_path_buf(),
             format: ModelFormat::MetaDir,
@@ -270,6 +352,11 @@ impl Model {
             file_type: None,
         })
     }
+}
+
+/// An f32 read from a file as the f64 its shortest decimal spells.
+fn shortest_f64(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(f64::from(x))
 }
 
 /// How to compile a session.

@@ -147,7 +147,7 @@ fn broken_model_directories_are_named() {
     std::fs::write(&junk, b"not a model at all").unwrap();
     expect_error(
         &["run", "-m", &junk.display().to_string(), "-p", "hi"],
-        "neither a GGUF file nor a Meta checkpoint directory",
+        "neither a GGUF file nor a checkpoint directory",
     );
     expect_error(
         &["run", "-m", &fixture("gqa_scaled")],

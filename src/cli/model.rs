@@ -9,8 +9,9 @@ use std::time::Instant;
 
 #[derive(Debug, Args, Clone)]
 pub struct ModelArg {
-    /// A GGUF file or a Meta checkpoint directory (params.json,
-    /// consolidated.*.pth, tokenizer.model). Default: SmolLM2-135M-Instruct
+    /// A GGUF file, a Meta checkpoint directory (params.json,
+    /// consolidated.*.pth, tokenizer.model) or a Hugging Face directory
+    /// (config.json, model.safetensors or shards, tokenizer.json). Default: SmolLM2-135M-Instruct
     /// Q4_1, fetched into the cache on first use.
     #[arg(short = 'm', long = "model", value_name = "PATH")]
     pub model: Option<PathBuf>,
@@ -35,6 +36,7 @@ impl ModelArg {
             let kind = match model.format {
                 ModelFormat::Gguf => "GGUF file",
                 ModelFormat::MetaDir => "Meta checkpoint directory",
+                ModelFormat::HfDir => "Hugging Face directory",
             };
             let a = &model.args;
             let bytes: usize = model.weights.tensors.values().map(|t| t.data.len()).sum();

@@ -36,7 +36,7 @@ pub enum ChatError {
     Template(String),
     #[error("{0} has no tokenizer, which a chat needs")]
     NoTokenizer(String),
-    #[error("this GGUF file has no chat template (tokenizer.chat_template); run without --chat")]
+    #[error("this model has no chat template (GGUF tokenizer.chat_template, or tokenizer_config.json's chat_template); run without --chat")]
     NoTemplate,
 }
 
@@ -71,7 +71,7 @@ pub fn conversation_tokens(model: &Model, messages: &[Message]) -> Result<Vec<u3
             ))
         }
         (None, ModelFormat::MetaDir) => llama3_dialog_tokens(tok, messages, true),
-        (None, ModelFormat::Gguf) => Err(ChatError::NoTemplate),
+        (None, ModelFormat::Gguf | ModelFormat::HfDir) => Err(ChatError::NoTemplate),
     }
 }
 

@@ -1,8 +1,11 @@
-//! Weight loading. One reader per file format, all feeding one [`WeightStore`]:
+//! Weight loading. One reader per file format (`pth`, `gguf`, `safetensors`
+//! with the `hf` directory layout), all feeding one [`WeightStore`]:
 //! named tensors whose bytes are, where possible, views into a memory-mapped
 //! file (zero-copy).
 
 pub mod gguf;
+pub mod hf;
+pub mod safetensors;
 
 use crate::ir::DType;
 

@@ -362,6 +362,37 @@ impl TokenizerParts {
     }
 }
 
+/// The Llama 3 RoPE scaling whose per-frequency factors are `factors`, the
+/// values of a `rope_freqs.weight` tensor: llama.cpp's converter writes, for
+/// each frequency, the number it is divided by (`generate_extra_tensors` in
+/// `convert_hf_to_gguf.py`). The file does not store the parameters, so the
+/// ones every Llama 3.x release uses (low 1, high 4, original context 8192)
+/// are assumed with the largest factor (8 for Llama 3.1, 32 for 3.2), and
+/// accepted only if they reproduce every factor; `None` otherwise.
+pub fn llama3_scaling_from_rope_freqs(
+    factors: &[f32],
+    head_dim: usize,
+    theta: f32,
+) -> Option<crate::ir::RopeScaling> {
+    if factors.len() != head_dim / 2 || factors.iter().any(|f| !(f.is_finite() && *f > 0.0)) {
+        return None;
+    }
+    let max = factors.iter().copied().fold(1.0f32, f32::max);
+    let ir = crate::ir::RopeScaling::Llama3 {
+        factor: f64::from(max),
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_context: 8192,
+    };
+    let k = crate::kernels::RopeScaling::from(ir);
+    let ok = factors.iter().enumerate().all(|(i, &want)| {
+        let f = crate::kernels::elementwise::rope::rope_freq(i, head_dim, theta, None);
+        let got = f / k.apply(f);
+        (got - want).abs() <= 1e-4 * want
+    });
+    ok.then_some(ir)
+}
+
 /// Maps a GGUF (llama.cpp) tensor name to the Meta checkpoint name our graph uses.
 /// Names it does not know are returned unchanged.
 pub fn gguf_to_meta_name(name: &str) -> String {
