@@ -190,9 +190,11 @@ fn rope(obj: &Map<String, Value>) -> Result<(f64, Option<RopeScaling>), ConfigEr
                 original_context: orig as usize,
             })
         }
-        other => return Err(ConfigError::Unsupported(format!(
+        other => {
+            return Err(ConfigError::Unsupported(format!(
             "rope type `{other}` ({where_}) is not supported; supported: default, llama3, linear"
-        ))),
+        )))
+        }
     };
     Ok((theta, scaling))
 }
