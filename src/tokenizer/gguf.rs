@@ -62,7 +62,7 @@ const EOG_TEXTS: [&str; 9] = [
 
 /// Pre-tokenizer splits for byte-level BPE.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum PreTok {
+pub(crate) enum PreTok {
     /// GPT-2 pattern.
     Gpt2,
     /// Each `\p{N}` alone, then the GPT-2 pattern (llama.cpp `smollm`,
@@ -87,7 +87,7 @@ fn pre_tok(name: Option<&str>) -> Result<PreTok, String> {
 }
 
 /// GPT-2's byte <-> unicode alphabet.
-fn bytes_to_unicode() -> [char; 256] {
+pub(crate) fn bytes_to_unicode() -> [char; 256] {
     let mut t = ['\0'; 256];
     let mut n = 0u32;
     for (b, slot) in t.iter_mut().enumerate() {
@@ -110,9 +110,27 @@ pub(crate) struct Gpt2Model {
     byte_ids: [Option<u32>; 256],
     /// (left id, right id) -> (rank, merged id).
     merges: FxHashMap<(u32, u32), (u32, u32)>,
+    /// With `ignore_merges` (Llama 3's tokenizer.json, llama.cpp's
+    /// `llama-bpe`): the bytes of every normal token, so that a piece that is
+    /// itself a token is taken whole instead of merged.
+    whole: Option<FxHashMap<Vec<u8>, u32>>,
 }
 
 impl Gpt2Model {
+    pub(crate) fn new(
+        pre: PreTok,
+        byte_ids: [Option<u32>; 256],
+        merges: FxHashMap<(u32, u32), (u32, u32)>,
+        whole: Option<FxHashMap<Vec<u8>, u32>>,
+    ) -> Self {
+        Gpt2Model {
+            pre,
+            byte_ids,
+            merges,
+            whole,
+        }
+    }
+
     pub(crate) fn encode_ordinary(&self, text: &str, out: &mut Vec<u32>) {
         let mut pieces = Vec::new();
         match self.pre {
@@ -121,6 +139,14 @@ impl Gpt2Model {
             PreTok::Llama3 => pretok::split_llama3(text, &mut pieces),
         }
         for (a, b) in pieces {
+            if let Some(&id) = self
+                .whole
+                .as_ref()
+                .and_then(|w| w.get(&text.as_bytes()[a..b]))
+            {
+                out.push(id);
+                continue;
+            }
             // Bytes without a token are dropped, as Hugging Face's BPE does
             // when there is no unknown token.
             let init: Vec<u32> = text.as_bytes()[a..b]
@@ -273,6 +299,7 @@ impl Tokenizer {
                         pre,
                         byte_ids,
                         merges,
+                        whole: None,
                     })),
                     texts: p.tokens.clone(),
                     decode,

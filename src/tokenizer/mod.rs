@@ -18,12 +18,14 @@ use thiserror::Error;
 
 mod bpe;
 pub mod gguf;
+pub mod hf;
 mod pretok;
 pub mod sentencepiece;
 pub mod stream;
 pub mod tiktoken;
 
 pub use gguf::GgufTokenizerParts;
+pub use hf::HfTokenizerConfig;
 pub use stream::StreamDecoder;
 
 /// Errors from loading a tokenizer. Messages name the line, offset or token
@@ -44,6 +46,8 @@ pub enum TokenizerError {
     SentencePiece(String),
     #[error("GGUF tokenizer: {0}")]
     Gguf(String),
+    #[error("tokenizer.json: {0}")]
+    HfJson(String),
 }
 
 impl From<TokenizerError> for crate::Error {
@@ -68,8 +72,12 @@ pub enum TokenizerKind {
     Tiktoken,
     /// SentencePiece BPE by score (Llama 2 `tokenizer.model`, GGUF `llama`).
     SentencePiece,
-    /// Byte-level BPE with merges (GPT-2 style, GGUF `gpt2`).
+    /// Byte-level BPE with merges (GPT-2 style, GGUF `gpt2`, Llama 3 and
+    /// SmolLM2 `tokenizer.json`).
     Gpt2Bpe,
+    /// SentencePiece-style BPE with merges by rank (Llama 2 / TinyLlama
+    /// `tokenizer.json`).
+    HfSentencePiece,
 }
 
 /// Token types, numbered as in sentencepiece and GGUF.
@@ -125,6 +133,7 @@ enum Model {
     Tiktoken(tiktoken::TiktokenModel),
     SentencePiece(sentencepiece::SpmModel),
     Gpt2(Box<gguf::Gpt2Model>),
+    HfSpm(Box<hf::HfSpmModel>),
 }
 
 /// A loaded tokenizer. Cheap to share (`&Tokenizer` is `Sync`).
@@ -317,7 +326,7 @@ impl Tokenizer {
             for mat in m.ac.find_iter(text) {
                 let seg = &text[pos..mat.start()];
                 if !seg.is_empty() {
-                    self.encode_raw(seg, prev_special, out);
+                    self.encode_raw(seg, prev_special, pos == 0, out);
                 }
                 out.push(m.ids[mat.pattern().as_usize()]);
                 prev_special = true;
@@ -326,18 +335,37 @@ impl Tokenizer {
         }
         let seg = &text[pos..];
         if !seg.is_empty() {
-            self.encode_raw(seg, prev_special, out);
+            self.encode_raw(seg, prev_special, pos == 0, out);
         }
     }
 
-    fn encode_raw(&self, text: &str, prev_special: bool, out: &mut Vec<u32>) {
+    /// `at_start`: the segment starts the text (no special token before it).
+    fn encode_raw(&self, text: &str, prev_special: bool, at_start: bool, out: &mut Vec<u32>) {
         match &self.model {
             Model::Tiktoken(m) => m.encode_ordinary(text, out),
             Model::Gpt2(m) => m.encode_ordinary(text, out),
             Model::SentencePiece(m) => {
                 m.encode_ordinary(text, self.add_space_prefix && prev_special, out)
             }
+            Model::HfSpm(m) => m.encode_segment(text, at_start, out),
         }
+    }
+
+    /// Sets the BOS and EOS ids and adds ids that end generation (a Hugging
+    /// Face directory takes them from config.json, generation_config.json
+    /// and tokenizer_config.json). Ids outside the vocabulary are ignored.
+    pub fn set_special_ids(&mut self, bos: Option<u32>, eos: Option<u32>, stop: &[u32]) {
+        let n = self.n_vocab() as u32;
+        if let Some(b) = bos.filter(|&b| b < n) {
+            self.bos = Some(b);
+        }
+        if let Some(e) = eos.filter(|&e| e < n) {
+            self.eos = Some(e);
+            self.stop.push(e);
+        }
+        self.stop.extend(stop.iter().copied().filter(|&s| s < n));
+        self.stop.sort_unstable();
+        self.stop.dedup();
     }
 
     /// Decode ids to text. Invalid UTF-8 and out-of-range ids become U+FFFD.

@@ -13,7 +13,8 @@ Writes tests/fixtures/hf/xformat/:
                tokenizer_config.json, chat_template.jinja)
   model-f32.gguf  llama.cpp's convert_hf_to_gguf.py --outtype f32 on hf/
                (the llama.cpp source tools/llamacpp/build.sh unpacks)
-  expected.json   transformers LlamaForCausalLM on hf/ (float32 compute,
+  expected.json   the chat template applied by transformers to a 3-message
+               conversation (ids); transformers LlamaForCausalLM on hf/ (float32 compute,
                eager attention): a 40-token prompt, 20 greedy steps, top-10
                logits per step (the step format of tests/reference/README.md);
                plus Meta's llama_models reference on meta/ over the same
@@ -204,8 +205,21 @@ def main():
     assert meta_tokens == tokens, (meta_tokens, tokens)
     assert meta_vs_hf < 1e-5, meta_vs_hf
 
+    # The chat template as transformers applies it (tokenizer_config.json /
+    # chat_template.jinja of hf/).
+    hf_tok = LlamaTokenizer.from_pretrained(hf_dir)
+    messages = [
+        {"role": "user", "content": "Hello there, who are you?"},
+        {"role": "assistant", "content": "A small random model."},
+        {"role": "user", "content": "Say <s> and 12 345!"},
+    ]
+    chat_ids = hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    if hasattr(chat_ids, "input_ids") or isinstance(chat_ids, dict):
+        chat_ids = chat_ids["input_ids"]
+
     expected = {
         "case": "xformat",
+        "chat": {"messages": messages, "template": hf_tok.chat_template, "ids": list(chat_ids)},
         "prompt_tokens": prompt,
         "generated_tokens": tokens,
         "steps": steps,
