@@ -5,7 +5,7 @@ use clap::Parser;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    let args = cli::Cli::parse();
+    let args = cli::Cli::parse_from(cli::normalize_args(std::env::args_os()));
     match cli::run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -5,6 +5,7 @@ mod flags;
 mod graph;
 mod model;
 mod run;
+mod serve;
 mod tools;
 
 use clap::{Parser, Subcommand};
@@ -29,6 +30,9 @@ pub enum Command {
     Run(run::RunArgs),
     /// Measure prompt-processing (ppN) and generation (tgN) throughput with llama-bench's flags and rows.
     Bench(bench::BenchArgs),
+    /// Serve an OpenAI-compatible HTTP API (chat and text completions,
+    /// streaming, /metrics) on 127.0.0.1:8080 by default.
+    Serve(serve::ServeArgs),
     /// Chat interactively; the KV cache is kept across turns. Ctrl-D or
     /// /exit ends the conversation.
     Chat(chat::ChatArgs),
@@ -42,6 +46,16 @@ pub enum Command {
     GenCheckpoint(tools::GenCheckpointArgs),
 }
 
+/// llama-server's two-letter short flag `-np` (clap's short flags are one
+/// letter) becomes `--parallel`; everything else is left as it is.
+pub fn normalize_args(
+    args: impl IntoIterator<Item = std::ffi::OsString>,
+) -> Vec<std::ffi::OsString> {
+    args.into_iter()
+        .map(|a| if a == "-np" { "--parallel".into() } else { a })
+        .collect()
+}
+
 pub type CliResult = Result<(), Box<dyn std::error::Error>>;
 
 pub fn run(cli: Cli) -> CliResult {
@@ -52,6 +66,7 @@ pub fn run(cli: Cli) -> CliResult {
         Command::Run(a) => run::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Chat(a) => chat::run(a),
+        Command::Serve(a) => serve::run(a),
         Command::Tokenize(a) => tools::tokenize(a),
         Command::Inspect(a) => tools::inspect(a),
         Command::Pull => tools::pull(),

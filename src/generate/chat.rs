@@ -48,30 +48,56 @@ pub fn conversation_tokens(model: &Model, messages: &[Message]) -> Result<Vec<u3
         .tokenizer
         .as_ref()
         .ok_or_else(|| ChatError::NoTokenizer(model.path.display().to_string()))?;
-    match (&model.chat_template, model.format) {
-        (Some(src), _) => {
-            let piece = |id: Option<u32>| {
-                id.and_then(|i| tok.token_bytes(i))
-                    .map(|b| String::from_utf8_lossy(b).into_owned())
-                    .unwrap_or_default()
-            };
-            let rendered = ChatTemplate::new(src.clone()).render(
-                messages,
-                true,
-                &piece(tok.bos_id()),
-                &piece(tok.eos_id()),
-            )?;
-            // The template spells out any BOS it wants; never add another.
-            Ok(tok.encode(
-                &rendered,
-                EncodeOptions {
-                    add_bos: false,
-                    parse_special: true,
-                },
-            ))
+    ChatFormat::of(model).tokens(tok, messages)
+}
+
+/// A model's chat format, detached from the model (for a server that
+/// keeps the tokenizer and the format while the engine owns the weights).
+#[derive(Debug, Clone)]
+pub struct ChatFormat {
+    template: Option<ChatTemplate>,
+    format: ModelFormat,
+}
+
+impl ChatFormat {
+    /// The format `model` uses: its Jinja template, else Llama 3's for a
+    /// Meta checkpoint.
+    pub fn of(model: &Model) -> ChatFormat {
+        ChatFormat {
+            template: model.chat_template.clone().map(ChatTemplate::new),
+            format: model.format,
         }
-        (None, ModelFormat::MetaDir) => llama3_dialog_tokens(tok, messages, true),
-        (None, ModelFormat::Gguf | ModelFormat::HfDir) => Err(ChatError::NoTemplate),
+    }
+
+    /// Whether there is a format at all (a GGUF file without a template
+    /// has none).
+    pub fn available(&self) -> bool {
+        self.template.is_some() || self.format == ModelFormat::MetaDir
+    }
+
+    /// The conversation as tokens, ending with the assistant's header.
+    pub fn tokens(&self, tok: &Tokenizer, messages: &[Message]) -> Result<Vec<u32>, ChatError> {
+        match (&self.template, self.format) {
+            (Some(t), _) => {
+                let piece = |id: Option<u32>| {
+                    id.and_then(|i| tok.token_bytes(i))
+                        .map(|b| String::from_utf8_lossy(b).into_owned())
+                        .unwrap_or_default()
+                };
+                let rendered =
+                    t.render(messages, true, &piece(tok.bos_id()), &piece(tok.eos_id()))?;
+                // The template spells out any BOS it wants; never add another.
+                Ok(tok.encode(
+                    &rendered,
+                    EncodeOptions {
+                        add_bos: false,
+                        parse_special: true,
+                    },
+                ))
+            }
+            (None, ModelFormat::MetaDir) => llama3_dialog_tokens(tok, messages, true),
+            (None, ModelFormat::Gguf | ModelFormat::HfDir) => Err(ChatError::NoTemplate),
+        }
     }
 }
 

@@ -1,6 +1,13 @@
 //! `llama-graph serve`: an OpenAI-compatible HTTP server.
 //!
-//! [`engine`] turns token-id requests into token streams; the HTTP layer
-//! (routing, JSON, SSE, detokenization, stop strings, limits) talks to it
-//! only through [`engine::EngineHandle`].
+//! [`engine`] turns token-id requests into token streams; [`http`] is the
+//! HTTP side (routes, OpenAI JSON and SSE, authentication, limits), which
+//! talks to the engine only through [`engine::EngineHandle`]; [`api`] holds
+//! the wire format and its checks; [`text`] turns token ids into response
+//! text (streaming UTF-8 decoding, stop strings).
+pub mod api;
 pub mod engine;
+pub mod http;
+pub mod text;
+
+pub use http::{router, serve, AppState, Loaded, ServerOptions};

@@ -2,6 +2,8 @@
 #![allow(dead_code)]
 
 pub mod llamacpp;
+pub mod openai;
+pub mod server;
 
 use std::path::PathBuf;
 

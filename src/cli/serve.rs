@@ -1,0 +1,196 @@
+//! `llama-graph serve`: the OpenAI-compatible HTTP server.
+
+use super::flags::RuntimeFlags;
+use super::model::ModelArg;
+use clap::Args;
+use llama_graph::generate::chat::ChatFormat;
+use llama_graph::server::engine::{EngineConfig, EngineHandle};
+use llama_graph::server::{serve, AppState, Loaded, ServerOptions};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Args)]
+#[command(
+    after_help = "Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health (503 while loading), GET /metrics (Prometheus text).\nRequests take OpenAI's fields (messages, max_tokens or max_completion_tokens, temperature, top_p, seed, stop, stream, stream_options) and llama.cpp's top_k, min_p, repeat_penalty and ignore_eos; unset sampling fields default to temperature 0.8, top_k 40, top_p 0.95, min_p 0.05, and max_tokens to the rest of the context."
+)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Address to listen on. The default, loopback, is reachable from this
+    /// machine only; 0.0.0.0 listens on every interface.
+    #[arg(long = "host", value_name = "ADDR", default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on; 0 takes any free port (the address is printed).
+    #[arg(long = "port", value_name = "N", default_value_t = 8080)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on every route but /health
+    /// (also read from LLAMA_API_KEY).
+    #[arg(
+        long = "api-key",
+        value_name = "KEY",
+        env = "LLAMA_API_KEY",
+        hide_env_values = true
+    )]
+    pub api_key: Option<String>,
+    /// Sequences generated at once at most (also -np).
+    #[arg(long = "parallel", value_name = "N", default_value_t = 4)]
+    pub parallel: usize,
+    /// The model's name in responses and /v1/models (default: the file name
+    /// without .gguf).
+    #[arg(short = 'a', long = "alias", value_name = "NAME")]
+    pub alias: Option<String>,
+    /// Requests that may wait for a free sequence; beyond that, requests
+    /// are refused with 503 and Retry-After.
+    #[arg(long = "max-queue", value_name = "N", default_value_t = 64)]
+    pub max_queue: usize,
+    /// Seconds a client has to send a request's headers, and then its body
+    /// (408 or a closed connection after that); idle keep-alive
+    /// connections are closed after it too.
+    #[arg(long = "timeout", value_name = "SECONDS", default_value_t = 30)]
+    pub timeout: u64,
+    /// Largest request body in bytes (413 beyond).
+    #[arg(long = "max-body-bytes", value_name = "N", default_value_t = 8 << 20)]
+    pub max_body_bytes: usize,
+    /// Connections served at once; further ones wait to be accepted.
+    #[arg(long = "max-connections", value_name = "N", default_value_t = 256)]
+    pub max_connections: usize,
+    #[command(flatten)]
+    pub runtime: RuntimeFlags,
+}
+
+pub fn run(a: ServeArgs) -> super::CliResult {
+    let threads = a.runtime.threads()?;
+    if a.parallel == 0 {
+        return Err("-np/--parallel must be at least 1".into());
+    }
+    if a.max_queue == 0 {
+        return Err("--max-queue must be at least 1".into());
+    }
+    if a.timeout == 0 {
+        return Err("--timeout must be at least 1 second".into());
+    }
+    if a.max_connections == 0 {
+        return Err("--max-connections must be at least 1".into());
+    }
+    if a.api_key.as_deref() == Some("") {
+        return Err("--api-key is empty".into());
+    }
+    let ip: std::net::IpAddr = a.host.parse().map_err(|_| {
+        format!(
+            "--host {}: not an IP address (e.g. 127.0.0.1 or 0.0.0.0)",
+            a.host
+        )
+    })?;
+    let addr = SocketAddr::new(ip, a.port);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the async runtime: {e}"))?;
+    let state = AppState::new(ServerOptions {
+        api_key: a.api_key.clone(),
+        max_body_bytes: a.max_body_bytes,
+        read_timeout: Duration::from_secs(a.timeout),
+        max_connections: a.max_connections,
+    });
+    // Listen first: /health answers 503 while the model loads.
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind(addr))
+        .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    let local = listener.local_addr()?;
+    eprintln!(
+        "listening on http://{local} (loading the model; /health answers 503 until it is ready)"
+    );
+    let server = runtime.spawn(serve(listener, state.clone(), shutdown_signal()));
+
+    let t0 = Instant::now();
+    let loaded = load(&a, threads);
+    let loaded = match loaded {
+        Ok(l) => l,
+        Err(e) => {
+            runtime.shutdown_background();
+            return Err(e);
+        }
+    };
+    let lim = loaded.engine.limits();
+    eprintln!(
+        "ready in {:.2} s: model `{}`, context {} tokens per sequence, up to {} sequences at once, queue of {}, {threads} threads{}",
+        t0.elapsed().as_secs_f64(),
+        loaded.model_id,
+        lim.context,
+        lim.parallel,
+        lim.queue_capacity,
+        if a.api_key.is_some() { ", API key required" } else { "" }
+    );
+    state.set_loaded(loaded);
+    match runtime.block_on(server) {
+        Ok(r) => r?,
+        Err(e) => return Err(format!("the server task failed: {e}").into()),
+    }
+    eprintln!("shutting down");
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    Ok(())
+}
+
+fn load(a: &ServeArgs, threads: usize) -> Result<Loaded, Box<dyn std::error::Error>> {
+    let (mut model, _) = a.model.open(false)?;
+    let tokenizer = model.tokenizer.take().ok_or_else(|| {
+        format!(
+            "{} has no tokenizer, which the server needs (a Meta directory needs tokenizer.model)",
+            model.path.display()
+        )
+    })?;
+    let chat = ChatFormat::of(&model);
+    if !chat.available() {
+        eprintln!("warning: this GGUF file has no chat template; /v1/chat/completions will refuse requests, /v1/completions works");
+    }
+    let model_id = a.alias.clone().unwrap_or_else(|| {
+        let name = model
+            .path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| model.path.display().to_string());
+        name.strip_suffix(".gguf")
+            .map(str::to_string)
+            .unwrap_or(name)
+    });
+    let context = model.args.plan_context(a.runtime.ctx_size);
+    let session = a.runtime.session_options(context, threads)?;
+    let engine = EngineHandle::start(
+        model,
+        EngineConfig {
+            session,
+            parallel: a.parallel,
+            queue_capacity: a.max_queue,
+        },
+    )?;
+    Ok(Loaded {
+        engine,
+        // One model per process: the tokenizer lives until exit.
+        tokenizer: Box::leak(Box::new(tokenizer)),
+        chat,
+        model_id,
+    })
+}
+
+/// Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}

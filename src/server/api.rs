@@ -1,0 +1,540 @@
+//! The OpenAI wire format: request bodies as they are parsed and checked,
+//! and the error shape (`{"error": {"message", "type", "param", "code"}}`).
+//!
+//! Unknown fields are ignored, as OpenAI-compatible servers do (clients
+//! send many optional ones); fields this server cannot honour with a
+//! non-default value (`n` > 1, `logprobs`, `tools`, `echo`, `suffix`) are
+//! refused by name rather than ignored.
+
+use crate::generate::sampler::SamplerConfig;
+use serde::Deserialize;
+
+/// An error as the client sees it: an HTTP status and OpenAI's error body.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: u16,
+    pub message: String,
+    /// OpenAI's error `type`.
+    pub kind: &'static str,
+    /// The request field at fault, if one is.
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+    /// Seconds for a `Retry-After` header.
+    pub retry_after: Option<u32>,
+}
+
+impl ApiError {
+    pub fn new(status: u16, kind: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code: None,
+            retry_after: None,
+        }
+    }
+
+    /// 400 naming the field at fault.
+    pub fn invalid(param: &str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            param: Some(param.to_string()),
+            ..ApiError::new(400, "invalid_request_error", message)
+        }
+    }
+
+    pub fn with_code(mut self, code: &'static str) -> ApiError {
+        self.code = Some(code);
+        self
+    }
+
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        })
+    }
+}
+
+/// Parses a JSON body into `T`; a syntax error or a field of the wrong type
+/// is a 400 whose message (and `param`) names the field.
+pub fn parse_body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    let value: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| {
+        ApiError::new(
+            400,
+            "invalid_request_error",
+            format!("malformed JSON body: {e}"),
+        )
+    })?;
+    if !value.is_object() {
+        return Err(ApiError::new(
+            400,
+            "invalid_request_error",
+            "the request body must be a JSON object",
+        ));
+    }
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let text = e.into_inner().to_string();
+        if path == "." {
+            let missing = text
+                .strip_prefix("missing field `")
+                .and_then(|r| r.split('`').next());
+            return match missing {
+                Some(field) => ApiError::invalid(field, format!("invalid request: {text}")),
+                None => ApiError::new(
+                    400,
+                    "invalid_request_error",
+                    format!("invalid request: {text}"),
+                ),
+            };
+        }
+        ApiError::invalid(&path, format!("invalid `{path}`: {text}"))
+    })
+}
+
+/// A message's `content`: a string, or an array of parts of which only
+/// text parts are understood.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged, expecting = "a string or an array of content parts")]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Content>,
+}
+
+/// `stop`: one string or a list.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged, expecting = "a string or an array of strings")]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+}
+
+/// Declares a request body with its own fields plus the fields both
+/// endpoints share, and `common()` to read the shared ones as [`Common`].
+/// (Not `#[serde(flatten)]`: through it a wrong type would no longer name
+/// its field.)
+macro_rules! request {
+    ($(#[$meta:meta])* $name:ident { $($(#[$fmeta:meta])* $field:ident : $ty:ty,)* }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Deserialize)]
+        pub struct $name {
+            $($(#[$fmeta])* pub $field: $ty,)*
+            #[serde(default)]
+            pub model: Option<String>,
+            #[serde(default)]
+            pub max_tokens: Option<i64>,
+            #[serde(default)]
+            pub temperature: Option<f32>,
+            #[serde(default)]
+            pub top_p: Option<f32>,
+            #[serde(default)]
+            pub top_k: Option<i64>,
+            #[serde(default)]
+            pub min_p: Option<f32>,
+            #[serde(default)]
+            pub repeat_penalty: Option<f32>,
+            #[serde(default)]
+            pub seed: Option<i64>,
+            #[serde(default)]
+            pub stop: Option<Stop>,
+            #[serde(default)]
+            pub stream: Option<bool>,
+            #[serde(default)]
+            pub stream_options: Option<StreamOptions>,
+            #[serde(default)]
+            pub n: Option<i64>,
+            #[serde(default)]
+            pub ignore_eos: Option<bool>,
+            #[serde(default)]
+            pub logprobs: Option<serde_json::Value>,
+        }
+
+        impl $name {
+            /// The fields both endpoints share.
+            pub fn common(&self) -> Common {
+                Common {
+                    model: self.model.clone(),
+                    max_tokens: self.max_tokens,
+                    temperature: self.temperature,
+                    top_p: self.top_p,
+                    top_k: self.top_k,
+                    min_p: self.min_p,
+                    repeat_penalty: self.repeat_penalty,
+                    seed: self.seed,
+                    stop: self.stop.clone(),
+                    stream: self.stream,
+                    stream_options: self.stream_options.clone(),
+                    n: self.n,
+                    ignore_eos: self.ignore_eos,
+                    logprobs: self.logprobs.clone(),
+                }
+            }
+        }
+    };
+}
+
+/// The fields both endpoints share.
+#[derive(Debug, Clone, Default)]
+pub struct Common {
+    pub model: Option<String>,
+    pub max_tokens: Option<i64>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    /// llama.cpp's extension; 0 or less = off.
+    pub top_k: Option<i64>,
+    /// llama.cpp's extension.
+    pub min_p: Option<f32>,
+    /// llama.cpp's extension; 1 = off.
+    pub repeat_penalty: Option<f32>,
+    /// Absent or -1: a fresh seed per request.
+    pub seed: Option<i64>,
+    pub stop: Option<Stop>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub n: Option<i64>,
+    /// llama.cpp's extension: keep generating past end-of-sequence tokens.
+    pub ignore_eos: Option<bool>,
+    pub logprobs: Option<serde_json::Value>,
+}
+
+request! {
+    /// `POST /v1/chat/completions`.
+    ChatRequest {
+        messages: Vec<ChatMessage>,
+        #[serde(default)]
+        max_completion_tokens: Option<i64>,
+        #[serde(default)]
+        tools: Option<Vec<serde_json::Value>>,
+    }
+}
+
+/// `prompt`: a string, an array with one string, or token ids.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(
+    untagged,
+    expecting = "a string, an array of one string, or an array of token ids"
+)]
+pub enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+}
+
+request! {
+    /// `POST /v1/completions`.
+    CompletionRequest {
+        prompt: Prompt,
+        #[serde(default)]
+        echo: Option<bool>,
+        #[serde(default)]
+        suffix: Option<String>,
+    }
+}
+
+/// Most stop strings a request may give.
+pub const MAX_STOP_STRINGS: usize = 16;
+/// Longest stop string, in bytes.
+pub const MAX_STOP_BYTES: usize = 512;
+
+/// What the checked common fields ask for.
+#[derive(Debug, Clone)]
+pub struct Checked {
+    /// `None`: until the context is full.
+    pub max_tokens: Option<usize>,
+    pub sampling: SamplerConfig,
+    pub stop: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub ignore_eos: bool,
+}
+
+impl Common {
+    /// Checks every field and names the one at fault. `fresh_seed` gives
+    /// the seed when the request has none (or -1).
+    pub fn check(
+        &self,
+        max_tokens: Option<(i64, &str)>,
+        fresh_seed: impl FnOnce() -> u64,
+    ) -> Result<Checked, ApiError> {
+        if let Some(n) = self.n {
+            if n != 1 {
+                return Err(ApiError::invalid(
+                    "n",
+                    format!("only n = 1 is supported, got {n}"),
+                ));
+            }
+        }
+        match &self.logprobs {
+            None | Some(serde_json::Value::Null) | Some(serde_json::Value::Bool(false)) => {}
+            Some(_) => return Err(ApiError::invalid("logprobs", "logprobs are not supported")),
+        }
+        let max_tokens = match max_tokens {
+            None => None,
+            Some((n, field)) if n < 1 => {
+                return Err(ApiError::invalid(
+                    field,
+                    format!("`{field}` must be at least 1, got {n}"),
+                ))
+            }
+            Some((n, _)) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
+        };
+        let d = SamplerConfig::default();
+        let temperature = self.temperature.unwrap_or(d.temperature);
+        if !(temperature >= 0.0 && temperature.is_finite()) {
+            return Err(ApiError::invalid(
+                "temperature",
+                format!("`temperature` must be 0 (greedy) or positive, got {temperature}"),
+            ));
+        }
+        let top_p = self.top_p.unwrap_or(d.top_p);
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(ApiError::invalid(
+                "top_p",
+                format!("`top_p` must be in (0, 1], got {top_p}"),
+            ));
+        }
+        let min_p = self.min_p.unwrap_or(d.min_p);
+        if !(0.0..=1.0).contains(&min_p) {
+            return Err(ApiError::invalid(
+                "min_p",
+                format!("`min_p` must be in [0, 1], got {min_p}"),
+            ));
+        }
+        let repeat_penalty = self.repeat_penalty.unwrap_or(d.repeat_penalty);
+        if !(repeat_penalty > 0.0 && repeat_penalty.is_finite()) {
+            return Err(ApiError::invalid(
+                "repeat_penalty",
+                format!("`repeat_penalty` must be positive, got {repeat_penalty}"),
+            ));
+        }
+        let top_k = match self.top_k {
+            None => d.top_k,
+            Some(k) if k <= 0 => 0,
+            Some(k) => usize::try_from(k).unwrap_or(usize::MAX),
+        };
+        let seed = match self.seed {
+            None | Some(-1) => fresh_seed(),
+            Some(s) => s as u64,
+        };
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) => v.clone(),
+        };
+        if stop.len() > MAX_STOP_STRINGS {
+            return Err(ApiError::invalid(
+                "stop",
+                format!(
+                    "at most {MAX_STOP_STRINGS} stop strings, got {}",
+                    stop.len()
+                ),
+            ));
+        }
+        if let Some(s) = stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+            return Err(ApiError::invalid(
+                "stop",
+                format!(
+                    "a stop string is at most {MAX_STOP_BYTES} bytes, got {}",
+                    s.len()
+                ),
+            ));
+        }
+        let stream = self.stream.unwrap_or(false);
+        Ok(Checked {
+            max_tokens,
+            sampling: SamplerConfig {
+                temperature,
+                top_k,
+                top_p,
+                min_p,
+                repeat_penalty,
+                repeat_last_n: d.repeat_last_n,
+                seed,
+            },
+            stop,
+            stream,
+            include_usage: stream
+                && self
+                    .stream_options
+                    .as_ref()
+                    .and_then(|o| o.include_usage)
+                    .unwrap_or(false),
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+        })
+    }
+}
+
+impl ChatRequest {
+    /// `max_completion_tokens` wins over the older `max_tokens`.
+    pub fn max_tokens(&self) -> Option<(i64, &'static str)> {
+        match (self.max_completion_tokens, self.max_tokens) {
+            (Some(n), _) => Some((n, "max_completion_tokens")),
+            (None, Some(n)) => Some((n, "max_tokens")),
+            (None, None) => None,
+        }
+    }
+
+    /// The messages as the chat template sees them.
+    pub fn messages(&self) -> Result<Vec<crate::generate::chat::Message>, ApiError> {
+        if self.messages.is_empty() {
+            return Err(ApiError::invalid("messages", "`messages` is empty"));
+        }
+        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+            return Err(ApiError::invalid("tools", "tools are not supported"));
+        }
+        self.messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let content = match &m.content {
+                    None => String::new(),
+                    Some(Content::Text(s)) => s.clone(),
+                    Some(Content::Parts(parts)) => {
+                        let mut s = String::new();
+                        for (j, p) in parts.iter().enumerate() {
+                            match (p.kind.as_str(), &p.text) {
+                                ("text", Some(t)) => s.push_str(t),
+                                _ => {
+                                    return Err(ApiError::invalid(
+                                        &format!("messages[{i}].content[{j}]"),
+                                        format!(
+                                            "only text content parts are supported, got type `{}`",
+                                            p.kind
+                                        ),
+                                    ))
+                                }
+                            }
+                        }
+                        s
+                    }
+                };
+                Ok(crate::generate::chat::Message {
+                    role: m.role.clone(),
+                    content,
+                })
+            })
+            .collect()
+    }
+}
+
+impl CompletionRequest {
+    pub fn check_extras(&self) -> Result<(), ApiError> {
+        if self.echo == Some(true) {
+            return Err(ApiError::invalid("echo", "echo is not supported"));
+        }
+        if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::invalid("suffix", "suffix is not supported"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: &str) -> Result<ChatRequest, ApiError> {
+        parse_body(body.as_bytes())
+    }
+
+    #[test]
+    fn wrong_types_name_the_field() {
+        let e = chat(r#"{"messages": [], "temperature": "hot"}"#).unwrap_err();
+        assert_eq!((e.status, e.param.as_deref()), (400, Some("temperature")));
+        assert!(e.message.contains("temperature"), "{}", e.message);
+        let e = chat(r#"{"messages": [{"role": "user", "content": 5}]}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].content"));
+        assert!(e.message.contains("a string or an array"), "{}", e.message);
+        let e = chat(r#"{"messages": [{"role": "user"}], "stop": [1]}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("stop"));
+        let e = chat(r#"{"temperature": 1}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages"));
+        assert!(
+            e.message.contains("missing field `messages`"),
+            "{}",
+            e.message
+        );
+        let e = chat("[1, 2]").unwrap_err();
+        assert_eq!((e.status, e.param.as_deref()), (400, None));
+    }
+
+    #[test]
+    fn malformed_json_is_400_without_a_field() {
+        for body in ["{", "{\"messages\": [}", "", "[] x", "{} {}", "\u{0}\u{1}"] {
+            let e = chat(body).unwrap_err();
+            assert_eq!(e.status, 400, "{body}");
+            assert!(
+                e.message.starts_with("malformed JSON"),
+                "{body}: {}",
+                e.message
+            );
+        }
+    }
+
+    #[test]
+    fn values_are_checked_and_named() {
+        let r = chat(r#"{"messages": [{"role": "user", "content": "hi"}], "top_p": 0}"#).unwrap();
+        let e = r.common().check(None, || 0).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("top_p"));
+        let r =
+            chat(r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}"#).unwrap();
+        let e = r.common().check(r.max_tokens(), || 0).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        let r = chat(
+            r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, "max_completion_tokens": 3, "seed": 5, "stop": "x", "top_k": -1}"#,
+        )
+        .unwrap();
+        let c = r.common().check(r.max_tokens(), || 0).unwrap();
+        assert_eq!(c.max_tokens, Some(3));
+        assert_eq!((c.sampling.seed, c.sampling.top_k), (5, 0));
+        assert_eq!(c.stop, vec!["x".to_string()]);
+        let r = chat(r#"{"messages": [{"role": "user", "content": "hi"}], "n": 2}"#).unwrap();
+        assert_eq!(
+            r.common().check(None, || 0).unwrap_err().param.as_deref(),
+            Some("n")
+        );
+    }
+
+    #[test]
+    fn content_parts_join_and_other_parts_are_refused() {
+        let r = chat(
+            r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(r.messages().unwrap()[0].content, "ab");
+        let r = chat(
+            r#"{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r.messages().unwrap_err().param.as_deref(),
+            Some("messages[0].content[0]")
+        );
+    }
+}
