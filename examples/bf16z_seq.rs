@@ -96,7 +96,7 @@ fn main() {
     let step_z = |y: &mut [f32]| {
         for (&(n, k, ep), v) in ops.iter().zip(&views) {
             let n_out = n_out(n, &ep);
-            bf16z::gemv(&pool, &x[..k], *v, ep, &mut y[..n_out], true).expect("gemv");
+            bf16z::gemv(&pool, &x[..k], *v, ep, &mut y[..n_out]).expect("gemv");
         }
     };
     let words = decode_step::words(&plain);
@@ -152,7 +152,7 @@ fn l2_rate(plain: &[u8], x: &[f32]) {
         gemv::gemv(&one, &x[..k], k, w, n, Epilogue::None, &mut y).expect("gemv");
         bp = bp.min(t.elapsed().as_secs_f64());
         let t = Instant::now();
-        bf16z::gemv(&one, &x[..k], v, Epilogue::None, &mut y2, true).expect("gemv");
+        bf16z::gemv(&one, &x[..k], v, Epilogue::None, &mut y2).expect("gemv");
         bz = bz.min(t.elapsed().as_secs_f64());
     }
     let wps = |t: f64| (n * k) as f64 / t / 1e9;

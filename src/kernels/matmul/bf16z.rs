@@ -427,24 +427,54 @@ impl<'a> Bf16z<'a> {
         });
     }
 
-    /// `row r · x` with the coded blocks, plus the row's exceptions, in
-    /// portable code and without allocating.
+    /// `row r · x` with the coded blocks, in the portable level's order
+    /// ([`super::portable_dot_with`]), plus the row's exceptions; without
+    /// allocating.
     fn dot_scalar(&self, r: usize, x: &[f32]) -> f32 {
+        let blocks = self.row_blocks(r);
         let mut w = [0u16; BLOCK];
-        let mut sum = 0f32;
-        for (blk, xb) in self
-            .row_blocks(r)
-            .chunks_exact(BLOCK_BYTES)
-            .zip(x.chunks_exact(BLOCK))
-        {
-            decode_block(blk, &mut w);
-            sum += w
-                .iter()
-                .zip(xb)
-                .map(|(&v, &xv)| crate::kernels::bf16_to_f32(v) * xv)
-                .sum::<f32>();
-        }
-        sum + self.corrections(r, x)
+        let mut fill = |k0: usize, buf: &mut [f32]| {
+            for (b, o) in buf.chunks_exact_mut(BLOCK).enumerate() {
+                let blk = &blocks[(k0 / BLOCK + b) * BLOCK_BYTES..][..BLOCK_BYTES];
+                decode_block(blk, &mut w);
+                for (d, &v) in o.iter_mut().zip(&w) {
+                    *d = crate::kernels::bf16_to_f32(v);
+                }
+            }
+        };
+        super::portable_dot_with(x, &mut fill) + self.corrections(r, x)
+    }
+
+    /// Rows `r0..r0 + out.len() / k` as coded bf16 values (exceptions not
+    /// applied), decoded over the pool: in natural order, or with
+    /// `permuted` each block of 32 in [`ORDER`], the order in which the
+    /// AVX2 single-token kernel multiplies them.
+    fn decode_coded_rows(&self, pool: &ThreadPool, r0: usize, out: &mut [u16], permuted: bool) {
+        let k = self.k;
+        let rows = out.len() / k;
+        let op = crate::pool::SyncPtr::new(out);
+        pool.run(rows.div_ceil(8), &|c| {
+            for r in c * 8..((c + 1) * 8).min(rows) {
+                // SAFETY: chunk c alone writes rows c*8..c*8+8 of `out`.
+                let o = unsafe { op.slice(r * k, k) };
+                let blocks = self.row_blocks(r0 + r);
+                #[cfg(target_arch = "x86_64")]
+                if permuted {
+                    // SAFETY: permuted is only asked for at the AVX2 levels
+                    // (checked by the caller); the row holds k/32 blocks
+                    // and `o` k values.
+                    unsafe { avx2::decode_permuted(blocks, o) };
+                    continue;
+                }
+                assert!(!permuted, "permuted decode needs AVX2");
+                for (blk, ob) in blocks
+                    .chunks_exact(BLOCK_BYTES)
+                    .zip(o.chunks_exact_mut(BLOCK))
+                {
+                    decode_block(blk, ob);
+                }
+            }
+        });
     }
 
     /// The exception corrections of row `r`.
@@ -468,13 +498,15 @@ fn decode_block(blk: &[u8], out: &mut [u16]) {
     }
 }
 
-/// `x` rearranged for the AVX2 kernel: per block of 32, the element order
-/// in which [`avx2::dot`] produces weights (see there).
+/// The element order of a block of 32 in which the AVX2 single-token
+/// kernel ([`avx2::dot`]) produces weights (see there).
+const ORDER: [usize; 32] = [
+    0, 2, 4, 6, 16, 18, 20, 22, 1, 3, 5, 7, 17, 19, 21, 23, 8, 10, 12, 14, 24, 26, 28, 30, 9, 11,
+    13, 15, 25, 27, 29, 31,
+];
+
+/// `x` rearranged for the AVX2 kernels: each block of 32 in [`ORDER`].
 fn permute_x(x: &[f32], out: &mut Vec<f32>) {
-    const ORDER: [usize; 32] = [
-        0, 2, 4, 6, 16, 18, 20, 22, 1, 3, 5, 7, 17, 19, 21, 23, 8, 10, 12, 14, 24, 26, 28, 30, 9,
-        11, 13, 15, 25, 27, 29, 31,
-    ];
     out.clear();
     for b in x.chunks_exact(BLOCK) {
         out.extend(ORDER.iter().map(|&i| b[i]));
@@ -486,16 +518,32 @@ std::thread_local! {
 }
 
 /// `y = x·Wᵀ` with `epilogue` for one activation row and an encoded `W`
-/// (`[n, k]`); the same contract as [`super::gemv::gemv`]. `simd` false
-/// forces the portable kernel (tests).
-#[allow(clippy::too_many_arguments)]
+/// (`[n, k]`); the same contract as [`super::gemv::gemv`].
 pub fn gemv(
     pool: &ThreadPool,
     x: &[f32],
     w: Bf16z<'_>,
     epilogue: Epilogue<'_>,
     y: &mut [f32],
-    simd: bool,
+) -> Result<(), KernelError> {
+    gemv_at(Isa::current(), pool, x, w, epilogue, y)
+}
+
+/// [`gemv`] with the kernels of `isa` (lowered to what the CPU supports):
+/// the portable kernel at [`Isa::Scalar`], the AVX2 kernel at every SIMD
+/// level (there is no AVX-512 one).
+///
+/// Every row is the sum of its coded weights times x, in the order of the
+/// multi-token product at that level ([`matmul_at`] multiplies the same
+/// coded values in the same order), plus its exception corrections: the
+/// result does not depend on how many tokens a step has.
+pub fn gemv_at(
+    isa: Isa,
+    pool: &ThreadPool,
+    x: &[f32],
+    w: Bf16z<'_>,
+    epilogue: Epilogue<'_>,
+    y: &mut [f32],
 ) -> Result<(), KernelError> {
     const OP: &str = "bf16z::gemv";
     check_len(OP, "x elements (k)", w.k, x.len())?;
@@ -513,8 +561,7 @@ pub fn gemv(
     if let Epilogue::AddResidual(r) = epilogue {
         check_len(OP, "residual elements", n_out, r.len())?;
     }
-    let simd = simd && Isa::current().avx2();
-    if !simd {
+    if !isa.min(Isa::detect()).avx2() {
         super::gemv::run_rows(pool, n_out, epilogue, y, &|r| w.dot_scalar(r, x), None);
         return Ok(());
     }
@@ -522,8 +569,8 @@ pub fn gemv(
         let mut xp = cell.borrow_mut();
         permute_x(x, &mut xp);
         let xp = &xp[..];
-        // Rows of more than 4096 values: x no longer stays in L1 next to
-        // the weights, so four rows share each load of it (as in gemv).
+        // Four rows at a time: one accumulator per row, so four independent
+        // FMA chains, and x loaded once for four rows.
         let dot4 = |r: usize| {
             let rows = [r, r + 1, r + 2, r + 3];
             // SAFETY: avx2 checked above; each row holds k/32 blocks and xp
@@ -538,7 +585,7 @@ pub fn gemv(
             y,
             // SAFETY: as for dot4, one row.
             &|r| unsafe { avx2::dot(w.row_blocks(r), xp) } + w.corrections(r, x),
-            (w.k > 4096).then_some(&dot4 as &(dyn Fn(usize) -> [f32; 4] + Sync)),
+            Some(&dot4 as &(dyn Fn(usize) -> [f32; 4] + Sync)),
         );
     });
     Ok(())
@@ -548,20 +595,40 @@ pub fn gemv(
 const GROUP: usize = 256;
 
 std::thread_local! {
-    /// Decoded bf16 rows and product scratch of [`matmul`], reused.
-    static GROUP_SCRATCH: std::cell::RefCell<(Vec<u16>, Vec<f32>)> =
-        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    /// Decoded bf16 rows, permuted x and product scratch of [`matmul`], reused.
+    static GROUP_SCRATCH: std::cell::RefCell<(Vec<u16>, Vec<f32>, Vec<f32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
 
 /// `y = x·Wᵀ` with `epilogue` for `s` activation rows and an encoded `W`
-/// (`bytes`, `[n, k]`); the contract of [`super::matmul`](super::matmul()). One row
-/// goes to [`gemv`]. More rows are multiplied `GROUP` (256) output rows at a
-/// time: the group's weight rows (gate and up rows for SwiGLU) are decoded
-/// to bf16, multiplied by the bf16 kernels into a scratch, and the
-/// epilogue is applied while scattering into `y`. Decoding costs one pass
-/// over the weights per call, which a prefill chunk shares among its tokens.
+/// (`bytes`, `[n, k]`); the contract of [`super::matmul`](super::matmul()).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
+    pool: &ThreadPool,
+    x: &[f32],
+    s: usize,
+    k: usize,
+    bytes: &[u8],
+    n: usize,
+    epilogue: Epilogue<'_>,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    matmul_at(Isa::current(), pool, x, s, k, bytes, n, epilogue, y)
+}
+
+/// [`matmul`] with the kernels of `isa`. One row goes to [`gemv_at`]. More
+/// rows are multiplied `GROUP` (256) output rows at a time: the group's
+/// weight rows (gate and up rows for SwiGLU) are decoded to their coded
+/// bf16 values, in the order the single-token kernel multiplies them (x
+/// permuted to match), multiplied by the plain bf16 tiles of the same lane
+/// width (AVX2 at every SIMD level, the portable path at
+/// [`Isa::Scalar`]), and the exception corrections and the epilogue are
+/// applied while scattering into `y`: each token's result is bit-identical
+/// to [`gemv_at`]'s for it. Decoding costs one pass over the weights per
+/// call, which a prefill chunk shares among its tokens.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_at(
+    isa: Isa,
     pool: &ThreadPool,
     x: &[f32],
     s: usize,
@@ -574,7 +641,7 @@ pub fn matmul(
     const OP: &str = "bf16z::matmul";
     let w = Bf16z::parse(bytes, n, k)?;
     if s == 1 {
-        return gemv(pool, x, w, epilogue, y, true);
+        return gemv_at(isa, pool, x, w, epilogue, y);
     }
     let swiglu = matches!(epilogue, Epilogue::SwiGlu);
     if swiglu && !n.is_multiple_of(2) {
@@ -590,16 +657,27 @@ pub fn matmul(
     if let Epilogue::AddResidual(r) = epilogue {
         check_len(OP, "residual elements", len(s, n_out)?, r.len())?;
     }
+    let simd = isa.min(Isa::detect()).avx2();
+    let level = if simd { Isa::Avx2 } else { Isa::Scalar };
     GROUP_SCRATCH.with(|cell| {
-        let (wbuf, tmp) = &mut *cell.borrow_mut();
+        let (wbuf, xbuf, tmp) = &mut *cell.borrow_mut();
         let per = if swiglu { 2 } else { 1 };
         wbuf.resize(per * GROUP * k, 0);
-        tmp.resize(s * GROUP, 0.0);
+        tmp.resize(s * per * GROUP, 0.0);
+        let xp: &[f32] = if simd {
+            xbuf.clear();
+            for row in x.chunks_exact(k) {
+                xbuf.extend(row.chunks_exact(BLOCK).flat_map(|b| ORDER.map(|i| b[i])));
+            }
+            xbuf
+        } else {
+            x
+        };
         for j0 in (0..n_out).step_by(GROUP) {
             let g = GROUP.min(n_out - j0);
-            w.decode_rows(pool, j0, &mut wbuf[..g * k]);
+            w.decode_coded_rows(pool, j0, &mut wbuf[..g * k], simd);
             if swiglu {
-                w.decode_rows(pool, n_out + j0, &mut wbuf[g * k..2 * g * k]);
+                w.decode_coded_rows(pool, n_out + j0, &mut wbuf[g * k..2 * g * k], simd);
             }
             if cfg!(target_endian = "big") {
                 wbuf.iter_mut().for_each(|v| *v = v.to_le());
@@ -611,23 +689,24 @@ pub fn matmul(
                 std::slice::from_raw_parts(rows.as_ptr().cast::<u8>(), std::mem::size_of_val(rows))
             };
             let wr = crate::kernels::WeightRef::new(crate::ir::DType::BF16, bytes);
-            let ep = if swiglu {
-                Epilogue::SwiGlu
-            } else {
-                Epilogue::None
-            };
-            let t = &mut tmp[..s * g];
-            super::matmul(pool, x, s, k, wr, per * g, ep, t)?;
-            for (tok, tr) in t.chunks_exact(g).enumerate() {
+            let gw = per * g;
+            let t = &mut tmp[..s * gw];
+            super::matmul_with(pool, level, xp, s, k, wr, gw, Epilogue::None, t)?;
+            for (tok, tr) in t.chunks_exact(gw).enumerate() {
+                let xt = &x[tok * k..(tok + 1) * k];
                 let o = tok * n_out + j0;
                 let yr = &mut y[o..o + g];
-                match epilogue {
-                    Epilogue::None | Epilogue::SwiGlu => yr.copy_from_slice(tr),
-                    Epilogue::Accumulate => yr.iter_mut().zip(tr).for_each(|(a, b)| *a += b),
-                    Epilogue::AddResidual(r) => yr
-                        .iter_mut()
-                        .zip(tr.iter().zip(&r[o..o + g]))
-                        .for_each(|(a, (b, c))| *a = b + c),
+                for (i, out) in yr.iter_mut().enumerate() {
+                    let v = tr[i] + w.corrections(j0 + i, xt);
+                    *out = match epilogue {
+                        Epilogue::None => v,
+                        Epilogue::Accumulate => *out + v,
+                        Epilogue::AddResidual(r) => v + r[o + i],
+                        Epilogue::SwiGlu => {
+                            let u = tr[g + i] + w.corrections(n_out + j0 + i, xt);
+                            crate::kernels::elementwise::silu_f32(v) * u
+                        }
+                    };
                 }
             }
         }
@@ -637,6 +716,7 @@ pub fn matmul(
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
+    use super::super::avx2::x86::{hsum, hsum4};
     use super::{BLOCK, BLOCK_BYTES};
     use std::arch::x86_64::*;
 
@@ -656,7 +736,7 @@ mod avx2 {
     /// both lanes and its low bytes: weights 0-7 and 16-23, then 8-15 and
     /// 24-31 (see [`dot`]).
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     fn words(
         f: __m256i,
         nib: __m256i,
@@ -672,7 +752,7 @@ mod avx2 {
 
     /// The constants of [`words`]: the table, the lane shifts, the nibble mask.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     fn consts() -> (__m256i, __m256i, __m256i) {
         // SAFETY: TABLE is 32 bytes; unaligned load.
         let table = unsafe { _mm256_loadu_si256(TABLE.as_ptr() as *const __m256i) };
@@ -688,7 +768,7 @@ mod avx2 {
     ///
     /// # Safety
     /// The CPU must support avx2/fma; `out` holds 32 values per block.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn decode(blocks: &[u8], out: &mut [u16]) {
         let (table, halves, lo4) = consts();
         let p = blocks.as_ptr();
@@ -714,11 +794,11 @@ mod avx2 {
     }
 
     /// [`dot`] for four rows of the same length, sharing each load of
-    /// `xp`; two accumulators per row (even and odd lanes).
+    /// `xp`; one accumulator per row, as in [`dot`].
     ///
     /// # Safety
     /// As [`dot`], for each row.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot4(rows: [&[u8]; 4], xp: &[f32]) -> [f32; 4] {
         let nb = rows[0].len() / BLOCK_BYTES;
         let xp = &xp[..nb * BLOCK];
@@ -726,8 +806,7 @@ mod avx2 {
         let p = rows.map(|r| r[..nb * BLOCK_BYTES].as_ptr());
         let (table, halves, lo4) = consts();
         let odd = _mm256_set1_epi32(0xffff_0000_u32 as i32);
-        let mut ev = [_mm256_setzero_ps(); 4];
-        let mut od = [_mm256_setzero_ps(); 4];
+        let mut acc = [_mm256_setzero_ps(); 4];
         for (b, x) in xp.chunks_exact(BLOCK).enumerate() {
             // SAFETY: 32 f32; unaligned loads.
             let xv = unsafe {
@@ -755,19 +834,57 @@ mod avx2 {
                 let o0 = _mm256_castsi256_ps(_mm256_and_si256(wa, odd));
                 let e1 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wb));
                 let o1 = _mm256_castsi256_ps(_mm256_and_si256(wb, odd));
-                ev[r] = _mm256_fmadd_ps(e1, xv[2], _mm256_fmadd_ps(e0, xv[0], ev[r]));
-                od[r] = _mm256_fmadd_ps(o1, xv[3], _mm256_fmadd_ps(o0, xv[1], od[r]));
+                let a = _mm256_fmadd_ps(e0, xv[0], acc[r]);
+                let a = _mm256_fmadd_ps(o0, xv[1], a);
+                let a = _mm256_fmadd_ps(e1, xv[2], a);
+                acc[r] = _mm256_fmadd_ps(o1, xv[3], a);
             }
         }
+        let v = hsum4(acc[0], acc[1], acc[2], acc[3]);
         let mut out = [0f32; 4];
-        for r in 0..4 {
-            let v = _mm256_add_ps(ev[r], od[r]);
-            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-            out[r] = _mm_cvtss_f32(s);
-        }
+        // SAFETY: 4 floats.
+        unsafe { _mm_storeu_ps(out.as_mut_ptr(), v) };
         out
+    }
+
+    /// The blocks of one row as coded bf16 values, each block of 32 in
+    /// [`super::ORDER`] (the order in which [`dot`] multiplies them).
+    ///
+    /// # Safety
+    /// The CPU must support avx2/fma; `out` holds 32 values per block.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn decode_permuted(blocks: &[u8], out: &mut [u16]) {
+        let (table, halves, lo4) = consts();
+        // Per 128-bit lane: the even words, then the odd ones.
+        let split = _mm256_setr_epi8(
+            0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13, 2, 3,
+            6, 7, 10, 11, 14, 15,
+        );
+        let p = blocks.as_ptr();
+        let nb = blocks.len() / BLOCK_BYTES;
+        for (b, o) in out.chunks_exact_mut(BLOCK).take(nb).enumerate() {
+            // SAFETY: block b lies within `blocks`; `o` holds 32 u16 (64
+            // bytes). Unaligned loads and stores.
+            unsafe {
+                let q = p.add(b * BLOCK_BYTES);
+                let (wa, wb) = words(
+                    _mm256_set1_epi8(*q as i8),
+                    _mm256_broadcastsi128_si256(_mm_loadu_si128(q.add(1) as *const __m128i)),
+                    _mm256_loadu_si256(q.add(17) as *const __m256i),
+                    table,
+                    halves,
+                    lo4,
+                );
+                // wa: weights 0-7 | 16-23; as 64-bit quarters after the
+                // split: (0,2,4,6) (1,3,5,7) (16,..,22) (17,..,23); 0xD8
+                // orders them evens 0-6, evens 16-22, odds 1-7, odds 17-23.
+                let pa = _mm256_permute4x64_epi64::<0xD8>(_mm256_shuffle_epi8(wa, split));
+                let pb = _mm256_permute4x64_epi64::<0xD8>(_mm256_shuffle_epi8(wb, split));
+                let d = o.as_mut_ptr() as *mut __m256i;
+                _mm256_storeu_si256(d, pa);
+                _mm256_storeu_si256(d.add(1), pb);
+            }
+        }
     }
 
     /// Encodes the 32 bf16 values at `src` (64 bytes) into the 49-byte
@@ -778,7 +895,7 @@ mod avx2 {
     /// # Safety
     /// The CPU must support avx2; `src` points to 64 readable bytes and
     /// `out`, if given, to 49 writable ones.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn encode_block(src: *const u8, out: Option<*mut u8>) -> u32 {
         // SAFETY: as documented; unaligned loads.
         let (a, b) = unsafe {
@@ -831,18 +948,21 @@ mod avx2 {
     /// Interleaving with the low bytes gives bf16 words: weights 0-7 and
     /// 16-23 in one register, 8-15 and 24-31 in the other (the unpacks work
     /// per 128-bit lane). Each 32-bit lane then holds a pair, widened by
-    /// shift (even) and mask (odd), hence `permute_x`'s order.
+    /// shift (even) and mask (odd), hence `permute_x`'s order. The four
+    /// vectors are multiply-added into one 8-lane accumulator in that order
+    /// and summed by the tiles' tree: exactly the 8-lane tile order of
+    /// [`crate::kernels::matmul::tiles`] over the permuted values.
     ///
     /// # Safety
     /// The CPU must support avx2/fma; `blocks` is whole blocks and `xp`
     /// holds 32 elements per block.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot(blocks: &[u8], xp: &[f32]) -> f32 {
         let nb = blocks.len() / BLOCK_BYTES;
         let xp = &xp[..nb * BLOCK];
         let (table, halves, lo4) = consts();
         let odd = _mm256_set1_epi32(0xffff_0000_u32 as i32);
-        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut acc = _mm256_setzero_ps();
         let p = blocks.as_ptr();
         for (b, x) in xp.chunks_exact(BLOCK).enumerate() {
             // SAFETY: block b < nb lies within `blocks` (49 bytes from q);
@@ -869,14 +989,10 @@ mod avx2 {
                 _mm256_castsi256_ps(_mm256_and_si256(wb, odd)),
             ];
             for u in 0..4 {
-                acc[u] = _mm256_fmadd_ps(ws[u], xv[u], acc[u]);
+                acc = _mm256_fmadd_ps(ws[u], xv[u], acc);
             }
         }
-        let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
+        hsum(acc)
     }
 }
 
@@ -944,19 +1060,19 @@ mod tests {
                 .unwrap();
             let mut want_g = vec![0f32; n / 2];
             crate::kernels::gemv::gemv(&pool, &x, k, w, n, Epilogue::SwiGlu, &mut want_g).unwrap();
-            for simd in [false, true] {
+            for isa in Isa::supported_levels() {
                 let mut y = vec![0f32; n];
-                gemv(&pool, &x, v, Epilogue::AddResidual(&r), &mut y, simd).unwrap();
+                gemv_at(isa, &pool, &x, v, Epilogue::AddResidual(&r), &mut y).unwrap();
                 for j in 0..n {
                     assert!(
                         (y[j] - want[j]).abs() < 1e-4 * (1.0 + want[j].abs()),
-                        "simd={simd} n={n} k={k} j={j}: {} vs {}",
+                        "{isa} n={n} k={k} j={j}: {} vs {}",
                         y[j],
                         want[j]
                     );
                 }
                 let mut g = vec![0f32; n / 2];
-                gemv(&pool, &x, v, Epilogue::SwiGlu, &mut g, simd).unwrap();
+                gemv_at(isa, &pool, &x, v, Epilogue::SwiGlu, &mut g).unwrap();
                 for j in 0..n / 2 {
                     assert!((g[j] - want_g[j]).abs() < 1e-4 * (1.0 + want_g[j].abs()));
                 }
@@ -1002,6 +1118,36 @@ mod tests {
                         "s={s} n={n} {ep:?} [{i}]: {a} vs {b}"
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn batch_invariant_at_every_level() {
+        // Several groups of 256 rows (600; 300 for SwiGLU), K over 4096,
+        // exceptions in both.
+        for (i, &(k, n)) in [(64, 600), (4128, 10)].iter().enumerate() {
+            let mut rng = Rng::new(500 + i as u64);
+            let x = rng.vec(64 * k);
+            let mut wf = rng.vec(n * k);
+            wf[7] = 0.0;
+            wf[k + 3] = 1e-25;
+            wf[(n - 1) * k + 5] = -1e-30;
+            let z = encode(&encode_dtype(&wf, DType::BF16), n, k).unwrap();
+            assert!(Bf16z::parse(&z, n, k).unwrap().n_exceptions() >= 3);
+            let r = rng.vec(64 * n);
+            for isa in Isa::supported_levels() {
+                let mm = |pool: &ThreadPool, x: &[f32], s, ep: Epilogue<'_>, y: &mut [f32]| {
+                    matmul_at(isa, pool, x, s, k, &z, n, ep, y).unwrap()
+                };
+                crate::kernels::matmul::tests::check_batch_invariance(
+                    &mm,
+                    &x,
+                    k,
+                    n,
+                    &r,
+                    &format!("bf16z {isa} k={k} n={n}"),
+                );
             }
         }
     }

@@ -1,30 +1,28 @@
 //! Linear layers: `y[s, n] = sum_k x[s, k] * W[n, k]` with `W` stored
 //! `[N, K]` (PyTorch order) in F32, F16 or BF16, plus fused epilogues.
 //!
-//! Work is split over output columns (weight rows) in chunks run on the
-//! pool (about four chunks per thread). Inside a chunk, tokens are processed
-//! in blocks of [`TOKEN_BLOCK`], so each weight element is read once per
-//! token block, not once per token; within a block the SIMD path works in
-//! K blocks with packed x rows and weight tiles widened to f32 once (see
-//! `avx2`). At the [`Isa::Avx2`] level and above the tile kernels are
-//! SIMD; at [`Isa::Scalar`] a portable path computes the same sums (within
-//! f32 rounding). Epilogues are applied as each block is stored.
-//!
-//! With several tokens at the [`Isa::Avx512`] level and above, `avx512`
-//! runs instead: contiguous output-column chunks sized for L2, 4-row ×
-//! 6-token register tiles over the full K, nothing packed for F32 weights
-//! (F16/BF16 row tiles widened once per token group), epilogues applied per
-//! tile. [`matmul_with`] picks a level explicitly (tests and benches run
-//! every level the CPU has); [`matmul_bf16_dot`] is the opt-in bf16
-//! activation product (`bf16dot`, AVX-512 BF16).
+//! At the SIMD levels every product runs the register tiles of [`tiles`]
+//! (`avx2`: 8 lanes, `avx512`: 16 lanes): one token ([`gemv`], memory-bound)
+//! streams weight rows four at a time; several tokens split the output
+//! columns into contiguous chunks sized for L2 and run row × token tiles
+//! over the full K. Each (row, token) sum is computed in one fixed order
+//! whatever the number of tokens, so results are **batch-invariant**: a
+//! token's outputs are bit-identical whether it is multiplied alone or with
+//! others, at any position (see `tiles`). At [`Isa::Scalar`] a portable path
+//! does the same with its own fixed order (K blocks of 256, 8 partial sums
+//! each). Epilogues are applied as sums are stored. [`matmul_with`] picks a
+//! level explicitly (tests and benches run every level the CPU has);
+//! [`matmul_bf16_dot`] is the opt-in bf16-activation product (`bf16dot`,
+//! AVX-512 BF16; not batch-invariant, not used by the runtime).
 
 pub(crate) mod avx2;
 pub(crate) mod avx512;
 pub(crate) mod bf16dot;
 pub mod bf16z;
 pub mod gemv;
+pub(crate) mod tiles;
 
-use self::avx512::RowLayout;
+use self::tiles::{RowLayout, Tiles};
 use super::isa::Isa;
 use super::{check_len, mul_dims, KernelError, WeightRef};
 use crate::ir::DType;
@@ -189,38 +187,42 @@ fn matmul_mode(
     };
     let path = match mode {
         Mode::Bf16Dot if w.dtype == DType::BF16 && isa.avx512_bf16() => Path::Bf16Dot,
-        _ if s > 1 && isa.avx512() => Path::Avx512,
+        _ if s == 1 => return gemv::gemv_at(isa, pool, x, k, w, n, epilogue, y),
+        _ if isa.avx512() => Path::Avx512,
         _ if isa.avx2() => Path::Avx2,
         _ => Path::Portable,
     };
-    if path == Path::Avx512 {
-        run_avx512(pool, x, s, k, w, n_out, epilogue, y);
-        return Ok(());
+    match path {
+        Path::Avx512 => run_columns::<avx512::Avx512>(pool, x, s, k, w, n_out, epilogue, y),
+        Path::Avx2 => run_columns::<avx2::Avx2>(pool, x, s, k, w, n_out, epilogue, y),
+        Path::Portable | Path::Bf16Dot => {
+            let max_rows = match (s, epilogue) {
+                (1, _) => MAX_GEMV_CHUNK_ROWS,
+                (_, Epilogue::SwiGlu) => MAX_CHUNK_ROWS / 2,
+                _ => MAX_CHUNK_ROWS,
+            };
+            let rows = chunk_rows(n_out, max_rows, pool.n_threads());
+            let n_chunks = n_out.div_ceil(rows);
+            let yp = SyncPtr::new(y);
+            pool.run(n_chunks, &|c| {
+                let r0 = c * rows;
+                let r1 = (r0 + rows).min(n_out);
+                run_chunk(path, x, s, k, w, n_out, r0, r1, epilogue, yp);
+            });
+        }
     }
-    let max_rows = match (s, epilogue) {
-        (1, _) => MAX_GEMV_CHUNK_ROWS,
-        (_, Epilogue::SwiGlu) => MAX_CHUNK_ROWS / 2,
-        _ => MAX_CHUNK_ROWS,
-    };
-    let rows = chunk_rows(n_out, max_rows, pool.n_threads());
-    let n_chunks = n_out.div_ceil(rows);
-    let yp = SyncPtr::new(y);
-    pool.run(n_chunks, &|c| {
-        let r0 = c * rows;
-        let r1 = (r0 + rows).min(n_out);
-        run_chunk(path, x, s, k, w, n_out, r0, r1, epilogue, yp);
-    });
     Ok(())
 }
 
-/// Weight bytes one chunk of the AVX-512 path reads: they stay in L2
-/// while every token passes over them.
-const AVX512_CHUNK_BYTES: usize = 256 << 10;
+/// Weight bytes one chunk of the tiled path reads: they stay in L2 while
+/// every token passes over them.
+const CHUNK_BYTES: usize = 256 << 10;
 
-/// The AVX-512 path: contiguous ranges of output columns, sized so their
-/// weight rows fit in L2 and there are about eight per thread.
+/// The tiled path for several tokens: contiguous ranges of output columns,
+/// sized so their weight rows fit in L2 and there are about eight per
+/// thread, each computed by [`tiles::columns`] with the level's kernels.
 #[allow(clippy::too_many_arguments)]
-fn run_avx512(
+fn run_columns<K: Tiles>(
     pool: &ThreadPool,
     x: &[f32],
     s: usize,
@@ -230,12 +232,15 @@ fn run_avx512(
     epilogue: Epilogue<'_>,
     y: &mut [f32],
 ) {
-    let es = if w.dtype == DType::F32 { 4 } else { 2 };
+    let dt = tiles::code(w.dtype);
+    let es = tiles::elem_size(dt);
     let (layout, rows_per_col) = match epilogue {
         Epilogue::SwiGlu => (RowLayout::GateUp { up: n_out }, 2),
         _ => (RowLayout::Plain, 1),
     };
-    let by_cache = (AVX512_CHUNK_BYTES / (k * es * rows_per_col)).max(4) / 4 * 4;
+    let last_row = n_out * rows_per_col;
+    assert!(x.len() >= s * k && last_row * k * es <= w.bytes.len() && k > 0);
+    let by_cache = (CHUNK_BYTES / (k * es * rows_per_col)).max(4) / 4 * 4;
     // About eight chunks per thread: with nothing packed per chunk, small
     // chunks cost little and absorb a thread being descheduled.
     let by_balance = n_out.div_ceil(pool.n_threads() * 8).div_ceil(4) * 4;
@@ -245,7 +250,7 @@ fn run_avx512(
     pool.run(n_chunks, &|ci| {
         let c0 = ci * cols;
         let c1 = (c0 + cols).min(n_out);
-        let mut emit = |t: usize, c: usize, nc: usize, sums: &[[f32; avx512::RT]]| {
+        let mut emit = |t: usize, c: usize, nc: usize, sums: &[[f32; tiles::RT]]| {
             for (j, v) in sums.iter().enumerate() {
                 let at = (t + j) * n_out + c;
                 // SAFETY: this chunk alone owns columns c0..c1 (c + nc <= c1)
@@ -269,7 +274,22 @@ fn run_avx512(
                 }
             }
         };
-        avx512::columns(x, s, k, w, layout, c0, c1, &mut emit);
+        // SAFETY: the level was checked supported (`isa` is capped by
+        // `Isa::detect`); x holds s*k floats and every weight row below
+        // `last_row` lies in `w.bytes` (asserted above).
+        unsafe {
+            tiles::columns::<K>(
+                x.as_ptr(),
+                s,
+                k,
+                w.bytes.as_ptr(),
+                dt,
+                layout,
+                c0,
+                c1,
+                &mut emit,
+            )
+        };
     });
 }
 
@@ -349,11 +369,13 @@ fn block(
     out: &mut [f32],
 ) {
     match path {
-        Path::Avx2 | Path::Avx512 => avx2::block(x, ns, k, w, row0, nr, out),
         Path::Bf16Dot => bf16dot::block(x, ns, k, w.bytes, row0, nr, out),
-        Path::Portable => block_portable(x, ns, k, w, row0, nr, out),
+        Path::Portable | Path::Avx2 | Path::Avx512 => block_portable(x, ns, k, w, row0, nr, out),
     }
 }
+
+/// K block of the portable path.
+const PORTABLE_KB: usize = 256;
 
 fn block_portable(
     x: &[f32],
@@ -364,14 +386,13 @@ fn block_portable(
     nr: usize,
     out: &mut [f32],
 ) {
-    const KB: usize = 256;
-    let mut wbuf = [0f32; KB];
+    let mut wbuf = [0f32; PORTABLE_KB];
     out[..ns * nr].fill(0.0);
     for r in 0..nr {
         let base = (row0 + r) * k;
         let mut k0 = 0;
         while k0 < k {
-            let kl = (k - k0).min(KB);
+            let kl = (k - k0).min(PORTABLE_KB);
             w.read_into(base + k0, &mut wbuf[..kl]);
             for t in 0..ns {
                 let xr = &x[t * k + k0..t * k + k0 + kl];
@@ -380,6 +401,24 @@ fn block_portable(
             k0 += kl;
         }
     }
+}
+
+/// The portable level's dot product of a weight row with `x`, in the
+/// order [`block_portable`] gives every (row, token) pair: K blocks of 256,
+/// each summed by [`dot8`], added in order to a sum starting at 0.
+/// `fill(k0, buf)` writes weights `k0..k0 + buf.len()` of the row as f32.
+pub(crate) fn portable_dot_with(x: &[f32], fill: &mut dyn FnMut(usize, &mut [f32])) -> f32 {
+    let k = x.len();
+    let mut wbuf = [0f32; PORTABLE_KB];
+    let mut sum = 0f32;
+    let mut k0 = 0;
+    while k0 < k {
+        let kl = (k - k0).min(PORTABLE_KB);
+        fill(k0, &mut wbuf[..kl]);
+        sum += dot8(&wbuf[..kl], &x[k0..k0 + kl]);
+        k0 += kl;
+    }
+    sum
 }
 
 /// Dot product with 8 independent partial sums (vectorisable).
@@ -407,7 +446,7 @@ pub fn flops(s: usize, n: usize, k: usize) -> f64 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::ir::DType;
     use crate::kernels::testutil::{assert_close, decoded, encode, Rng};
@@ -464,6 +503,107 @@ mod tests {
                         }
                     }
                     assert_close(&ys, &want_s, tol(k) * 4.0, 1e-5, &format!("swiglu {what}"));
+                }
+            }
+        }
+    }
+
+    /// A product under test: `(pool, x, s, epilogue, y)`.
+    pub(crate) type MatmulFn<'a> =
+        dyn Fn(&ThreadPool, &[f32], usize, Epilogue<'_>, &mut [f32]) + 'a;
+
+    /// The outputs of `tokens` (rows of `x`, `[*, k]`) multiplied together,
+    /// token by token as bit patterns; `init` is `y`'s rows before the call
+    /// (read by `Accumulate`) and `r` the residual rows.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn batch_bits(
+        mm: &MatmulFn<'_>,
+        pool: &ThreadPool,
+        x: &[f32],
+        k: usize,
+        tokens: std::ops::Range<usize>,
+        n_out: usize,
+        ep_kind: usize,
+        r: &[f32],
+    ) -> Vec<Vec<u32>> {
+        let s = tokens.len();
+        let rows = &r[tokens.start * n_out..tokens.end * n_out];
+        let mut y = rows.to_vec();
+        let ep = match ep_kind {
+            0 => Epilogue::None,
+            1 => Epilogue::Accumulate,
+            2 => Epilogue::AddResidual(rows),
+            _ => Epilogue::SwiGlu,
+        };
+        mm(pool, &x[tokens.start * k..tokens.end * k], s, ep, &mut y);
+        y.chunks_exact(n_out)
+            .map(|row| row.iter().map(|v| v.to_bits()).collect())
+            .collect()
+    }
+
+    /// Asserts that every token's outputs in batches of `S` tokens (at the
+    /// start and at the end of 64 tokens, on 2 and 1 threads) are
+    /// bit-identical to that token multiplied alone, for every epilogue.
+    pub(crate) fn check_batch_invariance(
+        mm: &MatmulFn<'_>,
+        x: &[f32],
+        k: usize,
+        n: usize,
+        r: &[f32],
+        what: &str,
+    ) {
+        let pools = [ThreadPool::new(2), ThreadPool::new(1)];
+        const TOKENS: usize = 64;
+        for ep in 0..4 {
+            let n_out = if ep == 3 { n / 2 } else { n };
+            let alone: Vec<Vec<u32>> = (0..TOKENS)
+                .flat_map(|t| batch_bits(mm, &pools[0], x, k, t..t + 1, n_out, ep, r))
+                .collect();
+            for s in [1, 2, 3, 7, 16, 37, 64] {
+                for (i, start) in [0, TOKENS - s].into_iter().enumerate() {
+                    let got = batch_bits(mm, &pools[i], x, k, start..start + s, n_out, ep, r);
+                    for (j, row) in got.iter().enumerate() {
+                        let t = start + j;
+                        if let Some(c) = (0..n_out).find(|&c| row[c] != alone[t][c]) {
+                            panic!(
+                                "{what} epilogue {ep}: token {t} at {j} of S={s}, column {c}: {} vs {} alone",
+                                f32::from_bits(row[c]),
+                                f32::from_bits(alone[t][c])
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn batch_invariant_at_every_level() {
+        // K with and without 8/16-element tails, and above the widening
+        // buffer; N with row-tile remainders.
+        for (i, &(k, n)) in [(576, 40), (100, 22), (37, 10), (4100, 6)]
+            .iter()
+            .enumerate()
+        {
+            let mut rng = Rng::new(400 + i as u64);
+            let x = rng.vec(64 * k);
+            let wf = rng.vec(n * k);
+            let r = rng.vec(64 * n);
+            for dtype in [DType::F32, DType::F16, DType::BF16] {
+                let wb = encode(&wf, dtype);
+                let w = WeightRef::new(dtype, &wb);
+                for isa in Isa::supported_levels() {
+                    let mm = |pool: &ThreadPool, x: &[f32], s, ep: Epilogue<'_>, y: &mut [f32]| {
+                        matmul_with(pool, isa, x, s, k, w, n, ep, y).unwrap()
+                    };
+                    check_batch_invariance(
+                        &mm,
+                        &x,
+                        k,
+                        n,
+                        &r,
+                        &format!("{dtype} {isa} k={k} n={n}"),
+                    );
                 }
             }
         }

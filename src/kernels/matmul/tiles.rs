@@ -1,0 +1,253 @@
+//! Register tiles shared by the SIMD levels, and the summation order that
+//! makes every product **batch-invariant**.
+//!
+//! A tile computes up to [`RT`] weight rows × up to `TT` tokens of dot
+//! products, one vector accumulator of `L` lanes per (row, token) pair
+//! (`L` = 8 at [`Isa::Avx2`](crate::kernels::Isa::Avx2), 16 at the AVX-512
+//! levels). For every pair the arithmetic is the same whatever the tile
+//! shape, so it does not depend on how many tokens a call has or where a
+//! token sits among them (nor on the thread count or chunking):
+//!
+//! * lane `l` accumulates the products of elements `e ≡ l (mod L)`, `e`
+//!   increasing, with fused multiply-adds, starting from +0;
+//! * a last partial group of elements is zero-padded to `L` lanes and
+//!   multiply-added like the others;
+//! * the `L` lanes are summed by one fixed tree (the level's `hsum4`).
+//!
+//! A single-token product (GEMV, memory-bound) runs the same tiles with one
+//! token: four rows at once give four independent FMA chains. Several tokens
+//! (GEMM, compute-bound) run `RT × TT` tiles over contiguous ranges of output
+//! columns sized for L2, tokens in groups; F16/BF16 row tiles are widened to
+//! f32 once per token group (exact, so the sums are unchanged). Epilogues are
+//! applied per tile by the caller's `emit`.
+//!
+//! The server batches several sequences' tokens into one step; with this
+//! order a sequence's logits are bit-identical to running it alone.
+
+// Register tiles are indexed explicitly on purpose.
+#![allow(clippy::needless_range_loop)]
+
+use crate::ir::DType;
+
+/// Weight-row tile (accumulator rows).
+pub(crate) const RT: usize = 4;
+/// Largest token tile of any level.
+pub(crate) const MAX_TT: usize = 6;
+
+/// A tile's sums: `[token][row]`.
+pub(crate) type Sums = [[f32; RT]; MAX_TT];
+
+/// Receives each tile's sums: `(first token, first column, columns, sums)`.
+pub(crate) type Emit<'a> = dyn FnMut(usize, usize, usize, &[[f32; RT]]) + 'a;
+
+/// Weight dtype codes of the tile kernels.
+pub(crate) const F32: u8 = 0;
+pub(crate) const F16: u8 = 1;
+pub(crate) const BF16: u8 = 2;
+
+/// The tile dtype code of a plain weight dtype.
+pub(crate) fn code(dtype: DType) -> u8 {
+    match dtype {
+        DType::F32 => F32,
+        DType::F16 => F16,
+        DType::BF16 => BF16,
+        _ => unreachable!("plain dtypes only (checked by the callers)"),
+    }
+}
+
+/// Bytes per element of a dtype code.
+pub(crate) const fn elem_size(dt: u8) -> usize {
+    if dt == F32 {
+        4
+    } else {
+        2
+    }
+}
+
+/// The tile kernels of one SIMD level.
+pub(crate) trait Tiles {
+    /// Tokens per full tile (at most [`MAX_TT`]).
+    const TT: usize;
+
+    /// `out[j][i] = dot(x[j], w[i])` for `j < t`, `i < r` (`1 <= r <= RT`,
+    /// `1 <= t <= TT`), in the order described in the module docs.
+    ///
+    /// # Safety
+    /// The CPU supports the level; `x` holds `t` rows of `k` f32 (row
+    /// stride `k`); `w[i]` for `i < r` points to `k` elements of dtype `dt`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile(
+        dt: u8,
+        r: usize,
+        t: usize,
+        x: *const f32,
+        k: usize,
+        w: &[*const u8; RT],
+        out: &mut Sums,
+    );
+
+    /// Converts `k` elements of dtype `dt` at `src` to f32 at `dst`.
+    ///
+    /// # Safety
+    /// The CPU supports the level; `k` elements at `src`, `k` floats at `dst`.
+    unsafe fn widen(dt: u8, src: *const u8, k: usize, dst: *mut f32);
+}
+
+/// One row's dot product with `x` (`k` elements): the tile order with one
+/// row and one token.
+///
+/// # Safety
+/// As [`Tiles::tile`] with `r = t = 1`.
+#[inline]
+pub(crate) unsafe fn dot1<K: Tiles>(dt: u8, row: *const u8, x: *const f32, k: usize) -> f32 {
+    let mut out = [[0f32; RT]; MAX_TT];
+    let w = [row, row, row, row];
+    // SAFETY: forwarded.
+    unsafe { K::tile(dt, 1, 1, x, k, &w, &mut out) };
+    out[0][0]
+}
+
+/// Four rows' dot products with `x`.
+///
+/// # Safety
+/// As [`Tiles::tile`] with `r = 4`, `t = 1`.
+#[inline]
+pub(crate) unsafe fn dot4<K: Tiles>(
+    dt: u8,
+    rows: [*const u8; RT],
+    x: *const f32,
+    k: usize,
+) -> [f32; RT] {
+    let mut out = [[0f32; RT]; MAX_TT];
+    // SAFETY: forwarded.
+    unsafe { K::tile(dt, RT, 1, x, k, &rows, &mut out) };
+    out[0]
+}
+
+/// Which weight rows one output tile reads, relative to the weight tensor.
+#[derive(Clone, Copy)]
+pub(crate) enum RowLayout {
+    /// Output column `c` is weight row `c`.
+    Plain,
+    /// Output column `c` needs gate row `c` and up row `up + c`.
+    GateUp { up: usize },
+}
+
+/// Bytes of x one token group may span (it is re-read from L2 for every
+/// weight-row tile of the chunk).
+const TOKEN_GROUP_BYTES: usize = 384 << 10;
+
+/// Tokens per group: one weight-row tile (widened once, for F16/BF16) is
+/// reused from L1 by this many tokens before the next tile is loaded. As
+/// many as fit [`TOKEN_GROUP_BYTES`], 48..=144, a multiple of the tile.
+fn token_group(k: usize, tt: usize) -> usize {
+    (TOKEN_GROUP_BYTES / (k * 4) / tt * tt).clamp(48, 144)
+}
+
+/// Largest K whose F16/BF16 row tiles are widened into a stack buffer
+/// (beyond it they are converted in registers, once per token tile).
+const WIDEN_MAX_K: usize = 4096;
+
+/// Computes output columns `c0..c1` for all `s` tokens of `x` (`[s, k]`)
+/// against the weights at `w` (`[*, k]` of dtype `dt`, rows chosen by
+/// `layout`), calling `emit(t, c, nc, sums)` for each tile: `sums[j]` holds,
+/// for token `t + j`, the dot products with the tile's weight rows — `nc`
+/// plain rows (`c..c+nc`), or for [`RowLayout::GateUp`] the `nc` gate rows
+/// followed by the `nc` up rows.
+///
+/// # Safety
+/// The CPU supports `K`'s level; `x` holds `s * k` floats; every weight row
+/// the layout names for columns `c0..c1` lies within the allocation at `w`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn columns<K: Tiles>(
+    x: *const f32,
+    s: usize,
+    k: usize,
+    w: *const u8,
+    dt: u8,
+    layout: RowLayout,
+    c0: usize,
+    c1: usize,
+    emit: &mut Emit<'_>,
+) {
+    let rb = k * elem_size(dt);
+    let null = std::ptr::null::<u8>();
+    let token_group = token_group(k, K::TT);
+    // Written by `widen` before every read; left uninitialised so calls that
+    // never widen pay nothing for it.
+    let mut wbuf_mem = std::mem::MaybeUninit::<[f32; RT * WIDEN_MAX_K]>::uninit();
+    let wbuf = wbuf_mem.as_mut_ptr().cast::<f32>();
+    // SAFETY: the caller guarantees rows of the layout and tokens below s
+    // are in bounds; only those are addressed.
+    unsafe {
+        let row = |r: usize| w.add(r * rb);
+        let mut t0 = 0;
+        while t0 < s {
+            let t1 = (t0 + token_group).min(s);
+            // Widening pays off when a tile is reused by several tokens.
+            let widen = dt != F32 && k <= WIDEN_MAX_K && t1 - t0 > 1;
+            let mut c = c0;
+            while c < c1 {
+                let (p, r, nc) = match layout {
+                    RowLayout::Plain => {
+                        let nc = (c1 - c).min(RT);
+                        let mut p = [null; RT];
+                        for (i, q) in p.iter_mut().enumerate().take(nc) {
+                            *q = row(c + i);
+                        }
+                        (p, nc, nc)
+                    }
+                    RowLayout::GateUp { up } => {
+                        if c + 2 <= c1 {
+                            ([row(c), row(c + 1), row(up + c), row(up + c + 1)], 4, 2)
+                        } else {
+                            ([row(c), row(up + c), null, null], 2, 1)
+                        }
+                    }
+                };
+                if widen {
+                    let mut q = [null; RT];
+                    for i in 0..r {
+                        let dst = wbuf.add(i * k);
+                        K::widen(dt, p[i], k, dst);
+                        q[i] = dst.cast::<u8>().cast_const();
+                    }
+                    token_tiles::<K>(F32, r, x, k, t0, t1, &q, c, nc, emit);
+                } else {
+                    token_tiles::<K>(dt, r, x, k, t0, t1, &p, c, nc, emit);
+                }
+                c += nc;
+            }
+            t0 = t1;
+        }
+    }
+}
+
+/// Token tiles of `K::TT` (then the remainder) for one weight-row tile.
+///
+/// # Safety
+/// As [`columns`]: tokens `t0..t1` of `x` and `r` rows at `w` exist.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+unsafe fn token_tiles<K: Tiles>(
+    dt: u8,
+    r: usize,
+    x: *const f32,
+    k: usize,
+    t0: usize,
+    t1: usize,
+    w: &[*const u8; RT],
+    c: usize,
+    nc: usize,
+    emit: &mut Emit<'_>,
+) {
+    let mut out = [[0f32; RT]; MAX_TT];
+    let mut t = t0;
+    while t < t1 {
+        let nt = (t1 - t).min(K::TT);
+        // SAFETY: forwarded; tokens t..t+nt exist.
+        unsafe { K::tile(dt, r, nt, x.add(t * k), k, w, &mut out) };
+        emit(t, c, nc, &out[..nt]);
+        t += nt;
+    }
+}
