@@ -160,7 +160,7 @@ fn fma_peak() {
         }
         s
     }
-    if !(std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")) {
+    if !Isa::detect().avx2() {
         return;
     }
     let iters = 2_000_000;
