@@ -319,3 +319,41 @@ fn a_client_that_disconnects_cancels_its_sequence() {
     assert!(n < 1500.0, "{n} tokens generated for a client that left");
     assert_eq!(server.metric("llama_graph_kv_cells_used", &[]), 0.0);
 }
+
+#[test]
+fn bad_flags_and_models_are_one_line_errors() {
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_llama-graph"))
+            .args(["serve", "--port", "0"])
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!out.status.success(), "{args:?} must fail");
+        assert!(!err.contains("panicked"), "{err}");
+        err.trim_end()
+            .lines()
+            .last()
+            .unwrap_or_default()
+            .to_string()
+    };
+    let last = run(&["-m", "/nonexistent/model.gguf"]);
+    assert!(
+        last.starts_with("error: ") && last.contains("/nonexistent/model.gguf"),
+        "{last}"
+    );
+    assert_eq!(
+        run(&["--host", "localhost:80"]),
+        "error: --host localhost:80: not an IP address (e.g. 127.0.0.1 or 0.0.0.0)"
+    );
+    assert_eq!(
+        run(&["-np", "0"]),
+        "error: -np/--parallel must be at least 1"
+    );
+    assert_eq!(
+        run(&["--max-queue", "0"]),
+        "error: --max-queue must be at least 1"
+    );
+    assert_eq!(run(&["-t", "0"]), "error: -t/--threads must be at least 1");
+}
