@@ -98,14 +98,14 @@ def llama_server_bin():
 class Server:
     """A server process on 127.0.0.1:port, killed on exit."""
 
-    def __init__(self, who, model, args, lc_bin):
+    def __init__(self, who, model, args, lc_bin, lc_flags=()):
         self.port = free_port()
         common = ["-m", str(model), "-t", str(args.threads), "-np", str(args.parallel),
                   "-c", str(args.ctx), "--host", "127.0.0.1", "--port", str(self.port)]
         if who == "lg":
             cmd = [str(LG), "serve", *common]
         else:
-            cmd = [str(lc_bin), *common]
+            cmd = [str(lc_bin), *common, *lc_flags]
         self.log = tempfile.TemporaryFile()
         self.p = subprocess.Popen(cmd, stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL)
         deadline = time.time() + 600
@@ -253,11 +253,35 @@ def run_single(model, args, max_tokens):
     return {"decode_tokens_per_s": s["decode_tokens_per_s"], "generated_tokens": s["generated_tokens"]}
 
 
+def start_server(who, path, args, lc_bin, lc_flags):
+    """A started and warmed-up server, and the llama-server flags in use.
+
+    llama.cpp's native build uses AMX tiles for these weight types where the
+    CPU lists AMX; on VMs that trap AMX the process dies (SIGILL) on its first
+    decode. Without repacking (no extra buffer types) it runs: that is tried
+    once, and the table says so."""
+    try:
+        srv = Server(who, path, args, lc_bin, lc_flags)
+        asyncio.run(stream_chat(srv.port, PROMPTS[0], 8))
+        return srv, lc_flags
+    except (OSError, asyncio.IncompleteReadError, RuntimeError) as e:
+        if who != "lc" or lc_flags:
+            raise
+        log(f"llama-server failed ({str(e).splitlines()[0]}); retrying with --no-repack")
+        lc_flags = ["--no-repack"]
+        srv = Server(who, path, args, lc_bin, lc_flags)
+        asyncio.run(stream_chat(srv.port, PROMPTS[0], 8))
+        return srv, lc_flags
+
+
 def run(args):
     models = args.models.split(",")
     clients = [int(c) for c in args.clients.split(",")]
     servers = args.servers.split(",")
-    lc_bin = llama_server_bin() if "lc" in servers else None
+    lc_bin = None
+    if "lc" in servers:
+        lc_bin = Path(args.llama_server) if args.llama_server else llama_server_bin()
+    lc_flags = args.lc_flags.split() if args.lc_flags else []
     samples = {}
     for rnd in range(args.rounds):
         for m in models:
@@ -267,9 +291,8 @@ def run(args):
             max_tokens = args.max_tokens or (64 if m.startswith("1b_") else 128)
             order = [w for w in (["lg", "lc"] if rnd % 2 == 0 else ["lc", "lg"]) if w in servers]
             for who in order:
-                srv = Server(who, path, args, lc_bin)
+                srv, lc_flags = start_server(who, path, args, lc_bin, lc_flags)
                 try:
-                    asyncio.run(stream_chat(srv.port, PROMPTS[0], 8))  # warm-up
                     for c in clients:
                         r = asyncio.run(level(srv.port, c, args.requests_per_client, max_tokens))
                         samples.setdefault(f"{m}|{who}|{c}", []).append(r)
@@ -281,7 +304,7 @@ def run(args):
             s = run_single(path, args, max_tokens)
             samples.setdefault(f"{m}|run", []).append(s)
             log(f"round {rnd} {m} run: {s['decode_tokens_per_s']:.1f} tok/s decode")
-    res = {"rounds": args.rounds, "threads": args.threads, "parallel": args.parallel, "ctx": args.ctx,
+    res = {"llama_server_extra_flags": lc_flags, "rounds": args.rounds, "threads": args.threads, "parallel": args.parallel, "ctx": args.ctx,
            "requests_per_client": args.requests_per_client, "cpu": cpu_name(),
            "models": models, "clients": clients, "samples": samples}
     Path(args.out).write_text(json.dumps(res, indent=1))
@@ -301,7 +324,9 @@ def med(xs, key):
 
 def table(res):
     s = res["samples"]
-    print(f"CPU: {res['cpu']}; {res['threads']} threads, -np {res['parallel']}, -c {res['ctx']}; "
+    extra = " ".join(res.get("llama_server_extra_flags") or [])
+    print(f"CPU: {res['cpu']}; {res['threads']} threads, -np {res['parallel']}, -c {res['ctx']}"
+          + (f" (llama-server {extra})" if extra else "") + "; "
           f"medians of {res['rounds']} interleaved rounds; llama-graph / llama-server = ratio")
     print("| model | clients | generated tokens/s | vs our 1 client | TTFT median ms | per-stream tokens/s |")
     print("|---|---|---|---|---|---|")
@@ -341,6 +366,9 @@ def main():
     r.add_argument("--ctx", type=int, default=4096, help="-c for both servers (the total KV)")
     r.add_argument("--requests-per-client", type=int, default=2)
     r.add_argument("--max-tokens", type=int, default=0, help="default: 128, 64 for the 1B files")
+    r.add_argument("--llama-server", default="",
+                   help="the llama-server binary (default: tools/llamacpp/build.sh native llama-server)")
+    r.add_argument("--lc-flags", default="", help="extra llama-server flags, e.g. --no-repack")
     r.add_argument("--servers", default="lg,lc", help="lg (llama-graph), lc (llama-server) or both")
     r.add_argument("--out", default=str(HERE / "results.json"))
     t = sub.add_parser("table")
