@@ -61,3 +61,30 @@ pub(crate) fn assert_close(a: &[f32], b: &[f64], atol: f64, rtol: f64, what: &st
         );
     }
 }
+
+/// Offsets of the f16 scale fields in one storage block of a quantized
+/// `dtype` (ggml's layouts, see `quantized::blocks`).
+pub(crate) fn f16_fields(dtype: DType) -> &'static [usize] {
+    match dtype {
+        DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
+        DType::Q2_K => &[80, 82],
+        DType::Q3_K => &[108],
+        DType::Q6_K => &[208],
+        d if d.is_quantized() => &[0],
+        _ => &[],
+    }
+}
+
+/// `nblocks` storage blocks of a quantized `dtype`: random bytes, with
+/// every f16 scale field set to a small finite value (random sign).
+pub(crate) fn random_blocks(dtype: DType, nblocks: usize, rng: &mut Rng) -> Vec<u8> {
+    let bb = dtype.block_bytes();
+    let mut out: Vec<u8> = (0..nblocks * bb).map(|_| rng.next_u64() as u8).collect();
+    for b in out.chunks_exact_mut(bb) {
+        for &at in f16_fields(dtype) {
+            let v = half::f16::from_f32(rng.uniform() * 0.05);
+            b[at..at + 2].copy_from_slice(&v.to_le_bytes());
+        }
+    }
+    out
+}

@@ -3,18 +3,36 @@
 //! [`super::dot_row`], which dequantizes in registers.
 //! The weights stay quantized in memory. Work is split over output columns.
 
-use super::dot_row;
+use super::dot_row_at;
 use crate::kernels::matmul::Epilogue;
-use crate::kernels::{check_linear, KernelError, WeightRef};
+use crate::kernels::{check_linear, Isa, KernelError, WeightRef};
 use crate::pool::{SyncPtr, ThreadPool};
 
 /// Output columns per work chunk.
 const COLS_PER_CHUNK: usize = 16;
 
 /// `y = x·Wᵀ` with `epilogue`, for a quantized `W` `[n, k]`. Same contract
-/// as [`matmul`](crate::kernels::matmul()).
+/// as [`matmul`](crate::kernels::matmul()). Every output is one row's dot
+/// product computed alone, so a row's result does not depend on the other
+/// rows of `x` (batch invariance).
 #[allow(clippy::too_many_arguments)]
 pub fn qmatmul(
+    pool: &ThreadPool,
+    x: &[f32],
+    s: usize,
+    k: usize,
+    w: WeightRef<'_>,
+    n: usize,
+    epilogue: Epilogue<'_>,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    qmatmul_with(Isa::current(), pool, x, s, k, w, n, epilogue, y)
+}
+
+/// [`qmatmul`] with the kernels of `isa` (tests, benchmarks).
+#[allow(clippy::too_many_arguments)]
+pub fn qmatmul_with(
+    isa: Isa,
     pool: &ThreadPool,
     x: &[f32],
     s: usize,
@@ -35,13 +53,13 @@ pub fn qmatmul(
             // SAFETY: chunk `c` owns columns j0..j1 of every row of y.
             let yr = unsafe { yp.slice(t * n_out + j0, j1 - j0) };
             for (o, j) in yr.iter_mut().zip(j0..j1) {
-                let v = dot_row(w.dtype, row(j), xr);
+                let v = dot_row_at(isa, w.dtype, row(j), xr);
                 *o = match epilogue {
                     Epilogue::None => v,
                     Epilogue::Accumulate => *o + v,
                     Epilogue::AddResidual(r) => v + r[t * n_out + j],
                     Epilogue::SwiGlu => {
-                        let up = dot_row(w.dtype, row(j + n_out), xr);
+                        let up = dot_row_at(isa, w.dtype, row(j + n_out), xr);
                         crate::kernels::elementwise::silu_f32(v) * up
                     }
                 };

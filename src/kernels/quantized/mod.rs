@@ -13,6 +13,8 @@
 pub mod blocks;
 pub mod exact;
 pub mod fast;
+#[cfg(test)]
+mod invariance;
 
 use self::blocks::dequant_block;
 use crate::ir::DType;

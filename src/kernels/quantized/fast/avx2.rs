@@ -75,7 +75,8 @@ pub(super) unsafe fn quantize(x: &[f32], out: &mut [Q8Act]) {
         };
         let isum = _mm256_add_epi32(_mm256_slli_epi32::<RES_SHIFT>(sum(&q)), sum(&r));
         o.d = c / RES as f32;
-        o.s = o.d * hsum_i32(isum) as f32;
+        o.isum = hsum_i32(isum);
+        o.s = o.d * o.isum as f32;
     }
 }
 
@@ -97,17 +98,16 @@ pub(super) trait Block {
     /// # Safety
     /// The CPU must support avx2/fma/f16c; `b` holds one block.
     unsafe fn load(b: &[u8]) -> (__m256i, f32, f32);
-    /// `(u, [d, m', 0, 0])`: the quants as unsigned bytes `u` with every
-    /// weight `d·u + m'` (Q8_0 `q + 128`, `m' = -128 d`; Q4_0 the nibble,
-    /// `m' = -8 d`; Q4_1 the nibble and its minimum), so a kernel can use
-    /// the weights as `vpdpbusd`'s unsigned operand without moving signs,
-    /// paying `m' · Σ x` per block instead. Scale and offset come as one
-    /// vector so a kernel can multiply both with an activation block's
-    /// `[d, s]` in one instruction.
+    /// The weights as unsigned bytes `u = q + OFF` in element order (Q8_0
+    /// `q ^ 0x80`, Q4_0 and Q4_1 the stored nibbles), for kernels that use
+    /// them as `vpdpbusd`'s unsigned operand and take `OFF · Σ a` back off
+    /// in integers.
     ///
     /// # Safety
     /// As [`Block::load`].
-    unsafe fn load_u(b: &[u8]) -> (__m256i, __m128);
+    unsafe fn load_u(b: &[u8]) -> __m256i;
+    /// What [`Block::load_u`] adds to every signed quant.
+    const OFF: i32;
 }
 
 pub(super) struct BQ8_0;
@@ -126,26 +126,15 @@ impl Block for BQ8_0 {
         let v = unsafe { _mm256_loadu_si256(q.as_ptr() as *const __m256i) };
         (v, f16_at(b, 0), 0.0)
     }
+    const OFF: i32 = 128;
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load_u(b: &[u8]) -> (__m256i, __m128) {
+    unsafe fn load_u(b: &[u8]) -> __m256i {
         let q = &b[2..34];
         // SAFETY: q has 32 bytes; unaligned load.
         let v = unsafe { _mm256_loadu_si256(q.as_ptr() as *const __m256i) };
-        (
-            _mm256_xor_si256(v, _mm256_set1_epi8(-128)),
-            scale_offset(b, -128.0),
-        )
+        _mm256_xor_si256(v, _mm256_set1_epi8(-128))
     }
-}
-
-/// `[d, c·d, 0, 0]` for the f16 scale `d` at the start of block `b`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn scale_offset(b: &[u8], c: f32) -> __m128 {
-    let bits = u16::from_le_bytes([b[0], b[1]]);
-    let d = _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32));
-    _mm_mul_ps(_mm_broadcastss_ps(d), _mm_setr_ps(1.0, c, 0.0, 0.0))
 }
 
 #[inline]
@@ -171,11 +160,12 @@ impl Block for BQ4_0 {
         let v = unsafe { _mm256_sub_epi8(nibbles32(&b[2..18]), _mm256_set1_epi8(8)) };
         (v, f16_at(b, 0), 0.0)
     }
+    const OFF: i32 = 8;
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load_u(b: &[u8]) -> (__m256i, __m128) {
+    unsafe fn load_u(b: &[u8]) -> __m256i {
         // SAFETY: as nibbles32.
-        (unsafe { nibbles32(&b[2..18]) }, scale_offset(b, -8.0))
+        unsafe { nibbles32(&b[2..18]) }
     }
 }
 
@@ -190,16 +180,12 @@ impl Block for BQ4_1 {
         let v = unsafe { nibbles32(&b[4..20]) };
         (v, f16_at(b, 0), f16_at(b, 2))
     }
+    const OFF: i32 = 0;
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load_u(b: &[u8]) -> (__m256i, __m128) {
-        // The f16 scale and minimum side by side, widened in one go.
-        let dm = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        (
-            // SAFETY: as nibbles32.
-            unsafe { nibbles32(&b[4..20]) },
-            _mm_cvtph_ps(_mm_cvtsi32_si128(dm as i32)),
-        )
+    unsafe fn load_u(b: &[u8]) -> __m256i {
+        // SAFETY: as nibbles32.
+        unsafe { nibbles32(&b[4..20]) }
     }
 }
 

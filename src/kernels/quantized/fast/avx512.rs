@@ -1,6 +1,6 @@
 //! AVX-512 VNNI kernels of the fast path: an outer-product formulation
-//! with `vpdpbusd` for S>1 (prefill), and the AVX2 kernel's structure with
-//! 256-bit `vpdpbusd` for small S.
+//! with `vpdpbusd` for S>1 (prefill), and a small-S kernel with 256-bit
+//! `vpdpbusd` that computes every (row, token) with the same arithmetic.
 //!
 //! * Activations of 16 tokens are packed per 32-element block
 //!   ([`PackedBlock`]): for each group `j` of 4 elements, one 64-byte vector
@@ -17,10 +17,17 @@
 //!   accumulators that meet as `256·Σ q·w + Σ r·w`, and the f32 work
 //!   (convert, scale, fmadd) is paid once per block for 16 tokens.
 //! * For small S ([`dot_rows`]), the weights are the unsigned operand
-//!   ([`Block::load_u`]: Q8_0 offset by +128, Q4 nibbles as stored) and the
-//!   offset is paid as `m' · s` per block, with no sign juggling.
+//!   ([`Block::load_u`]: Q8_0 offset by +128, Q4 nibbles as stored); each
+//!   block's total over the vector is reduced for 4 rows at once into the
+//!   lanes of one register, and the offset is taken back off in integers
+//!   (`OFF · isum`). Per (row, token) this is the packed kernel's arithmetic
+//!   exactly: the exact block integer, then `fma(f32(i), d_a·d_w, f)` and
+//!   the Q4_1 term `fma(m, s, f)`, blocks in order. A token's outputs are
+//!   therefore the same bits whether it is decoded alone or in a prefill
+//!   batch (batch invariance, see `quantized::invariance`); so is the
+//!   SwiGLU epilogue ([`swiglu_slice`] and [`swiglu`] share one formula).
 
-use super::avx2::{hsum, Block, BQ4_0, BQ4_1, BQ8_0};
+use super::avx2::{Block, BQ4_0, BQ4_1, BQ8_0};
 use super::{Q8Act, QK, RES_SHIFT};
 use crate::ir::DType;
 use std::arch::x86_64::*;
@@ -241,19 +248,20 @@ pub(super) unsafe fn dot_rows(
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn rows<B: Block>(w: &[u8], row_bytes: usize, acts: &[&[Q8Act]], out: &mut [f32]) {
-    // Row counts as in the AVX2 kernel (two rows only for short rows).
     match acts.len() {
-        1 if row_bytes <= 512 => rows_nt::<B, 1, 2>(w, row_bytes, acts, out),
-        1 => rows_nt::<B, 1, 1>(w, row_bytes, acts, out),
-        2 => rows_nt::<B, 2, 2>(w, row_bytes, acts, out),
-        3 => rows_nt::<B, 3, 2>(w, row_bytes, acts, out),
-        4 => rows_nt::<B, 4, 2>(w, row_bytes, acts, out),
+        1 => rows_nt::<B, 1>(w, row_bytes, acts, out),
+        2 => rows_nt::<B, 2>(w, row_bytes, acts, out),
+        3 => rows_nt::<B, 3>(w, row_bytes, acts, out),
+        4 => rows_nt::<B, 4>(w, row_bytes, acts, out),
         _ => unreachable!("tiles have 1..=4 tokens"),
     }
 }
 
+/// Rows per small-S kernel call (one f32 lane each).
+const SR: usize = 4;
+
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn rows_nt<B: Block, const NT: usize, const RR: usize>(
+fn rows_nt<B: Block, const NT: usize>(
     w: &[u8],
     row_bytes: usize,
     acts: &[&[Q8Act]],
@@ -267,87 +275,118 @@ fn rows_nt<B: Block, const NT: usize, const RR: usize>(
     for t in 0..NT {
         a[t] = &acts[t][..nb];
     }
-    let mut r = 0;
-    while r + RR <= nr {
-        small::<B, RR, NT>(
-            &w[r * row_bytes..(r + RR) * row_bytes],
-            nb,
-            &a,
-            &mut out[r * NT..(r + RR) * NT],
-        );
-        r += RR;
-    }
-    while r < nr {
-        small::<B, 1, NT>(
-            &w[r * row_bytes..(r + 1) * row_bytes],
-            nb,
-            &a,
-            &mut out[r * NT..(r + 1) * NT],
-        );
-        r += 1;
+    let mut v = [[0f32; SR]; NT];
+    for r0 in (0..nr).step_by(SR) {
+        // A short last group repeats its last row in the spare lanes (every
+        // lane is computed on its own; the spare results are dropped).
+        let nv = (nr - r0).min(SR);
+        let mut rows: [&[u8]; SR] = [&[]; SR];
+        for (i, row) in rows.iter_mut().enumerate() {
+            let r = r0 + i.min(nv - 1);
+            *row = &w[r * row_bytes..(r + 1) * row_bytes];
+        }
+        small::<B, NT>(&rows, nb, &a, &mut v);
+        for i in 0..nv {
+            for t in 0..NT {
+                out[(r0 + i) * NT + t] = v[t][i];
+            }
+        }
     }
 }
 
+/// `out[t][i] = row_i · token_t` for [`SR`] weight rows (one f32 lane each)
+/// with exactly the arithmetic of the packed kernel ([`kern`]) for each
+/// (row, token): per block the exact integer `Σ q·(256 qs + qr)`, then
+/// `f = fma(f32(that), d_a·d_w, f)` and, for Q4_1, `f = fma(m, s, f)`, blocks
+/// in order. So a token's outputs do not depend on how many tokens share
+/// the step (decode and prefill agree bit for bit).
+///
+/// The weights are `vpdpbusd`'s unsigned operand (`u = q + OFF`); the block
+/// total `Σ u·a` of each row is reduced across the vector with the other
+/// rows' (`vphaddd`) so that lane `i` holds row `i`'s, and `OFF · isum` is
+/// taken back off.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn small<B: Block, const RR: usize, const NT: usize>(
-    w: &[u8],
+fn small<B: Block, const NT: usize>(
+    rows: &[&[u8]; SR],
     nb: usize,
     a: &[&[Q8Act]; NT],
-    out: &mut [f32],
+    out: &mut [[f32; SR]; NT],
 ) {
-    let rb = nb * B::BYTES;
-    assert!(w.len() == RR * rb && out.len() == RR * NT);
-    // Two accumulator sets (even and odd blocks): one fmadd chain per
-    // (row, token) was latency-bound with one row and one token. Lane 1 of
-    // `msum` gathers the offsets `m' · s`.
-    let mut acc = [[[_mm256_setzero_ps(); NT]; RR]; 2];
-    let mut msum = [[_mm_setzero_ps(); NT]; RR];
-    for b0 in (0..nb).step_by(2) {
-        for u in 0..2 {
-            let b = b0 + u;
-            if b >= nb {
-                break;
+    for row in rows {
+        assert!(row.len() == nb * B::BYTES);
+    }
+    let mut f = [_mm_setzero_ps(); NT];
+    for b in 0..nb {
+        let at = b * B::BYTES;
+        let mut u = [_mm256_setzero_si256(); SR];
+        for i in 0..SR {
+            // SAFETY: the slice holds one block.
+            u[i] = unsafe { B::load_u(&rows[i][at..at + B::BYTES]) };
+        }
+        // The rows' f16 scales (and Q4_1 minimums) side by side.
+        let h =
+            |i: usize, o: usize| u16::from_le_bytes([rows[i][at + o], rows[i][at + o + 1]]) as i16;
+        let dw = _mm_cvtph_ps(_mm_setr_epi16(
+            h(0, 0),
+            h(1, 0),
+            h(2, 0),
+            h(3, 0),
+            0,
+            0,
+            0,
+            0,
+        ));
+        let mw = if B::HAS_MIN {
+            _mm_cvtph_ps(_mm_setr_epi16(
+                h(0, 2),
+                h(1, 2),
+                h(2, 2),
+                h(3, 2),
+                0,
+                0,
+                0,
+                0,
+            ))
+        } else {
+            _mm_setzero_ps()
+        };
+        for t in 0..NT {
+            let ab = &a[t][b];
+            // SAFETY: qs and qr have 32 bytes each; unaligned loads.
+            let (av, ar) = unsafe {
+                (
+                    _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i),
+                    _mm256_loadu_si256(ab.qr.as_ptr() as *const __m256i),
+                )
+            };
+            let mut p = [_mm256_setzero_si256(); SR];
+            for i in 0..SR {
+                // 256·Σ u·qs + Σ u·qr per 4 elements (< 2^31 in total).
+                let q = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u[i], av);
+                p[i] = _mm256_dpbusd_epi32(_mm256_slli_epi32::<RES_SHIFT>(q), u[i], ar);
             }
-            let mut qu = [_mm256_setzero_si256(); RR];
-            let mut dm = [_mm_setzero_ps(); RR];
-            for r in 0..RR {
-                let at = r * rb + b * B::BYTES;
-                // SAFETY: the slice has B::BYTES bytes.
-                (qu[r], dm[r]) = unsafe { B::load_u(&w[at..at + B::BYTES]) };
-            }
-            for t in 0..NT {
-                let ab = &a[t][b];
-                // SAFETY: qs and qr have 32 bytes each; unaligned loads. `d`
-                // and `s` are adjacent f32s (repr(C)): an 8-byte load.
-                let (av, ar, ds) = unsafe {
-                    (
-                        _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i),
-                        _mm256_loadu_si256(ab.qr.as_ptr() as *const __m256i),
-                        _mm_castpd_ps(_mm_load_sd(&ab.d as *const f32 as *const f64)),
-                    )
-                };
-                for r in 0..RR {
-                    // 256·Σ u·qs + Σ u·qr per 4 elements (u = the unsigned
-                    // quants), scaled by d_w·d_a; then m' · s for the offset of u.
-                    let p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), qu[r], av);
-                    let p = _mm256_dpbusd_epi32(_mm256_slli_epi32::<RES_SHIFT>(p), qu[r], ar);
-                    let sc = _mm_mul_ps(dm[r], ds);
-                    acc[u][r][t] = _mm256_fmadd_ps(
-                        _mm256_broadcastss_ps(sc),
-                        _mm256_cvtepi32_ps(p),
-                        acc[u][r][t],
-                    );
-                    msum[r][t] = _mm_add_ps(msum[r][t], sc);
-                }
+            let hs =
+                _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+            let tot = _mm_add_epi32(
+                _mm256_castsi256_si128(hs),
+                _mm256_extracti128_si256::<1>(hs),
+            );
+            let isum = if B::OFF != 0 {
+                _mm_sub_epi32(tot, _mm_set1_epi32(B::OFF * ab.isum))
+            } else {
+                tot
+            };
+            let sc = _mm_mul_ps(_mm_set1_ps(ab.d), dw);
+            f[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(isum), sc, f[t]);
+            if B::HAS_MIN {
+                f[t] = _mm_fmadd_ps(mw, _mm_set1_ps(ab.s), f[t]);
             }
         }
     }
-    for r in 0..RR {
-        for t in 0..NT {
-            let m = _mm_cvtss_f32(_mm_movehdup_ps(msum[r][t]));
-            out[r * NT + t] = hsum(_mm256_add_ps(acc[0][r][t], acc[1][r][t])) + m;
-        }
+    for t in 0..NT {
+        // SAFETY: out[t] holds SR = 4 f32; unaligned store.
+        unsafe { _mm_storeu_ps(out[t].as_mut_ptr(), f[t]) };
     }
 }
 
@@ -377,7 +416,18 @@ fn exp16(x: __m512) -> __m512 {
     _mm512_scalef_ps(e, n)
 }
 
-/// `g[r] = silu(g[r]) * u[r]` lane-wise (`silu(v) = v / (1 + e^-v)`).
+/// `silu(g) * u` lane-wise (`silu(v) = v / (1 + e^-v)`): the one SwiGLU of
+/// every kernel at this level, so that a row's result does not depend on
+/// which kernel ran it.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn swiglu16(gv: __m512, uv: __m512) -> __m512 {
+    let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    let sv = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0), e));
+    _mm512_mul_ps(sv, uv)
+}
+
+/// `g[r] = silu(g[r]) * u[r]` lane-wise.
 ///
 /// # Safety
 /// The CPU must support the [`Isa::Avx512Vnni`](crate::kernels::Isa::Avx512Vnni) level.
@@ -388,9 +438,26 @@ pub(super) unsafe fn swiglu(g: &mut [[f32; TG]; R], u: &[[f32; TG]; R]) {
         unsafe {
             let gv = _mm512_loadu_ps(g[r].as_ptr());
             let uv = _mm512_loadu_ps(u[r].as_ptr());
-            let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-            let sv = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0), e));
-            _mm512_storeu_ps(g[r].as_mut_ptr(), _mm512_mul_ps(sv, uv));
+            _mm512_storeu_ps(g[r].as_mut_ptr(), swiglu16(gv, uv));
+        }
+    }
+}
+
+/// `g[i] = silu(g[i]) * u[i]` for slices of any length (same arithmetic as
+/// [`swiglu`]).
+///
+/// # Safety
+/// The CPU must support the [`Isa::Avx512Vnni`](crate::kernels::Isa::Avx512Vnni) level.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn swiglu_slice(g: &mut [f32], u: &[f32]) {
+    assert_eq!(g.len(), u.len());
+    for (gc, uc) in g.chunks_mut(TG).zip(u.chunks(TG)) {
+        let m: __mmask16 = ((1u32 << gc.len()) - 1) as __mmask16;
+        // SAFETY: masked loads and stores touch only the chunk's elements.
+        unsafe {
+            let gv = _mm512_maskz_loadu_ps(m, gc.as_ptr());
+            let uv = _mm512_maskz_loadu_ps(m, uc.as_ptr());
+            _mm512_mask_storeu_ps(gc.as_mut_ptr(), m, swiglu16(gv, uv));
         }
     }
 }

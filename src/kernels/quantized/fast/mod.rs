@@ -39,14 +39,25 @@
 //!   16 tokens per 512-bit register, `vpdpbusd` with broadcast weights (see
 //!   `avx512.rs`); work chunks of [`COLS_PER_CHUNK`] rows x
 //!   [`PACKED_TOKENS_PER_CHUNK`] tokens, the weight rows decoded once per chunk.
-//! * [`Isa::Avx2`] and [`Isa::Avx512`] (and VNNI for small S, with `vpdpbusd` in place of
-//!   `maddubs`/`madd`): `maddubs`/`madd`, tiles of
+//! * [`Isa::Avx512Vnni`], S < [`PACKED_MIN_S`]: 4 weight rows at a time,
+//!   256-bit `vpdpbusd`, each block's total reduced into one lane per row.
+//! * [`Isa::Avx2`] and [`Isa::Avx512`] (and the unit formats at every SIMD
+//!   level): `maddubs`/`madd`, tiles of
 //!   [`COLS_PER_CHUNK`] weight rows × [`TOKENS_PER_CHUNK`] tokens; inside a
 //!   tile every weight block is decoded once and multiplied with up to four
 //!   tokens' activation blocks.
 //! * [`Isa::Scalar`]: the reference. The SIMD kernels agree with it exactly
 //!   on the quantized activations and the integer block products, and up to
 //!   f32 summation order on the outputs.
+//!
+//! Batch invariance: at each level, one activation row's outputs are the
+//! same bits whatever the number of rows in the call and the row's place
+//! among them (a server batches several sequences' tokens in one step).
+//! Every (row, token) output is computed by one chain of f32 operations
+//! whose order depends only on the weight row and the level: the AVX2 tiles
+//! keep one accumulator per (row, token), and at the VNNI level the small-S
+//! kernel reproduces the packed kernel's per-lane arithmetic. Checked for
+//! every type and level by `quantized::invariance`.
 
 // Block kernels index several arrays with one loop counter, as in ggml's reference code.
 #![allow(clippy::needless_range_loop)]
@@ -65,12 +76,16 @@ use half::f16;
 
 /// One quantized block of 32 activations:
 /// `x[i] ≈ d * (256 * qs[i] + qr[i])` ([`RES`] = 256);
-/// `s` is the sum of those 32 values (for weight offsets such as Q4_1's minimum).
+/// `s` is the sum of those 32 values (for weight offsets such as Q4_1's
+/// minimum), `s = d * isum` with `isum = Σ (256 qs[i] + qr[i])` (for kernels
+/// that multiply offset weights `q + c` and take `c · isum` back off in
+/// integers).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 #[repr(C)]
 pub struct Q8Act {
     pub d: f32,
     pub s: f32,
+    pub isum: i32,
     /// The 8-bit quants (`|qs| ≤ 127`).
     pub qs: [i8; 32],
     /// The remainders, in units of 1/256 of a quant step (`|qr| ≤ 127`).
@@ -178,6 +193,7 @@ pub fn quantize_act_scalar(x: &[f32], out: &mut [Q8Act]) {
         }
         o.d = c / RES as f32;
         o.s = o.d * isum as f32;
+        o.isum = isum;
     }
 }
 
@@ -403,6 +419,12 @@ pub fn qmatmul_fast_with(
     };
     let col_chunks = n_out.div_ceil(rows_per_chunk);
     let tok_chunks = s.div_ceil(TOKENS_PER_CHUNK);
+    // The SwiGLU of the packed kernels' level (see `packed_for`), so that a
+    // token's outputs are the same whichever kernel ran it.
+    let vector_swiglu = matches!(epilogue, Epilogue::SwiGlu)
+        && cfg!(target_arch = "x86_64")
+        && level == Level::Avx512Vnni
+        && has_block_kernels(w.dtype);
     pool.run(col_chunks * tok_chunks, &|c| {
         let (cc, tc) = (c % col_chunks, c / col_chunks);
         let (jc0, jc1) = (cc * rows_per_chunk, ((cc + 1) * rows_per_chunk).min(n_out));
@@ -439,20 +461,29 @@ pub fn qmatmul_fast_with(
                         level,
                     );
                 }
+                #[cfg(target_arch = "x86_64")]
+                if vector_swiglu {
+                    // SAFETY: the level was checked by the caller.
+                    unsafe { avx512::swiglu_slice(&mut v[..nr * nt], &up[..nr * nt]) };
+                }
                 for i in 0..nt {
                     let t = ta + i;
                     // SAFETY: chunk c alone owns columns j0..j1 of rows t0..t1 of y.
                     let yr = unsafe { yp.slice(t * n_out + j0, nr) };
                     for (r, o) in yr.iter_mut().enumerate() {
-                        *o = apply_epilogue(
-                            epilogue,
-                            *o,
-                            v[r * nt + i],
-                            up[r * nt + i],
-                            t,
-                            j0 + r,
-                            n_out,
-                        );
+                        *o = if vector_swiglu {
+                            v[r * nt + i]
+                        } else {
+                            apply_epilogue(
+                                epilogue,
+                                *o,
+                                v[r * nt + i],
+                                up[r * nt + i],
+                                t,
+                                j0 + r,
+                                n_out,
+                            )
+                        };
                     }
                 }
                 ta += nt;
@@ -709,6 +740,7 @@ mod tests {
             let isum: i32 = (0..QK)
                 .map(|i| RES * blk.qs[i] as i32 + blk.qr[i] as i32)
                 .sum();
+            assert_eq!(blk.isum, isum);
             assert_eq!(blk.s, blk.d * isum as f32);
             assert!(blk.qs.iter().any(|&q| q.unsigned_abs() == 127) || blk.d == 0.0);
         }
@@ -762,6 +794,7 @@ mod tests {
         Q8Act {
             d: a.d.abs(),
             s: a.s,
+            isum: a.isum,
             qs: a.qs.map(|v| v.unsigned_abs().min(127) as i8),
             qr: a.qr.map(|v| v.unsigned_abs().min(127) as i8),
         }
@@ -1022,6 +1055,7 @@ mod tests {
         let a = Q8Act {
             d: 0.25 / 256.0,
             s: 0.3125 * 16.0 + 0.375 * 16.0,
+            isum: (256 + 64) * 16 + (512 - 128) * 16,
             qs,
             qr,
         };
