@@ -3,7 +3,8 @@
 //!
 //! `cargo run --release --example qmatmul_bench -- [threads, default 1] [s, default 1]`
 //!
-//! `DTYPES=q8_0,q4_1` restricts the weight types. For Q8_0/Q4_0/Q4_1 the fast
+//! `DTYPES=q8_0,q4_1` restricts the weight types, `SHAPES=head,1b` the
+//! matrices (by a part of their names). For Q8_0/Q4_0/Q4_1 the fast
 //! path is also run with each kernel level the CPU supports (AVX2, AVX-512
 //! VNNI), interleaved in rounds; the figures are medians over the rounds.
 
@@ -49,7 +50,14 @@ fn main() {
         ("head 49152x576", 49152, 576),
         ("ffn x30 46080x576", 46080, 576),
         ("down x30 17280x1536", 17280, 1536),
+        // Llama-3.2-1B-shaped layers (rows a multiple of 256 for the K formats).
+        ("1b in-cache 2048x2048", 2048, 2048),
+        ("1b gate+up 16384x2048", 16384, 2048),
+        ("1b down 2048x8192", 2048, 8192),
     ] {
+        if std::env::var("SHAPES").is_ok_and(|f| !f.split(',').any(|p| name.contains(p))) {
+            continue;
+        }
         let wf: Vec<f32> = (0..n * k).map(|_| rnd()).collect();
         let x: Vec<f32> = (0..s * k).map(|_| rnd()).collect();
         let only: Option<String> = std::env::var("DTYPES").ok();
@@ -57,6 +65,13 @@ fn main() {
             DType::Q4_1,
             DType::Q8_0,
             DType::Q4_0,
+            DType::Q4_K,
+            DType::Q5_K,
+            DType::Q6_K,
+            DType::Q3_K,
+            DType::Q5_0,
+            DType::IQ4_NL,
+            DType::IQ4_XS,
             DType::F16,
             DType::F32,
         ] {
@@ -66,15 +81,40 @@ fn main() {
             {
                 continue;
             }
-            let rb = dtype.bytes_for(k).unwrap();
+            let Some(rb) = dtype.bytes_for(k) else {
+                continue;
+            };
             let mut wq = vec![0u8; n * rb];
-            for j in 0..n {
-                quantize_row(
-                    dtype,
-                    &wf[j * k..(j + 1) * k],
-                    &mut wq[j * rb..(j + 1) * rb],
-                )
-                .unwrap();
+            if quantize_row(dtype, &wf[..k], &mut wq[..rb]).is_ok() {
+                for j in 0..n {
+                    quantize_row(
+                        dtype,
+                        &wf[j * k..(j + 1) * k],
+                        &mut wq[j * rb..(j + 1) * rb],
+                    )
+                    .unwrap();
+                }
+            } else {
+                // No quantizer for this type: random block bytes with small
+                // finite scales (the kernels' speed does not depend on values).
+                for (i, b) in wq.iter_mut().enumerate() {
+                    *b = (i as u64)
+                        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                        .rotate_left(17) as u8;
+                }
+                let (bb, fields): (usize, &[usize]) = match dtype {
+                    DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => {
+                        (dtype.block_bytes(), &[0, 2])
+                    }
+                    DType::Q3_K => (dtype.block_bytes(), &[108]),
+                    DType::Q6_K => (dtype.block_bytes(), &[208]),
+                    _ => (dtype.block_bytes(), &[0]),
+                };
+                for b in wq.chunks_exact_mut(bb) {
+                    for &at in fields {
+                        b[at..at + 2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+                    }
+                }
             }
             let w = WeightRef::new(dtype, &wq);
             let mut y = vec![0f32; s * n];

@@ -1,8 +1,9 @@
 //! Fuzz the block dequantizers, the quantized dot products and the integer
-//! fast path (`qmatmul_fast_with`) with arbitrary block bytes (NaN and
-//! infinite f16 scales included): the first byte picks the weight format, the
-//! rest is cut into whole blocks. Nothing may panic or misbehave; SIMD and
-//! scalar results must agree wherever the values are finite.
+//! fast path (`qmatmul_fast_with`, small-S and packed kernels) with arbitrary
+//! block bytes (NaN and infinite f16 scales included): the first byte picks
+//! the weight format, the rest is cut into whole blocks. Nothing may panic or
+//! misbehave; the exact path's SIMD and scalar dot products agree wherever the
+//! values are finite, the fast path's bit for bit.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -73,32 +74,29 @@ fuzz_target!(|data: &[u8]| {
             );
         }
     }
-    // The fast path: the bytes as one weight row, two activation rows, at
-    // the scalar level and at this CPU's own.
+    // The fast path: the bytes as one weight row, 2 activation rows (the
+    // small-S kernels) and 17 (the packed prefill kernels), at the scalar
+    // level and at this CPU's own. Every level computes the same f32
+    // operations, so the results agree bit for bit (or are both NaN).
     if supports(dtype) && n > 0 {
         let pool = POOL.get_or_init(|| ThreadPool::new(2));
         let w = WeightRef::new(dtype, bytes);
-        let xs: Vec<f32> = x.iter().chain(x.iter().rev()).copied().collect();
-        let mut got = [[0f32; 2]; 2];
-        for (i, isa) in [Isa::Scalar, Isa::current()].into_iter().enumerate() {
-            let need = scratch_len_for(isa, dtype, 2, n).expect("whole blocks");
-            let mut scratch = vec![Q8Act::default(); need];
-            qmatmul_fast_with(isa, pool, &xs, 2, n, w, 1, Epilogue::None, &mut got[i], &mut scratch)
-                .expect("valid shapes");
-        }
-        let sum_abs: f64 = out.iter().zip(&x).map(|(w, x)| f64::from((w * x).abs())).sum();
-        // Formats with an additive term factor it out of the sum (as above).
-        let comparable = !matches!(
-            dtype,
-            DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K
-        );
-        for t in 0..2 {
-            let (a, b) = (got[0][t], got[1][t]);
-            if comparable && a.is_finite() && b.is_finite() && sum_abs < 1e30 {
-                let tol = 8.0 * n as f64 * f64::from(f32::EPSILON) * sum_abs + 1e-30;
+        for s in [2usize, 17] {
+            let xs: Vec<f32> = (0..s)
+                .flat_map(|t| x.iter().map(move |v| v * (1.0 + t as f32)))
+                .collect();
+            let mut got = [vec![0f32; s], vec![0f32; s]];
+            for (i, isa) in [Isa::Scalar, Isa::current()].into_iter().enumerate() {
+                let need = scratch_len_for(isa, dtype, s, n).expect("whole blocks");
+                let mut scratch = vec![Q8Act::default(); need];
+                qmatmul_fast_with(isa, pool, &xs, s, n, w, 1, Epilogue::None, &mut got[i], &mut scratch)
+                    .expect("valid shapes");
+            }
+            for t in 0..s {
+                let (a, b) = (got[0][t], got[1][t]);
                 assert!(
-                    (f64::from(a) - f64::from(b)).abs() <= tol,
-                    "{dtype} fast path, token {t}: scalar {a} vs {b}"
+                    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                    "{dtype} fast path, s={s} token {t}: scalar {a} vs {b}"
                 );
             }
         }

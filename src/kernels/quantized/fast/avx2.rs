@@ -1,5 +1,9 @@
-//! AVX2 kernels of the fast path: activation quantization and the
-//! `maddubs`/`madd` block products (R weight rows x up to 4 tokens).
+//! AVX2 kernels of the fast path: activation quantization, the unit
+//! decoders of every weight format ([`Fmt`]), the small-S kernel
+//! ([`dot_rows`]: `maddubs`/`madd`, 4 weight rows reduced into the lanes of
+//! one register) and the packed prefill kernel ([`kern16`]: 16-bit weights
+//! times 16-bit activations with `vpmaddwd`, 8 tokens per register). Both
+//! compute every output with the shared arithmetic of `units.rs`.
 
 use super::{Q8Act, QK, RES, RES_SHIFT};
 use crate::ir::DType;
@@ -70,285 +74,15 @@ pub(super) unsafe fn quantize(x: &[f32], out: &mut [Q8Act]) {
             _mm256_storeu_si256(o.qs.as_mut_ptr() as *mut __m256i, pack(&q));
             _mm256_storeu_si256(o.qr.as_mut_ptr() as *mut __m256i, pack(&r));
         }
-        let sum = |a: &[__m256i; 4]| {
-            _mm256_add_epi32(_mm256_add_epi32(a[0], a[1]), _mm256_add_epi32(a[2], a[3]))
+        // Σ (256 q + r) over each 16-element half.
+        let half = |i: usize| {
+            let qq = _mm256_add_epi32(q[i], q[i + 1]);
+            let rr = _mm256_add_epi32(r[i], r[i + 1]);
+            hsum_i32(_mm256_add_epi32(_mm256_slli_epi32::<RES_SHIFT>(qq), rr))
         };
-        let isum = _mm256_add_epi32(_mm256_slli_epi32::<RES_SHIFT>(sum(&q)), sum(&r));
         o.d = c / RES as f32;
-        o.isum = hsum_i32(isum);
-        o.s = o.d * o.isum as f32;
-    }
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn f16_at(b: &[u8], at: usize) -> f32 {
-    let bits = u16::from_le_bytes([b[at], b[at + 1]]);
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
-}
-
-/// A weight block decoded to 32 bytes in element order: signed (Q8_0,
-/// Q4_0) or unsigned 0..15 (Q4_1).
-pub(super) trait Block {
-    const BYTES: usize;
-    const SIGNED: bool;
-    const HAS_MIN: bool;
-    /// (quants, d, m)
-    ///
-    /// # Safety
-    /// The CPU must support avx2/fma/f16c; `b` holds one block.
-    unsafe fn load(b: &[u8]) -> (__m256i, f32, f32);
-    /// The weights as unsigned bytes `u = q + OFF` in element order (Q8_0
-    /// `q ^ 0x80`, Q4_0 and Q4_1 the stored nibbles), for kernels that use
-    /// them as `vpdpbusd`'s unsigned operand and take `OFF · Σ a` back off
-    /// in integers.
-    ///
-    /// # Safety
-    /// As [`Block::load`].
-    unsafe fn load_u(b: &[u8]) -> __m256i;
-    /// What [`Block::load_u`] adds to every signed quant.
-    const OFF: i32;
-}
-
-pub(super) struct BQ8_0;
-pub(super) struct BQ4_0;
-pub(super) struct BQ4_1;
-
-impl Block for BQ8_0 {
-    const BYTES: usize = 34;
-    const SIGNED: bool = true;
-    const HAS_MIN: bool = false;
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load(b: &[u8]) -> (__m256i, f32, f32) {
-        let q = &b[2..34];
-        // SAFETY: q has 32 bytes; unaligned load.
-        let v = unsafe { _mm256_loadu_si256(q.as_ptr() as *const __m256i) };
-        (v, f16_at(b, 0), 0.0)
-    }
-    const OFF: i32 = 128;
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load_u(b: &[u8]) -> __m256i {
-        let q = &b[2..34];
-        // SAFETY: q has 32 bytes; unaligned load.
-        let v = unsafe { _mm256_loadu_si256(q.as_ptr() as *const __m256i) };
-        _mm256_xor_si256(v, _mm256_set1_epi8(-128))
-    }
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn nibbles32(q: &[u8]) -> __m256i {
-    let q = &q[..16];
-    // SAFETY: q has 16 bytes; unaligned load. AVX2 is enabled in every caller.
-    unsafe {
-        let v = _mm_loadu_si128(q.as_ptr() as *const __m128i);
-        let both = _mm256_set_m128i(_mm_srli_epi16::<4>(v), v);
-        _mm256_and_si256(both, _mm256_set1_epi8(15))
-    }
-}
-
-impl Block for BQ4_0 {
-    const BYTES: usize = 18;
-    const SIGNED: bool = true;
-    const HAS_MIN: bool = false;
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load(b: &[u8]) -> (__m256i, f32, f32) {
-        // SAFETY: as nibbles32.
-        let v = unsafe { _mm256_sub_epi8(nibbles32(&b[2..18]), _mm256_set1_epi8(8)) };
-        (v, f16_at(b, 0), 0.0)
-    }
-    const OFF: i32 = 8;
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load_u(b: &[u8]) -> __m256i {
-        // SAFETY: as nibbles32.
-        unsafe { nibbles32(&b[2..18]) }
-    }
-}
-
-impl Block for BQ4_1 {
-    const BYTES: usize = 20;
-    const SIGNED: bool = false;
-    const HAS_MIN: bool = true;
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load(b: &[u8]) -> (__m256i, f32, f32) {
-        // SAFETY: as nibbles32.
-        let v = unsafe { nibbles32(&b[4..20]) };
-        (v, f16_at(b, 0), f16_at(b, 2))
-    }
-    const OFF: i32 = 0;
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load_u(b: &[u8]) -> __m256i {
-        // SAFETY: as nibbles32.
-        unsafe { nibbles32(&b[4..20]) }
-    }
-}
-
-/// # Safety
-/// The CPU must support avx2/fma/f16c; `dtype` must be one the fast path
-/// [supports](super::supports).
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn dot_rows(
-    dtype: DType,
-    w: &[u8],
-    row_bytes: usize,
-    acts: &[&[Q8Act]],
-    out: &mut [f32],
-) {
-    match dtype {
-        DType::Q8_0 => rows::<BQ8_0>(w, row_bytes, acts, out),
-        DType::Q4_0 => rows::<BQ4_0>(w, row_bytes, acts, out),
-        DType::Q4_1 => rows::<BQ4_1>(w, row_bytes, acts, out),
-        DType::Q5_0 => unit_rows::<UQ5_0>(w, row_bytes, acts, out),
-        DType::Q5_1 => unit_rows::<UQ5_1>(w, row_bytes, acts, out),
-        DType::IQ4_NL => unit_rows::<UIq4Nl>(w, row_bytes, acts, out),
-        DType::Q3_K => unit_rows::<UQ3K>(w, row_bytes, acts, out),
-        DType::Q4_K => unit_rows::<UQ4K>(w, row_bytes, acts, out),
-        DType::Q5_K => unit_rows::<UQ5K>(w, row_bytes, acts, out),
-        DType::Q6_K => unit_rows::<UQ6K>(w, row_bytes, acts, out),
-        DType::IQ4_XS => unit_rows::<UIq4Xs>(w, row_bytes, acts, out),
-        _ => unreachable!("checked by supports()"),
-    }
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    _mm_cvtss_f32(s)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn rows<B: Block>(w: &[u8], row_bytes: usize, acts: &[&[Q8Act]], out: &mut [f32]) {
-    // R rows x NT tokens of independent accumulators per kernel call:
-    // enough chains to hide the fmadd latency, few enough for 16 registers.
-    match acts.len() {
-        // Two interleaved rows help short rows (k=576 Q4: 360 bytes) but
-        // stall on loads for long ones (Q8_0 rows, k=1536): measured on
-        // the benchmark machine (AMD EPYC), 1.4 vs 1.9 ms and 3.2 vs 1.4 ms.
-        1 if row_bytes <= 512 => rows_nt::<B, 1, 2>(w, row_bytes, acts, out),
-        1 => rows_nt::<B, 1, 1>(w, row_bytes, acts, out),
-        2 => rows_nt::<B, 2, 2>(w, row_bytes, acts, out),
-        3 => rows_nt::<B, 3, 2>(w, row_bytes, acts, out),
-        4 => rows_nt::<B, 4, 2>(w, row_bytes, acts, out),
-        _ => unreachable!("tiles have 1..=4 tokens"),
-    }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn rows_nt<B: Block, const NT: usize, const R: usize>(
-    w: &[u8],
-    row_bytes: usize,
-    acts: &[&[Q8Act]],
-    out: &mut [f32],
-) {
-    let nr = w.len() / row_bytes;
-    assert!(w.len() == nr * row_bytes && out.len() == nr * NT && acts.len() == NT);
-    let nb = row_bytes / B::BYTES;
-    assert!(nb * B::BYTES == row_bytes);
-    let mut a: [&[Q8Act]; NT] = [&[]; NT];
-    for t in 0..NT {
-        a[t] = &acts[t][..nb];
-    }
-    let mut r = 0;
-    while r + R <= nr {
-        kern::<B, R, NT>(
-            &w[r * row_bytes..(r + R) * row_bytes],
-            nb,
-            &a,
-            &mut out[r * NT..(r + R) * NT],
-        );
-        r += R;
-    }
-    while r < nr {
-        kern::<B, 1, NT>(
-            &w[r * row_bytes..(r + 1) * row_bytes],
-            nb,
-            &a,
-            &mut out[r * NT..(r + 1) * NT],
-        );
-        r += 1;
-    }
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn kern<B: Block, const R: usize, const NT: usize>(
-    w: &[u8],
-    nb: usize,
-    a: &[&[Q8Act]; NT],
-    out: &mut [f32],
-) {
-    let rb = nb * B::BYTES;
-    assert!(w.len() == R * rb && out.len() == R * NT);
-    let ones = _mm256_set1_epi16(1);
-    let res = _mm256_set1_epi16(RES as i16);
-    let mut acc = [[_mm256_setzero_ps(); NT]; R];
-    let mut msum = [[0f32; NT]; R];
-    for b in 0..nb {
-        // Plain loops, not `array::from_fn`: its closure is not inlined
-        // into this target-feature function (it showed up as its own
-        // symbol in the profile, called per block and row).
-        let mut q = [_mm256_setzero_si256(); R];
-        let mut qu = [_mm256_setzero_si256(); R];
-        let mut dw = [0f32; R];
-        let mut mw = [0f32; R];
-        for r in 0..R {
-            let at = r * rb + b * B::BYTES;
-            // SAFETY: the slice has B::BYTES bytes.
-            let (qq, d, m) = unsafe { B::load(&w[at..at + B::BYTES]) };
-            q[r] = qq;
-            qu[r] = if B::SIGNED {
-                _mm256_sign_epi8(qq, qq)
-            } else {
-                qq
-            };
-            dw[r] = d;
-            mw[r] = m;
-        }
-        for t in 0..NT {
-            let ab = &a[t][b];
-            // SAFETY: qs and qr have 32 bytes each; unaligned loads.
-            let (av, ar) = unsafe {
-                (
-                    _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i),
-                    _mm256_loadu_si256(ab.qr.as_ptr() as *const __m256i),
-                )
-            };
-            for r in 0..R {
-                let (sa, sr) = if B::SIGNED {
-                    (_mm256_sign_epi8(av, q[r]), _mm256_sign_epi8(ar, q[r]))
-                } else {
-                    (av, ar)
-                };
-                // 256·Σ w·qs + Σ w·qr per 4 elements; every maddubs pair
-                // sum is at most 2·128·127, inside i16.
-                let p = _mm256_add_epi32(
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(qu[r], sa), res),
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(qu[r], sr), ones),
-                );
-                acc[r][t] = _mm256_fmadd_ps(
-                    _mm256_set1_ps(dw[r] * ab.d),
-                    _mm256_cvtepi32_ps(p),
-                    acc[r][t],
-                );
-                if B::HAS_MIN {
-                    msum[r][t] += mw[r] * ab.s;
-                }
-            }
-        }
-    }
-    for r in 0..R {
-        for t in 0..NT {
-            out[r * NT + t] = hsum(acc[r][t]) + msum[r][t];
-        }
+        o.isum = [half(0), half(2)];
+        o.s = o.d * (o.isum[0] + o.isum[1]) as f32;
     }
 }
 
@@ -387,139 +121,270 @@ unsafe fn bits_at(p: &[u8], n: usize, mask: i8) -> __m256i {
     _mm256_and_si256(v, _mm256_set1_epi8(mask))
 }
 
-/// The IQ4 grid looked up for 32 nibbles.
+/// The IQ4 grid plus 128 (so unsigned) looked up for 32 nibbles.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn iq4_grid(nib: __m256i) -> __m256i {
-    let g = crate::kernels::quantized::blocks::IQ4_VALUES;
-    // SAFETY: the grid has 16 bytes; unaligned load.
+fn iq4_grid_u(nib: __m256i) -> __m256i {
+    let g = crate::kernels::quantized::blocks::IQ4_VALUES.map(|v| (v as u8) ^ 0x80);
+    // SAFETY: the table has 16 bytes; unaligned load.
     let t = unsafe { _mm_loadu_si128(g.as_ptr() as *const __m128i) };
     _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nib)
 }
 
-/// A weight format seen as 32-element units (`units.rs`): per block the
-/// scales and additive terms of its units, per unit its 32 quants.
-pub(super) trait Unit {
+/// The 32 nibbles of 16 bytes in element order (low nibbles, then high).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibbles32(q: &[u8]) -> __m256i {
+    let q = &q[..16];
+    // SAFETY: q has 16 bytes; unaligned load.
+    let v = unsafe { _mm_loadu_si128(q.as_ptr() as *const __m128i) };
+    let both = _mm256_set_m128i(_mm_srli_epi16::<4>(v), v);
+    _mm256_and_si256(both, _mm256_set1_epi8(15))
+}
+
+/// A weight format of the fast path, seen as 32-element units (see
+/// `units.rs`; the constants repeat its table so kernels specialise on them).
+pub(super) trait Fmt {
     /// Bytes per storage block.
     const BYTES: usize;
     /// Units per storage block.
     const UNITS: usize;
-    /// Signed quants (else 0..31).
-    const SIGNED: bool;
-    /// A non-zero additive term `m`.
-    const HAS_MIN: bool;
-    /// One scale per 16-element half (else `d[u][0] == d[u][1]`).
+    /// `units::offset`: `q + OFF` is the unsigned quant.
+    const OFF: i32;
+    /// `units::split_scales`.
     const SPLIT: bool;
-    /// The dtype (its scales are decoded by `units::block_scales`).
-    const DTYPE: DType;
-    /// The 32 quants of unit `u` of block `b`, as `decode_unit` gives them.
+    /// `units::has_min`.
+    const HAS_MIN: bool;
+    /// The 32 quants of unit `u` of block `b` as unsigned bytes `q + OFF`,
+    /// in element order.
     ///
     /// # Safety
     /// The CPU must support avx2/fma/f16c; `b` holds one block, `u < UNITS`.
-    unsafe fn quants(b: &[u8], u: usize) -> __m256i;
-}
-
-pub(super) struct UQ5_0;
-pub(super) struct UQ5_1;
-pub(super) struct UIq4Nl;
-pub(super) struct UQ3K;
-pub(super) struct UQ4K;
-pub(super) struct UQ5K;
-pub(super) struct UQ6K;
-pub(super) struct UIq4Xs;
-
-impl Unit for UQ5_0 {
-    const BYTES: usize = 22;
-    const UNITS: usize = 1;
-    const SIGNED: bool = true;
-    const HAS_MIN: bool = false;
-    const SPLIT: bool = false;
-    const DTYPE: DType = DType::Q5_0;
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn quants(b: &[u8], _u: usize) -> __m256i {
-        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-        // SAFETY: as nibbles32.
-        let nib = unsafe { nibbles32(&b[6..22]) };
-        let q = _mm256_or_si256(nib, _mm256_and_si256(bit_bytes(qh), _mm256_set1_epi8(16)));
-        _mm256_sub_epi8(q, _mm256_set1_epi8(16))
+    unsafe fn load_u(b: &[u8], u: usize) -> __m256i;
+    /// The scales of every unit of block `b` (of its first half, `dlo`, and
+    /// of its second, `dhi`, written only for formats with a scale per
+    /// half) and the additive terms `m` (written only for formats with one),
+    /// exactly as `units::block_scales` gives them. This default serves the
+    /// one-unit formats: an f16 scale at byte 0 and the minimum at byte 2.
+    ///
+    /// # Safety
+    /// The CPU must support avx2/fma/f16c; `b` holds one block.
+    #[inline(always)]
+    unsafe fn scales(b: &[u8], dlo: &mut [f32; 8], _dhi: &mut [f32; 8], m: &mut [f32; 8]) {
+        let b = &b[..4];
+        let dm = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        // SAFETY: f16c is enabled in every caller.
+        let v = unsafe { _mm_cvtph_ps(_mm_cvtsi32_si128(dm as i32)) };
+        dlo[0] = _mm_cvtss_f32(v);
+        if Self::HAS_MIN {
+            m[0] = _mm_cvtss_f32(_mm_movehdup_ps(v));
+        }
     }
 }
 
-impl Unit for UQ5_1 {
-    const BYTES: usize = 24;
-    const UNITS: usize = 1;
-    const SIGNED: bool = false;
-    const HAS_MIN: bool = true;
-    const SPLIT: bool = false;
-    const DTYPE: DType = DType::Q5_1;
+/// The f16 at byte `at` of `b`, widened.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    let bits = u16::from_le_bytes([b[at], b[at + 1]]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+/// `d · v` for 8 small integers `v` (bytes of `x`, signed if `SIGNED`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn scale8<const SIGNED: bool>(d: f32, x: u64, out: &mut [f32; 8]) {
+    let v = _mm_cvtsi64_si128(x as i64);
+    let i = if SIGNED {
+        _mm256_cvtepi8_epi32(v)
+    } else {
+        _mm256_cvtepu8_epi32(v)
+    };
+    let f = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(i));
+    // SAFETY: out holds 8 f32; unaligned store.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), f) };
+}
+
+/// The Q4_K/Q5_K scales: `d·sc` and `−(dmin·m)` of the 8 sub-blocks (the
+/// 6-bit values rearranged as in `blocks::k_scale_min`, four bytes at a time).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn k_scales(b: &[u8], dlo: &mut [f32; 8], m: &mut [f32; 8]) {
+    let w = |i: usize| u32::from_le_bytes([b[4 + 4 * i], b[5 + 4 * i], b[6 + 4 * i], b[7 + 4 * i]]);
+    let (w0, w1, w2) = (w(0), w(1), w(2));
+    let (k1, k2, k3) = (0x3f3f_3f3fu32, 0x0f0f_0f0fu32, 0x0303_0303u32);
+    let sc = (w0 & k1) as u64 | (((w2 & k2) | (((w0 >> 6) & k3) << 4)) as u64) << 32;
+    let mn = (w1 & k1) as u64 | ((((w2 >> 4) & k2) | (((w1 >> 6) & k3) << 4)) as u64) << 32;
+    scale8::<false>(f16_at(b, 0), sc, dlo);
+    scale8::<false>(f16_at(b, 2), mn, m);
+    for v in m.iter_mut() {
+        *v = -*v;
+    }
+}
+
+macro_rules! fmt_consts {
+    ($t:ident, $dt:expr) => {
+        pub(super) struct $t;
+        impl $t {
+            const D: DType = $dt;
+        }
+    };
+}
+fmt_consts!(FQ8_0, DType::Q8_0);
+fmt_consts!(FQ4_0, DType::Q4_0);
+fmt_consts!(FQ4_1, DType::Q4_1);
+fmt_consts!(FQ5_0, DType::Q5_0);
+fmt_consts!(FQ5_1, DType::Q5_1);
+fmt_consts!(FIq4Nl, DType::IQ4_NL);
+fmt_consts!(FQ3K, DType::Q3_K);
+fmt_consts!(FQ4K, DType::Q4_K);
+fmt_consts!(FQ5K, DType::Q5_K);
+fmt_consts!(FQ6K, DType::Q6_K);
+fmt_consts!(FIq4Xs, DType::IQ4_XS);
+
+/// The table's constants for a format type.
+macro_rules! fmt_table {
+    ($t:ident) => {
+        const BYTES: usize = $t::D.block_bytes();
+        const UNITS: usize = $t::D.block_elems() / 32;
+        const OFF: i32 = match $t::D {
+            DType::Q8_0 | DType::IQ4_NL | DType::IQ4_XS => 128,
+            DType::Q4_0 => 8,
+            DType::Q5_0 => 16,
+            DType::Q3_K => 4,
+            DType::Q6_K => 32,
+            _ => 0,
+        };
+        const SPLIT: bool = matches!($t::D, DType::Q3_K | DType::Q6_K);
+        const HAS_MIN: bool =
+            matches!($t::D, DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K);
+    };
+}
+
+impl Fmt for FQ8_0 {
+    fmt_table!(FQ8_0);
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn quants(b: &[u8], _u: usize) -> __m256i {
+    unsafe fn load_u(b: &[u8], _u: usize) -> __m256i {
+        let q = &b[2..34];
+        // SAFETY: q has 32 bytes; unaligned load.
+        let v = unsafe { _mm256_loadu_si256(q.as_ptr() as *const __m256i) };
+        _mm256_xor_si256(v, _mm256_set1_epi8(-128))
+    }
+}
+
+impl Fmt for FQ4_0 {
+    fmt_table!(FQ4_0);
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_u(b: &[u8], _u: usize) -> __m256i {
+        // SAFETY: 16 bytes inside the block.
+        unsafe { nibbles32(&b[2..18]) }
+    }
+}
+
+impl Fmt for FQ4_1 {
+    fmt_table!(FQ4_1);
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_u(b: &[u8], _u: usize) -> __m256i {
+        // SAFETY: 16 bytes inside the block.
+        unsafe { nibbles32(&b[4..20]) }
+    }
+}
+
+impl Fmt for FQ5_0 {
+    fmt_table!(FQ5_0);
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_u(b: &[u8], _u: usize) -> __m256i {
+        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+        // SAFETY: 16 bytes inside the block.
+        let nib = unsafe { nibbles32(&b[6..22]) };
+        _mm256_or_si256(nib, _mm256_and_si256(bit_bytes(qh), _mm256_set1_epi8(16)))
+    }
+}
+
+impl Fmt for FQ5_1 {
+    fmt_table!(FQ5_1);
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_u(b: &[u8], _u: usize) -> __m256i {
         let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-        // SAFETY: as nibbles32.
+        // SAFETY: 16 bytes inside the block.
         let nib = unsafe { nibbles32(&b[8..24]) };
         _mm256_or_si256(nib, _mm256_and_si256(bit_bytes(qh), _mm256_set1_epi8(16)))
     }
 }
 
-impl Unit for UIq4Nl {
-    const BYTES: usize = 18;
-    const UNITS: usize = 1;
-    const SIGNED: bool = true;
-    const HAS_MIN: bool = false;
-    const SPLIT: bool = false;
-    const DTYPE: DType = DType::IQ4_NL;
+impl Fmt for FIq4Nl {
+    fmt_table!(FIq4Nl);
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn quants(b: &[u8], _u: usize) -> __m256i {
-        // SAFETY: as nibbles32.
-        iq4_grid(unsafe { nibbles32(&b[2..18]) })
+    unsafe fn load_u(b: &[u8], _u: usize) -> __m256i {
+        // SAFETY: 16 bytes inside the block.
+        iq4_grid_u(unsafe { nibbles32(&b[2..18]) })
     }
 }
 
-impl Unit for UQ3K {
-    const BYTES: usize = 110;
-    const UNITS: usize = 8;
-    const SIGNED: bool = true;
-    const HAS_MIN: bool = false;
-    const SPLIT: bool = true;
-    const DTYPE: DType = DType::Q3_K;
+impl Fmt for FQ3K {
+    fmt_table!(FQ3K);
+    #[inline(always)]
+    unsafe fn scales(b: &[u8], dlo: &mut [f32; 8], dhi: &mut [f32; 8], _m: &mut [f32; 8]) {
+        let s = &b[96..108];
+        let mut lo = [0u8; 8];
+        let mut hi = [0u8; 8];
+        for i in 0..16 {
+            let v = crate::kernels::quantized::blocks::q3k_scale(s, i) as i8 as u8;
+            if i % 2 == 0 {
+                lo[i / 2] = v;
+            } else {
+                hi[i / 2] = v;
+            }
+        }
+        // SAFETY: f16c is enabled in every caller.
+        unsafe {
+            let d = f16_at(b, 108);
+            scale8::<true>(d, u64::from_le_bytes(lo), dlo);
+            scale8::<true>(d, u64::from_le_bytes(hi), dhi);
+        }
+    }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn quants(b: &[u8], u: usize) -> __m256i {
+    unsafe fn load_u(b: &[u8], u: usize) -> __m256i {
         let (h, s) = (u / 4, u % 4);
         // SAFETY: both ranges lie inside the block.
         let (low, high) = unsafe { (bits_at(&b[32 + 32 * h..], 2 * s, 3), bit_n(&b[0..32], u)) };
-        _mm256_sub_epi8(low, _mm256_andnot_si256(high, _mm256_set1_epi8(4)))
+        // q + 4 = low + 4 · (high bit).
+        _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(4)))
     }
 }
 
-impl Unit for UQ4K {
-    const BYTES: usize = 144;
-    const UNITS: usize = 8;
-    const SIGNED: bool = false;
-    const HAS_MIN: bool = true;
-    const SPLIT: bool = false;
-    const DTYPE: DType = DType::Q4_K;
+impl Fmt for FQ4K {
+    fmt_table!(FQ4K);
+    #[inline(always)]
+    unsafe fn scales(b: &[u8], dlo: &mut [f32; 8], _dhi: &mut [f32; 8], m: &mut [f32; 8]) {
+        // SAFETY: avx2/f16c are enabled in every caller.
+        unsafe { k_scales(b, dlo, m) }
+    }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn quants(b: &[u8], u: usize) -> __m256i {
+    unsafe fn load_u(b: &[u8], u: usize) -> __m256i {
         // SAFETY: the range lies inside the block.
         unsafe { bits_at(&b[16 + 32 * (u / 2)..], 4 * (u % 2), 15) }
     }
 }
 
-impl Unit for UQ5K {
-    const BYTES: usize = 176;
-    const UNITS: usize = 8;
-    const SIGNED: bool = false;
-    const HAS_MIN: bool = true;
-    const SPLIT: bool = false;
-    const DTYPE: DType = DType::Q5_K;
+impl Fmt for FQ5K {
+    fmt_table!(FQ5K);
+    #[inline(always)]
+    unsafe fn scales(b: &[u8], dlo: &mut [f32; 8], _dhi: &mut [f32; 8], m: &mut [f32; 8]) {
+        // SAFETY: avx2/f16c are enabled in every caller.
+        unsafe { k_scales(b, dlo, m) }
+    }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn quants(b: &[u8], u: usize) -> __m256i {
+    unsafe fn load_u(b: &[u8], u: usize) -> __m256i {
         // SAFETY: both ranges lie inside the block.
         let (lo, hi) = unsafe {
             (
@@ -531,16 +396,25 @@ impl Unit for UQ5K {
     }
 }
 
-impl Unit for UQ6K {
-    const BYTES: usize = 210;
-    const UNITS: usize = 8;
-    const SIGNED: bool = true;
-    const HAS_MIN: bool = false;
-    const SPLIT: bool = true;
-    const DTYPE: DType = DType::Q6_K;
+impl Fmt for FQ6K {
+    fmt_table!(FQ6K);
+    #[inline(always)]
+    unsafe fn scales(b: &[u8], dlo: &mut [f32; 8], dhi: &mut [f32; 8], _m: &mut [f32; 8]) {
+        let sc = &b[192..208];
+        let (mut lo, mut hi) = ([0u8; 8], [0u8; 8]);
+        for u in 0..8 {
+            (lo[u], hi[u]) = (sc[2 * u], sc[2 * u + 1]);
+        }
+        // SAFETY: f16c is enabled in every caller.
+        unsafe {
+            let d = f16_at(b, 208);
+            scale8::<true>(d, u64::from_le_bytes(lo), dlo);
+            scale8::<true>(d, u64::from_le_bytes(hi), dhi);
+        }
+    }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn quants(b: &[u8], u: usize) -> __m256i {
+    unsafe fn load_u(b: &[u8], u: usize) -> __m256i {
         let (n, k) = (u / 4, u % 4);
         // SAFETY: both ranges lie inside the block.
         let (lo, hi) = unsafe {
@@ -549,111 +423,273 @@ impl Unit for UQ6K {
                 bits_at(&b[128 + 32 * n..], 2 * k, 3),
             )
         };
-        let q = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi));
-        _mm256_sub_epi8(q, _mm256_set1_epi8(32))
+        _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi))
     }
 }
 
-impl Unit for UIq4Xs {
-    const BYTES: usize = 136;
-    const UNITS: usize = 8;
-    const SIGNED: bool = true;
-    const HAS_MIN: bool = false;
-    const SPLIT: bool = false;
-    const DTYPE: DType = DType::IQ4_XS;
+impl Fmt for FIq4Xs {
+    fmt_table!(FIq4Xs);
+    #[inline(always)]
+    unsafe fn scales(b: &[u8], dlo: &mut [f32; 8], _dhi: &mut [f32; 8], _m: &mut [f32; 8]) {
+        let mut sc = [0u8; 8];
+        for (k, v) in sc.iter_mut().enumerate() {
+            *v = crate::kernels::quantized::blocks::iq4xs_scale(b, k) as i8 as u8;
+        }
+        // SAFETY: f16c is enabled in every caller.
+        unsafe { scale8::<true>(f16_at(b, 0), u64::from_le_bytes(sc), dlo) }
+    }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn quants(b: &[u8], u: usize) -> __m256i {
-        // SAFETY: as nibbles32.
-        iq4_grid(unsafe { nibbles32(&b[8 + 16 * u..8 + 16 * u + 16]) })
+    unsafe fn load_u(b: &[u8], u: usize) -> __m256i {
+        // SAFETY: 16 bytes inside the block.
+        iq4_grid_u(unsafe { nibbles32(&b[8 + 16 * u..8 + 16 * u + 16]) })
     }
 }
 
+/// Calls `$f::<F, ...>` with the format type of `$dtype`.
+macro_rules! with_fmt {
+    ($dtype:expr, $f:ident :: < _ $(, $g:tt)* > ( $($arg:expr),* )) => {
+        match $dtype {
+            DType::Q8_0 => $f::<$crate::kernels::quantized::fast::avx2::FQ8_0 $(, $g)*>($($arg),*),
+            DType::Q4_0 => $f::<$crate::kernels::quantized::fast::avx2::FQ4_0 $(, $g)*>($($arg),*),
+            DType::Q4_1 => $f::<$crate::kernels::quantized::fast::avx2::FQ4_1 $(, $g)*>($($arg),*),
+            DType::Q5_0 => $f::<$crate::kernels::quantized::fast::avx2::FQ5_0 $(, $g)*>($($arg),*),
+            DType::Q5_1 => $f::<$crate::kernels::quantized::fast::avx2::FQ5_1 $(, $g)*>($($arg),*),
+            DType::IQ4_NL => $f::<$crate::kernels::quantized::fast::avx2::FIq4Nl $(, $g)*>($($arg),*),
+            DType::Q3_K => $f::<$crate::kernels::quantized::fast::avx2::FQ3K $(, $g)*>($($arg),*),
+            DType::Q4_K => $f::<$crate::kernels::quantized::fast::avx2::FQ4K $(, $g)*>($($arg),*),
+            DType::Q5_K => $f::<$crate::kernels::quantized::fast::avx2::FQ5K $(, $g)*>($($arg),*),
+            DType::Q6_K => $f::<$crate::kernels::quantized::fast::avx2::FQ6K $(, $g)*>($($arg),*),
+            DType::IQ4_XS => $f::<$crate::kernels::quantized::fast::avx2::FIq4Xs $(, $g)*>($($arg),*),
+            _ => unreachable!("not a fast-path format"),
+        }
+    };
+}
+pub(super) use with_fmt;
+
+/// Rows per small-S kernel call: one f32 lane each.
+pub(super) const SR: usize = 4;
+
+/// The unit scales and additive terms of [`SR`] rows' blocks at byte `at`,
+/// rearranged per unit as 4-lane vectors (`d[u][h]`, `m[u]`; lane = row).
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn unit_rows<U: Unit>(w: &[u8], row_bytes: usize, acts: &[&[Q8Act]], out: &mut [f32]) {
-    match acts.len() {
-        1 if row_bytes <= 512 => unit_rows_nt::<U, 1, 2>(w, row_bytes, acts, out),
-        1 => unit_rows_nt::<U, 1, 1>(w, row_bytes, acts, out),
-        2 => unit_rows_nt::<U, 2, 2>(w, row_bytes, acts, out),
-        3 => unit_rows_nt::<U, 3, 2>(w, row_bytes, acts, out),
-        4 => unit_rows_nt::<U, 4, 2>(w, row_bytes, acts, out),
-        _ => unreachable!("tiles have 1..=4 tokens"),
+pub(super) fn scales4<F: Fmt>(
+    rows: &[&[u8]; SR],
+    at: usize,
+    d: &mut [[__m128; 2]; 8],
+    m: &mut [__m128; 8],
+) {
+    let mut dlo = [[0f32; 8]; SR];
+    let mut dhi = [[0f32; 8]; SR];
+    let mut mr = [[0f32; 8]; SR];
+    for i in 0..SR {
+        // SAFETY: the slice holds one block; the features are enabled here.
+        unsafe {
+            F::scales(
+                &rows[i][at..at + F::BYTES],
+                &mut dlo[i],
+                &mut dhi[i],
+                &mut mr[i],
+            )
+        };
+    }
+    for u in 0..F::UNITS {
+        d[u][0] = _mm_setr_ps(dlo[0][u], dlo[1][u], dlo[2][u], dlo[3][u]);
+        d[u][1] = if F::SPLIT {
+            _mm_setr_ps(dhi[0][u], dhi[1][u], dhi[2][u], dhi[3][u])
+        } else {
+            d[u][0]
+        };
+        if F::HAS_MIN {
+            m[u] = _mm_setr_ps(mr[0][u], mr[1][u], mr[2][u], mr[3][u]);
+        }
     }
 }
 
+/// Row totals of 4 vectors of 8 `i32` lanes: lane `i` of the result is the
+/// sum of `p[i]`'s lanes (exact).
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn unit_rows_nt<U: Unit, const NT: usize, const R: usize>(
+pub(super) fn reduce4(p: &[__m256i; SR]) -> __m128i {
+    let h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
+}
+
+/// As [`reduce4`] over each 128-bit half (elements 0..16 and 16..32 of a
+/// unit) separately.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn reduce4_halves(p: &[__m256i; SR]) -> (__m128i, __m128i) {
+    let lo = [
+        _mm256_castsi256_si128(p[0]),
+        _mm256_castsi256_si128(p[1]),
+        _mm256_castsi256_si128(p[2]),
+        _mm256_castsi256_si128(p[3]),
+    ];
+    let hi = [
+        _mm256_extracti128_si256::<1>(p[0]),
+        _mm256_extracti128_si256::<1>(p[1]),
+        _mm256_extracti128_si256::<1>(p[2]),
+        _mm256_extracti128_si256::<1>(p[3]),
+    ];
+    (
+        _mm_hadd_epi32(_mm_hadd_epi32(lo[0], lo[1]), _mm_hadd_epi32(lo[2], lo[3])),
+        _mm_hadd_epi32(_mm_hadd_epi32(hi[0], hi[1]), _mm_hadd_epi32(hi[2], hi[3])),
+    )
+}
+
+/// The f32 step of the shared arithmetic for 4 rows (lanes) and one token:
+/// `isum` the unit's (or halves') exact totals of `Σ (q + OFF)·a` per row.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn unit_step<F: Fmt>(
+    f: __m128,
+    tot: (__m128i, __m128i),
+    a: &Q8Act,
+    d: &[__m128; 2],
+    m: __m128,
+) -> __m128 {
+    let da = _mm_set1_ps(a.d);
+    let mut f = f;
+    if F::SPLIT {
+        let (mut lo, mut hi) = tot;
+        if F::OFF != 0 {
+            lo = _mm_sub_epi32(lo, _mm_set1_epi32(F::OFF * a.isum[0]));
+            hi = _mm_sub_epi32(hi, _mm_set1_epi32(F::OFF * a.isum[1]));
+        }
+        f = _mm_fmadd_ps(_mm_cvtepi32_ps(lo), _mm_mul_ps(da, d[0]), f);
+        f = _mm_fmadd_ps(_mm_cvtepi32_ps(hi), _mm_mul_ps(da, d[1]), f);
+    } else {
+        let mut t = tot.0;
+        if F::OFF != 0 {
+            t = _mm_sub_epi32(t, _mm_set1_epi32(F::OFF * (a.isum[0] + a.isum[1])));
+        }
+        f = _mm_fmadd_ps(_mm_cvtepi32_ps(t), _mm_mul_ps(da, d[0]), f);
+    }
+    if F::HAS_MIN {
+        f = _mm_fmadd_ps(m, _mm_set1_ps(a.s), f);
+    }
+    f
+}
+
+/// `out[r * nt + t] = row_r · acts[t]` for the consecutive weight rows in
+/// `w` (`row_bytes` each) and 1..=4 activation rows (`nt = acts.len()`).
+///
+/// # Safety
+/// The CPU must support avx2/fma/f16c; `dtype` must be a fast-path format.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dot_rows(
+    dtype: DType,
     w: &[u8],
     row_bytes: usize,
     acts: &[&[Q8Act]],
     out: &mut [f32],
 ) {
-    let nr = w.len() / row_bytes;
-    assert!(w.len() == nr * row_bytes && out.len() == nr * NT && acts.len() == NT);
-    let nblk = row_bytes / U::BYTES;
-    assert!(nblk * U::BYTES == row_bytes);
-    let mut a: [&[Q8Act]; NT] = [&[]; NT];
-    for t in 0..NT {
-        a[t] = &acts[t][..nblk * U::UNITS];
-    }
-    let mut r = 0;
-    while r + R <= nr {
-        unit_kern::<U, R, NT>(
-            &w[r * row_bytes..(r + R) * row_bytes],
-            nblk,
-            &a,
-            &mut out[r * NT..(r + R) * NT],
-        );
-        r += R;
-    }
-    while r < nr {
-        unit_kern::<U, 1, NT>(
-            &w[r * row_bytes..(r + 1) * row_bytes],
-            nblk,
-            &a,
-            &mut out[r * NT..(r + 1) * NT],
-        );
-        r += 1;
+    with_fmt!(dtype, rows::<_>(w, row_bytes, acts, out))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn rows<F: Fmt>(w: &[u8], row_bytes: usize, acts: &[&[Q8Act]], out: &mut [f32]) {
+    match acts.len() {
+        1 => rows_nt::<F, 1>(w, row_bytes, acts, out),
+        2 => rows_nt::<F, 2>(w, row_bytes, acts, out),
+        3 => rows_nt::<F, 3>(w, row_bytes, acts, out),
+        4 => rows_nt::<F, 4>(w, row_bytes, acts, out),
+        _ => unreachable!("tiles have 1..=4 tokens"),
     }
 }
 
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn unit_kern<U: Unit, const R: usize, const NT: usize>(
+/// Runs `kern` over groups of [`SR`] rows (a short last group repeats its
+/// last row in the spare lanes: every lane is computed on its own, and the
+/// spare results are dropped).
+#[inline(always)]
+pub(super) fn row_groups<const NT: usize>(
     w: &[u8],
-    nblk: usize,
-    a: &[&[Q8Act]; NT],
+    row_bytes: usize,
+    out: &mut [f32],
+    mut kern: impl FnMut(&[&[u8]; SR], &mut [[f32; SR]; NT]),
+) {
+    let nr = w.len() / row_bytes;
+    assert!(w.len() == nr * row_bytes && out.len() == nr * NT);
+    let mut v = [[0f32; SR]; NT];
+    for r0 in (0..nr).step_by(SR) {
+        let nv = (nr - r0).min(SR);
+        let mut rows: [&[u8]; SR] = [&[]; SR];
+        for (i, row) in rows.iter_mut().enumerate() {
+            let r = r0 + i.min(nv - 1);
+            *row = &w[r * row_bytes..(r + 1) * row_bytes];
+        }
+        kern(&rows, &mut v);
+        for i in 0..nv {
+            for t in 0..NT {
+                out[(r0 + i) * NT + t] = v[t][i];
+            }
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn rows_nt<F: Fmt, const NT: usize>(
+    w: &[u8],
+    row_bytes: usize,
+    acts: &[&[Q8Act]],
     out: &mut [f32],
 ) {
-    let rb = nblk * U::BYTES;
-    assert!(w.len() == R * rb && out.len() == R * NT);
+    let nblk = row_bytes / F::BYTES;
+    assert!(nblk * F::BYTES == row_bytes && acts.len() == NT);
+    let mut a: [&[Q8Act]; NT] = [&[]; NT];
+    for t in 0..NT {
+        a[t] = &acts[t][..nblk * F::UNITS];
+    }
+    row_groups::<NT>(w, row_bytes, out, |rows, v| {
+        // SAFETY: this closure runs inside a function with these features.
+        unsafe { small::<F, NT>(rows, nblk, &a, v) }
+    });
+}
+
+/// `out[t][i] = row_i · token_t` for [`SR`] rows with the shared
+/// arithmetic: per unit, `vpmaddubsw`/`vpmaddwd` products of the unsigned
+/// quants `q + OFF` with the quants and remainders (formats with
+/// `OFF = 128` use `|q|` and the activations' signs moved by `q`, which
+/// keeps every pair sum inside `i16`), each row's total reduced into its
+/// lane, `OFF · isum` taken back off, then the f32 step.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn small<F: Fmt, const NT: usize>(
+    rows: &[&[u8]; SR],
+    nblk: usize,
+    a: &[&[Q8Act]; NT],
+    out: &mut [[f32; SR]; NT],
+) {
+    for row in rows {
+        assert!(row.len() == nblk * F::BYTES);
+    }
+    let signed = F::OFF >= 128;
     let ones = _mm256_set1_epi16(1);
     let res = _mm256_set1_epi16(RES as i16);
-    let mut acc = [[_mm256_setzero_ps(); NT]; R];
-    let mut msum = [[0f32; NT]; R];
-    // Overwritten per block (the first UNITS entries), zeroed once.
-    let mut d = [[[0f32; 2]; 8]; R];
-    let mut m = [[0f32; 8]; R];
+    let mut f = [_mm_setzero_ps(); NT];
+    let mut d = [[_mm_setzero_ps(); 2]; 8];
+    let mut m = [_mm_setzero_ps(); 8];
     for blk in 0..nblk {
-        for r in 0..R {
-            let at = r * rb + blk * U::BYTES;
-            super::units::block_scales(U::DTYPE, &w[at..at + U::BYTES], &mut d[r], &mut m[r]);
-        }
-        for u in 0..U::UNITS {
-            let mut q = [_mm256_setzero_si256(); R];
-            let mut qu = [_mm256_setzero_si256(); R];
-            for r in 0..R {
-                let at = r * rb + blk * U::BYTES;
+        let at = blk * F::BYTES;
+        scales4::<F>(rows, at, &mut d, &mut m);
+        for u in 0..F::UNITS {
+            let mut uq = [_mm256_setzero_si256(); SR];
+            let mut qs = [_mm256_setzero_si256(); SR];
+            for i in 0..SR {
                 // SAFETY: the slice holds one block; u < UNITS.
-                q[r] = unsafe { U::quants(&w[at..at + U::BYTES], u) };
-                qu[r] = if U::SIGNED {
-                    _mm256_sign_epi8(q[r], q[r])
+                let v = unsafe { F::load_u(&rows[i][at..at + F::BYTES], u) };
+                if signed {
+                    // The signed quants and their magnitudes.
+                    qs[i] = _mm256_xor_si256(v, _mm256_set1_epi8(-128));
+                    uq[i] = _mm256_abs_epi8(qs[i]);
                 } else {
-                    q[r]
-                };
+                    uq[i] = v;
+                }
             }
             for t in 0..NT {
-                let ab = &a[t][blk * U::UNITS + u];
+                let ab = &a[t][blk * F::UNITS + u];
                 // SAFETY: qs and qr have 32 bytes each; unaligned loads.
                 let (av, ar) = unsafe {
                     (
@@ -661,38 +697,201 @@ fn unit_kern<U: Unit, const R: usize, const NT: usize>(
                         _mm256_loadu_si256(ab.qr.as_ptr() as *const __m256i),
                     )
                 };
-                for r in 0..R {
-                    let (sa, sr) = if U::SIGNED {
-                        (_mm256_sign_epi8(av, q[r]), _mm256_sign_epi8(ar, q[r]))
+                let mut p = [_mm256_setzero_si256(); SR];
+                for i in 0..SR {
+                    let (sa, sr) = if signed {
+                        (_mm256_sign_epi8(av, qs[i]), _mm256_sign_epi8(ar, qs[i]))
                     } else {
                         (av, ar)
                     };
-                    // |q| ≤ 127 (the IQ4 grid's -127 at most): every maddubs
-                    // pair sum is at most 2·127·127, inside i16.
-                    let p = _mm256_add_epi32(
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(qu[r], sa), res),
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(qu[r], sr), ones),
+                    // 256·Σ u·qs + Σ u·qr per 4 elements; every maddubs pair
+                    // sum is at most 2·128·127 (signed) or 2·63·127, inside i16.
+                    p[i] = _mm256_add_epi32(
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(uq[i], sa), res),
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(uq[i], sr), ones),
                     );
-                    // Lanes 0..4 hold elements 0..16, lanes 4..8 elements 16..32.
-                    let sc = if U::SPLIT {
-                        _mm256_set_m128(
-                            _mm_set1_ps(d[r][u][1] * ab.d),
-                            _mm_set1_ps(d[r][u][0] * ab.d),
-                        )
-                    } else {
-                        _mm256_set1_ps(d[r][u][0] * ab.d)
-                    };
-                    acc[r][t] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(p), acc[r][t]);
-                    if U::HAS_MIN {
-                        msum[r][t] += m[r][u] * ab.s;
-                    }
                 }
+                let tot = if F::SPLIT {
+                    reduce4_halves(&p)
+                } else {
+                    (reduce4(&p), _mm_setzero_si128())
+                };
+                // The sign trick gives Σ q·a itself: no offset to take off.
+                f[t] = if signed {
+                    unit_step::<Signed<F>>(f[t], tot, ab, &d[u], m[u])
+                } else {
+                    unit_step::<F>(f[t], tot, ab, &d[u], m[u])
+                };
             }
         }
     }
-    for r in 0..R {
-        for t in 0..NT {
-            out[r * NT + t] = hsum(acc[r][t]) + msum[r][t];
+    for t in 0..NT {
+        // SAFETY: out[t] holds SR = 4 f32; unaligned store.
+        unsafe { _mm_storeu_ps(out[t].as_mut_ptr(), f[t]) };
+    }
+}
+
+/// `F` with its offset already taken off (for the sign-trick products).
+struct Signed<F>(std::marker::PhantomData<F>);
+
+impl<F: Fmt> Fmt for Signed<F> {
+    const BYTES: usize = F::BYTES;
+    const UNITS: usize = F::UNITS;
+    const OFF: i32 = 0;
+    const SPLIT: bool = F::SPLIT;
+    const HAS_MIN: bool = F::HAS_MIN;
+    unsafe fn load_u(b: &[u8], u: usize) -> __m256i {
+        // SAFETY: as F::load_u.
+        unsafe { F::load_u(b, u) }
+    }
+}
+
+/// One decoded weight unit of the packed kernels: signed quants widened to
+/// `i16` in element order, the scale of each half (equal unless the format
+/// has a scale per half) and the additive term.
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C, align(16))]
+pub struct WUnit {
+    pub(super) q: [i16; 32],
+    pub(super) d: [f32; 2],
+    pub(super) m: f32,
+}
+
+/// Decodes the rows of `w` (`row_bytes` each) into `out` (the row's units
+/// one after another, row-major); units of `out` past the rows of `w` are
+/// zeroed.
+///
+/// # Safety
+/// The CPU must support avx2/fma/f16c; `dtype` must be a fast-path format.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn decode(dtype: DType, w: &[u8], row_bytes: usize, out: &mut [WUnit]) {
+    with_fmt!(dtype, decode_t::<_>(w, row_bytes, out))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn decode_t<F: Fmt>(w: &[u8], row_bytes: usize, out: &mut [WUnit]) {
+    let nblk = row_bytes / F::BYTES;
+    assert!(nblk * F::BYTES == row_bytes && nblk > 0);
+    let nu = nblk * F::UNITS;
+    let nr = w.len() / row_bytes;
+    assert!(nr * row_bytes == w.len() && out.len() >= nr * nu);
+    let off = _mm256_set1_epi16(F::OFF as i16);
+    let (mut dlo, mut dhi, mut m) = ([0f32; 8], [0f32; 8], [0f32; 8]);
+    for (bi, blk) in w.chunks_exact(F::BYTES).enumerate() {
+        // SAFETY: blk holds one block; the features are enabled here.
+        unsafe { F::scales(blk, &mut dlo, &mut dhi, &mut m) };
+        for u in 0..F::UNITS {
+            let o = &mut out[bi * F::UNITS + u];
+            // SAFETY: blk holds one block; u < UNITS.
+            let v = unsafe { F::load_u(blk, u) };
+            let lo = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(v)), off);
+            let hi = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256::<1>(v)), off);
+            // SAFETY: o.q has 32 i16 (64 bytes); unaligned stores.
+            unsafe {
+                _mm256_storeu_si256(o.q.as_mut_ptr() as *mut __m256i, lo);
+                _mm256_storeu_si256(o.q.as_mut_ptr().add(16) as *mut __m256i, hi);
+            }
+            o.d = [dlo[u], if F::SPLIT { dhi[u] } else { dlo[u] }];
+            o.m = if F::HAS_MIN { m[u] } else { 0.0 };
         }
+    }
+    out[nr * nu..].fill(WUnit::default());
+}
+
+/// Tokens per packed group of the AVX2 kernel (one `i32` lane each).
+pub(super) const TG8: usize = 8;
+/// Weight rows per call of the AVX2 packed kernel.
+pub(super) const R8: usize = 4;
+
+/// One 32-element block of 8 tokens' activations for the AVX2 packed
+/// kernel: per pair `p` of elements, 8 lanes (lane `t` = token `t`) of the
+/// two 16-bit activations `256 qs + qr`; the tokens' scales and sums.
+/// Missing tokens are zero.
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C, align(32))]
+pub struct Act8 {
+    a: [[i16; 2 * TG8]; 16],
+    d: [f32; TG8],
+    s: [f32; TG8],
+}
+
+/// Packs up to 8 tokens' quantized rows (`acts[t]`, `nb` blocks each) into
+/// `out` (`nb` blocks).
+pub(super) fn pack8(acts: &[&[Q8Act]], nb: usize, out: &mut [Act8]) {
+    assert!(acts.len() <= TG8 && out.len() == nb);
+    for (b, o) in out.iter_mut().enumerate() {
+        *o = Act8::default();
+        for (t, row) in acts.iter().enumerate() {
+            let ab = &row[b];
+            for p in 0..16 {
+                for e in 0..2 {
+                    let i = 2 * p + e;
+                    o.a[p][2 * t + e] = (RES * ab.qs[i] as i32 + ab.qr[i] as i32) as i16;
+                }
+            }
+            o.d[t] = ab.d;
+            o.s[t] = ab.s;
+        }
+    }
+}
+
+/// `out[r][t] = row_r · token_t` for [`R8`] decoded rows (`w`, `R8 * nu`
+/// units, row-major) and one packed group of 8 tokens (`a`, `nu` blocks):
+/// per unit (or half) the exact integer by `vpmaddwd` pairs, then the
+/// shared f32 step.
+///
+/// # Safety
+/// The CPU must support avx2/fma/f16c.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn kern16<const SPLIT: bool, const MIN: bool>(
+    w: &[WUnit],
+    nu: usize,
+    a: &[Act8],
+    out: &mut [[f32; TG8]; R8],
+) {
+    assert!(w.len() == R8 * nu && a.len() == nu);
+    let wp = w.as_ptr();
+    let mut f = [_mm256_setzero_ps(); R8];
+    for (u, ab) in a.iter().enumerate() {
+        // SAFETY (every access below): d, s and every a[p] are 32-byte
+        // aligned (repr(align(32)), sizes multiples of 32); r * nu + u < R8 * nu.
+        let da = unsafe { _mm256_load_ps(ab.d.as_ptr()) };
+        let halves: &[(usize, usize)] = if SPLIT {
+            &[(0, 8), (8, 16)]
+        } else {
+            &[(0, 16)]
+        };
+        for (h, &(p0, p1)) in halves.iter().enumerate() {
+            let mut acc = [_mm256_setzero_si256(); R8];
+            for p in p0..p1 {
+                let av = unsafe { _mm256_load_si256(ab.a[p].as_ptr() as *const __m256i) };
+                for r in 0..R8 {
+                    let wq = unsafe {
+                        let wu = &*wp.add(r * nu + u);
+                        std::ptr::read_unaligned(wu.q.as_ptr().add(2 * p) as *const i32)
+                    };
+                    acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(av, _mm256_set1_epi32(wq)));
+                }
+            }
+            for r in 0..R8 {
+                let dw = unsafe { (*wp.add(r * nu + u)).d[h] };
+                f[r] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(acc[r]),
+                    _mm256_mul_ps(da, _mm256_set1_ps(dw)),
+                    f[r],
+                );
+            }
+        }
+        if MIN {
+            let sv = unsafe { _mm256_load_ps(ab.s.as_ptr()) };
+            for r in 0..R8 {
+                let m = unsafe { (*wp.add(r * nu + u)).m };
+                f[r] = _mm256_fmadd_ps(_mm256_set1_ps(m), sv, f[r]);
+            }
+        }
+    }
+    for r in 0..R8 {
+        // SAFETY: out[r] is 8 f32; unaligned store.
+        unsafe { _mm256_storeu_ps(out[r].as_mut_ptr(), f[r]) };
     }
 }

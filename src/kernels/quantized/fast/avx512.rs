@@ -1,59 +1,208 @@
-//! AVX-512 VNNI kernels of the fast path: an outer-product formulation
-//! with `vpdpbusd` for S>1 (prefill), and a small-S kernel with 256-bit
-//! `vpdpbusd` that computes every (row, token) with the same arithmetic.
+//! AVX-512 VNNI kernels of the fast path, both computing every output with
+//! the shared arithmetic of `units.rs` (so they agree bit for bit with each
+//! other, with the AVX2 kernels and with the scalar reference):
 //!
-//! * Activations of 16 tokens are packed per 32-element block
-//!   ([`PackedBlock`]): for each group `j` of 4 elements, one 64-byte vector
-//!   holding those 4 quants of all 16 tokens (lane `t` = token `t`), stored
-//!   offset by +128 as unsigned bytes (`q ^ 0x80`); the same again for the
-//!   remainders `qr`.
-//! * Weight rows are decoded once per work chunk into [`WBlock`]s: 32 signed
-//!   quants in element order (Q8_0 as stored, Q4_0 `q - 8`, Q4_1 `q`), the
-//!   scale, the Q4_1 minimum, and `corr = -128 · Σ quants`.
-//! * `vpdpbusd(acc, acts_j, broadcast(w[4j..4j+4]))` then adds, in lane `t`,
-//!   `Σ (q_t + 128) · w` over 4 elements; starting the accumulator at `corr`
-//!   makes the lane exactly `Σ q_t · w` over the block. One instruction does
-//!   16 tokens x 4 elements; the quants and the remainders go into two
-//!   accumulators that meet as `256·Σ q·w + Σ r·w`, and the f32 work
-//!   (convert, scale, fmadd) is paid once per block for 16 tokens.
-//! * For small S ([`dot_rows`]), the weights are the unsigned operand
-//!   ([`Block::load_u`]: Q8_0 offset by +128, Q4 nibbles as stored); each
-//!   block's total over the vector is reduced for 4 rows at once into the
-//!   lanes of one register, and the offset is taken back off in integers
-//!   (`OFF · isum`). Per (row, token) this is the packed kernel's arithmetic
-//!   exactly: the exact block integer, then `fma(f32(i), d_a·d_w, f)` and
-//!   the Q4_1 term `fma(m, s, f)`, blocks in order. A token's outputs are
-//!   therefore the same bits whether it is decoded alone or in a prefill
-//!   batch (batch invariance, see `quantized::invariance`); so is the
-//!   SwiGLU epilogue ([`swiglu_slice`] and [`swiglu`] share one formula).
+//! * Small S ([`dot_rows`]): the AVX2 small kernel's structure with 256-bit
+//!   `vpdpbusd` (unsigned quants `q + OFF` times the signed activation quants
+//!   and remainders, no `i16` limit, so no sign juggling); 4 rows' unit
+//!   totals reduced into the lanes of one register, `OFF · isum` taken off.
+//! * Prefill ([`kern`]): an outer product over 16 tokens per 512-bit
+//!   register, `vpdpbusd` with broadcast weights. Weight rows are decoded
+//!   once per work chunk ([`WUnit8`]: signed quants and `corr = -128 Σ q`
+//!   per half), activations packed per group of 4 elements ([`Act16`],
+//!   offset by +128); per unit (or half) one convert, scale and `fmadd`
+//!   for 16 tokens. (A `vpdpwssd` form over 16-bit weights and
+//!   activations, as the AVX2 kernel does with `vpmaddwd`, measured 1.5-1.9x
+//!   slower here: twice the weight broadcasts and bigger decoded rows.)
 
-use super::avx2::{Block, BQ4_0, BQ4_1, BQ8_0};
-use super::{Q8Act, QK, RES_SHIFT};
+use super::avx2::{reduce4, reduce4_halves, scales4, unit_step, Fmt, SR};
+use super::{Q8Act, RES_SHIFT};
 use crate::ir::DType;
 use std::arch::x86_64::*;
+
+/// Tokens per packed group (one i32 lane each in a 512-bit register).
+pub(super) const TG: usize = 16;
+/// Weight rows per packed kernel call.
+pub(super) const R: usize = 8;
+
+/// Same contract as the AVX2 `dot_rows` (1..=4 tokens).
+///
+/// # Safety
+/// The CPU must support the [`Isa::Avx512Vnni`](crate::kernels::Isa::Avx512Vnni) level; `dtype` is a fast-path format.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn dot_rows(
+    dtype: DType,
+    w: &[u8],
+    row_bytes: usize,
+    acts: &[&[Q8Act]],
+    out: &mut [f32],
+) {
+    super::avx2::with_fmt!(dtype, rows::<_>(w, row_bytes, acts, out))
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn rows<F: Fmt>(w: &[u8], row_bytes: usize, acts: &[&[Q8Act]], out: &mut [f32]) {
+    match acts.len() {
+        1 => rows_nt::<F, 1>(w, row_bytes, acts, out),
+        2 => rows_nt::<F, 2>(w, row_bytes, acts, out),
+        3 => rows_nt::<F, 3>(w, row_bytes, acts, out),
+        4 => rows_nt::<F, 4>(w, row_bytes, acts, out),
+        _ => unreachable!("tiles have 1..=4 tokens"),
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn rows_nt<F: Fmt, const NT: usize>(
+    w: &[u8],
+    row_bytes: usize,
+    acts: &[&[Q8Act]],
+    out: &mut [f32],
+) {
+    let nblk = row_bytes / F::BYTES;
+    assert!(nblk * F::BYTES == row_bytes && acts.len() == NT);
+    let mut a: [&[Q8Act]; NT] = [&[]; NT];
+    for t in 0..NT {
+        a[t] = &acts[t][..nblk * F::UNITS];
+    }
+    super::avx2::row_groups::<NT>(w, row_bytes, out, |rows, v| {
+        // SAFETY: this closure runs inside a function with these features.
+        unsafe { small::<F, NT>(rows, nblk, &a, v) }
+    });
+}
+
+/// `out[t][i] = row_i · token_t` for [`SR`] weight rows (one f32 lane each)
+/// with the shared arithmetic (see the module docs).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn small<F: Fmt, const NT: usize>(
+    rows: &[&[u8]; SR],
+    nblk: usize,
+    a: &[&[Q8Act]; NT],
+    out: &mut [[f32; SR]; NT],
+) {
+    for row in rows {
+        assert!(row.len() == nblk * F::BYTES);
+    }
+    let mut f = [_mm_setzero_ps(); NT];
+    let mut d = [[_mm_setzero_ps(); 2]; 8];
+    let mut m = [_mm_setzero_ps(); 8];
+    for blk in 0..nblk {
+        let at = blk * F::BYTES;
+        scales4::<F>(rows, at, &mut d, &mut m);
+        for u in 0..F::UNITS {
+            let mut uq = [_mm256_setzero_si256(); SR];
+            for i in 0..SR {
+                // SAFETY: the slice holds one block; u < UNITS.
+                uq[i] = unsafe { F::load_u(&rows[i][at..at + F::BYTES], u) };
+            }
+            for t in 0..NT {
+                let ab = &a[t][blk * F::UNITS + u];
+                // SAFETY: qs and qr have 32 bytes each; unaligned loads.
+                let (av, ar) = unsafe {
+                    (
+                        _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i),
+                        _mm256_loadu_si256(ab.qr.as_ptr() as *const __m256i),
+                    )
+                };
+                let mut p = [_mm256_setzero_si256(); SR];
+                for i in 0..SR {
+                    // 256·Σ u·qs + Σ u·qr per 4 elements (< 2^31 in total).
+                    let q = _mm256_dpbusd_epi32(_mm256_setzero_si256(), uq[i], av);
+                    p[i] = _mm256_dpbusd_epi32(_mm256_slli_epi32::<RES_SHIFT>(q), uq[i], ar);
+                }
+                let tot = if F::SPLIT {
+                    reduce4_halves(&p)
+                } else {
+                    (reduce4(&p), _mm_setzero_si128())
+                };
+                f[t] = unit_step::<F>(f[t], tot, ab, &d[u], m[u]);
+            }
+        }
+    }
+    for t in 0..NT {
+        // SAFETY: out[t] holds SR = 4 f32; unaligned store.
+        unsafe { _mm_storeu_ps(out[t].as_mut_ptr(), f[t]) };
+    }
+}
 
 /// [`RES_SHIFT`] as the `u32` shift count of `_mm512_slli_epi32`.
 const RES_SHIFT_U: u32 = RES_SHIFT as u32;
 
-/// Tokens per packed group (one i32 lane each in a 512-bit register).
-pub(super) const TG: usize = 16;
-/// Weight rows per kernel call.
-pub(super) const R: usize = 8;
+/// One decoded weight unit of the packed kernel: the signed quants in
+/// element order, the scale of each half (equal unless the format has a
+/// scale per half), the additive term, and `corr[h] = -128 · Σ q` over
+/// each half.
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C, align(16))]
+pub struct WUnit8 {
+    q: [i8; 32],
+    d: [f32; 2],
+    m: f32,
+    corr: [i32; 2],
+}
 
-/// One 32-element block of 16 tokens' quantized activations (see the
-/// module docs); padding tokens are zero (`qs` = 0x80, `d` = `s` = 0).
+/// Decodes the rows of `w` (`row_bytes` each) into `out` (each row's
+/// units one after another); units of `out` past the rows of `w` are zeroed.
+///
+/// # Safety
+/// The CPU must support the [`Isa::Avx512Vnni`](crate::kernels::Isa::Avx512Vnni) level; `dtype` is a fast-path format.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn decode8(dtype: DType, w: &[u8], row_bytes: usize, out: &mut [WUnit8]) {
+    super::avx2::with_fmt!(dtype, decode8_t::<_>(w, row_bytes, out))
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn decode8_t<F: Fmt>(w: &[u8], row_bytes: usize, out: &mut [WUnit8]) {
+    let nblk = row_bytes / F::BYTES;
+    assert!(nblk * F::BYTES == row_bytes && nblk > 0);
+    let nu = nblk * F::UNITS;
+    let nr = w.len() / row_bytes;
+    assert!(nr * row_bytes == w.len() && out.len() >= nr * nu);
+    let off = _mm256_set1_epi8(F::OFF as u8 as i8);
+    let ones8 = _mm256_set1_epi8(1);
+    let ones16 = _mm256_set1_epi16(1);
+    let (mut dlo, mut dhi, mut m) = ([0f32; 8], [0f32; 8], [0f32; 8]);
+    for (bi, blk) in w.chunks_exact(F::BYTES).enumerate() {
+        // SAFETY: blk holds one block; the features are enabled here.
+        unsafe { F::scales(blk, &mut dlo, &mut dhi, &mut m) };
+        for u in 0..F::UNITS {
+            let o = &mut out[bi * F::UNITS + u];
+            // SAFETY: blk holds one block; u < UNITS.
+            let q = _mm256_sub_epi8(unsafe { F::load_u(blk, u) }, off);
+            // SAFETY: o.q has 32 bytes; unaligned store.
+            unsafe { _mm256_storeu_si256(o.q.as_mut_ptr() as *mut __m256i, q) };
+            // Σ q per half: lanes 0..4 hold elements 0..16.
+            let s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, q), ones16);
+            let h = _mm256_hadd_epi32(s, s);
+            let h = _mm256_hadd_epi32(h, h);
+            o.corr = [
+                -128 * _mm256_extract_epi32::<0>(h),
+                -128 * _mm256_extract_epi32::<4>(h),
+            ];
+            o.d = [dlo[u], if F::SPLIT { dhi[u] } else { dlo[u] }];
+            o.m = if F::HAS_MIN { m[u] } else { 0.0 };
+        }
+    }
+    out[nr * nu..].fill(WUnit8::default());
+}
+
+/// One 32-element block of 16 tokens' quantized activations: for each
+/// group `j` of 4 elements, one 64-byte vector holding those 4 quants of all
+/// 16 tokens (lane `t` = token `t`), offset by +128 as unsigned bytes
+/// (`q ^ 0x80`); the same for the remainders; the tokens' scales and sums.
+/// Missing tokens are zero (`qs` = 0x80, `d` = `s` = 0).
 #[derive(Clone, Copy, Debug)]
 #[repr(C, align(64))]
-pub struct PackedBlock {
+pub struct Act16 {
     qs: [[u8; 64]; 8],
     qr: [[u8; 64]; 8],
     d: [f32; TG],
     s: [f32; TG],
 }
 
-impl Default for PackedBlock {
+impl Default for Act16 {
     fn default() -> Self {
-        PackedBlock {
+        Act16 {
             qs: [[0x80; 64]; 8],
             qr: [[0x80; 64]; 8],
             d: [0.0; TG],
@@ -64,158 +213,88 @@ impl Default for PackedBlock {
 
 /// Packs up to 16 tokens' quantized rows (`acts[t]`, `nb` blocks each) into
 /// `out` (`nb` blocks).
-pub(super) fn pack(acts: &[&[Q8Act]], nb: usize, out: &mut [PackedBlock]) {
+pub(super) fn pack(acts: &[&[Q8Act]], nb: usize, out: &mut [Act16]) {
     assert!(acts.len() <= TG && out.len() == nb);
     for (b, o) in out.iter_mut().enumerate() {
-        for t in 0..TG {
-            match acts.get(t) {
-                Some(a) => {
-                    let ab = &a[b];
-                    for j in 0..QK / 4 {
-                        for i in 0..4 {
-                            o.qs[j][4 * t + i] = ab.qs[4 * j + i] as u8 ^ 0x80;
-                            o.qr[j][4 * t + i] = ab.qr[4 * j + i] as u8 ^ 0x80;
-                        }
-                    }
-                    o.d[t] = ab.d;
-                    o.s[t] = ab.s;
-                }
-                None => {
-                    for j in 0..QK / 4 {
-                        o.qs[j][4 * t..4 * t + 4].fill(0x80);
-                        o.qr[j][4 * t..4 * t + 4].fill(0x80);
-                    }
-                    o.d[t] = 0.0;
-                    o.s[t] = 0.0;
+        *o = Act16::default();
+        for (t, row) in acts.iter().enumerate() {
+            let ab = &row[b];
+            for j in 0..8 {
+                for i in 0..4 {
+                    o.qs[j][4 * t + i] = ab.qs[4 * j + i] as u8 ^ 0x80;
+                    o.qr[j][4 * t + i] = ab.qr[4 * j + i] as u8 ^ 0x80;
                 }
             }
+            o.d[t] = ab.d;
+            o.s[t] = ab.s;
         }
     }
 }
 
-/// One decoded weight block (see the module docs).
-#[derive(Clone, Copy, Debug, Default)]
-#[repr(C, align(16))]
-pub struct WBlock {
-    qs: [i8; 32],
-    d: f32,
-    m: f32,
-    corr: i32,
-}
-
-/// Decodes the rows of `w` (`row_bytes` each) into `out` (`nb` blocks per
-/// row, row-major); rows of `out` past the end of `w` are zeroed.
-///
-/// # Safety
-/// The CPU must support the [`Isa::Avx512Vnni`](crate::kernels::Isa::Avx512Vnni) level; `dtype` is Q8_0/Q4_0/Q4_1.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn decode(dtype: DType, w: &[u8], row_bytes: usize, out: &mut [WBlock]) {
-    match dtype {
-        DType::Q8_0 => decode_t::<BQ8_0>(w, row_bytes, out),
-        DType::Q4_0 => decode_t::<BQ4_0>(w, row_bytes, out),
-        DType::Q4_1 => decode_t::<BQ4_1>(w, row_bytes, out),
-        _ => unreachable!("checked by supports()"),
-    }
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn decode_t<B: Block>(w: &[u8], row_bytes: usize, out: &mut [WBlock]) {
-    let nb = row_bytes / B::BYTES;
-    assert!(nb * B::BYTES == row_bytes && nb > 0);
-    let nr = w.len() / row_bytes;
-    assert!(nr * row_bytes == w.len() && out.len() >= nr * nb && out.len().is_multiple_of(nb));
-    let ones = _mm256_set1_epi8(1);
-    for (blk, o) in w.chunks_exact(B::BYTES).zip(out.iter_mut()) {
-        // SAFETY: blk holds one block; avx2 is enabled here.
-        let (q, d, m) = unsafe { B::load(blk) };
-        // SAFETY: o.qs has 32 bytes; unaligned store.
-        unsafe { _mm256_storeu_si256(o.qs.as_mut_ptr() as *mut __m256i, q) };
-        let s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, q);
-        let s = _mm256_hadd_epi32(s, s);
-        let s = _mm256_hadd_epi32(s, s);
-        o.d = d;
-        o.m = if B::HAS_MIN { m } else { 0.0 };
-        o.corr = -128 * (_mm256_extract_epi32::<0>(s) + _mm256_extract_epi32::<4>(s));
-    }
-    out[nr * nb..].fill(WBlock::default());
-}
-
-/// `out[r][t] = row_r · token_t` for [`R`] decoded rows (`w`, `R * nb`
-/// blocks) and one packed group of 16 tokens (`acts`, `nb` blocks).
-/// `min`: add the Q4_1 minimum term `m · s`.
+/// `out[r][t] = row_r · token_t` for [`R`] decoded rows (`w`, `R * nu`
+/// units, row-major) and one packed group of 16 tokens (`a`, `nu` blocks):
+/// `vpdpbusd(acc, acts_j, broadcast(w[4j..4j+4]))` adds in lane `t` the
+/// products of 4 elements with token `t`'s quants offset by 128; starting
+/// at `corr` makes the lane exactly `Σ q·qs`, and the remainders go into a
+/// second accumulator: `256·Σ q·qs + Σ q·qr` per unit (or half), then the
+/// shared f32 step for 16 tokens at once.
 ///
 /// # Safety
 /// The CPU must support the [`Isa::Avx512Vnni`](crate::kernels::Isa::Avx512Vnni) level.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn kern(
-    w: &[WBlock],
-    nb: usize,
-    acts: &[PackedBlock],
-    min: bool,
+pub(super) unsafe fn kern<const SPLIT: bool, const MIN: bool>(
+    w: &[WUnit8],
+    nu: usize,
+    a: &[Act16],
     out: &mut [[f32; TG]; R],
 ) {
-    if min {
-        kern_t::<true>(w, nb, acts, out)
-    } else {
-        kern_t::<false>(w, nb, acts, out)
-    }
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn kern_t<const MIN: bool>(
-    w: &[WBlock],
-    nb: usize,
-    acts: &[PackedBlock],
-    out: &mut [[f32; TG]; R],
-) {
-    assert!(w.len() == R * nb && acts.len() == nb);
+    assert!(w.len() == R * nu && a.len() == nu);
     let wp = w.as_ptr();
     let mut f = [_mm512_setzero_ps(); R];
-    for (b, pb) in acts.iter().enumerate() {
-        // Σ w·qs and Σ w·qr per lane, each started at the correction;
-        // combined below as 256·Σ w·qs + Σ w·qr (at most 32·128·32639 < 2^31).
-        let mut acc = [_mm512_setzero_si512(); R];
-        let mut accr = [_mm512_setzero_si512(); R];
-        for r in 0..R {
-            // SAFETY: r * nb + b < R * nb = w.len().
-            let wb = unsafe { &*wp.add(r * nb + b) };
-            acc[r] = _mm512_set1_epi32(wb.corr);
-            accr[r] = acc[r];
-        }
-        for j in 0..QK / 4 {
-            // SAFETY: qs[j] and qr[j] are 64 bytes, 64-byte aligned
-            // (repr(align(64)) and every row a multiple of 64 bytes).
-            let (a, ar) = unsafe {
-                (
-                    _mm512_load_si512(pb.qs[j].as_ptr() as *const __m512i),
-                    _mm512_load_si512(pb.qr[j].as_ptr() as *const __m512i),
-                )
-            };
+    for (u, pb) in a.iter().enumerate() {
+        // SAFETY (every access below): qs[j], qr[j], d and s are 64 bytes,
+        // 64-byte aligned (repr(align(64)), every field a multiple of 64
+        // bytes); r * nu + u < R * nu = w.len(), 4j + 4 <= 32.
+        let da = unsafe { _mm512_load_ps(pb.d.as_ptr()) };
+        let halves: &[(usize, usize)] = if SPLIT { &[(0, 4), (4, 8)] } else { &[(0, 8)] };
+        for (h, &(j0, j1)) in halves.iter().enumerate() {
+            let mut acc = [_mm512_setzero_si512(); R];
+            let mut accr = [_mm512_setzero_si512(); R];
             for r in 0..R {
-                // SAFETY: as above; 4 bytes at 4j < 32 of qs, unaligned read.
-                let wq = _mm512_set1_epi32(unsafe {
-                    let wb = &*wp.add(r * nb + b);
-                    std::ptr::read_unaligned(wb.qs.as_ptr().add(4 * j) as *const i32)
-                });
-                acc[r] = _mm512_dpbusd_epi32(acc[r], a, wq);
-                accr[r] = _mm512_dpbusd_epi32(accr[r], ar, wq);
+                let c = unsafe { (*wp.add(r * nu + u)).corr };
+                acc[r] = _mm512_set1_epi32(if SPLIT { c[h] } else { c[0] + c[1] });
+                accr[r] = acc[r];
+            }
+            for j in j0..j1 {
+                let (av, ar) = unsafe {
+                    (
+                        _mm512_load_si512(pb.qs[j].as_ptr() as *const __m512i),
+                        _mm512_load_si512(pb.qr[j].as_ptr() as *const __m512i),
+                    )
+                };
+                for r in 0..R {
+                    let wq = _mm512_set1_epi32(unsafe {
+                        let wu = &*wp.add(r * nu + u);
+                        std::ptr::read_unaligned(wu.q.as_ptr().add(4 * j) as *const i32)
+                    });
+                    acc[r] = _mm512_dpbusd_epi32(acc[r], av, wq);
+                    accr[r] = _mm512_dpbusd_epi32(accr[r], ar, wq);
+                }
+            }
+            for r in 0..R {
+                let p = _mm512_add_epi32(_mm512_slli_epi32::<RES_SHIFT_U>(acc[r]), accr[r]);
+                let dw = unsafe { (*wp.add(r * nu + u)).d[h] };
+                f[r] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(p),
+                    _mm512_mul_ps(da, _mm512_set1_ps(dw)),
+                    f[r],
+                );
             }
         }
-        // SAFETY: d is 64 bytes, 64-byte aligned.
-        let da = unsafe { _mm512_load_ps(pb.d.as_ptr()) };
-        for r in 0..R {
-            let p = _mm512_add_epi32(_mm512_slli_epi32::<RES_SHIFT_U>(acc[r]), accr[r]);
-            // SAFETY: as above.
-            let dw = unsafe { (*wp.add(r * nb + b)).d };
-            let sc = _mm512_mul_ps(da, _mm512_set1_ps(dw));
-            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, f[r]);
-        }
         if MIN {
-            // SAFETY: s is 64 bytes, 64-byte aligned.
             let sv = unsafe { _mm512_load_ps(pb.s.as_ptr()) };
             for r in 0..R {
-                // SAFETY: as above.
-                let m = unsafe { (*wp.add(r * nb + b)).m };
+                let m = unsafe { (*wp.add(r * nu + u)).m };
                 f[r] = _mm512_fmadd_ps(_mm512_set1_ps(m), sv, f[r]);
             }
         }
@@ -223,170 +302,6 @@ fn kern_t<const MIN: bool>(
     for r in 0..R {
         // SAFETY: out[r] is 16 f32; unaligned store.
         unsafe { _mm512_storeu_ps(out[r].as_mut_ptr(), f[r]) };
-    }
-}
-
-/// Same contract as the AVX2 `dot_rows` (1..=4 tokens).
-///
-/// # Safety
-/// The CPU must support the [`Isa::Avx512Vnni`](crate::kernels::Isa::Avx512Vnni) level; `dtype` is Q8_0/Q4_0/Q4_1.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn dot_rows(
-    dtype: DType,
-    w: &[u8],
-    row_bytes: usize,
-    acts: &[&[Q8Act]],
-    out: &mut [f32],
-) {
-    match dtype {
-        DType::Q8_0 => rows::<BQ8_0>(w, row_bytes, acts, out),
-        DType::Q4_0 => rows::<BQ4_0>(w, row_bytes, acts, out),
-        DType::Q4_1 => rows::<BQ4_1>(w, row_bytes, acts, out),
-        _ => unreachable!("checked by supports()"),
-    }
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn rows<B: Block>(w: &[u8], row_bytes: usize, acts: &[&[Q8Act]], out: &mut [f32]) {
-    match acts.len() {
-        1 => rows_nt::<B, 1>(w, row_bytes, acts, out),
-        2 => rows_nt::<B, 2>(w, row_bytes, acts, out),
-        3 => rows_nt::<B, 3>(w, row_bytes, acts, out),
-        4 => rows_nt::<B, 4>(w, row_bytes, acts, out),
-        _ => unreachable!("tiles have 1..=4 tokens"),
-    }
-}
-
-/// Rows per small-S kernel call (one f32 lane each).
-const SR: usize = 4;
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn rows_nt<B: Block, const NT: usize>(
-    w: &[u8],
-    row_bytes: usize,
-    acts: &[&[Q8Act]],
-    out: &mut [f32],
-) {
-    let nr = w.len() / row_bytes;
-    assert!(w.len() == nr * row_bytes && out.len() == nr * NT && acts.len() == NT);
-    let nb = row_bytes / B::BYTES;
-    assert!(nb * B::BYTES == row_bytes);
-    let mut a: [&[Q8Act]; NT] = [&[]; NT];
-    for t in 0..NT {
-        a[t] = &acts[t][..nb];
-    }
-    let mut v = [[0f32; SR]; NT];
-    for r0 in (0..nr).step_by(SR) {
-        // A short last group repeats its last row in the spare lanes (every
-        // lane is computed on its own; the spare results are dropped).
-        let nv = (nr - r0).min(SR);
-        let mut rows: [&[u8]; SR] = [&[]; SR];
-        for (i, row) in rows.iter_mut().enumerate() {
-            let r = r0 + i.min(nv - 1);
-            *row = &w[r * row_bytes..(r + 1) * row_bytes];
-        }
-        small::<B, NT>(&rows, nb, &a, &mut v);
-        for i in 0..nv {
-            for t in 0..NT {
-                out[(r0 + i) * NT + t] = v[t][i];
-            }
-        }
-    }
-}
-
-/// `out[t][i] = row_i · token_t` for [`SR`] weight rows (one f32 lane each)
-/// with exactly the arithmetic of the packed kernel ([`kern`]) for each
-/// (row, token): per block the exact integer `Σ q·(256 qs + qr)`, then
-/// `f = fma(f32(that), d_a·d_w, f)` and, for Q4_1, `f = fma(m, s, f)`, blocks
-/// in order. So a token's outputs do not depend on how many tokens share
-/// the step (decode and prefill agree bit for bit).
-///
-/// The weights are `vpdpbusd`'s unsigned operand (`u = q + OFF`); the block
-/// total `Σ u·a` of each row is reduced across the vector with the other
-/// rows' (`vphaddd`) so that lane `i` holds row `i`'s, and `OFF · isum` is
-/// taken back off.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn small<B: Block, const NT: usize>(
-    rows: &[&[u8]; SR],
-    nb: usize,
-    a: &[&[Q8Act]; NT],
-    out: &mut [[f32; SR]; NT],
-) {
-    for row in rows {
-        assert!(row.len() == nb * B::BYTES);
-    }
-    let mut f = [_mm_setzero_ps(); NT];
-    for b in 0..nb {
-        let at = b * B::BYTES;
-        let mut u = [_mm256_setzero_si256(); SR];
-        for i in 0..SR {
-            // SAFETY: the slice holds one block.
-            u[i] = unsafe { B::load_u(&rows[i][at..at + B::BYTES]) };
-        }
-        // The rows' f16 scales (and Q4_1 minimums) side by side.
-        let h =
-            |i: usize, o: usize| u16::from_le_bytes([rows[i][at + o], rows[i][at + o + 1]]) as i16;
-        let dw = _mm_cvtph_ps(_mm_setr_epi16(
-            h(0, 0),
-            h(1, 0),
-            h(2, 0),
-            h(3, 0),
-            0,
-            0,
-            0,
-            0,
-        ));
-        let mw = if B::HAS_MIN {
-            _mm_cvtph_ps(_mm_setr_epi16(
-                h(0, 2),
-                h(1, 2),
-                h(2, 2),
-                h(3, 2),
-                0,
-                0,
-                0,
-                0,
-            ))
-        } else {
-            _mm_setzero_ps()
-        };
-        for t in 0..NT {
-            let ab = &a[t][b];
-            // SAFETY: qs and qr have 32 bytes each; unaligned loads.
-            let (av, ar) = unsafe {
-                (
-                    _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i),
-                    _mm256_loadu_si256(ab.qr.as_ptr() as *const __m256i),
-                )
-            };
-            let mut p = [_mm256_setzero_si256(); SR];
-            for i in 0..SR {
-                // 256·Σ u·qs + Σ u·qr per 4 elements (< 2^31 in total).
-                let q = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u[i], av);
-                p[i] = _mm256_dpbusd_epi32(_mm256_slli_epi32::<RES_SHIFT>(q), u[i], ar);
-            }
-            let hs =
-                _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-            let tot = _mm_add_epi32(
-                _mm256_castsi256_si128(hs),
-                _mm256_extracti128_si256::<1>(hs),
-            );
-            let isum = if B::OFF != 0 {
-                _mm_sub_epi32(tot, _mm_set1_epi32(B::OFF * ab.isum))
-            } else {
-                tot
-            };
-            let sc = _mm_mul_ps(_mm_set1_ps(ab.d), dw);
-            f[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(isum), sc, f[t]);
-            if B::HAS_MIN {
-                f[t] = _mm_fmadd_ps(mw, _mm_set1_ps(ab.s), f[t]);
-            }
-        }
-    }
-    for t in 0..NT {
-        // SAFETY: out[t] holds SR = 4 f32; unaligned store.
-        unsafe { _mm_storeu_ps(out[t].as_mut_ptr(), f[t]) };
     }
 }
 

@@ -1,32 +1,56 @@
-//! The weight formats of the fast path seen as 32-element *units*: every
-//! unit decodes to 32 small integer quants `q` (as `i8`), one scale per
-//! 16-element half and an additive term, with weight
+//! Every weight format of the fast path seen as 32-element *units*: a unit
+//! decodes to 32 small integer quants `q` (as `i8`), one scale per unit or
+//! per 16-element half and an additive term, with weight
 //! `w_i = d[i / 16] · q_i + m`, exactly the value the dequantizer
 //! ([`crate::kernels::quantized::blocks`]) gives (the products are formed
 //! in the same f32 order, so the test below compares for equality).
 //!
-//! | dtype  | units / block | quants | scales per unit | m |
-//! |--------|---------------|--------|-----------------|---|
-//! | Q5_0   | 1 | −16..15 | 1 (`d`) | 0 |
-//! | Q5_1   | 1 | 0..31 | 1 (`d`) | `m` |
-//! | IQ4_NL | 1 | grid −127..113 | 1 (`d`) | 0 |
-//! | Q3_K   | 8 | −4..3 | 2 (`d·sc`, 16-element sub-blocks) | 0 |
-//! | Q4_K   | 8 | 0..15 | 1 (`d·sc`) | `−dmin·m` |
-//! | Q5_K   | 8 | 0..31 | 1 (`d·sc`) | `−dmin·m` |
-//! | Q6_K   | 8 | −32..31 | 2 (`d·sc`, 16-element sub-blocks) | 0 |
-//! | IQ4_XS | 8 | grid −127..113 | 1 (`d·sc`) | 0 |
+//! | dtype  | units / block | quants `q` | `OFF` | scales per unit | m |
+//! |--------|---------------|------------|-------|-----------------|---|
+//! | Q8_0   | 1 | −128..127 | 128 | 1 (`d`) | 0 |
+//! | Q4_0   | 1 | −8..7 | 8 | 1 (`d`) | 0 |
+//! | Q4_1   | 1 | 0..15 | 0 | 1 (`d`) | `m` |
+//! | Q5_0   | 1 | −16..15 | 16 | 1 (`d`) | 0 |
+//! | Q5_1   | 1 | 0..31 | 0 | 1 (`d`) | `m` |
+//! | IQ4_NL | 1 | grid −127..113 | 128 | 1 (`d`) | 0 |
+//! | Q3_K   | 8 | −4..3 | 4 | 2 (`d·sc`, 16-element sub-blocks) | 0 |
+//! | Q4_K   | 8 | 0..15 | 0 | 1 (`d·sc`) | `−dmin·m` |
+//! | Q5_K   | 8 | 0..31 | 0 | 1 (`d·sc`) | `−dmin·m` |
+//! | Q6_K   | 8 | −32..31 | 32 | 2 (`d·sc`, 16-element sub-blocks) | 0 |
+//! | IQ4_XS | 8 | grid −127..113 | 128 | 1 (`d·sc`) | 0 |
 //!
-//! Q8_0, Q4_0 and Q4_1 (one unit per block) keep their own block kernels;
-//! Q2_K (a minimum per 16 elements) is left to the exact path.
+//! `q + OFF` is never negative and fits a byte: kernels that need an
+//! unsigned operand (`vpdpbusd`, `vpmaddubsw`) use it and take `OFF · Σ a`
+//! back off in integers. Q2_K (a minimum per 16 elements) is left to the
+//! exact path.
+//!
+//! # The arithmetic of one output
+//!
+//! Every kernel at every level computes a weight row's product with one
+//! activation row ([`Q8Act`] blocks) with exactly this sequence of f32
+//! operations, [`unit_acc`] (so the kernels agree with the scalar reference
+//! bit for bit, and a row's result does not depend on which kernel ran it
+//! or on the other rows of the step): `f = 0`, then for every unit in
+//! element order,
+//! * `I = Σ q_i (256 qs_i + qr_i)` over the unit, an exact integer (over
+//!   each 16-element half separately, `I_lo` and `I_hi`, for formats with a
+//!   scale per half);
+//! * `f = fma(f32(I), d_a · d_w, f)` (per half: `fma(f32(I_lo), d_a · d_lo, f)`
+//!   then `fma(f32(I_hi), d_a · d_hi, f)`);
+//! * for formats with an additive term, `f = fma(m, s_a, f)`.
 
+use super::Q8Act;
 use crate::ir::DType;
 use crate::kernels::quantized::blocks::{iq4xs_scale, k_scale_min, q3k_scale, rd_f16, IQ4_VALUES};
 
-/// True for the dtypes handled as units (see the module table).
+/// True for the dtypes of the fast path (see the module table).
 pub fn is_unit_format(dtype: DType) -> bool {
     matches!(
         dtype,
-        DType::Q5_0
+        DType::Q8_0
+            | DType::Q4_0
+            | DType::Q4_1
+            | DType::Q5_0
             | DType::Q5_1
             | DType::IQ4_NL
             | DType::Q3_K
@@ -42,6 +66,28 @@ pub fn units_per_block(dtype: DType) -> usize {
     dtype.block_elems() / 32
 }
 
+/// True where a unit has one scale per 16-element half (Q3_K, Q6_K).
+pub fn split_scales(dtype: DType) -> bool {
+    matches!(dtype, DType::Q3_K | DType::Q6_K)
+}
+
+/// True where the weights have an additive term `m`.
+pub fn has_min(dtype: DType) -> bool {
+    matches!(dtype, DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K)
+}
+
+/// `OFF`: what makes every quant of `dtype` non-negative (see the table).
+pub fn offset(dtype: DType) -> i32 {
+    match dtype {
+        DType::Q8_0 | DType::IQ4_NL | DType::IQ4_XS => 128,
+        DType::Q4_0 => 8,
+        DType::Q5_0 => 16,
+        DType::Q3_K => 4,
+        DType::Q6_K => 32,
+        _ => 0,
+    }
+}
+
 /// The scales `d[u] = [d_lo, d_hi]` and additive terms `m[u]` of every
 /// unit `u` of block `b` (the first [`units_per_block`] entries are set).
 ///
@@ -50,11 +96,11 @@ pub fn units_per_block(dtype: DType) -> usize {
 #[inline]
 pub fn block_scales(dtype: DType, b: &[u8], d: &mut [[f32; 2]; 8], m: &mut [f32; 8]) {
     match dtype {
-        DType::Q5_0 | DType::IQ4_NL => {
+        DType::Q8_0 | DType::Q4_0 | DType::Q5_0 | DType::IQ4_NL => {
             let v = rd_f16(b, 0);
             (d[0], m[0]) = ([v, v], 0.0);
         }
-        DType::Q5_1 => {
+        DType::Q4_1 | DType::Q5_1 => {
             let v = rd_f16(b, 0);
             (d[0], m[0]) = ([v, v], rd_f16(b, 2));
         }
@@ -102,6 +148,18 @@ pub fn unit_quants(dtype: DType, b: &[u8], u: usize) -> [i8; 32] {
     );
     let mut q = [0i8; 32];
     match dtype {
+        DType::Q8_0 => {
+            for i in 0..32 {
+                q[i] = b[2 + i] as i8;
+            }
+        }
+        DType::Q4_0 | DType::Q4_1 => {
+            let (at, off) = if dtype == DType::Q4_0 { (2, 8) } else { (4, 0) };
+            for i in 0..16 {
+                q[i] = (b[at + i] & 15) as i8 - off;
+                q[i + 16] = (b[at + i] >> 4) as i8 - off;
+            }
+        }
         DType::Q5_0 | DType::Q5_1 => {
             let h = if dtype == DType::Q5_0 { 2 } else { 4 };
             let qh = u32::from_le_bytes([b[h], b[h + 1], b[h + 2], b[h + 3]]);
@@ -175,19 +233,27 @@ pub fn decode_unit(dtype: DType, b: &[u8], u: usize) -> ([i8; 32], [f32; 2], f32
     (q, d[u], m[u])
 }
 
-/// Scalar reference of one unit's product with one activation block:
-/// `d_lo·a.d·I_lo + d_hi·a.d·I_hi + m·a.s`, with `I_lo`, `I_hi` the exact
-/// integer sums `Σ q_i (256 qs_i + qr_i)` over each half.
-pub fn unit_dot(q: &[i8; 32], d: [f32; 2], m: f32, a: &super::Q8Act) -> f32 {
+/// One unit's step of the arithmetic every kernel shares (see the module
+/// docs): the exact integer products of the quants `q` with the activation
+/// block `a`, added to `f` as `fma(f32(I), d_a · d_w, f)` (per half for the
+/// `split` formats), then `fma(m, s_a, f)` for formats with an additive term.
+#[inline]
+pub fn unit_acc(dtype: DType, f: f32, q: &[i8; 32], d: [f32; 2], m: f32, a: &Q8Act) -> f32 {
     let mut h = [0i32; 2];
     for i in 0..32 {
         h[i / 16] += q[i] as i32 * (super::RES * a.qs[i] as i32 + a.qr[i] as i32);
     }
-    if d[0] == d[1] {
-        d[0] * a.d * (h[0] + h[1]) as f32 + m * a.s
+    let mut f = f;
+    if split_scales(dtype) {
+        f = (h[0] as f32).mul_add(a.d * d[0], f);
+        f = (h[1] as f32).mul_add(a.d * d[1], f);
     } else {
-        d[0] * a.d * h[0] as f32 + d[1] * a.d * h[1] as f32 + m * a.s
+        f = ((h[0] + h[1]) as f32).mul_add(a.d * d[0], f);
     }
+    if has_min(dtype) {
+        f = m.mul_add(a.s, f);
+    }
+    f
 }
 
 #[cfg(test)]
@@ -203,6 +269,9 @@ mod tests {
     fn units_decode_as_the_dequantizer() {
         let mut rng = Rng::new(41);
         for dtype in [
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_1,
             DType::Q5_0,
             DType::Q5_1,
             DType::IQ4_NL,
@@ -217,20 +286,19 @@ mod tests {
             for trial in 0..200 {
                 let mut b: Vec<u8> = (0..bb).map(|_| rng.next_u64() as u8).collect();
                 // Finite f16 scales: clear the exponent's top bit of every f16 field.
-                for at in match dtype {
-                    DType::Q3_K => vec![108],
-                    DType::Q6_K => vec![208],
-                    DType::Q5_1 | DType::Q4_K | DType::Q5_K => vec![0, 2],
-                    _ => vec![0],
-                } {
+                for &at in crate::kernels::testutil::f16_fields(dtype) {
                     b[at + 1] &= 0xbf;
                 }
                 let mut want = vec![0f32; be];
                 dequant_block(dtype, &b, &mut want);
                 for u in 0..units_per_block(dtype) {
                     let (q, d, m) = decode_unit(dtype, &b, u);
+                    assert!(split_scales(dtype) || d[0] == d[1]);
+                    assert!(has_min(dtype) || m == 0.0);
                     for i in 0..32 {
                         let got = d[i / 16] * q[i] as f32 + m;
+                        let u8q = q[i] as i32 + offset(dtype);
+                        assert!((0..=255).contains(&u8q), "{dtype}: q + OFF = {u8q}");
                         let w = want[32 * u + i];
                         assert!(
                             got == w,
@@ -240,6 +308,6 @@ mod tests {
                 }
             }
         }
-        assert!(!is_unit_format(DType::Q2_K) && !is_unit_format(DType::Q8_0));
+        assert!(!is_unit_format(DType::Q2_K) && !is_unit_format(DType::F16));
     }
 }
