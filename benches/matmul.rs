@@ -6,12 +6,11 @@
 //! per-`run` overhead of the pool with empty chunks.
 
 use llama_graph::ir::DType;
-use llama_graph::kernels::attention::attn_scores_len;
 use llama_graph::kernels::matmul::{flops, matmul_bf16_dot, matmul_with};
 use llama_graph::kernels::Isa;
 use llama_graph::kernels::{
-    attention_fused, attention_fused_scratch_len, attn_scores, attn_values, softmax_rows,
-    AttnShape, Epilogue, WeightRef,
+    attention_paged, attn_scores, attn_values, softmax_rows, AttnWork, Epilogue, KvGeom, KvStore,
+    StepSeqs, WeightRef,
 };
 use llama_graph::pool::ThreadPool;
 use std::hint::black_box;
@@ -179,36 +178,54 @@ fn fma_peak() {}
 /// Fused vs unfused attention, Llama-3.2-1B-like heads (32 q, 8 kv, D=64).
 fn attention_bench() {
     for (s, pos) in [(1usize, 1023usize), (128, 0)] {
-        let sh = AttnShape {
-            s,
-            pos,
-            n_heads: 32,
-            n_kv_heads: 8,
-            head_dim: 64,
+        let (h, hkv, d) = (32, 8, 64);
+        let geom = KvGeom {
+            n_blocks: (pos + s).div_ceil(16),
+            n_kv_heads: hkv,
+            head_dim: d,
+            block: 16,
         };
-        let cap = pos + s;
-        let q: Vec<f32> = (0..s * 32 * 64)
+        let q: Vec<f32> = (0..s * h * d)
             .map(|i| ((i % 17) as f32 - 8.0) * 0.05)
             .collect();
-        let kc: Vec<f32> = (0..cap * 8 * 64)
-            .map(|i| ((i % 13) as f32 - 6.0) * 0.05)
+        let kv: Vec<half::f16> = (0..geom.elems())
+            .map(|i| half::f16::from_f32(((i % 13) as f32 - 6.0) * 0.05))
             .collect();
-        let vc = kc.clone();
+        let (kc, vc) = (KvStore::F16(kv.clone()), KvStore::F16(kv));
+        // One sequence whose blocks are the whole (shuffled-free) pool.
+        let blocks: Vec<i32> = (0..geom.n_blocks as i32).collect();
+        let table = [0, s as i32, pos as i32, 0];
+        let seqs = StepSeqs::new(&table, &blocks, s, &geom).unwrap();
         let mut out = vec![0f32; q.len()];
         for threads in [1, 2] {
             let pool = ThreadPool::new(threads);
-            let mut scratch = vec![0f32; attention_fused_scratch_len(&sh, threads)];
+            let mut work = AttnWork::new(&geom, h / hkv, s, 1, threads);
             let tf = time_it(Duration::from_millis(300), || {
-                attention_fused(&pool, &q, &kc, &vc, sh, &mut out, &mut scratch).unwrap();
+                let (k, v) = (kc.view(), vc.view());
+                let isa = Isa::current();
+                attention_paged(
+                    &pool,
+                    isa,
+                    &q,
+                    k,
+                    v,
+                    &geom,
+                    h / hkv,
+                    &seqs,
+                    &mut out,
+                    &mut work,
+                )
+                .unwrap();
             });
-            let mut sc = vec![0f32; attn_scores_len(&sh)];
+            let t_n = pos + s;
+            let mut sc = vec![0f32; h * s * t_n];
             let tu = time_it(Duration::from_millis(300), || {
-                attn_scores(&pool, &q, &kc, sh, &mut sc).unwrap();
-                softmax_rows(&pool, &mut sc, sh.n_keys()).unwrap();
-                attn_values(&pool, &sc, &vc, sh, &mut out).unwrap();
+                attn_scores(&pool, &q, kc.view(), &geom, h / hkv, &seqs, t_n, &mut sc).unwrap();
+                softmax_rows(&pool, &mut sc, t_n).unwrap();
+                attn_values(&pool, &sc, vc.view(), &geom, h / hkv, &seqs, t_n, &mut out).unwrap();
             });
             println!(
-                "attention S={s:>3} P={pos:>4} H=32 Hkv=8 D=64 threads={threads}: fused {:8.1} us, unfused {:8.1} us",
+                "attention S={s:>3} P={pos:>4} H=32 Hkv=8 D=64 f16 KV threads={threads}: fused {:8.1} us, unfused {:8.1} us",
                 tf * 1e6,
                 tu * 1e6
             );

@@ -88,6 +88,7 @@ fn main() {
     let opts = |passes: PassList| SessionOptions {
         context: Some(256),
         batch: 64,
+        parallel: 1,
         threads,
         logit_rows: LogitRows::Last,
         passes,

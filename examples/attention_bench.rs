@@ -1,14 +1,12 @@
-//! Prefill attention, one layer of SmolLM2-135M (9 heads, 3 kv heads,
-//! head_dim 64): the streaming kernel (before) against the tiled kernel
-//! (after) at AVX2 and, if the CPU has it, AVX-512F, interleaved on the
-//! same data, medians.
+//! Fused attention over the paged KV pool, one layer of SmolLM2-135M (9
+//! heads, 3 kv heads, head_dim 64): prefill chunks and decode steps at
+//! several positions, f16 and f32 pools, at AVX2 and, if the CPU has it,
+//! AVX-512F, interleaved on the same data, medians. A row `S=1 x 8` is a
+//! decode step of eight sequences at that position.
 //!
 //! `cargo run --release --example attention_bench -- [reps]`
 //! (run it under `flock /tmp/llama-graph-bench.lock` on a shared machine).
-use llama_graph::kernels::{
-    attention_stream_scratch_len, attention_stream_with, attention_tiled_scratch_len,
-    attention_tiled_with, AttnShape, Isa,
-};
+use llama_graph::kernels::{attention_paged, AttnWork, Isa, KvGeom, KvStore, StepSeqs};
 use llama_graph::pool::ThreadPool;
 use std::time::Instant;
 
@@ -29,91 +27,96 @@ fn main() {
         seed ^= seed << 17;
         ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     };
-    let has512 = Isa::Avx512.supported();
-    println!("| threads | S | P | stream (us) | tiled AVX2 (us) | tiled AVX-512 (us) | best speed-up | best GFLOP/s |");
-    println!("|---|---|---|---|---|---|---|---|");
+    let levels: Vec<Isa> = [Isa::Avx2, Isa::Avx512]
+        .into_iter()
+        .filter(|l| l.supported())
+        .collect();
+    let (h, hkv, d) = (9usize, 3usize, 64usize);
+    print!("| threads | KV | S | P | seqs |");
+    for l in &levels {
+        print!(" {} (us) |", l.name());
+    }
+    println!(" GFLOP/s |");
+    println!("|---|---|---|---|---|{}---|", "---|".repeat(levels.len()));
     for threads in [1, 2] {
         let pool = ThreadPool::new(threads);
-        for (s, pos) in [
-            (128, 0),
-            (512, 0),
-            (64, 448),
-            (16, 200),
-            (4, 200),
-            (1, 511),
-            (1, 2047),
-        ] {
-            let shape = AttnShape {
-                s,
-                pos,
-                n_heads: 9,
-                n_kv_heads: 3,
-                head_dim: 64,
-            };
-            let kv = (pos + s) * 3 * 64;
-            let q: Vec<f32> = (0..s * 9 * 64).map(|_| rnd()).collect();
-            let kc: Vec<f32> = (0..kv).map(|_| rnd()).collect();
-            let vc: Vec<f32> = (0..kv).map(|_| rnd()).collect();
-            let mut out = vec![0f32; q.len()];
-            let mut scr_a = vec![0f32; attention_stream_scratch_len(&shape, threads)];
-            let mut scr_b = vec![0f32; attention_tiled_scratch_len(&shape, threads)];
-            let inner = (2_000_000 / (s * (pos + s)).max(1)).clamp(1, 200);
-            let (mut ta, mut tb, mut tc) = (Vec::new(), Vec::new(), Vec::new());
-            for rep in 0..reps + 2 {
-                let t = Instant::now();
-                for _ in 0..inner {
-                    attention_stream_with(
-                        &pool,
-                        Isa::current(),
-                        &q,
-                        &kc,
-                        &vc,
-                        shape,
-                        &mut out,
-                        &mut scr_a,
-                    )
-                    .unwrap();
+        for f16 in [true, false] {
+            for (s, pos, n_seqs) in [
+                (128usize, 0usize, 1usize),
+                (512, 0, 1),
+                (64, 448, 1),
+                (16, 200, 1),
+                (4, 200, 1),
+                (1, 127, 1),
+                (1, 511, 1),
+                (1, 2047, 1),
+                (1, 511, 8),
+            ] {
+                let per_seq = (pos + s).div_ceil(16);
+                let geom = KvGeom {
+                    n_blocks: per_seq * n_seqs,
+                    n_kv_heads: hkv,
+                    head_dim: d,
+                    block: 16,
+                };
+                let mut fill = || {
+                    let v: Vec<f32> = (0..geom.elems()).map(|_| rnd()).collect();
+                    if f16 {
+                        KvStore::F16(v.iter().map(|&x| half::f16::from_f32(x)).collect())
+                    } else {
+                        KvStore::F32(v)
+                    }
+                };
+                let (kc, vc) = (fill(), fill());
+                let mut table = Vec::new();
+                for j in 0..n_seqs {
+                    table.extend([(j * s) as i32, s as i32, pos as i32, (j * per_seq) as i32]);
                 }
-                let a = t.elapsed().as_secs_f64() / inner as f64;
-                let t = Instant::now();
-                for _ in 0..inner {
-                    let l = Isa::Avx2;
-                    attention_tiled_with(&pool, l, &q, &kc, &vc, shape, &mut out, &mut scr_b)
-                        .unwrap();
-                }
-                let b = t.elapsed().as_secs_f64() / inner as f64;
-                let t = Instant::now();
-                if has512 {
-                    for _ in 0..inner {
-                        let l = Isa::Avx512;
-                        attention_tiled_with(&pool, l, &q, &kc, &vc, shape, &mut out, &mut scr_b)
+                let blocks: Vec<i32> = (0..geom.n_blocks as i32).collect();
+                let seqs = StepSeqs::new(&table, &blocks, s * n_seqs, &geom).unwrap();
+                let q: Vec<f32> = (0..s * n_seqs * h * d).map(|_| rnd()).collect();
+                let mut out = vec![0f32; q.len()];
+                let mut work = AttnWork::new(&geom, h / hkv, s * n_seqs, n_seqs, threads);
+                let inner = (2_000_000 / (n_seqs * s * (pos + s)).max(1)).clamp(1, 200);
+                let mut times = vec![Vec::new(); levels.len()];
+                for rep in 0..reps + 2 {
+                    for (li, &l) in levels.iter().enumerate() {
+                        let t = Instant::now();
+                        for _ in 0..inner {
+                            let (k, v) = (kc.view(), vc.view());
+                            attention_paged(
+                                &pool,
+                                l,
+                                &q,
+                                k,
+                                v,
+                                &geom,
+                                h / hkv,
+                                &seqs,
+                                &mut out,
+                                &mut work,
+                            )
                             .unwrap();
+                        }
+                        if rep >= 2 {
+                            times[li].push(t.elapsed().as_secs_f64() / inner as f64);
+                        }
                     }
                 }
-                let c = t.elapsed().as_secs_f64() / inner as f64;
-                if rep >= 2 {
-                    ta.push(a);
-                    tb.push(b);
-                    tc.push(c);
+                let meds: Vec<f64> = times.iter_mut().map(|v| median(v)).collect();
+                let best = meds.iter().cloned().fold(f64::INFINITY, f64::min);
+                // Causal multiply-adds of q·K and p·V (2 FLOP each).
+                let pairs: usize = (0..s).map(|i| pos + i + 1).sum::<usize>() * n_seqs;
+                let flop = 4.0 * (pairs * h * d) as f64;
+                print!(
+                    "| {threads} | {} | {s} | {pos} | {n_seqs} |",
+                    if f16 { "f16" } else { "f32" }
+                );
+                for m in &meds {
+                    print!(" {:.1} |", m * 1e6);
                 }
+                println!(" {:.1} |", flop / best * 1e-9);
             }
-            let (a, b, c) = (median(&mut ta), median(&mut tb), median(&mut tc));
-            let best = if has512 { b.min(c) } else { b };
-            // Causal multiply-adds of q·K and p·V (2 FLOP each).
-            let pairs: usize = (0..s).map(|i| pos + i + 1).sum();
-            let flop = 4.0 * (pairs * 9 * 64) as f64;
-            println!(
-                "| {threads} | {s} | {pos} | {:.1} | {:.1} | {} | {:.2}x | {:.1} |",
-                a * 1e6,
-                b * 1e6,
-                if has512 {
-                    format!("{:.1}", c * 1e6)
-                } else {
-                    "-".into()
-                },
-                a / best,
-                flop / best * 1e-9
-            );
         }
     }
 }

@@ -4,16 +4,22 @@
 //! [`Model::open`] reads a Meta checkpoint directory (`params.json`,
 //! `consolidated.*.pth`), a Hugging Face directory (`config.json`,
 //! `*.safetensors`) or a GGUF file into model arguments and a weight store,
-//! always under Meta's tensor names and with Meta's Q/K row order. [`Session::new`] builds the graph for those arguments, compiles it
-//! into a plan, binds the weights and prepares an executor. The session
-//! keeps the KV-cache position across calls.
+//! always under Meta's tensor names and with Meta's Q/K row order.
+//! [`Session::new`] builds the graph for those arguments, compiles it into a
+//! plan, binds the weights and prepares an executor with its KV pool.
+//! [`Session::feed`] runs one sequence (the CLI's case: a batch of one
+//! sequence per step) and keeps its position across calls; a batching
+//! engine drives [`Session::exec`] with batches of several sequences whose
+//! blocks it takes from [`Session::pool`].
 
-use crate::exec::{bind_weights, materialize_packed, store_dtypes, BindError, ExecError, Executor};
-use crate::ir::{Graph, GraphError, LogitRows};
+use crate::exec::{
+    bind_weights, materialize_packed, store_dtypes, Batch, BindError, ExecError, Executor, KvPool,
+};
+use crate::ir::{DType, Graph, GraphError, LogitRows};
 use crate::model::llama::BuildError;
 use crate::model::{build_llama, BuildOptions, ModelArgs, ParamsError};
 use crate::passes::{run_pipeline, PassError, PassList, PipelineReport};
-use crate::plan::{compile, ExecPlan};
+use crate::plan::{compile, ExecPlan, PlanLimits};
 use crate::tokenizer::gguf::GgufTokenizerParts;
 use crate::tokenizer::{Tokenizer, TokenizerError};
 use crate::weights::gguf::{GgufError, LlamaGguf};
@@ -431,18 +437,24 @@ fn shortest_f64(x: f32) -> f64 {
 /// How to compile a session.
 #[derive(Debug, Clone)]
 pub struct SessionOptions {
-    /// Planned context (default 2048, capped by the model's limit).
+    /// Planned context (default 2048, capped by the model's limit): the KV
+    /// pool's size in positions, shared by all sequences, and the longest
+    /// sequence.
     pub context: Option<usize>,
-    /// Largest prefill chunk.
+    /// Largest step in tokens (the prefill chunk; with several sequences,
+    /// all their tokens in one step).
     pub batch: usize,
+    /// Most sequences in one step (1 for a single conversation).
+    pub parallel: usize,
     pub threads: usize,
     /// Logits for every position of a step, or only the last.
     pub logit_rows: LogitRows,
     /// Optimisation passes to run (default: all). With
     /// `logit_rows: All`, `last_logits` is skipped.
     pub passes: PassList,
-    /// Exact f32 activations in matmuls (`--exact`); when false, kernels
-    /// may use faster approximate activations where they have them.
+    /// Exact f32 activations in matmuls and an f32 KV pool (`--exact`);
+    /// when false, kernels may use faster approximate activations where
+    /// they have them and the KV pool stores f16.
     pub exact: bool,
 }
 
@@ -451,6 +463,7 @@ impl Default for SessionOptions {
         SessionOptions {
             context: None,
             batch: 512,
+            parallel: 1,
             threads: std::thread::available_parallelism()
                 .map(|n| n.get())
                 .unwrap_or(1),
@@ -470,10 +483,14 @@ pub struct Session {
     /// What the passes did.
     pub passes: PipelineReport,
     pub unused_weights: Vec<String>,
+    /// The KV pool's block allocator.
+    pub pool: KvPool,
+    /// The blocks of the session's own sequence ([`Session::feed`]).
+    blocks: Vec<u32>,
     pos: usize,
     vocab: usize,
-    /// The current chunk's ids, reused across calls.
-    ids: Vec<i32>,
+    /// The current step, reused across calls.
+    batch: Batch,
 }
 
 impl Session {
@@ -488,10 +505,16 @@ impl Session {
                 "the thread count (-t) must be at least 1".into(),
             ));
         }
+        if opts.parallel == 0 {
+            return Err(SessionError::Invalid(
+                "the number of parallel sequences (-np) must be at least 1".into(),
+            ));
+        }
         let context = model.args.plan_context(opts.context);
         let mut bo = BuildOptions::new(context);
         bo.weight_dtypes = store_dtypes(&model.weights);
         bo.logit_rows = opts.logit_rows;
+        bo.kv_dtype = if opts.exact { DType::F32 } else { DType::F16 };
         let mut graph = build_llama(&model.args, &bo)?;
         // Check every tensor against the builder's graph, where each has its
         // own checkpoint name and shape, before passes pack any of them.
@@ -501,7 +524,12 @@ impl Session {
             LogitRows::Last => opts.passes.clone(),
         };
         let report = run_pipeline(&mut graph, &passes, |_, _| {})?;
-        let plan = compile(&graph, opts.batch, context)?;
+        let limits = PlanLimits {
+            max_tokens: opts.batch,
+            max_seqs: opts.parallel,
+            context,
+        };
+        let plan = compile(&graph, &limits)?;
         plan.buffers.check().map_err(SessionError::Invalid)?;
         // Packed weights are made once, here.
         let store = materialize_packed(&graph, &model.weights)?;
@@ -509,15 +537,20 @@ impl Session {
         let mut exec = Executor::new(&graph, &plan, bound, opts.threads)?;
         exec.set_exact(opts.exact);
         let vocab = model.args.vocab_size.unwrap_or(0);
+        let geom = exec.kv_geom();
+        let pool = KvPool::new(geom.n_blocks, geom.block);
+        let max = plan.max;
         Ok(Session {
             exec,
             plan,
             graph,
             passes: report,
             unused_weights,
+            blocks: Vec::with_capacity(geom.n_blocks),
+            pool,
             pos: 0,
             vocab,
-            ids: Vec::with_capacity(opts.batch),
+            batch: Batch::with_capacity(max.s, max.n, geom.n_blocks),
         })
     }
 
@@ -534,20 +567,40 @@ impl Session {
         self.vocab
     }
 
-    /// Starts over (the cache is overwritten as positions are reused).
+    /// Starts over: the sequence's KV blocks go back to the pool.
     pub fn reset(&mut self) {
         self.pos = 0;
+        self.pool.release(&mut self.blocks);
     }
 
     /// Forgets every cached position from `pos` on (to re-feed a changed
     /// suffix, as a chat does when the template re-renders a turn).
     pub fn rewind(&mut self, pos: usize) {
         self.pos = self.pos.min(pos);
+        self.pool.truncate(&mut self.blocks, self.pos);
     }
 
-    /// Feeds `tokens` in chunks of at most the batch size and returns the
-    /// logits of the last one. Fails before any work if they do not fit.
-    pub fn feed(&mut self, tokens: &[u32]) -> Result<&[f32], SessionError> {
+    /// Feeds `tokens` (at most the batch size) as one step and returns all
+    /// of the step's logits: one row per token with `LogitRows::All`, the
+    /// last token's with `LogitRows::Last`.
+    pub fn feed_step(&mut self, tokens: &[u32]) -> Result<crate::exec::Logits<'_>, SessionError> {
+        if tokens.len() > self.exec.max_chunk() {
+            return Err(ExecError::StepSize {
+                got: tokens.len(),
+                max: self.exec.max_chunk(),
+            }
+            .into());
+        }
+        self.check_and_reserve(tokens)?;
+        self.batch.clear();
+        self.batch.push(tokens, self.pos, &self.blocks);
+        self.pos += tokens.len();
+        Ok(self.exec.step(&self.batch)?)
+    }
+
+    /// Checks that `tokens` fit after the current position and are in the
+    /// vocabulary, and takes the KV blocks they need.
+    fn check_and_reserve(&mut self, tokens: &[u32]) -> Result<(), SessionError> {
         if tokens.is_empty() {
             return Err(SessionError::Invalid("nothing to feed".into()));
         }
@@ -565,17 +618,31 @@ impl Session {
                 self.vocab
             )));
         }
+        if !self.pool.reserve(&mut self.blocks, self.pos + tokens.len()) {
+            return Err(SessionError::Invalid(format!(
+                "the KV pool has {} free blocks of {} positions, too few for {} more tokens",
+                self.pool.free_blocks(),
+                self.pool.block_size(),
+                tokens.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Feeds `tokens` in chunks of at most the batch size and returns the
+    /// logits of the last one. Fails before any work if they do not fit.
+    pub fn feed(&mut self, tokens: &[u32]) -> Result<&[f32], SessionError> {
+        self.check_and_reserve(tokens)?;
         let chunk = self.exec.max_chunk();
         let n_chunks = tokens.len().div_ceil(chunk);
         for (i, c) in tokens.chunks(chunk).enumerate() {
-            self.ids.clear();
-            self.ids.extend(c.iter().map(|&t| t as i32));
-            let pos = self.pos;
+            self.batch.clear();
+            self.batch.push(c, self.pos, &self.blocks);
             self.pos += c.len();
             if i + 1 < n_chunks {
-                self.exec.step(&self.ids, pos)?;
+                self.exec.step(&self.batch)?;
             } else {
-                return Ok(self.exec.step(&self.ids, pos)?.last());
+                return Ok(self.exec.step(&self.batch)?.last());
             }
         }
         unreachable!("tokens is not empty")

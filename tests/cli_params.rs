@@ -147,7 +147,7 @@ fn valid_params_print_summary() {
         "head_dim          128",
         "n_rep             4",
         "ffn_hidden_dim    14336",
-        "nodes             1193",
+        "nodes             1197",
     ] {
         assert!(s.contains(want), "missing {want:?} in\n{s}");
     }

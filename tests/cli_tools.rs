@@ -120,12 +120,12 @@ fn debug_log_names_every_op_with_shapes() {
     };
     let log = log_of("none");
     assert!(
-        log.contains("[S=3 P=0] layers.0.attention.wq MatMul"),
+        log.contains("[S=3 N=1 T=3] layers.0.attention.wq MatMul"),
         "{}",
         &log[..log.len().min(2000)]
     );
     assert!(
-        log.contains("[S=1 P=3] layers.1.attention.scores AttnScores"),
+        log.contains("[S=1 N=1 T=4] layers.1.attention.scores AttnScores"),
         "decode steps are logged too"
     );
     assert!(
@@ -135,12 +135,12 @@ fn debug_log_names_every_op_with_shapes() {
     );
     let log = log_of("all");
     assert!(
-        log.contains("[S=3 P=0] layers.0.attention.wqkv QkvRopeCache"),
+        log.contains("[S=3 N=1 T=3] layers.0.attention.wqkv QkvRopeCache"),
         "{}",
         &log[..log.len().min(2000)]
     );
     assert!(
-        log.contains("[S=1 P=3] layers.1.attention.attend Attention"),
+        log.contains("[S=1 N=1 T=4] layers.1.attention.attend Attention"),
         "{}",
         &log[..log.len().min(2000)]
     );

@@ -77,12 +77,24 @@ fn symbolic_shapes_in_graph() {
     assert_eq!(shape_of("tok_embeddings"), "f32[S, 4096]");
     assert_eq!(shape_of("layers.3.attention.wq"), "f32[S, 4096]");
     assert_eq!(shape_of("layers.3.attention.k_heads"), "f32[S, 8, 128]");
-    assert_eq!(shape_of("layers.3.attention.cache_k"), "f32[2048, 8, 128]");
+    // The KV pool: 2048 positions in blocks of 16, keys dims-major.
+    assert_eq!(
+        shape_of("layers.3.attention.cache_k"),
+        "f32[128, 8, 128, 16]"
+    );
+    assert_eq!(
+        shape_of("layers.3.attention.cache_v"),
+        "f32[128, 8, 16, 128]"
+    );
     assert_eq!(
         shape_of("layers.3.attention.cache_k.write"),
-        "f32[T, 8, 128]"
+        "f32[128, 8, 128, 16]"
     );
     assert_eq!(shape_of("layers.3.attention.scores"), "f32[32, S, T]");
+    assert_eq!(shape_of("positions"), "i32[S]");
+    assert_eq!(shape_of("kv.slots"), "i32[S]");
+    assert_eq!(shape_of("kv.seqs"), "i32[N, 4]");
+    assert_eq!(shape_of("kv.blocks"), "i32[128]");
     assert_eq!(shape_of("layers.3.attention.wq.weight"), "bf16[4096, 4096]");
     assert_eq!(shape_of("output"), "f32[S, 128256]");
 }

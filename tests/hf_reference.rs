@@ -53,6 +53,7 @@ fn opts(rows: LogitRows, batch: usize) -> SessionOptions {
     SessionOptions {
         context: Some(128),
         batch,
+        parallel: 1,
         threads: 2,
         logit_rows: rows,
         passes: PassList::all(),
@@ -94,14 +95,11 @@ fn same_graph_whatever_the_format() {
 fn all_logits(m: &Model, tokens: &[u32]) -> Vec<Vec<f32>> {
     let mut s = Session::new(m, &opts(LogitRows::All, 16)).unwrap();
     let mut rows = Vec::new();
-    let mut pos = 0;
     for c in tokens.chunks(16) {
-        let ids: Vec<i32> = c.iter().map(|&t| t as i32).collect();
-        let out = s.exec.step(&ids, pos).unwrap();
+        let out = s.feed_step(c).unwrap();
         for r in 0..out.rows {
             rows.push(out.row(r).to_vec());
         }
-        pos += c.len();
     }
     rows
 }

@@ -58,6 +58,7 @@ fn run_case(
     let opts = SessionOptions {
         context: Some(128),
         batch,
+        parallel: 1,
         threads,
         logit_rows: rows,
         passes,

@@ -109,6 +109,7 @@ fn run_with(
     let opts = SessionOptions {
         context: Some(48),
         batch: 5,
+        parallel: 1,
         threads: 2,
         logit_rows: rows,
         passes: PassList::parse(passes).unwrap(),
@@ -202,7 +203,7 @@ fn all_logit_rows_skip_last_logits_and_match() {
     let (want, _) = run(&model, "none", LogitRows::All);
     let (got, sess) = run(&model, "all", LogitRows::All);
     assert!(!sess.passes.passes.iter().any(|p| p.name == "last_logits"));
-    assert_eq!(count_kind(&sess.graph, "LastRow"), 0);
+    assert_eq!(count_kind(&sess.graph, "LastRows"), 0);
     assert_close(&got, &want, "rows=All");
 }
 
@@ -270,7 +271,7 @@ fn fusion_counts() {
         assert_eq!(get("MatMulSwiGlu"), n);
         assert_eq!(get("MatMulAdd"), 2 * n);
         assert_eq!(get("RmsNormScaled"), 2 * n + 1);
-        assert_eq!(get("LastRow"), 1);
+        assert_eq!(get("LastRows"), 1);
         for gone in [
             "MatMul",
             "Softmax",
@@ -310,15 +311,10 @@ fn fusion_counts() {
         );
         assert!(a.iter().all(|&x| x == a[0]));
         let out = g.node(g.outputs()[0]);
-        assert_eq!(
-            out.op,
-            Op::OutputHead {
-                rows: LogitRows::Last
-            }
-        );
+        assert_eq!(out.op, Op::OutputHead);
         assert_eq!(
             out.meta.to_string(),
-            format!("f32[1, {}]", common::graph_params(arch).vocab_size.unwrap())
+            format!("f32[N, {}]", common::graph_params(arch).vocab_size.unwrap())
         );
     }
 }
@@ -554,12 +550,20 @@ fn dead_code_keeps_cache_writes_and_drops_unused_work() {
                 layer: 0,
                 kind: CacheKind::K,
             },
-            TensorMeta::new(Shape::constant(&[16, 2, 4]), DType::F32),
+            TensorMeta::new(Shape::constant(&[1, 2, 4, 16]), DType::F16),
+            None,
+        )
+        .unwrap();
+    let slots = g
+        .add_source(
+            "slots",
+            Op::KvSlots,
+            TensorMeta::new(Shape(vec![Dim::S]), DType::I32),
             None,
         )
         .unwrap();
     let write = g
-        .add_op("write", Op::KvWrite, &[cache, heads], None)
+        .add_op("write", Op::KvWrite, &[cache, heads, slots], None)
         .unwrap();
     let w = g
         .add_source(
@@ -575,7 +579,7 @@ fn dead_code_keeps_cache_writes_and_drops_unused_work() {
     let r = llama_graph::passes::dead_code(&mut g).unwrap();
     assert_eq!(r.rewrites, 2, "the unused MatMul and its weight");
     assert!(!g.contains(unused) && !g.contains(w));
-    for id in [tokens, table, x, heads, cache, write, out] {
+    for id in [tokens, table, x, heads, cache, slots, write, out] {
         assert!(g.contains(id));
     }
     g.verify().unwrap();
@@ -591,27 +595,27 @@ fn fused_ops_check_their_inputs() {
     let e = infer(&Op::SliceCols { start: 8, len: 8 }, &[&x], None).unwrap_err();
     assert!(e.contains("8..16") && e.contains("12 columns"), "{e}");
     let q = f(vec![Dim::S, c(4), c(8)]);
-    let cache = f(vec![c(32), c(2), c(8)]);
-    let ok = infer(
-        &Op::Attention {
-            n_rep: 2,
-            scale: 0.35,
-        },
-        &[&q, &cache, &cache],
-        None,
-    )
-    .unwrap();
+    // Two blocks of 16 positions, 2 kv heads of 8: keys [NB, Hkv, D, BS],
+    // values [NB, Hkv, BS, D].
+    let k = TensorMeta::new(Shape::constant(&[2, 2, 8, 16]), DType::F16);
+    let v = TensorMeta::new(Shape::constant(&[2, 2, 16, 8]), DType::F16);
+    let seqs = TensorMeta::new(Shape(vec![Dim::N, c(4)]), DType::I32);
+    let blocks = TensorMeta::new(Shape::constant(&[2]), DType::I32);
+    let attn = |n_rep| Op::Attention { n_rep, scale: 0.35 };
+    let ok = infer(&attn(2), &[&q, &k, &v, &seqs, &blocks], None).unwrap();
     assert_eq!(ok.to_string(), "f32[S, 4, 8]");
-    let e = infer(
-        &Op::Attention {
-            n_rep: 3,
-            scale: 0.35,
-        },
-        &[&q, &cache, &cache],
-        None,
-    )
-    .unwrap_err();
+    let e = infer(&attn(3), &[&q, &k, &v, &seqs, &blocks], None).unwrap_err();
     assert!(e.contains("q (input 0)"), "{e}");
+    // Values in the keys' layout, a block table of another pool, a
+    // per-token table where the sequence table belongs.
+    let e = infer(&attn(2), &[&q, &k, &k, &seqs, &blocks], None).unwrap_err();
+    assert!(e.contains("v (input 2)"), "{e}");
+    let three = TensorMeta::new(Shape::constant(&[3]), DType::I32);
+    let e = infer(&attn(2), &[&q, &k, &v, &seqs, &three], None).unwrap_err();
+    assert!(e.contains("blocks (input 4)"), "{e}");
+    let per_token = TensorMeta::new(Shape(vec![Dim::S]), DType::I32);
+    let e = infer(&attn(2), &[&q, &k, &v, &per_token, &blocks], None).unwrap_err();
+    assert!(e.contains("seqs (input 3)"), "{e}");
     let w = TensorMeta::new(Shape::constant(&[3, 12]), DType::BF16);
     let e = infer(&Op::MatMulSwiGlu, &[&x, &w], None).unwrap_err();
     assert!(e.contains("even"), "{e}");
@@ -630,6 +634,7 @@ fn long_prefill_step_matches_the_unfused_graph() {
             let opts = SessionOptions {
                 context: Some(320),
                 batch: 300,
+                parallel: 1,
                 threads: 2,
                 logit_rows: LogitRows::Last,
                 passes: PassList::parse(passes).unwrap(),

@@ -3,13 +3,13 @@ mod common;
 
 use llama_graph::model::{build_llama, BuildOptions};
 use llama_graph::passes::{run_pipeline, PassList};
-use llama_graph::plan::compile;
+use llama_graph::plan::{compile, PlanLimits};
 
 #[test]
 fn llama_3_1_8b_arena_is_small_and_checked() {
     let args = common::graph_params("llama-3.1-8b");
     let g = build_llama(&args, &BuildOptions::new(8192)).unwrap();
-    let plan = compile(&g, 512, 8192).unwrap();
+    let plan = compile(&g, &PlanLimits::one_sequence(512, 8192)).unwrap();
     let b = &plan.buffers;
     b.check().unwrap();
     assert!(b.arena_bytes >= b.peak_live_bytes);
@@ -31,7 +31,7 @@ fn llama_3_1_8b_arena_is_small_and_checked() {
 fn checker_catches_overlap() {
     let args = common::graph_params("tiny");
     let g = build_llama(&args, &BuildOptions::new(64)).unwrap();
-    let mut plan = compile(&g, 16, 64).unwrap();
+    let mut plan = compile(&g, &PlanLimits::one_sequence(16, 64)).unwrap();
     plan.buffers.check().unwrap();
     // Move a buffer onto another that is live at the same time.
     let bufs = &mut plan.buffers.buffers;
@@ -60,7 +60,7 @@ fn optimised_8b_plan_is_small_and_checked() {
     )
     .unwrap();
     run_pipeline(&mut g, &PassList::all(), |_, _| {}).unwrap();
-    let plan = compile(&g, 512, 8192).unwrap();
+    let plan = compile(&g, &PlanLimits::one_sequence(512, 8192)).unwrap();
     let b = &plan.buffers;
     b.check().unwrap();
     eprintln!(

@@ -5,8 +5,8 @@
 
 use llama_graph::ir::DType;
 use llama_graph::kernels::{
-    attention_fused, attention_fused_scratch_len, matmul, rmsnorm, AttnShape, Epilogue, RopeTable,
-    WeightRef,
+    attention_paged, matmul, rmsnorm, AttnWork, Epilogue, Isa, KvGeom, KvStore, RopeTable,
+    StepSeqs, WeightRef,
 };
 use llama_graph::pool::ThreadPool;
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -50,18 +50,22 @@ fn run_and_kernels_do_not_allocate() {
     let x = vec![0.5f32; s * k];
     let w: Vec<u8> = vec![0x3f; n * k * 2];
     let mut y = vec![0f32; s * n];
-    let sh = AttnShape {
-        s,
-        pos: 3,
-        n_heads: 4,
+    // Two sequences: the s-token chunk at position 3 and one decode token
+    // at position 300 (two key spans), in one pool of f16 blocks.
+    let geom = KvGeom {
+        n_blocks: 24,
         n_kv_heads: 2,
         head_dim: 16,
+        block: 16,
     };
-    let q = vec![0.1f32; s * 4 * 16];
-    let kc = vec![0.2f32; 8 * 2 * 16];
+    let q = vec![0.1f32; (s + 1) * 4 * 16];
+    let kc = KvStore::F16(vec![half::f16::from_f32(0.2); geom.elems()]);
+    let table = [0, s as i32, 3, 0, s as i32, 1, 300, 1];
+    let blocks: Vec<i32> = (0..20).collect();
+    let seqs = StepSeqs::new(&table, &blocks, s + 1, &geom).unwrap();
     let mut att = vec![0f32; q.len()];
-    let mut scratch = vec![0f32; attention_fused_scratch_len(&sh, pool.n_threads())];
-    let mut qr = q.clone();
+    let mut work = AttnWork::new(&geom, 2, s + 1, 2, pool.n_threads());
+    let mut qr = q[..s * 4 * 16].to_vec();
     let rope = RopeTable::new(16, 10000.0, None, 64).unwrap();
     let mut normed = vec![0f32; x.len()];
     // Sleep so workers park, exercising the condvar wake path too.
@@ -84,7 +88,9 @@ fn run_and_kernels_do_not_allocate() {
                 &mut y,
             )
             .unwrap();
-            attention_fused(&pool, &q, &kc, &kc, sh, &mut att, &mut scratch).unwrap();
+            let kv = kc.view();
+            let isa = Isa::current();
+            attention_paged(&pool, isa, &q, kv, kv, &geom, 2, &seqs, &mut att, &mut work).unwrap();
             rope.apply(&mut qr, s, 4, 3).unwrap();
             rmsnorm(&x, k, None, 1e-5, &mut normed).unwrap();
         }

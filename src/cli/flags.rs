@@ -53,6 +53,7 @@ impl RuntimeFlags {
         Ok(SessionOptions {
             context: Some(context),
             batch: self.batch_size,
+            parallel: 1,
             threads,
             logit_rows: LogitRows::Last,
             passes: PassList::parse(&self.passes)?,

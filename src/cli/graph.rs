@@ -5,7 +5,7 @@ use llama_graph::ir::dot::{to_dot, DotOptions};
 use llama_graph::ir::{print, Bindings, Graph, RopeScaling};
 use llama_graph::model::{build_llama, BuildOptions, ModelArgs};
 use llama_graph::passes::{run_pipeline, PassList, PipelineReport};
-use llama_graph::plan::compile;
+use llama_graph::plan::{compile, PlanLimits};
 use std::path::PathBuf;
 
 #[derive(Debug, Args)]
@@ -193,9 +193,9 @@ pub fn summary(args: &ModelArgs, g: &Graph, ctx: usize, chunk: usize) -> Result<
     for (op, n) in g.op_counts() {
         let _ = writeln!(s, "    {op:<12} {n}");
     }
-    // Peak shapes: the largest activations at a full prefill chunk with the
-    // cache full (S = chunk, T = C).
-    let b = Bindings::new(chunk.min(ctx), ctx - chunk.min(ctx));
+    // Peak shapes: the largest activations at a full prefill chunk of one
+    // sequence as long as the context (S = chunk, N = 1, T = C).
+    let b = Bindings::new(chunk.min(ctx), 1, ctx);
     let mut acts: Vec<(usize, String)> = Vec::new();
     for id in g.topo_order().map_err(|e| e.to_string())? {
         let n = g.node(id);
@@ -242,8 +242,9 @@ pub fn stats_json(
     ctx: usize,
     chunk: usize,
 ) -> Result<String, String> {
-    let plan = compile(graph, chunk, ctx).map_err(|e| e.to_string())?;
-    let base = compile(before, chunk, ctx).map_err(|e| e.to_string())?;
+    let limits = PlanLimits::one_sequence(chunk, ctx);
+    let plan = compile(graph, &limits).map_err(|e| e.to_string())?;
+    let base = compile(before, &limits).map_err(|e| e.to_string())?;
     let b = &plan.buffers;
     let check = |p: &llama_graph::plan::BufferPlan| match p.check() {
         Ok(()) => "ok".to_string(),

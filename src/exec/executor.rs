@@ -3,15 +3,20 @@
 //! Construction does all the work that does not depend on the step: the
 //! schedule is resolved into a flat list of [`Step`]s whose inputs and
 //! output are concrete locations (arena offsets, weight indices, cache
-//! slots), the arena and KV caches are allocated, vector weights are
-//! widened to f32. [`Executor::step`] then binds the symbols (`S`, `P`) and
-//! calls one kernel per step: no allocation, no thread spawn, no lock beyond
-//! the pool's own hand-off.
+//! slots, step inputs), the arena and the KV pool are allocated, vector
+//! weights are widened to f32. [`Executor::step`] then checks the step's
+//! [`Batch`] (its sequences and their KV blocks), derives each token's
+//! position and KV slot, binds the symbols (`S`, `N`, `T`) and calls one
+//! kernel per step: no allocation, no thread spawn, no lock beyond the
+//! pool's own hand-off.
 
 use super::arena::{Arena, ArenaPtr};
+use super::batch::Batch;
 use super::bind::BoundWeights;
-use crate::ir::{Bindings, CacheKind, DType, Graph, LogitRows, Op, RopeParams, Shape};
-use crate::kernels::{self, AttnShape, Epilogue, KernelError, MatmulMode, WeightRef};
+use crate::ir::{Bindings, CacheKind, DType, Graph, Op, RopeParams, Shape, StepInput};
+use crate::kernels::{
+    self, AttnWork, Epilogue, KernelError, KvGeom, KvHalf, KvStore, MatmulMode, StepSeqs, WeightRef,
+};
 use crate::plan::{ExecPlan, Value};
 use crate::pool::ThreadPool;
 use crate::weights::WeightTensor;
@@ -38,6 +43,10 @@ pub enum ExecError {
     },
     #[error("a step holds 1 to {max} tokens, got {got}")]
     StepSize { got: usize, max: usize },
+    #[error("a step holds 1 to {max} sequences, got {got}")]
+    StepSeqs { got: usize, max: usize },
+    #[error("bad step batch: {0}")]
+    Batch(String),
     #[error("the graph has no output")]
     NoOutput,
 }
@@ -45,7 +54,8 @@ pub enum ExecError {
 /// Where a step's operand lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Loc {
-    Tokens,
+    /// A step input: given by the batch or derived from it.
+    Input(StepInput),
     Weight(usize),
     /// Index into `Executor::caches` (`2 * layer + kind`).
     Cache(usize),
@@ -73,7 +83,9 @@ pub struct OpProfile {
     pub total: Duration,
 }
 
-/// The logits a step produced: `rows` rows of `vocab` values.
+/// The logits a step produced: `rows` rows of `vocab` values (one per
+/// sequence of the step, in batch order, or one per token with
+/// `LogitRows::All`).
 pub struct Logits<'a> {
     pub rows: usize,
     pub vocab: usize,
@@ -99,11 +111,9 @@ const QKV_BLOCK: usize = 128;
 /// microseconds on one core) run on the calling thread: decode over a
 /// cache of up to ~220 positions for SmolLM2 (576 wide), ~60 for a
 /// 2048-wide model. Waking the pool's workers costs more than that work
-/// when the cores are shared. Beyond it, decode attention splits the keys
-/// over the threads (`kernels::attention_fused::decode_key_splits`); with
-/// that split, lowering this limit from 2^20 took SmolLM2 Q4_1 tg1024 at
-/// 2 threads from 69-72 to 94-95 tokens/s, and tg128 did not change
-/// measurably (127-140 both).
+/// when the cores are shared. Beyond it, decode attention runs its
+/// sequences' key spans on the pool (`kernels::attention::paged`); the
+/// threshold changes where rows are computed, never their values.
 pub const SERIAL_ATTENTION_WORK: usize = 1 << 18;
 
 pub struct Executor {
@@ -111,12 +121,16 @@ pub struct Executor {
     weights: Vec<WeightTensor>,
     /// Rank-1 weights (norm scales) widened to f32 once, by weight index.
     vectors: HashMap<usize, Vec<f32>>,
-    caches: Vec<Vec<f32>>,
-    cache_shape: (usize, usize, usize),
+    /// The KV pool: one store per (layer, K/V), index `2 * layer + kind`.
+    caches: Vec<KvStore>,
+    geom: KvGeom,
     /// Constant-folded RoPE tables, computed once here.
     tables: Vec<kernels::RopeTable>,
     /// Scratch of the fused attention kernel (sized for the largest step).
-    attn_scratch: Vec<f32>,
+    attn_work: Option<AttnWork>,
+    /// Each token's position and KV slot in the current step.
+    positions: Vec<i32>,
+    slots: Vec<i32>,
     /// Scratch holding the packed `[S, (H + 2Hkv)·D]` result of a fused
     /// QKV projection before its epilogue scatters it.
     qkv_scratch: Vec<f32>,
@@ -129,11 +143,10 @@ pub struct Executor {
     serial: ThreadPool,
     /// Threshold (multiply-adds) for running fused attention serially.
     serial_attention_work: usize,
-    /// Fused attention with S >= TILED_MIN_S uses the tiled kernel
-    /// (default); false forces the streaming kernel (A/B measurements).
-    tiled_attention: bool,
+    /// The longest sequence, in positions.
     context: usize,
     max_chunk: usize,
+    max_seqs: usize,
     output: (Loc, Shape),
     trace: Option<Box<dyn Write + Send>>,
     profile: Option<Vec<OpProfile>>,
@@ -155,8 +168,9 @@ impl Executor {
         weights: BoundWeights,
         threads: usize,
     ) -> Result<Executor, ExecError> {
-        let context = plan.max.get(crate::ir::Sym::T);
+        let context = plan.max.t;
         let max_chunk = plan.max.s;
+        let max_seqs = plan.max.n;
         let names: Vec<String> = weights.tensors.keys().cloned().collect();
         let windex: HashMap<&str, usize> = names
             .iter()
@@ -164,8 +178,13 @@ impl Executor {
             .map(|(i, n)| (n.as_str(), i))
             .collect();
         let tensors: Vec<WeightTensor> = weights.tensors.into_values().collect();
-        let mut caches = Vec::new();
-        let mut cache_shape = (0, 0, 0);
+        let mut caches: Vec<KvStore> = Vec::new();
+        let mut geom = KvGeom {
+            n_blocks: 0,
+            n_kv_heads: 0,
+            head_dim: 0,
+            block: 0,
+        };
         // Constants first: every RoPE table, computed once.
         let mut tables = Vec::new();
         let mut table_index: HashMap<String, usize> = HashMap::new();
@@ -188,7 +207,7 @@ impl Executor {
         }
         let loc_of = |v: &Value| -> Result<Loc, String> {
             Ok(match v {
-                Value::Tokens => Loc::Tokens,
+                Value::Input(k) => Loc::Input(*k),
                 Value::Weight(n) => Loc::Weight(
                     *windex
                         .get(n.as_str())
@@ -219,7 +238,7 @@ impl Executor {
             };
             let out = loc_of(&plan.values[&id]).map_err(unsupported)?;
             match &node.op {
-                Op::KvCache { layer, .. } => {
+                Op::KvCache { layer, kind } => {
                     let d: Vec<usize> = node
                         .meta
                         .shape
@@ -227,15 +246,34 @@ impl Executor {
                         .iter()
                         .filter_map(|d| d.as_const())
                         .collect();
-                    cache_shape = (d[0], d[1], d[2]);
+                    let g = match kind {
+                        CacheKind::K => KvGeom {
+                            n_blocks: d[0],
+                            n_kv_heads: d[1],
+                            head_dim: d[2],
+                            block: d[3],
+                        },
+                        CacheKind::V => KvGeom {
+                            n_blocks: d[0],
+                            n_kv_heads: d[1],
+                            head_dim: d[3],
+                            block: d[2],
+                        },
+                    };
+                    if geom.n_blocks != 0 && g != geom {
+                        return Err(unsupported(format!(
+                            "every layer's cache must have one geometry, got {g:?} and {geom:?}"
+                        )));
+                    }
+                    geom = g;
                     let slot = 2 * layer + 1;
                     if caches.len() <= slot {
-                        caches.resize(slot + 1, Vec::new());
+                        caches.resize(slot + 1, KvStore::F32(Vec::new()));
                     }
                     let Loc::Cache(c) = out else {
                         unreachable!("a cache value is a cache")
                     };
-                    caches[c] = vec![0.0f32; d.iter().product()];
+                    caches[c] = KvStore::zeroed(node.meta.dtype == DType::F16, geom.elems());
                     continue;
                 }
                 Op::Weight { .. } => {
@@ -251,10 +289,12 @@ impl Executor {
                     }
                     continue;
                 }
-                Op::Tokens | Op::Reshape | Op::RopeTable { .. } => continue,
+                Op::Reshape | Op::RopeTable { .. } => continue,
+                op if op.step_input().is_some() => continue,
                 _ => {}
             }
-            if elems(node.meta.dtype) == 0 {
+            // A cache write's value is the cache (f32 or f16), not an activation.
+            if elems(node.meta.dtype) == 0 && !matches!(node.op, Op::KvWrite) {
                 return Err(unsupported(format!(
                     "activations of dtype {} are not supported",
                     node.meta.dtype
@@ -279,20 +319,12 @@ impl Executor {
             });
         }
         // Scratch for the fused ops, sized once for the largest step.
-        let mut attn_len = 0usize;
+        let mut attn_work = None;
         let mut qkv_len = 0usize;
         for st in &steps {
             match st.op {
-                Op::Attention { n_rep, .. } => {
-                    let (_, hkv, d) = cache_shape;
-                    let shape = AttnShape {
-                        s: max_chunk,
-                        pos: 0,
-                        n_heads: hkv * n_rep,
-                        n_kv_heads: hkv,
-                        head_dim: d,
-                    };
-                    attn_len = attn_len.max(kernels::attention_fused_scratch_len(&shape, threads));
+                Op::Attention { n_rep, .. } if attn_work.is_none() => {
+                    attn_work = Some(AttnWork::new(&geom, n_rep, max_chunk, max_seqs, threads));
                 }
                 Op::QkvRopeCache {
                     n_heads,
@@ -318,18 +350,20 @@ impl Executor {
             weights: tensors,
             vectors,
             caches,
-            cache_shape,
+            geom,
             tables,
-            attn_scratch: vec![0.0; attn_len],
+            attn_work,
+            positions: vec![0; max_chunk],
+            slots: vec![0; max_chunk],
             qkv_scratch: vec![0.0; qkv_len],
             exact: true,
             arena: Arena::new(plan.buffers.arena_bytes),
             pool: ThreadPool::new(threads),
             serial: ThreadPool::new(1),
             serial_attention_work: SERIAL_ATTENTION_WORK,
-            tiled_attention: true,
             context,
             max_chunk,
+            max_seqs,
             output,
             trace: None,
             profile: None,
@@ -350,13 +384,6 @@ impl Executor {
     /// calling thread (default [`SERIAL_ATTENTION_WORK`]); 0 always uses the pool.
     pub fn set_serial_attention_work(&mut self, work: usize) {
         self.serial_attention_work = work;
-    }
-
-    /// Chooses the prefill attention kernel: the tiled one (`true`, the
-    /// default; used for steps of at least [`kernels::TILED_MIN_S`] tokens)
-    /// or always the streaming one (`false`), for A/B measurements.
-    pub fn set_tiled_attention(&mut self, on: bool) {
-        self.tiled_attention = on;
     }
 
     /// Writes a line per op as it runs (name, op, shapes) to `w`.
@@ -382,12 +409,35 @@ impl Executor {
         self.profile.as_deref()
     }
 
+    /// The longest sequence a step may extend, in positions.
     pub fn context(&self) -> usize {
         self.context
     }
 
+    /// The most tokens per step.
     pub fn max_chunk(&self) -> usize {
         self.max_chunk
+    }
+
+    /// The most sequences per step.
+    pub fn max_seqs(&self) -> usize {
+        self.max_seqs
+    }
+
+    /// The KV pool's geometry (blocks, heads, head dim, block size).
+    pub fn kv_geom(&self) -> KvGeom {
+        self.geom
+    }
+
+    /// Bytes the KV pool takes (every layer's keys and values).
+    pub fn kv_bytes(&self) -> usize {
+        self.caches
+            .iter()
+            .map(|c| match c {
+                KvStore::F32(v) => v.len() * 4,
+                KvStore::F16(v) => v.len() * 2,
+            })
+            .sum()
     }
 
     pub fn threads(&self) -> usize {
@@ -399,24 +449,37 @@ impl Executor {
         self.steps.len()
     }
 
-    /// Runs the graph for `tokens` at positions `pos..pos + tokens.len()`
-    /// and returns the logits.
-    pub fn step(&mut self, tokens: &[i32], pos: usize) -> Result<Logits<'_>, ExecError> {
-        let s = tokens.len();
+    /// Runs the graph for one step's batch (the tokens of one or more
+    /// sequences, their positions and KV blocks) and returns the logits.
+    /// The batch is checked first: token and sequence counts within the
+    /// plan, every sequence within the context, its block list long enough
+    /// and inside the pool.
+    pub fn step(&mut self, batch: &Batch) -> Result<Logits<'_>, ExecError> {
+        let s = batch.n_tokens();
         if s == 0 || s > self.max_chunk {
             return Err(ExecError::StepSize {
                 got: s,
                 max: self.max_chunk,
             });
         }
-        if pos.checked_add(s).is_none_or(|end| end > self.context) {
+        let n = batch.n_seqs();
+        if n > self.max_seqs {
+            return Err(ExecError::StepSeqs {
+                got: n,
+                max: self.max_seqs,
+            });
+        }
+        let seqs = StepSeqs::new(batch.seq_table(), batch.block_table(), s, &self.geom)
+            .map_err(|e| ExecError::Batch(e.to_string()))?;
+        if let Some(long) = seqs.iter().find(|q| q.keys() > self.context) {
             return Err(ExecError::ContextOverflow {
-                tokens: s,
-                pos,
+                tokens: long.count,
+                pos: long.start,
                 context: self.context,
             });
         }
-        let b = Bindings::new(s, pos);
+        seqs.fill_positions_and_slots(&mut self.positions[..s], &mut self.slots[..s]);
+        let b = Bindings::new(s, n, seqs.max_keys());
         let arena = self.arena.base();
         for i in 0..self.steps.len() {
             let t0 = self.profile.as_ref().map(|_| Instant::now());
@@ -429,7 +492,8 @@ impl Executor {
                     .collect();
                 let _ = writeln!(
                     w,
-                    "[S={s} P={pos}] {} {} {} {} -> {:?}",
+                    "[S={s} N={n} T={}] {} {} {} {} -> {:?}",
+                    b.t,
                     st.name,
                     st.op.kind(),
                     st.op.params(),
@@ -437,16 +501,17 @@ impl Executor {
                     st.shape.eval(&b)
                 );
             }
-            self.run_step(i, arena, tokens, &b).map_err(|e| match e {
-                RunError::Kernel(source) => ExecError::Kernel {
-                    node: self.steps[i].name.clone(),
-                    source,
-                },
-                RunError::Unsupported(message) => ExecError::Unsupported {
-                    node: self.steps[i].name.clone(),
-                    message,
-                },
-            })?;
+            self.run_step(i, arena, batch, &seqs, &b)
+                .map_err(|e| match e {
+                    RunError::Kernel(source) => ExecError::Kernel {
+                        node: self.steps[i].name.clone(),
+                        source,
+                    },
+                    RunError::Unsupported(message) => ExecError::Unsupported {
+                        node: self.steps[i].name.clone(),
+                        message,
+                    },
+                })?;
             if let (Some(t0), Some(p)) = (t0, self.profile.as_mut()) {
                 p[i].calls += 1;
                 p[i].total += t0.elapsed();
@@ -477,10 +542,23 @@ impl Executor {
         &mut self,
         i: usize,
         arena: ArenaPtr,
-        tokens: &[i32],
+        batch: &Batch,
+        seqs: &StepSeqs<'_>,
         b: &Bindings,
     ) -> Result<(), RunError> {
         let st = &self.steps[i];
+        let s_n = b.s;
+        // Integer step inputs.
+        let ints = |k: usize| -> Result<&[i32], RunError> {
+            match st.ins[k].0 {
+                Loc::Input(StepInput::Tokens) => Ok(batch.tokens()),
+                Loc::Input(StepInput::Positions) => Ok(&self.positions[..s_n]),
+                Loc::Input(StepInput::KvSlots) => Ok(&self.slots[..s_n]),
+                Loc::Input(StepInput::SeqTable) => Ok(batch.seq_table()),
+                Loc::Input(StepInput::BlockTable) => Ok(batch.block_table()),
+                _ => Err(RunError::Unsupported("expected a step input".into())),
+            }
+        };
         let pool = &self.pool;
         let exact = self.exact;
         #[allow(clippy::too_many_arguments)]
@@ -521,7 +599,6 @@ impl Executor {
         let input = |k: usize| -> Result<&[f32], RunError> {
             match st.ins[k].0 {
                 Loc::Arena(off) => Ok(unsafe { arena.slice(off, numel(&st.ins[k].1)) }),
-                Loc::Cache(c) => Ok(&self.caches[c]),
                 _ => Err(RunError::Unsupported(
                     "expected an activation operand".into(),
                 )),
@@ -549,7 +626,7 @@ impl Executor {
             Op::Embedding => {
                 let table = self.weight(st.ins[0].0)?;
                 let (vocab, dim_e) = (dim(&st.ins[0].1, 0), dim(&st.ins[0].1, 1));
-                kernels::embedding_any(table, vocab, dim_e, tokens, out_fresh()?)?;
+                kernels::embedding_any(table, vocab, dim_e, ints(1)?, out_fresh()?)?;
             }
             Op::RopeFreqs(p) => {
                 let RopeParams {
@@ -557,32 +634,33 @@ impl Executor {
                     theta,
                     scaling,
                 } = *p;
+                let positions = ints(0)?;
                 kernels::dispatch::rope_fill_freqs(
                     out_fresh()?,
-                    b.s,
-                    b.p,
+                    positions,
                     head_dim,
                     theta as f32,
                     scaling,
                 )?;
             }
+            Op::GatherRows => {
+                let Loc::Table(t) = st.ins[0].0 else {
+                    return Err(RunError::Unsupported(
+                        "rows are gathered from a RoPE table only".into(),
+                    ));
+                };
+                self.tables[t].gather(ints(1)?, out_fresh()?)?;
+            }
             Op::RmsNorm { eps } => {
                 let d = dim(&st.shape, st.shape.rank() - 1);
                 kernels::rmsnorm(input(0)?, d, None, *eps as f32, out_fresh()?)?;
             }
-            Op::MatMul | Op::OutputHead { .. } => {
+            Op::MatMul | Op::OutputHead => {
                 let (xs, ws) = (&st.ins[0].1, &st.ins[1].1);
                 let k = dim(xs, 1);
                 let n = dim(ws, 0);
-                let mut x = input(0)?;
-                let mut s = dim(xs, 0);
-                if let Op::OutputHead {
-                    rows: LogitRows::Last,
-                } = st.op
-                {
-                    x = &x[(s - 1) * k..];
-                    s = 1;
-                }
+                let x = input(0)?;
+                let s = dim(xs, 0);
                 let w = self.weight(st.ins[1].0)?;
                 matmul(pool, x, s, k, w, n, Epilogue::None, out_fresh()?, exact)?;
             }
@@ -642,10 +720,14 @@ impl Executor {
                     o.copy_from_slice(&xr[*start..*start + *len]);
                 }
             }
-            Op::LastRow => {
-                let (s, e) = (dim(&st.ins[0].1, 0), dim(&st.ins[0].1, 1));
+            Op::LastRows => {
+                let e = dim(&st.ins[0].1, 1);
                 let x = input(0)?;
-                out_fresh()?.copy_from_slice(&x[(s - 1) * e..s * e]);
+                let out = out_fresh()?;
+                for (sq, o) in seqs.iter().zip(out.chunks_exact_mut(e)) {
+                    let last = sq.first + sq.count - 1;
+                    o.copy_from_slice(&x[last * e..(last + 1) * e]);
+                }
             }
             Op::RmsNormScaled { eps } => {
                 let d = dim(&st.shape, st.shape.rank() - 1);
@@ -662,31 +744,43 @@ impl Executor {
                 kernels::rmsnorm(input(0)?, d, Some(wr), *eps as f32, out_fresh()?)?;
             }
             Op::Attention { n_rep, .. } => {
-                let (_, hkv, d) = self.cache_shape;
-                let shape = AttnShape {
-                    s: b.s,
-                    pos: b.p,
-                    n_heads: hkv * n_rep,
-                    n_kv_heads: hkv,
-                    head_dim: d,
+                let n_rep = *n_rep;
+                let (Loc::Cache(ck), Loc::Cache(cv)) = (st.ins[1].0, st.ins[2].0) else {
+                    return Err(RunError::Unsupported(
+                        "attention reads the two caches".into(),
+                    ));
                 };
-                let scratch = &mut self.attn_scratch;
+                let d = self.geom.head_dim;
                 // Multiply-adds of q·K and p·V: below the threshold the call
                 // is cheaper on this thread than a hand-off to the pool.
-                let work = 2 * b.s * (b.p + b.s) * shape.n_heads * d;
+                let work: usize = seqs.iter().map(|q| q.count * q.keys()).sum::<usize>()
+                    * 2
+                    * self.geom.n_kv_heads
+                    * n_rep
+                    * d;
                 let pool = if work <= self.serial_attention_work {
                     &self.serial
                 } else {
                     pool
                 };
-                let (q, kc, vc) = (input(0)?, input(1)?, input(2)?);
-                if self.tiled_attention {
-                    kernels::attention_fused(pool, q, kc, vc, shape, out_fresh()?, scratch)?;
-                } else {
-                    let isa = kernels::Isa::current();
-                    let out = out_fresh()?;
-                    kernels::attention_stream_with(pool, isa, q, kc, vc, shape, out, scratch)?;
-                }
+                let q = input(0)?;
+                let out = out_fresh()?;
+                let attn = self
+                    .attn_work
+                    .as_mut()
+                    .ok_or_else(|| RunError::Unsupported("no attention scratch".into()))?;
+                kernels::attention_paged(
+                    pool,
+                    kernels::Isa::current(),
+                    q,
+                    self.caches[ck].view(),
+                    self.caches[cv].view(),
+                    &self.geom,
+                    n_rep,
+                    seqs,
+                    out,
+                    attn,
+                )?;
             }
             Op::QkvRopeCache {
                 n_heads,
@@ -708,93 +802,82 @@ impl Executor {
                 let Loc::Arena(o) = st.out else {
                     return Err(RunError::Unsupported("output is not an activation".into()));
                 };
-                // SAFETY: x and the output are distinct live buffers of the plan.
-                let x = unsafe { arena.slice(xo, s * k) };
-                let q_out = unsafe { arena.slice_mut(o, s * h * d) };
-                let t = &self.weights[wi];
-                let w = WeightRef::new(t.dtype, t.data.as_bytes());
-                // Epilogue: scatter q to the output, k and v into the caches
-                // at positions P..P+S, then rotate q and the new keys.
-                let (qn, kn) = (h * d, hkv * d);
-                let (cap, _, _) = self.cache_shape;
-                if b.p + s > cap || ck == cv {
+                let Loc::Arena(fo) = st.ins[2].0 else {
+                    return Err(RunError::Unsupported("bad RoPE angles operand".into()));
+                };
+                if ck == cv || (hkv, d) != (self.geom.n_kv_heads, self.geom.head_dim) {
                     return Err(RunError::Unsupported(
                         "the step does not fit the caches".into(),
                     ));
                 }
+                let slots = ints(5)?;
+                // SAFETY: x, the angles and the output are distinct live
+                // buffers of the plan.
+                let x = unsafe { arena.slice(xo, s * k) };
+                let freqs = unsafe { arena.slice(fo, s * d) };
+                let q_out = unsafe { arena.slice_mut(o, s * h * d) };
+                let t = &self.weights[wi];
+                let w = WeightRef::new(t.dtype, t.data.as_bytes());
+                let (qn, kn) = (h * d, hkv * d);
                 let (lo, hi) = self.caches.split_at_mut(ck.max(cv));
                 let (kc, vc) = if ck < cv {
                     (&mut lo[ck], &mut hi[0])
                 } else {
                     (&mut hi[0], &mut lo[cv])
                 };
-                let krows = &mut kc[b.p * kn..(b.p + s) * kn];
-                let vrows = &mut vc[b.p * kn..(b.p + s) * kn];
                 // The packed product goes through a scratch of at most
-                // QKV_BLOCK tokens (it is scattered at once), not one of
-                // the whole step.
+                // QKV_BLOCK tokens; each token's q goes to the output, its
+                // keys are rotated and, with its values, written to its KV
+                // slot; then q is rotated.
                 for t0 in (0..s).step_by(QKV_BLOCK) {
                     let sb = QKV_BLOCK.min(s - t0);
                     let y = &mut self.qkv_scratch[..sb * n];
                     let xb = &x[t0 * k..(t0 + sb) * k];
                     matmul(pool, xb, sb, k, w, n, Epilogue::None, y, exact)?;
-                    for (i, row) in y.chunks_exact(n).enumerate() {
+                    for (i, row) in y.chunks_exact_mut(n).enumerate() {
                         let t = t0 + i;
+                        let f = &freqs[t * d..(t + 1) * d];
                         q_out[t * qn..(t + 1) * qn].copy_from_slice(&row[..qn]);
-                        krows[t * kn..(t + 1) * kn].copy_from_slice(&row[qn..qn + kn]);
-                        vrows[t * kn..(t + 1) * kn].copy_from_slice(&row[qn + kn..qn + 2 * kn]);
+                        let krow = &mut row[qn..qn + kn];
+                        kernels::dispatch::rope_apply_freqs(krow, 1, hkv, d, f)?;
+                        let slot = slots[t] as usize;
+                        kernels::kv::kv_write_row(kc, KvHalf::K, &self.geom, slot, krow)?;
+                        let vrow = &row[qn + kn..qn + 2 * kn];
+                        kernels::kv::kv_write_row(vc, KvHalf::V, &self.geom, slot, vrow)?;
                     }
                 }
-                match st.ins[2].0 {
-                    Loc::Table(ti) => {
-                        let table = &self.tables[ti];
-                        table.apply(q_out, s, h, b.p)?;
-                        table.apply(krows, s, hkv, b.p)?;
-                    }
-                    Loc::Arena(fo) => {
-                        // SAFETY: the per-step angles are a live buffer of the plan.
-                        let f = unsafe { arena.slice(fo, s * d) };
-                        kernels::dispatch::rope_apply_freqs(q_out, s, h, d, f)?;
-                        kernels::dispatch::rope_apply_freqs(krows, s, hkv, d, f)?;
-                    }
-                    _ => return Err(RunError::Unsupported("bad RoPE angles operand".into())),
-                }
+                kernels::dispatch::rope_apply_freqs(q_out, s, h, d, freqs)?;
             }
             Op::Rope => {
                 let (s, h, d) = (dim(&st.shape, 0), dim(&st.shape, 1), dim(&st.shape, 2));
-                if let Loc::Table(t) = st.ins[1].0 {
-                    self.tables[t].apply(out_from_input0()?, s, h, b.p)?;
-                } else {
-                    let freqs = input(1)?;
-                    kernels::dispatch::rope_apply_freqs(out_from_input0()?, s, h, d, freqs)?;
-                }
+                let freqs = input(1)?;
+                kernels::dispatch::rope_apply_freqs(out_from_input0()?, s, h, d, freqs)?;
             }
             Op::KvWrite => {
                 let Loc::Cache(c) = st.ins[0].0 else {
                     return Err(RunError::Unsupported("KvWrite needs a cache".into()));
                 };
-                let (cap, hkv, d) = self.cache_shape;
                 let Loc::Arena(xo) = st.ins[1].0 else {
                     return Err(RunError::Unsupported("KvWrite reads an activation".into()));
                 };
                 // SAFETY: the input buffer is live and not written by this step.
                 let x = unsafe { arena.slice(xo, numel(&st.ins[1].1)) };
-                let cache = &mut self.caches[c];
-                kernels::kv_write_rows(cache, cap, hkv * d, b.p, x, b.s)?;
+                let half = if c % 2 == 0 { KvHalf::K } else { KvHalf::V };
+                let slots = ints(2)?;
+                kernels::kv_write_rows(&mut self.caches[c], half, &self.geom, slots, x)?;
             }
             Op::AttnScores { n_rep, .. } | Op::AttnValues { n_rep } => {
-                let (_, hkv, d) = self.cache_shape;
-                let shape = AttnShape {
-                    s: b.s,
-                    pos: b.p,
-                    n_heads: hkv * n_rep,
-                    n_kv_heads: hkv,
-                    head_dim: d,
+                let Loc::Cache(c) = st.ins[1].0 else {
+                    return Err(RunError::Unsupported("attention reads a cache".into()));
                 };
+                let cache = self.caches[c].view();
+                let (geom, t) = (&self.geom, b.t);
+                let x = input(0)?;
+                let out = out_fresh()?;
                 if matches!(st.op, Op::AttnScores { .. }) {
-                    kernels::attn_scores(pool, input(0)?, input(1)?, shape, out_fresh()?)?;
+                    kernels::attn_scores(pool, x, cache, geom, *n_rep, seqs, t, out)?;
                 } else {
-                    kernels::attn_values(pool, input(0)?, input(1)?, shape, out_fresh()?)?;
+                    kernels::attn_values(pool, x, cache, geom, *n_rep, seqs, t, out)?;
                 }
             }
             Op::Softmax => {
@@ -820,6 +903,10 @@ impl Executor {
                 }
             },
             Op::Tokens
+            | Op::Positions
+            | Op::KvSlots
+            | Op::SeqTable
+            | Op::BlockTable
             | Op::Weight { .. }
             | Op::KvCache { .. }
             | Op::Reshape

@@ -33,10 +33,10 @@ fn style(op: &Op) -> &'static str {
             "shape=note, style=filled, fillcolor=\"#eeeeee\", fontcolor=\"#555555\""
         }
         Op::KvCache { .. } => "shape=cylinder, style=filled, fillcolor=\"#ffe9b3\"",
-        Op::Tokens | Op::RopeFreqs(_) | Op::RopeTable { .. } => {
+        op if op.step_input().is_some() || matches!(op, Op::RopeTable { .. }) => {
             "shape=invhouse, style=filled, fillcolor=\"#d9ead3\""
         }
-        Op::OutputHead { .. } => "shape=box, style=\"filled,bold\", fillcolor=\"#cfe2f3\"",
+        Op::OutputHead => "shape=box, style=\"filled,bold\", fillcolor=\"#cfe2f3\"",
         _ => "shape=box, style=rounded",
     }
 }

@@ -4,7 +4,7 @@
 //! types, or a message saying which input disagrees, what was expected and
 //! what was found. The graph prefixes the node name.
 
-use super::{DType, Dim, Op, Shape, TensorMeta};
+use super::{CacheKind, DType, Dim, Op, Shape, TensorMeta, SEQ_TABLE_COLS};
 
 fn expect_rank(what: &str, m: &TensorMeta, rank: usize) -> Result<(), String> {
     if m.shape.rank() != rank {
@@ -36,17 +36,107 @@ fn mismatch(what: &str, expected: &Shape, actual: &Shape) -> String {
     format!("{what}: expected shape {expected}, got {actual}")
 }
 
-/// RoPE angles for `rows` positions of `head_dim`: a per-step `[S, D/2, 2]`
-/// or a table over constant positions `[C, D/2, 2]`.
+/// Per-token RoPE angles `[rows, D/2, 2]`.
 fn check_freqs(what: &str, f: &TensorMeta, rows: Dim, head_dim: usize) -> Result<(), String> {
     expect_f32(what, f)?;
     let want = Shape::new([rows, Dim::Const(head_dim / 2), Dim::Const(2)]);
-    let table =
-        f.shape.rank() == 3 && f.shape.0[0].as_const().is_some() && f.shape.0[1..] == want.0[1..];
-    if !head_dim.is_multiple_of(2) || (f.shape != want && !table) {
+    if !head_dim.is_multiple_of(2) || f.shape != want {
         return Err(mismatch(what, &want, &f.shape));
     }
     Ok(())
+}
+
+/// A per-token step input `i32[S]` (positions, slots).
+fn check_per_token(what: &str, m: &TensorMeta) -> Result<(), String> {
+    if m.dtype != DType::I32 || m.shape != Shape(vec![Dim::S]) {
+        return Err(format!("{what}: expected i32[S], got {m}"));
+    }
+    Ok(())
+}
+
+/// The sequence table `i32[N, 4]`.
+fn check_seqs(what: &str, m: &TensorMeta) -> Result<(), String> {
+    let want = Shape(vec![Dim::N, Dim::Const(SEQ_TABLE_COLS)]);
+    if m.dtype != DType::I32 || m.shape != want {
+        return Err(format!("{what}: expected i32{want}, got {m}"));
+    }
+    Ok(())
+}
+
+/// The geometry of a KV cache operand: (blocks, kv heads, head dim, block
+/// size), for keys `[NB, Hkv, D, BS]` or values `[NB, Hkv, BS, D]`.
+fn cache_geometry(
+    what: &str,
+    m: &TensorMeta,
+    kind: CacheKind,
+) -> Result<(usize, usize, usize, usize), String> {
+    let dims: Option<Vec<usize>> = m.shape.dims().iter().map(|d| d.as_const()).collect();
+    let layout = match kind {
+        CacheKind::K => "[NB, Hkv, D, BS]",
+        CacheKind::V => "[NB, Hkv, BS, D]",
+    };
+    match dims.as_deref() {
+        Some(&[nb, hkv, a, b])
+            if matches!(m.dtype, DType::F32 | DType::F16)
+                && nb > 0
+                && hkv > 0
+                && a > 0
+                && b > 0 =>
+        {
+            Ok(match kind {
+                CacheKind::K => (nb, hkv, a, b),
+                CacheKind::V => (nb, hkv, b, a),
+            })
+        }
+        _ => Err(format!(
+            "{what}: expected an f32 or f16 cache {layout} of constants, got {m}"
+        )),
+    }
+}
+
+/// The block table `i32[NB]` of a pool of `nb` blocks.
+fn check_blocks(what: &str, m: &TensorMeta, nb: usize) -> Result<(), String> {
+    let want = Shape::constant(&[nb]);
+    if m.dtype != DType::I32 || m.shape != want {
+        return Err(format!("{what}: expected i32{want}, got {m}"));
+    }
+    Ok(())
+}
+
+/// Checks the K and V caches of one attention and returns (Hkv, D).
+fn check_kv_pair(
+    k: (&str, &TensorMeta),
+    v: (&str, &TensorMeta),
+) -> Result<(usize, usize, usize), String> {
+    let gk = cache_geometry(k.0, k.1, CacheKind::K)?;
+    let gv = cache_geometry(v.0, v.1, CacheKind::V)?;
+    if gk != gv || k.1.dtype != v.1.dtype {
+        return Err(format!(
+            "{}: expected the values of {} (layout [NB, Hkv, BS, D]), got {}",
+            v.0, k.1, v.1
+        ));
+    }
+    Ok((gk.0, gk.1, gk.2))
+}
+
+/// Checks `q[S, Hkv·n_rep, D]` and returns H.
+fn check_q(
+    what: &str,
+    q: &TensorMeta,
+    hkv: usize,
+    d: usize,
+    n_rep: usize,
+) -> Result<usize, String> {
+    expect_f32(what, q)?;
+    let h = hkv
+        .checked_mul(n_rep)
+        .filter(|&h| h > 0)
+        .ok_or("n_rep must be positive")?;
+    let want = Shape::new([Dim::S, Dim::Const(h), Dim::Const(d)]);
+    if q.shape != want {
+        return Err(mismatch(what, &want, &q.shape));
+    }
+    Ok(h)
 }
 
 /// Infers the output type of `op` over `inputs`. Sources and `Reshape` take
@@ -66,10 +156,21 @@ pub fn infer(
     }
     let f32m = |shape: Shape| Ok(TensorMeta::new(shape, DType::F32));
     match op {
-        Op::Tokens => {
-            let d = declared.ok_or("Tokens needs a declared type")?;
-            if d.dtype != DType::I32 || d.shape != Shape(vec![Dim::S]) {
-                return Err(format!("Tokens must be i32[S], declared {d}"));
+        Op::Tokens | Op::Positions | Op::KvSlots | Op::SeqTable | Op::BlockTable => {
+            let d = declared.ok_or("a step input needs a declared type")?;
+            let ok = d.dtype == DType::I32
+                && match op {
+                    Op::SeqTable => d.shape == Shape(vec![Dim::N, Dim::Const(SEQ_TABLE_COLS)]),
+                    Op::BlockTable => d.shape.rank() == 1 && d.shape.const_numel().is_some(),
+                    _ => d.shape == Shape(vec![Dim::S]),
+                };
+            if !ok {
+                let want = match op {
+                    Op::SeqTable => "i32[N, 4]",
+                    Op::BlockTable => "i32[NB] (a constant)",
+                    _ => "i32[S]",
+                };
+                return Err(format!("{} must be {want}, declared {d}", op.kind()));
             }
             Ok(d.clone())
         }
@@ -83,24 +184,35 @@ pub fn infer(
             }
             Ok(d.clone())
         }
-        Op::KvCache { .. } => {
+        Op::KvCache { kind, .. } => {
             let d = declared.ok_or("KvCache needs a declared type")?;
-            if d.shape.rank() != 3 || d.shape.const_numel().is_none() || d.dtype != DType::F32 {
-                return Err(format!(
-                    "a KV cache must be f32[C, Hkv, D] with constants, got {d}"
-                ));
-            }
+            cache_geometry("KvCache", d, *kind)?;
             Ok(d.clone())
         }
         Op::RopeFreqs(p) => {
             if p.head_dim == 0 || p.head_dim % 2 != 0 {
                 return Err(format!("RoPE needs an even head_dim, got {}", p.head_dim));
             }
+            check_per_token("positions (input 0)", inputs[0])?;
             f32m(Shape::new([
                 Dim::S,
                 Dim::Const(p.head_dim / 2),
                 Dim::Const(2),
             ]))
+        }
+        Op::GatherRows => {
+            let (table, idx) = (inputs[0], inputs[1]);
+            expect_f32("table (input 0)", table)?;
+            if table.shape.rank() == 0 || table.shape.const_numel().is_none() {
+                return Err(format!(
+                    "table (input 0): expected a constant shape of rank >= 1, got {}",
+                    table.shape
+                ));
+            }
+            check_per_token("idx (input 1)", idx)?;
+            let mut dims = table.shape.0.clone();
+            dims[0] = Dim::S;
+            f32m(Shape(dims))
         }
         Op::Embedding => {
             let (table, tokens) = (inputs[0], inputs[1]);
@@ -124,7 +236,7 @@ pub fn infer(
             }
             f32m(inputs[0].shape.clone())
         }
-        Op::MatMul | Op::OutputHead { .. } => {
+        Op::MatMul | Op::OutputHead => {
             let (x, w) = (inputs[0], inputs[1]);
             expect_f32("x (input 0)", x)?;
             expect_rank("x (input 0)", x, 2)?;
@@ -135,13 +247,7 @@ pub fn infer(
                 x.shape.0[1],
                 &w.shape,
             )?;
-            let rows = match op {
-                Op::OutputHead {
-                    rows: super::LogitRows::Last,
-                } => Dim::Const(1),
-                _ => x.shape.0[0],
-            };
-            f32m(Shape::new([rows, w.shape.0[0]]))
+            f32m(Shape::new([x.shape.0[0], w.shape.0[0]]))
         }
         Op::Reshape => {
             let d = declared.ok_or("Reshape needs a declared shape")?;
@@ -171,37 +277,29 @@ pub fn infer(
             f32m(x.shape.clone())
         }
         Op::KvWrite => {
-            let (cache, x) = (inputs[0], inputs[1]);
-            expect_rank("cache (input 0)", cache, 3)?;
-            expect_f32("cache (input 0)", cache)?;
+            let (cache, x, slots) = (inputs[0], inputs[1], inputs[2]);
+            // Keys `[NB, Hkv, D, BS]` and values `[NB, Hkv, BS, D]` differ
+            // only in the order of the last two axes, and the cache's
+            // kind is not part of its type: x must match one of them.
+            let (_, hkv, d, bs) = cache_geometry("cache (input 0)", cache, CacheKind::K)?;
             expect_f32("x (input 1)", x)?;
-            let want = Shape::new([Dim::S, cache.shape.0[1], cache.shape.0[2]]);
-            if x.shape != want {
-                return Err(mismatch("x (input 1)", &want, &x.shape));
+            let as_k = Shape::new([Dim::S, Dim::Const(hkv), Dim::Const(d)]);
+            let as_v = Shape::new([Dim::S, Dim::Const(hkv), Dim::Const(bs)]);
+            if x.shape != as_k && x.shape != as_v {
+                return Err(mismatch("x (input 1)", &as_k, &x.shape));
             }
-            f32m(Shape::new([Dim::T, cache.shape.0[1], cache.shape.0[2]]))
+            check_per_token("slots (input 2)", slots)?;
+            Ok(cache.clone())
         }
         Op::AttnScores { n_rep, scale } => {
-            let (q, k) = (inputs[0], inputs[1]);
-            expect_f32("q (input 0)", q)?;
-            expect_f32("k (input 1)", k)?;
-            expect_rank("q (input 0)", q, 3)?;
-            expect_rank("k (input 1)", k, 3)?;
+            let (q, k, seqs, blocks) = (inputs[0], inputs[1], inputs[2], inputs[3]);
             if !(*scale > 0.0 && scale.is_finite()) {
                 return Err(format!("scale must be positive, got {scale}"));
             }
-            let hkv = k.shape.0[1]
-                .as_const()
-                .ok_or("k (input 1): heads must be constant")?;
-            let h = hkv
-                .checked_mul(*n_rep)
-                .filter(|&h| h > 0)
-                .ok_or("n_rep must be positive")?;
-            let want_q = Shape::new([Dim::S, Dim::Const(h), k.shape.0[2]]);
-            if q.shape != want_q {
-                return Err(mismatch("q (input 0)", &want_q, &q.shape));
-            }
-            expect_dim("k (input 1) axis 0", k.shape.0[0], Dim::T, &k.shape)?;
+            let (nb, hkv, d, _) = cache_geometry("k (input 1)", k, CacheKind::K)?;
+            let h = check_q("q (input 0)", q, hkv, d, *n_rep)?;
+            check_seqs("seqs (input 2)", seqs)?;
+            check_blocks("blocks (input 3)", blocks, nb)?;
             f32m(Shape::new([Dim::Const(h), Dim::S, Dim::T]))
         }
         Op::Softmax | Op::Silu => {
@@ -209,23 +307,20 @@ pub fn infer(
             f32m(inputs[0].shape.clone())
         }
         Op::AttnValues { n_rep } => {
-            let (p, v) = (inputs[0], inputs[1]);
+            let (p, v, seqs, blocks) = (inputs[0], inputs[1], inputs[2], inputs[3]);
             expect_f32("probs (input 0)", p)?;
-            expect_f32("v (input 1)", v)?;
-            expect_rank("v (input 1)", v, 3)?;
-            let hkv = v.shape.0[1]
-                .as_const()
-                .ok_or("v (input 1): heads must be constant")?;
+            let (nb, hkv, d, _) = cache_geometry("v (input 1)", v, CacheKind::V)?;
             let h = hkv
                 .checked_mul(*n_rep)
                 .filter(|&h| h > 0)
                 .ok_or("n_rep must be positive")?;
-            let want_p = Shape::new([Dim::Const(h), Dim::S, v.shape.0[0]]);
+            let want_p = Shape::new([Dim::Const(h), Dim::S, Dim::T]);
             if p.shape != want_p {
                 return Err(mismatch("probs (input 0)", &want_p, &p.shape));
             }
-            expect_dim("v (input 1) axis 0", v.shape.0[0], Dim::T, &v.shape)?;
-            f32m(Shape::new([Dim::S, Dim::Const(h), v.shape.0[2]]))
+            check_seqs("seqs (input 2)", seqs)?;
+            check_blocks("blocks (input 3)", blocks, nb)?;
+            f32m(Shape::new([Dim::S, Dim::Const(h), Dim::Const(d)]))
         }
         Op::Mul => {
             let (a, b) = (inputs[0], inputs[1]);
@@ -307,7 +402,9 @@ pub fn infer(
             n_kv_heads,
             head_dim,
         } => {
-            let (x, w, f, ck, cv) = (inputs[0], inputs[1], inputs[2], inputs[3], inputs[4]);
+            let (x, w, f, ck, cv, slots) = (
+                inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5],
+            );
             let qkv = infer(&Op::MatMul, &[x, w], None)?;
             let rows = n_heads
                 .checked_add(n_kv_heads.saturating_mul(2))
@@ -325,19 +422,14 @@ pub fn infer(
                 ));
             }
             check_freqs("freqs (input 2)", f, x.shape.0[0], *head_dim)?;
-            for (what, c) in [("cache_k (input 3)", ck), ("cache_v (input 4)", cv)] {
-                expect_f32(what, c)?;
-                expect_rank(what, c, 3)?;
-                if c.shape.0[0].as_const().is_none()
-                    || c.shape.0[1] != Dim::Const(*n_kv_heads)
-                    || c.shape.0[2] != Dim::Const(*head_dim)
-                {
-                    return Err(format!(
-                        "{what}: expected [C, {n_kv_heads}, {head_dim}], got {}",
-                        c.shape
-                    ));
-                }
+            let (_, hkv, d) = check_kv_pair(("cache_k (input 3)", ck), ("cache_v (input 4)", cv))?;
+            if (hkv, d) != (*n_kv_heads, *head_dim) {
+                return Err(format!(
+                    "cache_k (input 3): expected {n_kv_heads} kv heads of {head_dim}, got {}",
+                    ck.shape
+                ));
             }
+            check_per_token("slots (input 5)", slots)?;
             f32m(Shape::new([
                 x.shape.0[0],
                 Dim::Const(*n_heads),
@@ -345,36 +437,23 @@ pub fn infer(
             ]))
         }
         Op::Attention { n_rep, scale } => {
-            let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
-            // The same checks as the unfused pair, with the cache either as
-            // its valid prefix [T, ..] or whole [C, ..].
-            let as_t = |m: &TensorMeta| {
-                let mut m = m.clone();
-                if m.shape.rank() == 3 && m.shape.0[0].as_const().is_some() {
-                    m.shape.0[0] = Dim::T;
-                }
-                m
-            };
-            let (kt, vt) = (as_t(k), as_t(v));
-            if k.shape.0.first() != v.shape.0.first() {
-                return Err(mismatch("v (input 2)", &k.shape, &v.shape));
+            let (q, k, v, seqs, blocks) = (inputs[0], inputs[1], inputs[2], inputs[3], inputs[4]);
+            if !(*scale > 0.0 && scale.is_finite()) {
+                return Err(format!("scale must be positive, got {scale}"));
             }
-            let scores = infer(
-                &Op::AttnScores {
-                    n_rep: *n_rep,
-                    scale: *scale,
-                },
-                &[q, &kt],
-                None,
-            )?;
-            infer(&Op::AttnValues { n_rep: *n_rep }, &[&scores, &vt], None)
-                .map_err(|e| e.replace("v (input 1)", "v (input 2)"))
+            let (nb, hkv, d) = check_kv_pair(("k (input 1)", k), ("v (input 2)", v))?;
+            let h = check_q("q (input 0)", q, hkv, d, *n_rep)?;
+            check_seqs("seqs (input 3)", seqs)?;
+            check_blocks("blocks (input 4)", blocks, nb)?;
+            f32m(Shape::new([Dim::S, Dim::Const(h), Dim::Const(d)]))
         }
-        Op::LastRow => {
-            let x = inputs[0];
+        Op::LastRows => {
+            let (x, seqs) = (inputs[0], inputs[1]);
             expect_f32("x (input 0)", x)?;
             expect_rank("x (input 0)", x, 2)?;
-            f32m(Shape::new([Dim::Const(1), x.shape.0[1]]))
+            expect_dim("x (input 0) axis 0", x.shape.0[0], Dim::S, &x.shape)?;
+            check_seqs("seqs (input 1)", seqs)?;
+            f32m(Shape::new([Dim::N, x.shape.0[1]]))
         }
         Op::Add => {
             let (a, b) = (inputs[0], inputs[1]);

@@ -10,5 +10,5 @@ pub mod shape;
 
 pub use dtype::DType;
 pub use graph::{Edge, Graph, GraphError, Node, NodeId, PackedWeight, TensorMeta};
-pub use op::{CacheKind, LogitRows, Op, RopeParams, RopeScaling};
+pub use op::{CacheKind, LogitRows, Op, RopeParams, RopeScaling, StepInput, SEQ_TABLE_COLS};
 pub use shape::{Bindings, Dim, Shape, Sym};

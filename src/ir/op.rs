@@ -48,9 +48,10 @@ pub struct RopeParams {
 /// Which rows of the final hidden state the output head turns into logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum LogitRows {
-    /// Every position of the step: `[S, vocab]`.
+    /// Every token of the step: `[S, vocab]`.
     All,
-    /// Only the last position, which is all generation needs: `[1, vocab]`.
+    /// The last token of each sequence in the step, which is all generation
+    /// needs: `[N, vocab]` (a `LastRows` before the output head).
     Last,
 }
 
@@ -61,28 +62,70 @@ pub enum CacheKind {
     V,
 }
 
+/// The step inputs: per-step data the executor is given (tokens, the
+/// sequence table, the block table) or derives from it (positions, KV slots).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum StepInput {
+    Tokens,
+    Positions,
+    KvSlots,
+    SeqTable,
+    BlockTable,
+}
+
+/// Columns of a [`Op::SeqTable`] row.
+pub const SEQ_TABLE_COLS: usize = 4;
+
 /// An operation. Inputs are the node's incoming edges, in slot order; the
 /// comment on each variant lists them with their shapes (`S` tokens in the
-/// step, `T = P + S` cached positions after this step, `C` planned context).
+/// step across its sequences, `N` sequences in the step, `T` the longest key
+/// span; `NB` blocks of `BS` positions in the KV pool).
+///
+/// A step carries tokens of `N` sequences, each sequence's tokens
+/// contiguous and in position order. The KV pool is shared: every layer's
+/// cache is `NB` blocks, and each sequence owns a list of blocks (its block
+/// table) holding its positions `0, 1, ...` in order.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Op {
-    // ---- sources: no inputs ----
+    // ---- step inputs: no inputs, bound per step ----
     /// Token ids of this step: `i32[S]`.
     Tokens,
+    /// Each token's position in its own sequence: `i32[S]`.
+    Positions,
+    /// The KV-pool row each token's keys and values go to
+    /// (`block · BS + position % BS`): `i32[S]`.
+    KvSlots,
+    /// One row per sequence of the step: (first token of the step, token
+    /// count, start position, offset of its block list in the block table):
+    /// `i32[N, 4]`. Its queries attend positions `0..=start + i`.
+    SeqTable,
+    /// The sequences' KV blocks, each sequence's list contiguous and in
+    /// position order (block `i` of a list holds positions `i·BS..`):
+    /// `i32[NB]` (at most every block of the pool).
+    BlockTable,
+
+    // ---- other sources ----
     /// A weight tensor, bound by its checkpoint name to the loaded model.
     Weight { tensor: String },
-    /// Persistent KV-cache state of one layer: `f32[C, n_kv_heads, head_dim]`.
-    /// It outlives the step; the executor keeps it across calls.
+    /// Persistent KV state of one layer, shared by all sequences: `NB`
+    /// blocks of `BS` positions, f32 or f16. Keys are stored dims-major
+    /// within a block, `[NB, Hkv, D, BS]` (a head's keys at one dim are
+    /// contiguous), values `[NB, Hkv, BS, D]`. It outlives the step; the
+    /// executor keeps it across calls.
     KvCache { layer: usize, kind: CacheKind },
-    /// Rotation angles for positions `P..P+S`: `f32[S, head_dim/2, 2]`
-    /// (cos, sin) of `pos * freq_i`, as Meta's `freqs_cis` complex numbers.
-    RopeFreqs(RopeParams),
     /// Constant-folded RoPE angles for every position `0..max_pos`:
     /// `f32[max_pos, head_dim/2, 2]` (cos, sin), computed once when the
-    /// executor is prepared instead of per step (pass `fold_rope_table`).
+    /// executor is prepared (pass `fold_rope_table`).
     RopeTable { params: RopeParams, max_pos: usize },
 
     // ---- compute ----
+    /// Rotation angles of each token's position: (`positions i32[S]`) ->
+    /// `f32[S, head_dim/2, 2]` (cos, sin) of `pos * freq_i`, as Meta's
+    /// `freqs_cis` complex numbers.
+    RopeFreqs(RopeParams),
+    /// Rows of a table at the given indices: (`table[R, ..]`, `idx i32[S]`)
+    /// -> `f32[S, ..]` (the RoPE table at each token's position).
+    GatherRows,
     /// Row gather: (`table[V, E]`, `tokens i32[S]`) -> `f32[S, E]`.
     Embedding,
     /// Root-mean-square normalisation over the last axis, without weight:
@@ -94,17 +137,19 @@ pub enum Op {
     Reshape,
     /// Rotary embedding of pairs (`x[S, H, D]`, `freqs[S, D/2, 2]`) -> same as x.
     Rope,
-    /// Write this step's keys or values into the cache at positions `P..P+S`:
-    /// (`cache[C, Hkv, D]`, `x[S, Hkv, D]`) -> `[T, Hkv, D]`, the valid
-    /// prefix of the cache, which attention reads.
+    /// Write this step's keys or values into the pool at each token's slot:
+    /// (`cache`, `x[S, Hkv, D]`, `slots i32[S]`) -> the cache after the
+    /// write (same type), which attention reads.
     KvWrite,
-    /// Causal GQA attention scores: (`q[S, H, D]`, `k[T, Hkv, D]`) ->
-    /// `[H, S, T]`, scaled by `scale`; query head `h` reads KV head
-    /// `h / n_rep`; key positions after the query's own are `-inf`.
+    /// Causal GQA attention scores: (`q[S, H, D]`, `k` cache, `seqs i32[N,
+    /// 4]`, `blocks i32[NB]`) -> `[H, S, T]`, scaled by `scale`; query head
+    /// `h` reads KV head `h / n_rep`; entry `t` is the query's own
+    /// sequence's position `t`; positions after the query's own are `-inf`.
     AttnScores { n_rep: usize, scale: f64 },
     /// Softmax over the last axis, in f32.
     Softmax,
-    /// Attention-weighted values: (`probs[H, S, T]`, `v[T, Hkv, D]`) -> `[S, H, D]`.
+    /// Attention-weighted values: (`probs[H, S, T]`, `v` cache, `seqs`,
+    /// `blocks`) -> `[S, H, D]`.
     AttnValues { n_rep: usize },
     /// `x * sigmoid(x)`, elementwise.
     Silu,
@@ -113,8 +158,11 @@ pub enum Op {
     Mul,
     /// Elementwise sum of two tensors of one shape.
     Add,
-    /// The output head: (`x[S, E]`, `w[V, E]`) -> `f32[S, V]` or `f32[1, V]`.
-    OutputHead { rows: LogitRows },
+    /// The output head: (`x[R, E]`, `w[V, E]`) -> `f32[R, V]`.
+    OutputHead,
+    /// The last token's row of each sequence: (`x[S, E]`, `seqs i32[N, 4]`)
+    /// -> `f32[N, E]`.
+    LastRows,
 
     // ---- fused ops (created by `crate::passes`) ----
     /// RMSNorm with its weight multiply folded in:
@@ -131,23 +179,21 @@ pub enum Op {
     /// `silu(x·gateᵀ) * (x·upᵀ)`, computed in the output loop.
     MatMulSwiGlu,
     /// The fused QKV projection with RoPE and the KV-cache write in its
-    /// epilogue: (`x[S, K]`, `wqkv[(H+2Hkv)·D, K]`, `freqs` (a per-step
-    /// `[S, D/2, 2]` or a table `[C, D/2, 2]`), `cache_k[C, Hkv, D]`,
-    /// `cache_v[C, Hkv, D]`) -> rotated `q[S, H, D]`. As a side effect the
-    /// rotated keys and the values are written to the caches at `P..P+S`
-    /// before the output is available, so readers of q may read the caches.
+    /// epilogue: (`x[S, K]`, `wqkv[(H+2Hkv)·D, K]`, `freqs[S, D/2, 2]`,
+    /// `cache_k`, `cache_v`, `slots i32[S]`) -> rotated `q[S, H, D]`. As a
+    /// side effect the rotated keys and the values are written to the
+    /// caches at each token's slot before the output is available, so
+    /// readers of q may read the caches.
     QkvRopeCache {
         n_heads: usize,
         n_kv_heads: usize,
         head_dim: usize,
     },
     /// Fused causal GQA attention with a streaming softmax (never
-    /// materialises `[H, S, T]`): (`q[S, H, D]`, `k`, `v`) -> `[S, H, D]`,
-    /// where `k`, `v` are the valid cache prefix `[T, Hkv, D]` or the whole
-    /// cache `[C, Hkv, D]` of which the first `T` rows are read.
+    /// materialises `[H, S, T]`): (`q[S, H, D]`, `k` cache, `v` cache,
+    /// `seqs i32[N, 4]`, `blocks i32[NB]`) -> `[S, H, D]`; each query reads
+    /// its own sequence's positions up to its own.
     Attention { n_rep: usize, scale: f64 },
-    /// The last row of a matrix: (`x[S, E]`) -> `f32[1, E]`.
-    LastRow,
 }
 
 impl Op {
@@ -155,9 +201,14 @@ impl Op {
     pub fn kind(&self) -> &'static str {
         match self {
             Op::Tokens => "Tokens",
+            Op::Positions => "Positions",
+            Op::KvSlots => "KvSlots",
+            Op::SeqTable => "SeqTable",
+            Op::BlockTable => "BlockTable",
             Op::Weight { .. } => "Weight",
             Op::KvCache { .. } => "KvCache",
             Op::RopeFreqs(_) => "RopeFreqs",
+            Op::GatherRows => "GatherRows",
             Op::Embedding => "Embedding",
             Op::RmsNorm { .. } => "RmsNorm",
             Op::MatMul => "MatMul",
@@ -170,7 +221,8 @@ impl Op {
             Op::Silu => "Silu",
             Op::Mul => "Mul",
             Op::Add => "Add",
-            Op::OutputHead { .. } => "OutputHead",
+            Op::OutputHead => "OutputHead",
+            Op::LastRows => "LastRows",
             Op::RopeTable { .. } => "RopeTable",
             Op::RmsNormScaled { .. } => "RmsNormScaled",
             Op::SliceCols { .. } => "SliceCols",
@@ -178,7 +230,6 @@ impl Op {
             Op::MatMulSwiGlu => "MatMulSwiGlu",
             Op::QkvRopeCache { .. } => "QkvRopeCache",
             Op::Attention { .. } => "Attention",
-            Op::LastRow => "LastRow",
         }
     }
 
@@ -186,25 +237,41 @@ impl Op {
     pub fn arity(&self) -> usize {
         match self {
             Op::Tokens
+            | Op::Positions
+            | Op::KvSlots
+            | Op::SeqTable
+            | Op::BlockTable
             | Op::Weight { .. }
             | Op::KvCache { .. }
-            | Op::RopeFreqs(_)
             | Op::RopeTable { .. } => 0,
-            Op::RmsNorm { .. } | Op::Reshape | Op::Softmax | Op::Silu => 1,
-            Op::SliceCols { .. } | Op::LastRow => 1,
+            Op::RmsNorm { .. } | Op::Reshape | Op::Softmax | Op::Silu | Op::RopeFreqs(_) => 1,
+            Op::SliceCols { .. } => 1,
             Op::RmsNormScaled { .. } | Op::MatMulSwiGlu => 2,
-            Op::MatMulAdd | Op::Attention { .. } => 3,
-            Op::QkvRopeCache { .. } => 5,
+            Op::MatMulAdd | Op::KvWrite => 3,
+            Op::AttnScores { .. } | Op::AttnValues { .. } => 4,
+            Op::Attention { .. } => 5,
+            Op::QkvRopeCache { .. } => 6,
             Op::Embedding
+            | Op::GatherRows
             | Op::MatMul
             | Op::Rope
-            | Op::KvWrite
-            | Op::AttnScores { .. }
-            | Op::AttnValues { .. }
             | Op::Mul
             | Op::Add
-            | Op::OutputHead { .. } => 2,
+            | Op::OutputHead
+            | Op::LastRows => 2,
         }
+    }
+
+    /// The step input this source stands for, if it is one.
+    pub fn step_input(&self) -> Option<StepInput> {
+        Some(match self {
+            Op::Tokens => StepInput::Tokens,
+            Op::Positions => StepInput::Positions,
+            Op::KvSlots => StepInput::KvSlots,
+            Op::SeqTable => StepInput::SeqTable,
+            Op::BlockTable => StepInput::BlockTable,
+            _ => return None,
+        })
     }
 
     /// Sources take their output shape from the node declaration rather than
@@ -266,7 +333,6 @@ impl Op {
             Op::RmsNorm { eps } => format!("eps={eps:e}"),
             Op::AttnScores { n_rep, scale } => format!("n_rep={n_rep}, scale={scale:.6}, causal"),
             Op::AttnValues { n_rep } => format!("n_rep={n_rep}"),
-            Op::OutputHead { rows } => format!("rows={rows:?}"),
             _ => String::new(),
         }
     }

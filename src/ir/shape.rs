@@ -1,14 +1,18 @@
 //! Shapes with symbolic dimensions.
 //!
-//! The graph is written once for prefill and decode. Three symbols stand for
-//! the quantities that change from step to step:
+//! The graph is written once for prefill, decode and any mix of sequences.
+//! A step carries tokens of one or more sequences (each token knows its
+//! sequence and its position, see the step inputs in [`super::Op`]); three
+//! symbols stand for the quantities that change from step to step:
 //!
-//! * `S`: the number of tokens processed in this step (a prefill chunk, or 1);
-//! * `P`: the start position (tokens already in the KV cache);
-//! * `T`: the cache length after this step's write, always `P + S`.
+//! * `S`: the number of tokens in this step, across its sequences (a prefill
+//!   chunk, one decode token per sequence, or a mix);
+//! * `N`: the number of sequences with tokens in this step (`1 <= N <= S`);
+//! * `T`: the longest key span of the step: the largest `start + tokens` over
+//!   its sequences, i.e. the most cached positions any query attends over.
 //!
 //! Everything else is a constant fixed when the graph is built, including the
-//! planned context `C` that sizes the KV cache.
+//! KV pool that all sequences share.
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -16,11 +20,12 @@ use std::fmt;
 /// A shape symbol, bound at run time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum Sym {
-    /// Tokens in this step.
+    /// Tokens in this step, across its sequences.
     S,
-    /// Start position of this step.
-    P,
-    /// Cache length after this step (`P + S`).
+    /// Sequences with tokens in this step.
+    N,
+    /// The longest key span of the step (`max(start + tokens)` over its
+    /// sequences).
     T,
 }
 
@@ -36,25 +41,36 @@ pub enum Dim {
 pub struct Bindings {
     /// Tokens in this step (`S`).
     pub s: usize,
-    /// Start position (`P`).
-    pub p: usize,
+    /// Sequences in this step (`N`).
+    pub n: usize,
+    /// The longest key span (`T`).
+    pub t: usize,
 }
 
 impl Bindings {
-    pub fn new(s: usize, p: usize) -> Self {
-        Bindings { s, p }
+    pub fn new(s: usize, n: usize, t: usize) -> Self {
+        Bindings { s, n, t }
+    }
+    /// One sequence: `s` tokens at positions `pos..pos + s`.
+    pub fn one_sequence(s: usize, pos: usize) -> Self {
+        Bindings {
+            s,
+            n: 1,
+            t: pos + s,
+        }
     }
     pub fn get(&self, sym: Sym) -> usize {
         match sym {
             Sym::S => self.s,
-            Sym::P => self.p,
-            Sym::T => self.p + self.s,
+            Sym::N => self.n,
+            Sym::T => self.t,
         }
     }
 }
 
 impl Dim {
     pub const S: Dim = Dim::Sym(Sym::S);
+    pub const N: Dim = Dim::Sym(Sym::N);
     pub const T: Dim = Dim::Sym(Sym::T);
 
     pub fn eval(self, b: &Bindings) -> usize {
@@ -166,8 +182,9 @@ mod tests {
     fn display_and_eval() {
         let s = shape![Dim::S, 8, 128];
         assert_eq!(s.to_string(), "[S, 8, 128]");
-        assert_eq!(s.eval(&Bindings::new(3, 10)), vec![3, 8, 128]);
-        assert_eq!(shape![Dim::T, 2].numel(&Bindings::new(3, 10)), 26);
+        assert_eq!(s.eval(&Bindings::one_sequence(3, 10)), vec![3, 8, 128]);
+        assert_eq!(shape![Dim::T, 2].numel(&Bindings::one_sequence(3, 10)), 26);
+        assert_eq!(shape![Dim::N, 4].eval(&Bindings::new(9, 3, 40)), vec![3, 4]);
     }
 
     #[test]

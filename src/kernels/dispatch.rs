@@ -1,6 +1,5 @@
 //! The forms the executor calls: dispatch on the weight dtype (plain or
-//! block-quantized), per-step RoPE angles, single-cache writes and in-place
-//! elementwise ops.
+//! block-quantized), per-token RoPE angles and in-place elementwise ops.
 
 use super::elementwise::rope::{rope_freq, RopeScaling};
 use super::matmul::{gemv, matmul, Epilogue};
@@ -141,24 +140,28 @@ pub fn embedding_any(
     Ok(())
 }
 
-/// Fills `out` (`[s, head_dim/2, 2]`) with `(cos, sin)` of `pos * freq_i`
-/// for positions `pos..pos+s`, with the same f32 arithmetic as Meta's
+/// Fills `out` (`[s, head_dim/2, 2]`) with `(cos, sin)` of `p * freq_i`
+/// for each token's position `p`, with the same f32 arithmetic as Meta's
 /// `precompute_freqs_cis`.
 pub fn rope_fill_freqs(
     out: &mut [f32],
-    s: usize,
-    pos: usize,
+    positions: &[i32],
     head_dim: usize,
     theta: f32,
     scaling: Option<crate::ir::RopeScaling>,
 ) -> Result<(), KernelError> {
     let half = head_dim / 2;
-    check_len("rope_freqs", "out elements", s * half * 2, out.len())?;
+    check_len(
+        "rope_freqs",
+        "out elements",
+        positions.len() * half * 2,
+        out.len(),
+    )?;
     let scaling = scaling.map(RopeScaling::from);
     for i in 0..half {
         let f = rope_freq(i, head_dim, theta, scaling);
-        for t in 0..s {
-            let c = num_complex::Complex32::from_polar(1.0, (pos + t) as f32 * f);
+        for (t, &p) in positions.iter().enumerate() {
+            let c = num_complex::Complex32::from_polar(1.0, p as f32 * f);
             out[(t * half + i) * 2] = c.re;
             out[(t * half + i) * 2 + 1] = c.im;
         }
@@ -237,12 +240,29 @@ mod tests {
             let mut want = x.clone();
             rope_reference(&mut want, s, h, d, pos, 500000.0, scaling.map(Into::into)).unwrap();
             let mut f = vec![0f32; s * d];
-            rope_fill_freqs(&mut f, s, pos, d, 500000.0, scaling).unwrap();
+            let positions: Vec<i32> = (pos as i32..(pos + s) as i32).collect();
+            rope_fill_freqs(&mut f, &positions, d, 500000.0, scaling).unwrap();
             let mut got = x.clone();
             rope_apply_freqs(&mut got, s, h, d, &f).unwrap();
             for (a, b) in got.iter().zip(&want) {
                 assert!((a - b).abs() < 1e-6, "{a} vs {b}");
             }
+        }
+    }
+
+    #[test]
+    fn table_rows_are_the_per_token_angles() {
+        use crate::kernels::RopeTable;
+        let positions = [0, 17, 3, 3, 2047, 1000];
+        for (scaling, d) in [(None, 64), (Some(crate::ir::RopeScaling::LLAMA3_1), 128)] {
+            let mut a = vec![0f32; positions.len() * d];
+            rope_fill_freqs(&mut a, &positions, d, 500000.0, scaling).unwrap();
+            let t = RopeTable::new(d, 500000.0, scaling.map(Into::into), 2048).unwrap();
+            let mut b = vec![0f32; a.len()];
+            t.gather(&positions, &mut b).unwrap();
+            assert_eq!(a, b);
+            assert!(t.gather(&[2048], &mut b[..d]).is_err());
+            assert!(t.gather(&[-1], &mut b[..d]).is_err());
         }
     }
 }

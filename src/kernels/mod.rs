@@ -8,9 +8,9 @@
 //! | --- | --- |
 //! | [`matmul`](mod@matmul) | linear layers over f32/f16/bf16 weights: tiled GEMM (`avx2`, `avx512`, `bf16dot`), single-token GEMV (`gemv`), and the lossless `bf16z` weight format |
 //! | [`quantized`] | block-quantized weights (GGUF formats): block layouts and dequantization (`blocks`), the exact f32-activation path (`exact`), the integer fast path (`fast`) |
-//! | [`attention`] | reference scores/softmax/values, the fused streaming kernel (`fused`), the tiled prefill kernel (`tiled`) and their vector helpers (`ops`) |
+//! | [`attention`] | over the paged KV pool: reference scores/softmax/values and the fused, batch-invariant kernel (`paged`: tiled items for prefill, key-split items for decode) |
 //! | [`elementwise`] | add, mul, SiLU/SwiGLU, RMSNorm (`norm`), RoPE (`rope`) |
-//! | [`embedding`], [`kv`] | token-row gather, KV-cache row writes |
+//! | [`embedding`], [`kv`] | token-row gather; the KV pool's layout, the step's sequence table, KV writes |
 //! | [`dispatch`] | the forms the executor calls: dispatch on weight dtype and mode |
 //!
 //! Conventions: row-major; activations are `f32`; weights are raw
@@ -30,19 +30,16 @@ pub mod quantized;
 #[cfg(test)]
 pub(crate) mod testutil;
 
-pub use attention::fused::{
-    attention_fused, attention_fused_scratch_len, attention_fused_with,
-    attention_stream_scratch_len, attention_stream_with, TILED_MIN_S,
+pub use attention::{
+    attention_paged, attn_scores, attn_values, softmax_rows, AttnWork, TILED_MIN_S,
 };
-pub use attention::tiled::{attention_tiled, attention_tiled_scratch_len, attention_tiled_with};
-pub use attention::{attn_scores, attn_scores_len, attn_values, softmax_rows, AttnShape};
 pub use dispatch::{embedding_any, matmul_any, MatmulMode};
 pub use elementwise::norm::rmsnorm;
 pub use elementwise::rope::{rope_reference, RopeScaling, RopeTable};
 pub use elementwise::{add, add_inplace, argmax, mul, mul_broadcast_rows, silu, swiglu};
 pub use embedding::embedding_rows;
 pub use isa::Isa;
-pub use kv::kv_write_rows;
+pub use kv::{kv_write_rows, KvGeom, KvHalf, KvStore, KvView, SeqSpan, StepSeqs};
 pub use matmul::{gemv, matmul, matmul_with, Epilogue};
 pub use quantized::dequantize_row;
 

@@ -6,13 +6,19 @@
 //! for each layer:
 //!     xn = attention_norm(h)
 //!     q, k, v = wq(xn), wk(xn), wv(xn)            -> heads
-//!     q, k = rope(q), rope(k)                      positions P..P+S
-//!     K, V = cache_k.write(k), cache_v.write(v)    all T = P+S positions
-//!     a = softmax(q·Kᵀ·scale + causal mask) · V    GQA: n_rep q heads per kv head
+//!     q, k = rope(q), rope(k)                      each token's own position
+//!     K, V = cache_k.write(k), cache_v.write(v)    each token's KV-pool slot
+//!     a = softmax(q·Kᵀ·scale + causal mask) · V    its own sequence's positions 0..=pos;
+//!                                                  GQA: n_rep q heads per kv head
 //!     h = h + wo(a)
 //!     h = h + w2(silu(w1(ffn_norm(h))) * w3(ffn_norm(h)))
-//! logits = output(norm(h))
+//! logits = output(norm(h))                        (last token of each sequence)
 //! ```
+//!
+//! A step carries the tokens of one or more sequences; the step inputs
+//! (`tokens`, `positions`, `kv.slots`, `kv.seqs`, `kv.blocks`) say which
+//! token belongs where, and the KV caches are one pool of blocks shared by
+//! every sequence.
 //!
 //! Weight nodes carry Meta's checkpoint names (`layers.3.attention.wq.weight`);
 //! compute nodes are named after the module that computes them
@@ -21,6 +27,7 @@
 use super::ModelArgs;
 use crate::ir::{
     CacheKind, DType, Dim, Graph, GraphError, LogitRows, NodeId, Op, RopeParams, Shape, TensorMeta,
+    SEQ_TABLE_COLS,
 };
 use std::collections::BTreeMap;
 use thiserror::Error;
@@ -31,15 +38,37 @@ pub enum BuildError {
     VocabUnknown,
     #[error("the planned context must be at least 1")]
     ZeroContext,
+    #[error("the KV block size must be at least 1")]
+    ZeroBlock,
+    #[error("the KV cache stores f32 or f16, not {0}")]
+    KvDType(DType),
     #[error(transparent)]
     Graph(#[from] GraphError),
+}
+
+/// Positions per block of the KV pool unless the options say otherwise
+/// (vLLM's default block size: small enough that a sequence wastes at most
+/// 15 positions, large enough that a block's keys at one dim fill a
+/// 16-lane vector).
+pub const DEFAULT_KV_BLOCK: usize = 16;
+
+impl BuildOptions {
+    /// Blocks in the KV pool: enough for `context` positions.
+    pub fn kv_blocks(&self) -> usize {
+        self.context.div_ceil(self.kv_block.max(1))
+    }
 }
 
 /// What the graph is built for, beyond the model arguments.
 #[derive(Debug, Clone)]
 pub struct BuildOptions {
-    /// The planned context `C`: the KV cache holds this many positions.
+    /// The planned context `C`: the KV pool holds at least this many
+    /// positions (all sequences together), in blocks of `kv_block`.
     pub context: usize,
+    /// Positions per KV block (the pool's allocation unit).
+    pub kv_block: usize,
+    /// How the KV pool stores keys and values (f32 or f16).
+    pub kv_dtype: DType,
     /// The dtype weights are declared with unless `weight_dtypes` says
     /// otherwise (Meta's checkpoints: bf16).
     pub default_weight_dtype: DType,
@@ -53,6 +82,8 @@ impl BuildOptions {
     pub fn new(context: usize) -> Self {
         BuildOptions {
             context,
+            kv_block: DEFAULT_KV_BLOCK,
+            kv_dtype: DType::F32,
             default_weight_dtype: DType::BF16,
             weight_dtypes: BTreeMap::new(),
             logit_rows: LogitRows::All,
@@ -155,10 +186,29 @@ pub fn build_llama(args: &ModelArgs, opts: &BuildOptions) -> Result<Graph, Build
         opts,
     };
 
-    let tokens = b.g.add_source(
-        "tokens",
-        Op::Tokens,
-        TensorMeta::new(Shape(vec![Dim::S]), DType::I32),
+    if opts.kv_block == 0 {
+        return Err(BuildError::ZeroBlock);
+    }
+    if !matches!(opts.kv_dtype, DType::F32 | DType::F16) {
+        return Err(BuildError::KvDType(opts.kv_dtype));
+    }
+    let (nb, bs) = (opts.kv_blocks(), opts.kv_block);
+    let per_token = TensorMeta::new(Shape(vec![Dim::S]), DType::I32);
+    let tokens =
+        b.g.add_source("tokens", Op::Tokens, per_token.clone(), None)?;
+    let positions =
+        b.g.add_source("positions", Op::Positions, per_token.clone(), None)?;
+    let slots = b.g.add_source("kv.slots", Op::KvSlots, per_token, None)?;
+    let seqs = b.g.add_source(
+        "kv.seqs",
+        Op::SeqTable,
+        TensorMeta::new(Shape(vec![Dim::N, Dim::Const(SEQ_TABLE_COLS)]), DType::I32),
+        None,
+    )?;
+    let blocks = b.g.add_source(
+        "kv.blocks",
+        Op::BlockTable,
+        TensorMeta::new(Shape::constant(&[nb]), DType::I32),
         None,
     )?;
     let emb_w = b.weight("tok_embeddings.weight", &[vocab, dim], None)?;
@@ -173,15 +223,7 @@ pub fn build_llama(args: &ModelArgs, opts: &BuildOptions) -> Result<Graph, Build
         theta: args.rope_theta,
         scaling: args.rope_scaling,
     };
-    let freqs = b.g.add_source(
-        "rope.freqs",
-        Op::RopeFreqs(rope),
-        TensorMeta::new(
-            Shape(vec![Dim::S, Dim::Const(hd / 2), Dim::Const(2)]),
-            DType::F32,
-        ),
-        None,
-    )?;
+    let freqs = b.op("rope.freqs".into(), Op::RopeFreqs(rope), &[positions], None)?;
     let scale = 1.0 / (hd as f64).sqrt();
 
     for i in 0..args.n_layers {
@@ -213,14 +255,13 @@ pub fn build_llama(args: &ModelArgs, opts: &BuildOptions) -> Result<Graph, Build
         )?;
         let q = b.op(format!("{a}.q_rope"), Op::Rope, &[q, freqs], l)?;
         let k = b.op(format!("{a}.k_rope"), Op::Rope, &[k, freqs], l)?;
-        let cache_meta = TensorMeta::new(Shape::constant(&[opts.context, nkv, hd]), DType::F32);
         let ck = b.g.add_source(
             format!("{a}.cache_k"),
             Op::KvCache {
                 layer: i,
                 kind: CacheKind::K,
             },
-            cache_meta.clone(),
+            TensorMeta::new(Shape::constant(&[nb, nkv, hd, bs]), opts.kv_dtype),
             l,
         )?;
         let cv = b.g.add_source(
@@ -229,22 +270,32 @@ pub fn build_llama(args: &ModelArgs, opts: &BuildOptions) -> Result<Graph, Build
                 layer: i,
                 kind: CacheKind::V,
             },
-            cache_meta,
+            TensorMeta::new(Shape::constant(&[nb, nkv, bs, hd]), opts.kv_dtype),
             l,
         )?;
-        let keys = b.op(format!("{a}.cache_k.write"), Op::KvWrite, &[ck, k], l)?;
-        let vals = b.op(format!("{a}.cache_v.write"), Op::KvWrite, &[cv, v], l)?;
+        let keys = b.op(
+            format!("{a}.cache_k.write"),
+            Op::KvWrite,
+            &[ck, k, slots],
+            l,
+        )?;
+        let vals = b.op(
+            format!("{a}.cache_v.write"),
+            Op::KvWrite,
+            &[cv, v, slots],
+            l,
+        )?;
         let scores = b.op(
             format!("{a}.scores"),
             Op::AttnScores { n_rep, scale },
-            &[q, keys],
+            &[q, keys, seqs, blocks],
             l,
         )?;
         let probs = b.op(format!("{a}.probs"), Op::Softmax, &[scores], l)?;
         let heads = b.op(
             format!("{a}.values"),
             Op::AttnValues { n_rep },
-            &[probs, vals],
+            &[probs, vals, seqs, blocks],
             l,
         )?;
         let merged = b.reshape(
@@ -266,20 +317,16 @@ pub fn build_llama(args: &ModelArgs, opts: &BuildOptions) -> Result<Graph, Build
         h = b.op(format!("{p}.ffn_residual"), Op::Add, &[h, down], l)?;
     }
 
-    let hn = b.rms_norm("norm", h, dim, eps, None)?;
+    let mut hn = b.rms_norm("norm", h, dim, eps, None)?;
+    if opts.logit_rows == LogitRows::Last {
+        hn = b.op("norm.last_rows".into(), Op::LastRows, &[hn, seqs], None)?;
+    }
     let out_w = if args.tied_embeddings {
         emb_w
     } else {
         b.weight("output.weight", &[vocab, dim], None)?
     };
-    let logits = b.op(
-        "output".into(),
-        Op::OutputHead {
-            rows: opts.logit_rows,
-        },
-        &[hn, out_w],
-        None,
-    )?;
+    let logits = b.op("output".into(), Op::OutputHead, &[hn, out_w], None)?;
     b.g.mark_output(logits);
     b.g.verify()?;
     Ok(b.g)

@@ -6,7 +6,7 @@
 
 use super::{is_root, PassStats};
 use crate::ir::{
-    DType, Dim, Graph, GraphError, LogitRows, NodeId, Op, PackedWeight, Shape, TensorMeta,
+    CacheKind, DType, Dim, Graph, GraphError, NodeId, Op, PackedWeight, Shape, TensorMeta,
 };
 use std::collections::BTreeSet;
 
@@ -122,32 +122,44 @@ fn packed_weight(
     Ok(Some(id))
 }
 
-/// `fold_rope_table`: replaces the per-step `RopeFreqs` by a `RopeTable`
-/// constant over every position of the planned context (the KV-cache
-/// capacity), Llama 3.1 scaling included.
+/// `fold_rope_table`: replaces the per-step `RopeFreqs(positions)` by a
+/// `RopeTable` constant over every position the KV pool can hold (Llama 3.1
+/// scaling included) and a `GatherRows` of each token's row of it.
 pub fn fold_rope_table(g: &mut Graph) -> Result<PassStats, GraphError> {
-    let context = g
+    let capacity = g
         .node_ids()
-        .filter(|&i| matches!(op(g, i), Op::KvCache { .. }))
-        .filter_map(|i| g.node(i).meta.shape.dims()[0].as_const())
+        .filter(|&i| {
+            matches!(
+                op(g, i),
+                Op::KvCache {
+                    kind: CacheKind::K,
+                    ..
+                }
+            )
+        })
+        .filter_map(|i| {
+            let d = const_dims(&g.node(i).meta)?;
+            (d.len() == 4).then(|| d[0] * d[3])
+        })
         .max();
-    let Some(context) = context else {
+    let Some(capacity) = capacity else {
         return Ok(PassStats::default());
     };
     let mut n = 0;
     for id in nodes_where(g, |o| matches!(o, Op::RopeFreqs(_))) {
-        if !g.contains(id) || !matches!(op(g, id), Op::RopeFreqs(_)) {
+        if !g.contains(id) {
             continue;
         }
         let Op::RopeFreqs(params) = *op(g, id) else {
             continue;
         };
+        let positions = g.inputs(id)[0];
         let t = Op::RopeTable {
             params,
-            max_pos: context,
+            max_pos: capacity,
         };
         let meta = TensorMeta::new(
-            Shape::constant(&[context, params.head_dim / 2, 2]),
+            Shape::constant(&[capacity, params.head_dim / 2, 2]),
             DType::F32,
         );
         let layer = g.node(id).layer;
@@ -157,9 +169,14 @@ pub fn fold_rope_table(g: &mut Graph) -> Result<PassStats, GraphError> {
         } else {
             tmp_name(g, &base)
         };
-        let new = g.add_source(name, t, meta, layer)?;
-        g.replace_uses(id, new);
-        g.remove(id);
+        let table = g.add_source(name, t, meta, layer)?;
+        let rows = g.add_op(
+            tmp_name(g, &g.node(id).name),
+            Op::GatherRows,
+            &[table, positions],
+            layer,
+        )?;
+        commit(g, id, rows, &[])?;
         n += 1;
     }
     Ok(PassStats { rewrites: n })
@@ -366,6 +383,10 @@ pub fn fuse_attention(g: &mut Graph) -> Result<PassStats, GraphError> {
             continue;
         }
         let si = g.inputs(scores);
+        // Both read the same step's sequence and block tables.
+        if si[2..] != vi[2..] {
+            continue;
+        }
         let d = g.node(si[0]).meta.shape.dims()[2].as_const().unwrap_or(0);
         if d == 0 || (scale - 1.0 / (d as f64).sqrt()).abs() > 1e-12 {
             continue;
@@ -380,7 +401,7 @@ pub fn fuse_attention(g: &mut Graph) -> Result<PassStats, GraphError> {
         let new = g.add_op(
             name,
             Op::Attention { n_rep, scale },
-            &[si[0], si[1], vi[1]],
+            &[si[0], si[1], vi[1], si[2], si[3]],
             layer,
         )?;
         g.replace_uses(values, new);
@@ -414,7 +435,7 @@ pub fn fuse_rope_cache(g: &mut Graph) -> Result<PassStats, GraphError> {
                 n_kv_heads: m.heads.1,
                 head_dim: m.heads.2,
             },
-            &[m.x, m.w, m.freqs, m.cache_k, m.cache_v],
+            &[m.x, m.w, m.freqs, m.cache_k, m.cache_v, m.slots],
             layer,
         )?;
         g.replace_uses(m.q_rope, new);
@@ -436,6 +457,7 @@ struct QkvMatch {
     freqs: NodeId,
     cache_k: NodeId,
     cache_v: NodeId,
+    slots: NodeId,
     q_rope: NodeId,
     k_write: NodeId,
     v_write: NodeId,
@@ -500,15 +522,19 @@ fn match_qkv_rope(g: &Graph, mm: NodeId) -> Option<QkvMatch> {
         return None;
     }
     dead.extend([q_rope, k_rope]);
-    let write_of = |x: NodeId| -> Option<(NodeId, NodeId)> {
+    let write_of = |x: NodeId| -> Option<(NodeId, NodeId, NodeId)> {
         let u = sole_user(g, x)?;
         let ui = g.inputs(u);
-        (matches!(op(g, u), Op::KvWrite) && ui[1] == x).then_some((u, ui[0]))
+        (matches!(op(g, u), Op::KvWrite) && ui[1] == x).then_some((u, ui[0], ui[2]))
     };
-    let (k_write, cache_k) = write_of(k_rope)?;
-    let (v_write, cache_v) = write_of(heads[2].0)?;
-    // The cache views must be read only by fused attention, which accepts
-    // the whole cache (its first T rows) in their place.
+    let (k_write, cache_k, slots) = write_of(k_rope)?;
+    let (v_write, cache_v, v_slots) = write_of(heads[2].0)?;
+    if slots != v_slots {
+        return None;
+    }
+    // The caches after the writes must be read only by fused attention,
+    // which then reads the caches themselves (the write happens in the
+    // epilogue that produces its q).
     for (wr, slot) in [(k_write, 1), (v_write, 2)] {
         if g.outputs().contains(&wr) {
             return None;
@@ -536,6 +562,7 @@ fn match_qkv_rope(g: &Graph, mm: NodeId) -> Option<QkvMatch> {
         freqs: fq,
         cache_k,
         cache_v,
+        slots,
         q_rope,
         k_write,
         v_write,
@@ -544,61 +571,80 @@ fn match_qkv_rope(g: &Graph, mm: NodeId) -> Option<QkvMatch> {
     })
 }
 
-/// `last_logits`: the output head computes logits for the last position
-/// only (`rows=Last`), and when it reads a final norm that nothing else
-/// reads, the norm runs on that one row (`LastRow` before it).
+/// `last_logits`: logits for the last token of each sequence only. The
+/// output head reads `LastRows(x)` (`[N, E]`) instead of every token's row,
+/// and when `x` is a final norm that nothing else reads, the norm runs on
+/// those rows only: `LastRows(norm(h))` -> `norm(LastRows(h))`.
 pub fn last_logits(g: &mut Graph) -> Result<PassStats, GraphError> {
     let mut n = 0;
-    for head in nodes_where(g, |o| matches!(o, Op::OutputHead { .. })) {
-        if !g.contains(head) || !matches!(op(g, head), Op::OutputHead { .. }) {
-            continue;
-        }
-        let hi = g.inputs(head);
-        let (x, w) = (hi[0], hi[1]);
-        if g.node(x).meta.shape.dims()[0] == Dim::Const(1) {
-            continue; // already one row
-        }
-        let layer = g.node(head).layer;
-        let norm_ok = matches!(op(g, x), Op::RmsNorm { .. } | Op::RmsNormScaled { .. })
-            && sole_user(g, x) == Some(head)
-            && g.node(x).meta.shape.rank() == 2;
-        let new_x = if norm_ok {
-            let ni = g.inputs(x);
-            let last = g.add_op(
-                tmp_name(g, "last_row"),
-                Op::LastRow,
-                &[ni[0]],
-                g.node(x).layer,
-            )?;
-            let mut ins = ni.clone();
-            ins[0] = last;
-            let nn = g.add_op(
-                tmp_name(g, &g.node(x).name),
-                op(g, x).clone(),
-                &ins,
-                g.node(x).layer,
-            )?;
-            let name = g.node(x).name.clone();
-            g.replace_uses(x, nn);
-            g.remove(x);
-            g.rename(nn, name)?;
-            let lname = format!("{}.last_row", g.node(nn).name);
-            if g.find(&lname).is_none() {
-                g.rename(last, lname)?;
+    let seqs = g.node_ids().find(|&i| matches!(op(g, i), Op::SeqTable));
+    // The head reads every token's row: read the last rows instead.
+    if let Some(seqs) = seqs {
+        for head in nodes_where(g, |o| matches!(o, Op::OutputHead)) {
+            let x = g.inputs(head)[0];
+            if matches!(op(g, x), Op::LastRows) || g.node(x).meta.shape.dims()[0] != Dim::S {
+                continue;
             }
-            nn
-        } else {
-            x
+            let layer = g.node(head).layer;
+            let base = format!("{}.last_rows", g.node(x).name);
+            let name = if g.find(&base).is_none() {
+                base
+            } else {
+                tmp_name(g, &base)
+            };
+            let rows = g.add_op(name, Op::LastRows, &[x, seqs], layer)?;
+            let w = g.inputs(head)[1];
+            let new = g.add_op(
+                tmp_name(g, &g.node(head).name),
+                Op::OutputHead,
+                &[rows, w],
+                layer,
+            )?;
+            commit(g, head, new, &[])?;
+            n += 1;
+        }
+    }
+    // Rows taken after a row-wise op (the final norm, its weight): take
+    // them before it, until the head reads rows of the residual stream.
+    let row_wise = |g: &Graph, x: NodeId| match op(g, x) {
+        Op::RmsNorm { .. } | Op::RmsNormScaled { .. } => true,
+        Op::Mul => g.node(g.inputs(x)[1]).meta.shape.rank() == 1,
+        _ => false,
+    };
+    loop {
+        let found = nodes_where(g, |o| matches!(o, Op::LastRows))
+            .into_iter()
+            .find(|&last| {
+                let x = g.inputs(last)[0];
+                row_wise(g, x) && sole_user(g, x) == Some(last) && g.node(x).meta.shape.rank() == 2
+            });
+        let Some(last) = found else {
+            break;
         };
-        let new = g.add_op(
-            tmp_name(g, &g.node(head).name),
-            Op::OutputHead {
-                rows: LogitRows::Last,
-            },
-            &[new_x, w],
-            layer,
+        let li = g.inputs(last);
+        let (x, seqs) = (li[0], li[1]);
+        let xi = g.inputs(x);
+        let (x_layer, last_layer) = (g.node(x).layer, g.node(last).layer);
+        let rows = g.add_op(
+            tmp_name(g, &g.node(last).name),
+            Op::LastRows,
+            &[xi[0], seqs],
+            last_layer,
         )?;
-        commit(g, head, new, &[])?;
+        let mut ins = xi.clone();
+        ins[0] = rows;
+        let nx = g.add_op(
+            tmp_name(g, &g.node(x).name),
+            op(g, x).clone(),
+            &ins,
+            x_layer,
+        )?;
+        let (x_name, last_name) = (g.node(x).name.clone(), g.node(last).name.clone());
+        g.replace_uses(last, nx);
+        g.remove(last);
+        g.remove(x);
+        g.rename(nx, x_name)?;
+        g.rename(rows, last_name)?;
         n += 1;
     }
     Ok(PassStats { rewrites: n })

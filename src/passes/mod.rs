@@ -45,7 +45,7 @@ pub struct Pass {
 pub const PASSES: &[Pass] = &[
     Pass {
         name: "fold_rope_table",
-        summary: "RoPE cos/sin for every position of the planned context, computed once (constant folding)",
+        summary: "RoPE cos/sin for every position the KV pool holds, computed once (constant folding); each step gathers its tokens' rows",
         run: fold_rope_table,
     },
     Pass {
@@ -80,7 +80,7 @@ pub const PASSES: &[Pass] = &[
     },
     Pass {
         name: "last_logits",
-        summary: "final norm and output head on the last position only",
+        summary: "final norm and output head on the last token of each sequence only",
         run: last_logits,
     },
     Pass {

@@ -28,7 +28,7 @@ pub const PACKED_SUFFIX: &str = ".packed";
 /// The input slot holding the weight matrix of a linear-layer op, if `op` is one.
 fn weight_slot(op: &Op) -> Option<usize> {
     match op {
-        Op::MatMul | Op::MatMulSwiGlu | Op::QkvRopeCache { .. } | Op::OutputHead { .. } => Some(1),
+        Op::MatMul | Op::MatMulSwiGlu | Op::QkvRopeCache { .. } | Op::OutputHead => Some(1),
         Op::MatMulAdd => Some(2),
         _ => None,
     }

@@ -3,11 +3,12 @@
 //! A graph is compiled once into an [`ExecPlan`]: a deterministic
 //! topological order, where each node's value lives ([`Value`]) and a
 //! [`BufferPlan`] that gives every activation an offset in one arena. The
-//! arena is sized for the largest step the plan allows (a full prefill chunk
-//! with the cache full) and allocated once; smaller steps use a prefix of
-//! each buffer.
+//! arena is sized for the largest step the plan allows ([`PlanLimits`]: a
+//! full chunk of tokens, the most sequences per step, a sequence as long as
+//! the context) and allocated once; smaller steps use a prefix of each
+//! buffer.
 
-use crate::ir::{Bindings, CacheKind, DType, Graph, GraphError, NodeId, Op};
+use crate::ir::{Bindings, CacheKind, DType, Graph, GraphError, NodeId, Op, StepInput};
 use serde::Serialize;
 use std::collections::HashMap;
 
@@ -17,8 +18,9 @@ pub const ALIGN: usize = 64;
 /// Where a node's value lives while a step runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Value {
-    /// The step's token ids.
-    Tokens,
+    /// A step input (token ids, positions, slots, the sequence and block
+    /// tables), given or derived per step.
+    Input(StepInput),
     /// A weight bound by checkpoint name.
     Weight(String),
     /// Persistent KV-cache state.
@@ -114,12 +116,41 @@ fn elem_bytes(d: DType) -> usize {
     }
 }
 
-/// Compiles `graph` for steps of at most `max_chunk` tokens with a planned
-/// context of `context` positions.
-pub fn compile(graph: &Graph, max_chunk: usize, context: usize) -> Result<ExecPlan, GraphError> {
+/// The largest step a plan serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanLimits {
+    /// Tokens per step (`S`), across its sequences.
+    pub max_tokens: usize,
+    /// Sequences per step (`N`).
+    pub max_seqs: usize,
+    /// The longest sequence (`T`), in positions.
+    pub context: usize,
+}
+
+impl PlanLimits {
+    /// Steps of one sequence: chunks of at most `max_chunk` tokens of a
+    /// sequence of at most `context` positions.
+    pub fn one_sequence(max_chunk: usize, context: usize) -> Self {
+        PlanLimits {
+            max_tokens: max_chunk,
+            max_seqs: 1,
+            context,
+        }
+    }
+
+    /// The bindings of the largest step (clamped to be consistent: at least
+    /// one token and one sequence, no more sequences than tokens).
+    pub fn max_bindings(&self) -> Bindings {
+        let context = self.context.max(1);
+        let s = self.max_tokens.clamp(1, context);
+        Bindings::new(s, self.max_seqs.clamp(1, s), context)
+    }
+}
+
+/// Compiles `graph` for steps up to `limits`.
+pub fn compile(graph: &Graph, limits: &PlanLimits) -> Result<ExecPlan, GraphError> {
     let order = graph.topo_order()?;
-    let max_chunk = max_chunk.clamp(1, context.max(1));
-    let max = Bindings::new(max_chunk, context.saturating_sub(max_chunk));
+    let max = limits.max_bindings();
     let pos: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
 
     let mut values: HashMap<NodeId, Value> = HashMap::new();
@@ -150,7 +181,7 @@ pub fn compile(graph: &Graph, max_chunk: usize, context: usize) -> Result<ExecPl
         let node = graph.node(id);
         let inputs = graph.inputs(id);
         let value = match &node.op {
-            Op::Tokens => Value::Tokens,
+            op if op.step_input().is_some() => Value::Input(op.step_input().expect("a step input")),
             Op::Weight { tensor } => Value::Weight(tensor.clone()),
             Op::KvCache { layer, kind } => Value::Cache {
                 layer: *layer,

@@ -180,6 +180,37 @@ impl RopeTable {
         self.max_pos
     }
 
+    /// The angles of each token's position, `[positions.len(), head_dim/2,
+    /// 2]` (cos, sin): rows of the table, the same values
+    /// [`crate::kernels::dispatch::rope_fill_freqs`] computes.
+    pub fn gather(&self, positions: &[i32], out: &mut [f32]) -> Result<(), KernelError> {
+        const OP: &str = "rope_gather";
+        let half = self.head_dim / 2;
+        check_len(
+            OP,
+            "out elements (tokens*head_dim)",
+            positions.len() * 2 * half,
+            out.len(),
+        )?;
+        for (&p, o) in positions.iter().zip(out.chunks_exact_mut(2 * half)) {
+            let p = usize::try_from(p)
+                .ok()
+                .filter(|&p| p < self.max_pos)
+                .ok_or(KernelError::IdOutOfRange {
+                    op: OP,
+                    id: p.into(),
+                    index: 0,
+                    rows: self.max_pos,
+                })?;
+            let (cos, sin) = (&self.cos[p * half..][..half], &self.sin[p * half..][..half]);
+            for ((cs, &c), &s) in o.chunks_exact_mut(2).zip(cos).zip(sin) {
+                cs[0] = c;
+                cs[1] = s;
+            }
+        }
+        Ok(())
+    }
+
     /// Rotates `x` `[s, n_heads, head_dim]` in place for positions
     /// `pos..pos+s`; error if `pos + s > max_pos` or shapes mismatch.
     pub fn apply(

@@ -1,0 +1,183 @@
+//! What one step runs on: the [`Batch`] of tokens of one or more
+//! sequences, and the [`KvPool`] that hands out the KV blocks those
+//! sequences' positions live in.
+//!
+//! The executor is given a batch per step; it derives each token's
+//! position and KV slot from the batch's sequence table, checks it against
+//! the pool, and binds the graph's step inputs (`tokens`, `positions`,
+//! `kv.slots`, `kv.seqs`, `kv.blocks`) to it.
+
+use crate::ir::SEQ_TABLE_COLS;
+
+/// The tokens of one step, grouped by sequence.
+#[derive(Debug, Clone, Default)]
+pub struct Batch {
+    tokens: Vec<i32>,
+    /// `[N, 4]`: first token, token count, start position, block-list offset.
+    seqs: Vec<i32>,
+    blocks: Vec<i32>,
+}
+
+impl Batch {
+    /// An empty batch whose buffers hold `max_tokens` tokens of `max_seqs`
+    /// sequences over at most `max_blocks` blocks without growing.
+    pub fn with_capacity(max_tokens: usize, max_seqs: usize, max_blocks: usize) -> Self {
+        Batch {
+            tokens: Vec::with_capacity(max_tokens),
+            seqs: Vec::with_capacity(max_seqs * SEQ_TABLE_COLS),
+            blocks: Vec::with_capacity(max_blocks),
+        }
+    }
+
+    /// Empties the batch (keeps its buffers).
+    pub fn clear(&mut self) {
+        self.tokens.clear();
+        self.seqs.clear();
+        self.blocks.clear();
+    }
+
+    /// Adds the tokens of one sequence at positions `start..start +
+    /// tokens.len()`; `blocks` are the sequence's KV blocks in position
+    /// order (its block `i` holds positions `i·BS..(i+1)·BS`). An empty
+    /// `tokens` adds nothing.
+    pub fn push(&mut self, tokens: &[u32], start: usize, blocks: &[u32]) {
+        if tokens.is_empty() {
+            return;
+        }
+        let clamp = |x: usize| i32::try_from(x).unwrap_or(i32::MAX);
+        self.seqs.extend([
+            clamp(self.tokens.len()),
+            clamp(tokens.len()),
+            clamp(start),
+            clamp(self.blocks.len()),
+        ]);
+        self.tokens
+            .extend(tokens.iter().map(|&t| i32::try_from(t).unwrap_or(i32::MAX)));
+        self.blocks
+            .extend(blocks.iter().map(|&b| i32::try_from(b).unwrap_or(i32::MAX)));
+    }
+
+    /// Tokens in the step (`S`).
+    pub fn n_tokens(&self) -> usize {
+        self.tokens.len()
+    }
+    /// Sequences in the step (`N`).
+    pub fn n_seqs(&self) -> usize {
+        self.seqs.len() / SEQ_TABLE_COLS
+    }
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+    pub fn tokens(&self) -> &[i32] {
+        &self.tokens
+    }
+    /// The sequence table, `N` rows of (first token, count, start, block
+    /// offset).
+    pub fn seq_table(&self) -> &[i32] {
+        &self.seqs
+    }
+    pub fn block_table(&self) -> &[i32] {
+        &self.blocks
+    }
+}
+
+/// The KV pool's block allocator: every layer's cache has the same `NB`
+/// blocks of `BS` positions, and a sequence owns a list of block ids.
+#[derive(Debug, Clone)]
+pub struct KvPool {
+    block: usize,
+    total: usize,
+    /// Free block ids, taken from the end (the lowest ids first).
+    free: Vec<u32>,
+}
+
+impl KvPool {
+    /// A pool of `n_blocks` blocks of `block` positions, all free.
+    pub fn new(n_blocks: usize, block: usize) -> Self {
+        KvPool {
+            block: block.max(1),
+            total: n_blocks,
+            free: (0..n_blocks as u32).rev().collect(),
+        }
+    }
+    /// Positions per block.
+    pub fn block_size(&self) -> usize {
+        self.block
+    }
+    pub fn total_blocks(&self) -> usize {
+        self.total
+    }
+    pub fn free_blocks(&self) -> usize {
+        self.free.len()
+    }
+    /// Positions the whole pool holds.
+    pub fn capacity(&self) -> usize {
+        self.total * self.block
+    }
+    /// Blocks needed for `positions` positions.
+    pub fn blocks_for(&self, positions: usize) -> usize {
+        positions.div_ceil(self.block)
+    }
+    /// Grows `seq`'s block list to hold `positions` positions. Takes
+    /// nothing and returns false when the pool has too few free blocks.
+    pub fn reserve(&mut self, seq: &mut Vec<u32>, positions: usize) -> bool {
+        let need = self.blocks_for(positions).saturating_sub(seq.len());
+        if need > self.free.len() {
+            return false;
+        }
+        for _ in 0..need {
+            seq.push(self.free.pop().expect("counted above"));
+        }
+        true
+    }
+    /// Returns every block of `seq` to the pool.
+    pub fn release(&mut self, seq: &mut Vec<u32>) {
+        self.free.extend(seq.drain(..).rev());
+    }
+    /// Returns the blocks of `seq` past the first `positions` positions.
+    pub fn truncate(&mut self, seq: &mut Vec<u32>, positions: usize) {
+        let keep = self.blocks_for(positions);
+        if seq.len() > keep {
+            self.free.extend(seq.drain(keep..).rev());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_are_handed_out_and_returned() {
+        let mut pool = KvPool::new(5, 16);
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        assert!(pool.reserve(&mut a, 17));
+        assert_eq!(a, [0, 1]);
+        assert!(pool.reserve(&mut a, 32), "still two blocks");
+        assert_eq!(pool.free_blocks(), 3);
+        assert!(pool.reserve(&mut b, 48));
+        assert!(!pool.reserve(&mut a, 33), "no block left");
+        assert_eq!(a.len(), 2, "a failed reserve takes nothing");
+        pool.release(&mut b);
+        assert!(b.is_empty());
+        assert_eq!(pool.free_blocks(), 3);
+        assert!(pool.reserve(&mut a, 80));
+        pool.truncate(&mut a, 20);
+        assert_eq!(a.len(), 2);
+        assert_eq!(pool.free_blocks(), 3);
+    }
+
+    #[test]
+    fn batch_rows() {
+        let mut b = Batch::with_capacity(8, 2, 4);
+        b.push(&[5, 6, 7], 0, &[3]);
+        b.push(&[], 9, &[1]);
+        b.push(&[9], 20, &[0, 2]);
+        assert_eq!(b.n_tokens(), 4);
+        assert_eq!(b.n_seqs(), 2);
+        assert_eq!(b.seq_table(), &[0, 3, 0, 0, 3, 1, 20, 1]);
+        assert_eq!(b.block_table(), &[3, 0, 2]);
+        b.clear();
+        assert!(b.is_empty());
+    }
+}

@@ -1,0 +1,1692 @@
+//! Fused causal GQA attention over the paged KV pool, for any mix of
+//! sequences in a step, with results that do not depend on the batch.
+//!
+//! Each query row `(token, head)` attends its own sequence's positions
+//! `0..=pos`. Its result is computed by one fixed sequence of operations,
+//! whatever else is in the step, however the sequence's prompt was chunked
+//! and however many threads run:
+//!
+//! * keys are walked in **tiles of [`BK`] positions aligned to absolute
+//!   positions** (`0..64`, `64..128`, ...), the last one cut at the row's
+//!   own position (keys after it are masked to `-inf`, which adds exact
+//!   zeros);
+//! * tiles are grouped in **spans of [`SPAN`] positions**, each span's
+//!   online softmax starts fresh, and the spans' partial results are merged
+//!   **in span order** with one formula ([`merge_span`]);
+//! * within a tile, per row: scores as sums of 16-dim chunks, each a chain
+//!   of fused multiply-adds; the online-softmax update; `P·V` as one
+//!   multiply-add chain per output element over the tile's keys.
+//!
+//! Two kinds of work items compute exactly that:
+//!
+//! * **tiled items** (a sequence with at least [`TILED_MIN_S`] query tokens
+//!   in the step: prefill chunks): a kv head and a block of queries, their
+//!   rows in SIMD lanes (`Q·Kᵀ` and `P·V` as register-tiled small GEMMs,
+//!   flash-attention style), all spans walked in order and merged in the
+//!   item;
+//! * **decode items** (fewer query tokens: decode steps): a kv head and one
+//!   span, the keys in SIMD lanes; the spans of one sequence run in
+//!   parallel (flash-decoding) and their partials are merged afterwards,
+//!   in span order.
+//!
+//! Every instruction-set level ([`Isa`]) implements both kinds with the
+//! same per-row arithmetic, and a test checks that rows computed either
+//! way are bitwise equal. Keys and values are read from the pool (f32 or
+//! f16, [`KvView`]) one tile at a time into f32 scratch: keys
+//! dims-major `[D][BK]`, values key-major `[BK][D]`.
+
+use crate::kernels::kv::{KvGeom, KvView, SeqSpan, StepSeqs};
+use crate::kernels::{Isa, KernelError};
+use crate::pool::{SyncPtr, ThreadPool};
+use half::f16;
+
+/// Keys per tile (aligned to absolute positions).
+pub const BK: usize = 64;
+/// Keys per span (aligned to absolute positions; a multiple of [`BK`]).
+pub const SPAN: usize = 4 * BK;
+/// Head dims per partial sum of a score (the partial sums are added).
+const QK_CHUNK: usize = 16;
+/// Target query rows (query tokens × heads of a group) per tiled item.
+const ROWS: usize = 48;
+/// Sequences with at least this many query tokens in a step run as tiled
+/// items; fewer, as decode items.
+pub const TILED_MIN_S: usize = 4;
+
+/// Query tokens per tiled item for a GQA group of `n_rep` heads.
+fn block_queries(n_rep: usize) -> usize {
+    (ROWS / n_rep.max(1)).max(1)
+}
+
+/// Query rows of a decode item at most.
+fn decode_rows(n_rep: usize) -> usize {
+    n_rep * (TILED_MIN_S - 1)
+}
+
+/// Floats of a tiled item's scratch with `rp` padded rows.
+fn tiled_scratch(rp: usize, d: usize) -> usize {
+    // qt, st, acc, m, l, corr, kt, vt, and the span totals A, L, M.
+    d * rp + BK * rp + rp * d + 3 * rp + 2 * BK * d + rp * d + 2 * rp
+}
+
+/// Floats of a decode item's scratch.
+fn decode_scratch(rows: usize, d: usize) -> usize {
+    // qs, st, acc, m, l, kt, vt.
+    rows * d + rows * BK + rows * d + 2 * rows + 2 * BK * d
+}
+
+/// Floats of one decode item's partial result: accumulators, maxima, sums.
+fn partial_len(n_rep: usize, d: usize) -> usize {
+    decode_rows(n_rep) * (d + 2)
+}
+
+/// One unit of parallel work.
+#[derive(Debug, Clone, Copy)]
+enum WorkItem {
+    /// Queries `q0..q1` (within the sequence) of sequence `seq`, kv head `g`.
+    Tiled { seq: u32, g: u32, q0: u32, q1: u32 },
+    /// Span `span` of decode sequence `seq`, kv head `g`; its partial result
+    /// goes to slot `slot`.
+    Decode {
+        seq: u32,
+        g: u32,
+        span: u32,
+        slot: u32,
+    },
+}
+
+/// Scratch of [`attention_paged`], sized once for the largest step so a
+/// step allocates nothing.
+#[derive(Debug, Clone)]
+pub struct AttnWork {
+    per_thread: usize,
+    scratch: Vec<f32>,
+    partials: Vec<f32>,
+    items: Vec<WorkItem>,
+}
+
+impl AttnWork {
+    /// Scratch for steps of at most `max_tokens` tokens of `max_seqs`
+    /// sequences over the pool `geom`, on `n_threads` threads.
+    pub fn new(
+        geom: &KvGeom,
+        n_rep: usize,
+        max_tokens: usize,
+        max_seqs: usize,
+        n_threads: usize,
+    ) -> AttnWork {
+        let d = geom.head_dim;
+        let rp = (block_queries(n_rep).min(max_tokens.max(1)) * n_rep).next_multiple_of(16);
+        let per_thread = tiled_scratch(rp, d).max(decode_scratch(decode_rows(n_rep), d));
+        let max_seqs = max_seqs.max(1);
+        // Decode items: per kv head, the spans of every sequence; the
+        // sequences' blocks are disjoint, so their spans add up to at most
+        // the pool's plus one per sequence.
+        let decode_items = geom.n_kv_heads * (geom.capacity().div_ceil(SPAN) + max_seqs);
+        let tiled_items = geom.n_kv_heads * (max_tokens.div_ceil(block_queries(n_rep)) + max_seqs);
+        AttnWork {
+            per_thread,
+            scratch: vec![0.0; per_thread * n_threads.max(1)],
+            partials: vec![0.0; decode_items * partial_len(n_rep, d)],
+            items: Vec::with_capacity(decode_items + tiled_items),
+        }
+    }
+}
+
+/// Fused attention of a step: `q` `[S, H, D]` (the step's tokens, each
+/// sequence's contiguous), `out` the same shape; `k`, `v` one layer's pool.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_paged(
+    pool: &ThreadPool,
+    isa: Isa,
+    q: &[f32],
+    k: KvView<'_>,
+    v: KvView<'_>,
+    geom: &KvGeom,
+    n_rep: usize,
+    seqs: &StepSeqs<'_>,
+    out: &mut [f32],
+    work: &mut AttnWork,
+) -> Result<(), KernelError> {
+    const OP: &str = "attention";
+    let (d, hkv) = (geom.head_dim, geom.n_kv_heads);
+    let h = hkv * n_rep;
+    if n_rep == 0 || d == 0 || hkv == 0 || geom.block == 0 || !BK.is_multiple_of(geom.block) {
+        return Err(KernelError::Invalid {
+            op: OP,
+            what: "need n_rep, head_dim, kv heads > 0 and a block size dividing 64",
+        });
+    }
+    let s_total: usize = seqs.iter().map(|s| s.count).sum();
+    super::super::check_len(OP, "q elements (S*H*D)", s_total * h * d, q.len())?;
+    super::super::check_len(OP, "out elements (S*H*D)", q.len(), out.len())?;
+    for (what, c) in [("k cache elements", k.len()), ("v cache elements", v.len())] {
+        super::super::check_len(OP, what, geom.elems(), c)?;
+    }
+    let need = work.per_thread * pool.n_threads().max(1);
+    if work.scratch.len() < need {
+        work.scratch.resize(need, 0.0);
+    }
+    // Work items: tiled ones first, largest (most keys) first, then the
+    // decode spans. The order only balances the threads; no result depends
+    // on it.
+    let bq = block_queries(n_rep);
+    let plen = partial_len(n_rep, d);
+    work.items.clear();
+    for (j, s) in seqs.iter().enumerate() {
+        if s.count < TILED_MIN_S {
+            continue;
+        }
+        let n_qb = s.count.div_ceil(bq);
+        for qb in (0..n_qb).rev() {
+            for g in 0..hkv {
+                work.items.push(WorkItem::Tiled {
+                    seq: j as u32,
+                    g: g as u32,
+                    q0: (qb * bq) as u32,
+                    q1: ((qb + 1) * bq).min(s.count) as u32,
+                });
+            }
+        }
+    }
+    let mut slots = 0usize;
+    for (j, s) in seqs.iter().enumerate() {
+        if s.count >= TILED_MIN_S {
+            continue;
+        }
+        for span in 0..s.keys().div_ceil(SPAN) {
+            for g in 0..hkv {
+                work.items.push(WorkItem::Decode {
+                    seq: j as u32,
+                    g: g as u32,
+                    span: span as u32,
+                    slot: slots as u32,
+                });
+                slots += 1;
+            }
+        }
+    }
+    if work.partials.len() < slots * plen {
+        work.partials.resize(slots * plen, 0.0);
+    }
+    let level = Level::of(isa);
+    let per = work.per_thread;
+    let sp = SyncPtr::new(&mut work.scratch);
+    let pp = SyncPtr::new(&mut work.partials);
+    let op = SyncPtr::new(out);
+    let items = &work.items;
+    let ctx = Ctx {
+        q,
+        k,
+        v,
+        geom,
+        n_rep,
+        h,
+    };
+    pool.run_indexed(items.len(), &|c, tid| {
+        // SAFETY: thread `tid` is the only user of its scratch slice during
+        // this job (pool contract); `per * n_threads` fits in scratch.
+        let scr = unsafe { sp.slice(tid * per, per) };
+        match items[c] {
+            WorkItem::Tiled { seq, g, q0, q1 } => {
+                let it = Item::new(
+                    &ctx,
+                    seqs.get(seq as usize),
+                    g as usize,
+                    q0 as usize,
+                    q1 as usize,
+                );
+                level.tiled(&ctx, &it, op, scr);
+            }
+            WorkItem::Decode { seq, g, span, slot } => {
+                // SAFETY: item c alone writes partial slot `slot`.
+                let part = unsafe { pp.slice(slot as usize * plen, plen) };
+                let s = seqs.get(seq as usize);
+                level.decode(&ctx, &s, g as usize, span as usize, part, scr);
+            }
+        }
+    });
+    // Decode sequences: merge each row's span partials in span order.
+    let mut slot = 0usize;
+    for s in seqs.iter() {
+        if s.count >= TILED_MIN_S {
+            continue;
+        }
+        let n_spans = s.keys().div_ceil(SPAN);
+        let rows = s.count * n_rep;
+        let rmax = decode_rows(n_rep);
+        for g in 0..hkv {
+            for r in 0..rows {
+                let (qi, rep) = (r / n_rep, r % n_rep);
+                let o = &mut out[((s.first + qi) * h + g * n_rep + rep) * d..][..d];
+                let (mut mm, mut ll) = (f32::NEG_INFINITY, 0f32);
+                for span in 0..n_spans {
+                    let p = &work.partials[(slot + span * hkv + g) * plen..][..plen];
+                    let (a, m, l) = (
+                        &p[r * d..(r + 1) * d],
+                        p[rmax * d + r],
+                        p[rmax * d + rmax + r],
+                    );
+                    merge_span(&mut mm, &mut ll, o, m, l, a);
+                }
+                let inv = 1.0 / ll;
+                o.iter_mut().for_each(|x| *x *= inv);
+            }
+        }
+        slot += n_spans * hkv;
+    }
+    Ok(())
+}
+
+/// Folds one span's partial result `(m, l, a)` of a row into its running
+/// total `(mm, ll, aa)`, in f32, the same in every kernel: the first span
+/// with any key is taken as it is; a span without keys (`m = -inf`) changes
+/// nothing; otherwise both are rescaled to the common maximum and added.
+#[inline]
+pub fn merge_span(mm: &mut f32, ll: &mut f32, aa: &mut [f32], m: f32, l: f32, a: &[f32]) {
+    if m == f32::NEG_INFINITY {
+        return;
+    }
+    if *mm == f32::NEG_INFINITY {
+        *mm = m;
+        *ll = l;
+        aa.copy_from_slice(a);
+        return;
+    }
+    let mx = mm.max(m);
+    let (wa, wb) = ((*mm - mx).exp(), (m - mx).exp());
+    *ll = *ll * wa + l * wb;
+    for (x, &y) in aa.iter_mut().zip(a) {
+        *x = *x * wa + y * wb;
+    }
+    *mm = mx;
+}
+
+/// What every item reads.
+struct Ctx<'a> {
+    q: &'a [f32],
+    k: KvView<'a>,
+    v: KvView<'a>,
+    geom: &'a KvGeom,
+    n_rep: usize,
+    /// Query heads.
+    h: usize,
+}
+
+impl Ctx<'_> {
+    /// `1/sqrt(D)`, which query rows are multiplied by once.
+    fn scale(&self) -> f32 {
+        super::scale(self.geom.head_dim)
+    }
+    /// Query row `(token row, head)`.
+    fn q_row(&self, row: usize, head: usize) -> &[f32] {
+        let d = self.geom.head_dim;
+        &self.q[(row * self.h + head) * d..][..d]
+    }
+}
+
+/// Geometry of one tiled item.
+struct Item<'a> {
+    seq: SeqSpan<'a>,
+    g: usize,
+    /// First query (within the sequence) of the item.
+    q0: usize,
+    n_rep: usize,
+    /// Real rows (`(q1 - q0) · n_rep`), query-major (`r = qi·n_rep + rep`).
+    rows: usize,
+    /// Rows padded to a multiple of 16 (one AVX-512 vector).
+    rp: usize,
+    /// Keys `<= t_diag` are visible to every row of the item.
+    t_diag: usize,
+    /// One past the last key of the item.
+    t_end: usize,
+}
+
+impl<'a> Item<'a> {
+    fn new(ctx: &Ctx<'_>, seq: SeqSpan<'a>, g: usize, q0: usize, q1: usize) -> Self {
+        let rows = (q1 - q0) * ctx.n_rep;
+        Item {
+            seq,
+            g,
+            q0,
+            n_rep: ctx.n_rep,
+            rows,
+            rp: rows.next_multiple_of(16),
+            t_diag: seq.start + q0,
+            t_end: seq.start + q1,
+        }
+    }
+}
+
+/// Copies keys `t0..t0+nk` of kv head `g` of a sequence into `kt` as f32,
+/// dims-major (`kt[e·BK + j]`), one block run at a time.
+#[inline(always)]
+fn gather_k<C: Cvt>(
+    ctx: &Ctx<'_>,
+    seq: &SeqSpan<'_>,
+    g: usize,
+    t0: usize,
+    nk: usize,
+    kt: &mut [f32],
+) {
+    let (geom, d) = (ctx.geom, ctx.geom.head_dim);
+    let bs = geom.block;
+    let mut j = 0;
+    while j < nk {
+        let p = t0 + j;
+        let (b, i0) = (seq.block_of(p, bs), p % bs);
+        let n = (bs - i0).min(nk - j);
+        for e in 0..d {
+            let src = geom.k_index(b, i0, g, e);
+            C::cvt(ctx.k, src, &mut kt[e * BK + j..e * BK + j + n]);
+        }
+        j += n;
+    }
+}
+
+/// Copies values `t0..t0+nk` of kv head `g` into `vt` as f32, key-major
+/// (`vt[j·D + e]`).
+#[inline(always)]
+fn gather_v<C: Cvt>(
+    ctx: &Ctx<'_>,
+    seq: &SeqSpan<'_>,
+    g: usize,
+    t0: usize,
+    nk: usize,
+    vt: &mut [f32],
+) {
+    let (geom, d) = (ctx.geom, ctx.geom.head_dim);
+    let bs = geom.block;
+    let mut j = 0;
+    while j < nk {
+        let p = t0 + j;
+        let (b, i0) = (seq.block_of(p, bs), p % bs);
+        let n = (bs - i0).min(nk - j);
+        let src = geom.v_index(b, i0, g, 0);
+        C::cvt(ctx.v, src, &mut vt[j * d..(j + n) * d]);
+        j += n;
+    }
+}
+
+/// Widening of a run of cached values to f32 (exact).
+trait Cvt {
+    fn cvt(src: KvView<'_>, at: usize, dst: &mut [f32]);
+}
+
+struct PortableCvt;
+
+impl Cvt for PortableCvt {
+    #[inline(always)]
+    fn cvt(src: KvView<'_>, at: usize, dst: &mut [f32]) {
+        match src {
+            KvView::F32(s) => dst.copy_from_slice(&s[at..at + dst.len()]),
+            KvView::F16(s) => {
+                let n = dst.len();
+                for (o, &x) in dst.iter_mut().zip(&s[at..at + n]) {
+                    *o = x.to_f32();
+                }
+            }
+        }
+    }
+}
+
+/// Packs the item's query rows transposed and scaled by `1/sqrt(D)`
+/// (`qt[e·rp + r]`; padding rows are zero).
+fn pack_q(ctx: &Ctx<'_>, it: &Item<'_>, qt: &mut [f32]) {
+    let d = ctx.geom.head_dim;
+    let c = ctx.scale();
+    for r in 0..it.rp {
+        if r < it.rows {
+            let (qi, rep) = (r / it.n_rep, r % it.n_rep);
+            let src = ctx.q_row(it.seq.first + it.q0 + qi, it.g * it.n_rep + rep);
+            for (e, &x) in src.iter().enumerate() {
+                qt[e * it.rp + r] = x * c;
+            }
+        } else {
+            for e in 0..d {
+                qt[e * it.rp + r] = 0.0;
+            }
+        }
+    }
+}
+
+/// Sets masked scores of tile `t0..t0+nk` to `-inf`: row `r` (query
+/// `r / n_rep`) sees keys `<= t_diag + r / n_rep`. Padding rows stay.
+fn mask_block(st: &mut [f32], it: &Item<'_>, t0: usize, nk: usize) {
+    for k in 0..nk {
+        let t = t0 + k;
+        if t <= it.t_diag {
+            continue;
+        }
+        let first_visible = ((t - it.t_diag) * it.n_rep).min(it.rows);
+        st[k * it.rp..k * it.rp + first_visible].fill(f32::NEG_INFINITY);
+    }
+}
+
+/// The per-tile steps of a level. Scores come out key-major (`st[k·rp +
+/// r]`, one lane per row); every per-row result must not depend on the
+/// other rows, `rp` or `nk` beyond the row's own keys.
+trait BlockSteps {
+    type Cvt: Cvt;
+    /// Scores of `nk` keys (`kt[e·BK + j]`) for all `rp` rows of `qt`.
+    ///
+    /// # Safety
+    /// The level's CPU features are available.
+    unsafe fn qk(qt: &[f32], rp: usize, kt: &[f32], nk: usize, d: usize, st: &mut [f32]);
+    /// Online softmax update of one tile.
+    ///
+    /// # Safety
+    /// As above.
+    unsafe fn softmax(
+        st: &mut [f32],
+        rp: usize,
+        nk: usize,
+        m: &mut [f32],
+        l: &mut [f32],
+        corr: &mut [f32],
+    );
+    /// `acc = acc·corr + P·V` for one tile (`vt[k·D + e]`).
+    ///
+    /// # Safety
+    /// As above.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn pv(
+        st: &[f32],
+        rp: usize,
+        nk: usize,
+        vt: &[f32],
+        d: usize,
+        acc: &mut [f32],
+        corr: &[f32],
+    );
+    /// One row's scores of `nk` keys, the same arithmetic as [`Self::qk`]
+    /// gives that row (`st` has room for [`BK`]).
+    ///
+    /// # Safety
+    /// As above.
+    unsafe fn row_qk(qs: &[f32], kt: &[f32], nk: usize, d: usize, st: &mut [f32]);
+    /// One row's online softmax update, as [`Self::softmax`] gives it;
+    /// returns the correction of the old accumulators.
+    ///
+    /// # Safety
+    /// As above.
+    unsafe fn row_softmax(st: &mut [f32], nk: usize, m: &mut f32, l: &mut f32) -> f32;
+    /// One row's `acc = acc·corr + P·V`, as [`Self::pv`] gives it.
+    ///
+    /// # Safety
+    /// As above.
+    unsafe fn row_pv(acc: &mut [f32], corr: f32, p: &[f32], nk: usize, vt: &[f32], d: usize);
+}
+
+/// Splits a tiled item's scratch into (qt, st, acc, m, l, corr, kt, vt,
+/// aa, ll, mm).
+#[allow(clippy::type_complexity)]
+fn split_tiled(
+    scr: &mut [f32],
+    rp: usize,
+    d: usize,
+) -> (
+    &mut [f32],
+    &mut [f32],
+    &mut [f32],
+    &mut [f32],
+    &mut [f32],
+    &mut [f32],
+    &mut [f32],
+    &mut [f32],
+    &mut [f32],
+    &mut [f32],
+    &mut [f32],
+) {
+    let (qt, rest) = scr.split_at_mut(d * rp);
+    let (st, rest) = rest.split_at_mut(BK * rp);
+    let (acc, rest) = rest.split_at_mut(rp * d);
+    let (m, rest) = rest.split_at_mut(rp);
+    let (l, rest) = rest.split_at_mut(rp);
+    let (corr, rest) = rest.split_at_mut(rp);
+    let (kt, rest) = rest.split_at_mut(BK * d);
+    let (vt, rest) = rest.split_at_mut(BK * d);
+    let (aa, rest) = rest.split_at_mut(rp * d);
+    let (ll, rest) = rest.split_at_mut(rp);
+    (qt, st, acc, m, l, corr, kt, vt, aa, ll, &mut rest[..rp])
+}
+
+/// One tiled item with the steps of level `B`; inlined into each level's
+/// entry point.
+///
+/// # Safety
+/// The CPU features of `B` are available.
+#[inline(always)]
+unsafe fn drive_tiled<B: BlockSteps>(
+    ctx: &Ctx<'_>,
+    it: &Item<'_>,
+    out: SyncPtr<f32>,
+    scr: &mut [f32],
+) {
+    let d = ctx.geom.head_dim;
+    let rp = it.rp;
+    let (qt, st, acc, m, l, corr, kt, vt, aa, ll, mm) = split_tiled(scr, rp, d);
+    pack_q(ctx, it, qt);
+    let multi_span = it.t_end > SPAN;
+    mm.fill(f32::NEG_INFINITY);
+    let mut s0 = 0;
+    while s0 < it.t_end {
+        let s1 = (s0 + SPAN).min(it.t_end);
+        acc.fill(0.0);
+        m.fill(f32::NEG_INFINITY);
+        l.fill(0.0);
+        let mut t0 = s0;
+        while t0 < s1 {
+            let nk = BK.min(s1 - t0);
+            gather_k::<B::Cvt>(ctx, &it.seq, it.g, t0, nk, kt);
+            gather_v::<B::Cvt>(ctx, &it.seq, it.g, t0, nk, vt);
+            // SAFETY: the features of B are available (this function's contract).
+            unsafe { B::qk(qt, rp, kt, nk, d, st) };
+            if t0 + nk - 1 > it.t_diag {
+                mask_block(st, it, t0, nk);
+            }
+            // SAFETY: as above.
+            unsafe {
+                B::softmax(st, rp, nk, m, l, corr);
+                B::pv(st, rp, nk, vt, d, acc, corr);
+            }
+            t0 += nk;
+        }
+        if multi_span {
+            for r in 0..it.rows {
+                let a = &acc[r * d..(r + 1) * d];
+                merge_span(
+                    &mut mm[r],
+                    &mut ll[r],
+                    &mut aa[r * d..(r + 1) * d],
+                    m[r],
+                    l[r],
+                    a,
+                );
+            }
+        }
+        s0 = s1;
+    }
+    let (acc, l) = if multi_span {
+        (&*aa, &*ll)
+    } else {
+        (&*acc, &*l)
+    };
+    for r in 0..it.rows {
+        let (qi, rep) = (r / it.n_rep, r % it.n_rep);
+        let h = it.g * it.n_rep + rep;
+        let start = ((it.seq.first + it.q0 + qi) * ctx.h + h) * d;
+        // SAFETY: (token, h) belongs to this work item only; in bounds
+        // (q and out have S·H·D elements, checked by the caller).
+        let o = unsafe { out.slice(start, d) };
+        let inv = 1.0 / l[r];
+        for (oi, &a) in o.iter_mut().zip(&acc[r * d..(r + 1) * d]) {
+            *oi = a * inv;
+        }
+    }
+}
+
+/// One decode item (kv head `g`, span `span` of a sequence with few
+/// queries): each row's partial result `(acc, m, l)` goes to `part`.
+///
+/// # Safety
+/// The CPU features of `B` are available.
+#[inline(always)]
+unsafe fn drive_decode<B: BlockSteps>(
+    ctx: &Ctx<'_>,
+    seq: &SeqSpan<'_>,
+    g: usize,
+    span: usize,
+    part: &mut [f32],
+    scr: &mut [f32],
+) {
+    let d = ctx.geom.head_dim;
+    let n_rep = ctx.n_rep;
+    let rows = seq.count * n_rep;
+    let rmax = decode_rows(n_rep);
+    let (qs, rest) = scr.split_at_mut(rows * d);
+    let (st, rest) = rest.split_at_mut(rows * BK);
+    let (acc, rest) = rest.split_at_mut(rows * d);
+    let (m, rest) = rest.split_at_mut(rows);
+    let (l, rest) = rest.split_at_mut(rows);
+    let (kt, rest) = rest.split_at_mut(BK * d);
+    let vt = &mut rest[..BK * d];
+    let c = ctx.scale();
+    for r in 0..rows {
+        let (qi, rep) = (r / n_rep, r % n_rep);
+        let src = ctx.q_row(seq.first + qi, g * n_rep + rep);
+        for (o, &x) in qs[r * d..(r + 1) * d].iter_mut().zip(src) {
+            *o = x * c;
+        }
+    }
+    acc.fill(0.0);
+    m.fill(f32::NEG_INFINITY);
+    l.fill(0.0);
+    let s0 = span * SPAN;
+    let s1 = (s0 + SPAN).min(seq.keys());
+    let mut t0 = s0;
+    while t0 < s1 {
+        let nk = BK.min(s1 - t0);
+        gather_k::<B::Cvt>(ctx, seq, g, t0, nk, kt);
+        gather_v::<B::Cvt>(ctx, seq, g, t0, nk, vt);
+        for r in 0..rows {
+            let limit = seq.start + r / n_rep;
+            if limit < t0 {
+                // No key of this tile is visible: a masked tile changes
+                // nothing (correction 1, nothing added).
+                continue;
+            }
+            let srow = &mut st[r * BK..(r + 1) * BK];
+            // SAFETY: the features of B are available (this function's contract).
+            unsafe { B::row_qk(&qs[r * d..(r + 1) * d], kt, nk, d, srow) };
+            for (k, x) in srow.iter_mut().enumerate().take(nk) {
+                if t0 + k > limit {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+            // SAFETY: as above.
+            unsafe {
+                let cr = B::row_softmax(srow, nk, &mut m[r], &mut l[r]);
+                B::row_pv(&mut acc[r * d..(r + 1) * d], cr, srow, nk, vt, d);
+            }
+        }
+        t0 += nk;
+    }
+    part[..rows * d].copy_from_slice(acc);
+    part[rmax * d..rmax * d + rows].copy_from_slice(m);
+    part[rmax * d + rmax..rmax * d + rmax + rows].copy_from_slice(l);
+}
+
+/// The kernel set in use, lowered to what the CPU supports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Level {
+    Scalar,
+    Avx2,
+    Avx512,
+}
+
+impl Level {
+    fn of(isa: Isa) -> Self {
+        match isa.min(Isa::detect()) {
+            Isa::Scalar => Self::Scalar,
+            Isa::Avx2 => Self::Avx2,
+            Isa::Avx512 | Isa::Avx512Vnni => Self::Avx512,
+        }
+    }
+
+    fn tiled(self, ctx: &Ctx<'_>, it: &Item<'_>, out: SyncPtr<f32>, scr: &mut [f32]) {
+        match self {
+            // SAFETY: the portable steps need no CPU feature.
+            Level::Scalar => unsafe { drive_tiled::<Portable>(ctx, it, out, scr) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX2, FMA and F16C were detected (`Level::of`).
+            Level::Avx2 => unsafe { x86::tiled(ctx, it, out, scr) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX-512F, AVX2, FMA and F16C were detected.
+            Level::Avx512 => unsafe { x86_512::tiled(ctx, it, out, scr) },
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => unreachable!("Level::of gives Scalar off x86-64"),
+        }
+    }
+
+    fn decode(
+        self,
+        ctx: &Ctx<'_>,
+        seq: &SeqSpan<'_>,
+        g: usize,
+        span: usize,
+        part: &mut [f32],
+        scr: &mut [f32],
+    ) {
+        match self {
+            // SAFETY: the portable steps need no CPU feature.
+            Level::Scalar => unsafe { drive_decode::<Portable>(ctx, seq, g, span, part, scr) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as in `tiled`.
+            Level::Avx2 => unsafe { x86::decode(ctx, seq, g, span, part, scr) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as in `tiled`.
+            Level::Avx512 => unsafe { x86_512::decode(ctx, seq, g, span, part, scr) },
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => unreachable!("Level::of gives Scalar off x86-64"),
+        }
+    }
+}
+
+/// The scalar reference level.
+struct Portable;
+
+impl BlockSteps for Portable {
+    type Cvt = PortableCvt;
+
+    unsafe fn qk(qt: &[f32], rp: usize, kt: &[f32], nk: usize, d: usize, st: &mut [f32]) {
+        for k in 0..nk {
+            let srow = &mut st[k * rp..(k + 1) * rp];
+            for (r, sv) in srow.iter_mut().enumerate() {
+                let mut tot = 0f32;
+                for e0 in (0..d).step_by(QK_CHUNK) {
+                    let mut part = 0f32;
+                    for e in e0..d.min(e0 + QK_CHUNK) {
+                        part += kt[e * BK + k] * qt[e * rp + r];
+                    }
+                    tot += part;
+                }
+                *sv = tot;
+            }
+        }
+    }
+
+    unsafe fn softmax(
+        st: &mut [f32],
+        rp: usize,
+        nk: usize,
+        m: &mut [f32],
+        l: &mut [f32],
+        corr: &mut [f32],
+    ) {
+        for r in 0..rp {
+            let mx = (0..nk).fold(f32::NEG_INFINITY, |a, k| a.max(st[k * rp + r]));
+            let m_new = m[r].max(mx);
+            let cr = (m[r] - m_new).exp();
+            let mut sum = 0f32;
+            for k in 0..nk {
+                let p = (st[k * rp + r] - m_new).exp();
+                st[k * rp + r] = p;
+                sum += p;
+            }
+            l[r] = l[r] * cr + sum;
+            m[r] = m_new;
+            corr[r] = cr;
+        }
+    }
+
+    unsafe fn pv(
+        st: &[f32],
+        rp: usize,
+        nk: usize,
+        vt: &[f32],
+        d: usize,
+        acc: &mut [f32],
+        corr: &[f32],
+    ) {
+        for r in 0..rp {
+            let a = &mut acc[r * d..(r + 1) * d];
+            a.iter_mut().for_each(|x| *x *= corr[r]);
+            for k in 0..nk {
+                let p = st[k * rp + r];
+                for (x, &v) in a.iter_mut().zip(&vt[k * d..(k + 1) * d]) {
+                    *x += p * v;
+                }
+            }
+        }
+    }
+
+    unsafe fn row_qk(qs: &[f32], kt: &[f32], nk: usize, d: usize, st: &mut [f32]) {
+        for (k, sv) in st.iter_mut().enumerate().take(nk) {
+            let mut tot = 0f32;
+            for e0 in (0..d).step_by(QK_CHUNK) {
+                let mut part = 0f32;
+                for e in e0..d.min(e0 + QK_CHUNK) {
+                    part += kt[e * BK + k] * qs[e];
+                }
+                tot += part;
+            }
+            *sv = tot;
+        }
+    }
+
+    unsafe fn row_softmax(st: &mut [f32], nk: usize, m: &mut f32, l: &mut f32) -> f32 {
+        let mx = st[..nk].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+        let m_new = m.max(mx);
+        let cr = (*m - m_new).exp();
+        let mut sum = 0f32;
+        for x in &mut st[..nk] {
+            let p = (*x - m_new).exp();
+            *x = p;
+            sum += p;
+        }
+        *l = *l * cr + sum;
+        *m = m_new;
+        cr
+    }
+
+    unsafe fn row_pv(acc: &mut [f32], corr: f32, p: &[f32], nk: usize, vt: &[f32], d: usize) {
+        acc.iter_mut().for_each(|x| *x *= corr);
+        for k in 0..nk {
+            let pk = p[k];
+            for (x, &v) in acc.iter_mut().zip(&vt[k * d..(k + 1) * d]) {
+                *x += pk * v;
+            }
+        }
+    }
+}
+
+/// The per-row softmax of the SIMD levels: the same operations their
+/// row-vector softmax applies in each lane (`exp` lane-wise; even and odd
+/// keys summed separately, then added; the old sum scaled by a fused
+/// multiply-add).
+///
+/// # Safety
+/// AVX2 and FMA are available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn row_softmax_simd(st: &mut [f32], nk: usize, m: &mut f32, l: &mut f32) -> f32 {
+    use std::arch::x86_64::*;
+    let mx = st[..nk].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+    let m_new = m.max(mx);
+    // SAFETY: AVX2 and FMA are available (contract); st has room for BK
+    // (a multiple of 8) lanes.
+    unsafe {
+        let cr = _mm256_cvtss_f32(x86::exp_ps(_mm256_set1_ps(*m - m_new)));
+        let mv = _mm256_set1_ps(m_new);
+        let sp = st.as_mut_ptr();
+        for k0 in (0..nk).step_by(8) {
+            let p = x86::exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sp.add(k0)), mv));
+            _mm256_storeu_ps(sp.add(k0), p);
+        }
+        let (mut s0, mut s1) = (0f32, 0f32);
+        let mut k = 0;
+        while k + 2 <= nk {
+            s0 += st[k];
+            s1 += st[k + 1];
+            k += 2;
+        }
+        if k < nk {
+            s0 += st[k];
+        }
+        *l = l.mul_add(cr, s0 + s1);
+        *m = m_new;
+        cr
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+pub(super) use x86::exp_ps as x86_exp_ps_for_tests;
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// exp(x) for x <= ~0 (Cephes-style range reduction and degree-6
+    /// polynomial, ~1 ulp); lanes below -87 (incl. -inf) give exactly 0.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(in crate::kernels) unsafe fn exp_ps(x: __m256) -> __m256 {
+        let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.0));
+        let x = _mm256_min_ps(
+            _mm256_max_ps(x, _mm256_set1_ps(-87.0)),
+            _mm256_set1_ps(88.0),
+        );
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm256_set1_ps(1.987_569_1e-4);
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.398_2e-3));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.333_452e-3));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.166_579_6e-2));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.166_666_65));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5));
+        let r2 = _mm256_mul_ps(r, r);
+        let y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0));
+        let pow2 = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(n),
+            _mm256_set1_epi32(127),
+        ));
+        _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2)))
+    }
+
+    /// Widening with F16C, 8 values at a time.
+    pub(super) struct F16cCvt;
+
+    impl Cvt for F16cCvt {
+        #[inline(always)]
+        fn cvt(src: KvView<'_>, at: usize, dst: &mut [f32]) {
+            match src {
+                KvView::F32(s) => dst.copy_from_slice(&s[at..at + dst.len()]),
+                KvView::F16(s) => {
+                    let s = &s[at..at + dst.len()];
+                    let n8 = dst.len() & !7;
+                    // SAFETY: only used by the x86 levels, whose entry
+                    // points enable F16C (detected); 8 values in bounds per
+                    // load and store.
+                    unsafe {
+                        for i in (0..n8).step_by(8) {
+                            let h = _mm_loadu_si128(s.as_ptr().add(i).cast());
+                            _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+                        }
+                    }
+                    for (o, &x) in dst[n8..].iter_mut().zip(&s[n8..]) {
+                        *o = f16::to_f32(x);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Scores of `NK` keys × `8·NC` rows: `st[j·rp + r] = Σ_e kt[e·BK + j]
+    /// · qt[e·rp + r]` (pointers already offset to the tile).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn qk_tile<const NK: usize, const NC: usize>(
+        qt: *const f32,
+        rp: usize,
+        k: *const f32,
+        d: usize,
+        st: *mut f32,
+    ) {
+        // SAFETY: the caller guarantees d×rp floats at qt (tile columns
+        // 8·NC in bounds), d rows of BK keys at k (NK used) and NK×rp
+        // floats at st.
+        unsafe {
+            let mut e0 = 0;
+            while e0 < d {
+                let e1 = (e0 + QK_CHUNK).min(d);
+                let mut a = [[_mm256_setzero_ps(); NC]; NK];
+                for e in e0..e1 {
+                    let mut qv = [_mm256_setzero_ps(); NC];
+                    for (c, v) in qv.iter_mut().enumerate() {
+                        *v = _mm256_loadu_ps(qt.add(e * rp + 8 * c));
+                    }
+                    for (j, aj) in a.iter_mut().enumerate() {
+                        let kb = _mm256_broadcast_ss(&*k.add(e * BK + j));
+                        for (c, ajc) in aj.iter_mut().enumerate() {
+                            *ajc = _mm256_fmadd_ps(kb, qv[c], *ajc);
+                        }
+                    }
+                }
+                for (j, aj) in a.iter().enumerate() {
+                    for (c, ajc) in aj.iter().enumerate() {
+                        let p = st.add(j * rp + 8 * c);
+                        let v = if e0 == 0 {
+                            *ajc
+                        } else {
+                            _mm256_add_ps(_mm256_loadu_ps(p), *ajc)
+                        };
+                        _mm256_storeu_ps(p, v);
+                    }
+                }
+                e0 = e1;
+            }
+        }
+    }
+
+    /// `acc[i·d + 8c..] = acc·corr[i] + Σ_k st[k·rp + i] · v[k·d + 8c..]`
+    /// for `R` rows and `8·NC` columns (pointers offset to the tile).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn pv_tile<const R: usize, const NC: usize>(
+        st: *const f32,
+        rp: usize,
+        nk: usize,
+        v: *const f32,
+        acc: *mut f32,
+        d: usize,
+        corr: *const f32,
+    ) {
+        // SAFETY: the caller guarantees R rows of acc (stride d) with 8·NC
+        // columns, nk value rows (stride d) with 8·NC columns, nk×rp
+        // probabilities (R columns used) and R corrections.
+        unsafe {
+            let mut a = [[_mm256_setzero_ps(); NC]; R];
+            for (i, ai) in a.iter_mut().enumerate() {
+                let cr = _mm256_broadcast_ss(&*corr.add(i));
+                for (c, aic) in ai.iter_mut().enumerate() {
+                    *aic = _mm256_mul_ps(_mm256_loadu_ps(acc.add(i * d + 8 * c)), cr);
+                }
+            }
+            for k in 0..nk {
+                let mut vv = [_mm256_setzero_ps(); NC];
+                for (c, x) in vv.iter_mut().enumerate() {
+                    *x = _mm256_loadu_ps(v.add(k * d + 8 * c));
+                }
+                for (i, ai) in a.iter_mut().enumerate() {
+                    let p = _mm256_broadcast_ss(&*st.add(k * rp + i));
+                    for (c, aic) in ai.iter_mut().enumerate() {
+                        *aic = _mm256_fmadd_ps(p, vv[c], *aic);
+                    }
+                }
+            }
+            for (i, ai) in a.iter().enumerate() {
+                for (c, aic) in ai.iter().enumerate() {
+                    _mm256_storeu_ps(acc.add(i * d + 8 * c), *aic);
+                }
+            }
+        }
+    }
+
+    /// [`pv_block`] for rows `0..R` (pointers offset to the first row).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn pv_rows<const R: usize>(
+        s: *const f32,
+        rp: usize,
+        nk: usize,
+        v: *const f32,
+        a: *mut f32,
+        d: usize,
+        c: *const f32,
+    ) {
+        // SAFETY: the caller guarantees R rows of a (stride d), R columns
+        // of nk×rp probabilities at s, R corrections and nk value rows of
+        // d floats at v; columns stay below d.
+        unsafe {
+            let mut c0 = 0;
+            while c0 + 16 <= d {
+                pv_tile::<R, 2>(s, rp, nk, v.add(c0), a.add(c0), d, c);
+                c0 += 16;
+            }
+            if c0 + 8 <= d {
+                pv_tile::<R, 1>(s, rp, nk, v.add(c0), a.add(c0), d, c);
+                c0 += 8;
+            }
+            for i in 0..R {
+                let cr = *c.add(i);
+                for col in c0..d {
+                    let mut x = *a.add(i * d + col) * cr;
+                    for k in 0..nk {
+                        x += *s.add(k * rp + i) * *v.add(k * d + col);
+                    }
+                    *a.add(i * d + col) = x;
+                }
+            }
+        }
+    }
+
+    pub(super) struct Steps;
+
+    impl BlockSteps for Steps {
+        type Cvt = F16cCvt;
+
+        #[inline(always)]
+        unsafe fn qk(qt: &[f32], rp: usize, kt: &[f32], nk: usize, d: usize, st: &mut [f32]) {
+            assert!(qt.len() >= d * rp && st.len() >= nk * rp && kt.len() >= d * BK);
+            assert!(rp.is_multiple_of(8) && nk <= BK);
+            let mut r0 = 0;
+            while r0 < rp {
+                let wide = r0 + 16 <= rp;
+                let mut j = 0;
+                // SAFETY: r0 + 8·NC <= rp, keys j..j+NK <= nk <= BK, st has
+                // nk×rp floats (asserted); AVX2/FMA available (contract).
+                unsafe {
+                    let (q0, s0) = (qt.as_ptr().add(r0), st.as_mut_ptr().add(r0));
+                    while j + 6 <= nk {
+                        let (kj, sj) = (kt.as_ptr().add(j), s0.add(j * rp));
+                        if wide {
+                            qk_tile::<6, 2>(q0, rp, kj, d, sj);
+                        } else {
+                            qk_tile::<6, 1>(q0, rp, kj, d, sj);
+                        }
+                        j += 6;
+                    }
+                    while j < nk {
+                        let (kj, sj) = (kt.as_ptr().add(j), s0.add(j * rp));
+                        if wide {
+                            qk_tile::<1, 2>(q0, rp, kj, d, sj);
+                        } else {
+                            qk_tile::<1, 1>(q0, rp, kj, d, sj);
+                        }
+                        j += 1;
+                    }
+                }
+                r0 += if wide { 16 } else { 8 };
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn softmax(
+            st: &mut [f32],
+            rp: usize,
+            nk: usize,
+            m: &mut [f32],
+            l: &mut [f32],
+            corr: &mut [f32],
+        ) {
+            assert!(st.len() >= nk * rp && m.len() >= rp && l.len() >= rp && corr.len() >= rp);
+            assert!(rp.is_multiple_of(8));
+            // SAFETY: all accesses are at r0..r0+8 <= rp of rows k < nk;
+            // AVX2/FMA available (contract).
+            unsafe {
+                let sp = st.as_mut_ptr();
+                for r0 in (0..rp).step_by(8) {
+                    let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
+                    for k in 0..nk {
+                        mx = _mm256_max_ps(mx, _mm256_loadu_ps(sp.add(k * rp + r0)));
+                    }
+                    let m_old = _mm256_loadu_ps(m.as_ptr().add(r0));
+                    let m_new = _mm256_max_ps(m_old, mx);
+                    let cr = exp_ps(_mm256_sub_ps(m_old, m_new));
+                    let mut s0 = _mm256_setzero_ps();
+                    let mut s1 = _mm256_setzero_ps();
+                    let mut k = 0;
+                    while k + 2 <= nk {
+                        let a = sp.add(k * rp + r0);
+                        let b = sp.add((k + 1) * rp + r0);
+                        let pa = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(a), m_new));
+                        let pb = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(b), m_new));
+                        _mm256_storeu_ps(a, pa);
+                        _mm256_storeu_ps(b, pb);
+                        s0 = _mm256_add_ps(s0, pa);
+                        s1 = _mm256_add_ps(s1, pb);
+                        k += 2;
+                    }
+                    if k < nk {
+                        let a = sp.add(k * rp + r0);
+                        let pa = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(a), m_new));
+                        _mm256_storeu_ps(a, pa);
+                        s0 = _mm256_add_ps(s0, pa);
+                    }
+                    let l_old = _mm256_loadu_ps(l.as_ptr().add(r0));
+                    let l_new = _mm256_fmadd_ps(l_old, cr, _mm256_add_ps(s0, s1));
+                    _mm256_storeu_ps(l.as_mut_ptr().add(r0), l_new);
+                    _mm256_storeu_ps(m.as_mut_ptr().add(r0), m_new);
+                    _mm256_storeu_ps(corr.as_mut_ptr().add(r0), cr);
+                }
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn pv(
+            st: &[f32],
+            rp: usize,
+            nk: usize,
+            vt: &[f32],
+            d: usize,
+            acc: &mut [f32],
+            corr: &[f32],
+        ) {
+            assert!(st.len() >= nk * rp && acc.len() >= rp * d && corr.len() >= rp);
+            assert!(vt.len() >= nk * d && rp.is_multiple_of(2));
+            let (sp, ap, cp, vp) = (st.as_ptr(), acc.as_mut_ptr(), corr.as_ptr(), vt.as_ptr());
+            // SAFETY: rows r0..r0+R <= rp (rp is even); nk value rows of d
+            // floats at vt (asserted); AVX2/FMA available (contract).
+            unsafe {
+                let mut r0 = 0;
+                while r0 < rp {
+                    if r0 + 6 <= rp {
+                        pv_rows::<6>(sp.add(r0), rp, nk, vp, ap.add(r0 * d), d, cp.add(r0));
+                        r0 += 6;
+                    } else {
+                        pv_rows::<2>(sp.add(r0), rp, nk, vp, ap.add(r0 * d), d, cp.add(r0));
+                        r0 += 2;
+                    }
+                }
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn row_qk(qs: &[f32], kt: &[f32], nk: usize, d: usize, st: &mut [f32]) {
+            assert!(qs.len() >= d && kt.len() >= d * BK && st.len() >= BK && nk <= BK);
+            let nv = nk.div_ceil(8);
+            // SAFETY: nv·8 <= BK lanes of kt rows and st (asserted);
+            // AVX2/FMA available (contract).
+            unsafe {
+                let (kp, sp) = (kt.as_ptr(), st.as_mut_ptr());
+                let mut e0 = 0;
+                while e0 < d {
+                    let e1 = (e0 + QK_CHUNK).min(d);
+                    let mut a = [_mm256_setzero_ps(); BK / 8];
+                    for (e, &qe) in qs.iter().enumerate().take(e1).skip(e0) {
+                        let qb = _mm256_set1_ps(qe);
+                        for (v, av) in a.iter_mut().enumerate().take(nv) {
+                            *av = _mm256_fmadd_ps(_mm256_loadu_ps(kp.add(e * BK + 8 * v)), qb, *av);
+                        }
+                    }
+                    for (v, av) in a.iter().enumerate().take(nv) {
+                        let p = sp.add(8 * v);
+                        let x = if e0 == 0 {
+                            *av
+                        } else {
+                            _mm256_add_ps(_mm256_loadu_ps(p), *av)
+                        };
+                        _mm256_storeu_ps(p, x);
+                    }
+                    e0 = e1;
+                }
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn row_softmax(st: &mut [f32], nk: usize, m: &mut f32, l: &mut f32) -> f32 {
+            // SAFETY: AVX2/FMA available (contract).
+            unsafe { row_softmax_simd(st, nk, m, l) }
+        }
+
+        #[inline(always)]
+        unsafe fn row_pv(acc: &mut [f32], corr: f32, p: &[f32], nk: usize, vt: &[f32], d: usize) {
+            assert!(acc.len() >= d && p.len() >= nk && vt.len() >= nk * d);
+            let d8 = d & !7;
+            // SAFETY: columns c..c+8 <= d8 <= d of acc and of nk rows of vt
+            // (asserted); AVX2/FMA available (contract).
+            unsafe {
+                let cr = _mm256_set1_ps(corr);
+                for c in (0..d8).step_by(8) {
+                    let mut a = _mm256_mul_ps(_mm256_loadu_ps(acc.as_ptr().add(c)), cr);
+                    for (k, &pk) in p[..nk].iter().enumerate() {
+                        let v = _mm256_loadu_ps(vt.as_ptr().add(k * d + c));
+                        a = _mm256_fmadd_ps(_mm256_set1_ps(pk), v, a);
+                    }
+                    _mm256_storeu_ps(acc.as_mut_ptr().add(c), a);
+                }
+            }
+            for c in d8..d {
+                let mut x = acc[c] * corr;
+                for k in 0..nk {
+                    x += p[k] * vt[k * d + c];
+                }
+                acc[c] = x;
+            }
+        }
+    }
+
+    /// One tiled item with AVX2+FMA.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C are available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tiled(ctx: &Ctx<'_>, it: &Item<'_>, out: SyncPtr<f32>, scr: &mut [f32]) {
+        // SAFETY: this level's features are available (this function's contract).
+        unsafe { drive_tiled::<Steps>(ctx, it, out, scr) }
+    }
+
+    /// One decode item with AVX2+FMA.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C are available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn decode(
+        ctx: &Ctx<'_>,
+        seq: &SeqSpan<'_>,
+        g: usize,
+        span: usize,
+        part: &mut [f32],
+        scr: &mut [f32],
+    ) {
+        // SAFETY: as above.
+        unsafe { drive_decode::<Steps>(ctx, seq, g, span, part, scr) }
+    }
+}
+
+/// The AVX-512F level: the same blocking with 16 rows (or keys) per vector.
+#[cfg(target_arch = "x86_64")]
+mod x86_512 {
+    use super::x86::F16cCvt;
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// exp(x) lane-wise for x <= ~0, the same operations as the AVX2
+    /// `exp_ps` (so the same results); lanes below -87 (incl. -inf) give
+    /// exactly 0.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn exp_ps(x: __m512) -> __m512 {
+        let lo = _mm512_set1_ps(-87.0);
+        let ok = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, lo);
+        let x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.0));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm512_set1_ps(1.987_569_1e-4);
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.398_2e-3));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.333_452e-3));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.166_579_6e-2));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.166_666_65));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5));
+        let r2 = _mm512_mul_ps(r, r);
+        let y = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
+        let pow2 = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+            _mm512_cvtps_epi32(n),
+            _mm512_set1_epi32(127),
+        ));
+        _mm512_maskz_mul_ps(ok, y, _mm512_castsi512_ps(pow2))
+    }
+
+    /// Scores of `NK` keys × `16·NC` rows (as the AVX2 `qk_tile`).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn qk_tile<const NK: usize, const NC: usize>(
+        qt: *const f32,
+        rp: usize,
+        k: *const f32,
+        d: usize,
+        st: *mut f32,
+    ) {
+        // SAFETY: the caller guarantees d×rp floats at qt (tile columns
+        // 16·NC in bounds), d rows of BK keys at k (NK used) and NK×rp
+        // floats at st.
+        unsafe {
+            let mut e0 = 0;
+            while e0 < d {
+                let e1 = (e0 + QK_CHUNK).min(d);
+                let mut a = [[_mm512_setzero_ps(); NC]; NK];
+                for e in e0..e1 {
+                    let mut qv = [_mm512_setzero_ps(); NC];
+                    for (c, v) in qv.iter_mut().enumerate() {
+                        *v = _mm512_loadu_ps(qt.add(e * rp + 16 * c));
+                    }
+                    for (j, aj) in a.iter_mut().enumerate() {
+                        let kb = _mm512_set1_ps(*k.add(e * BK + j));
+                        for (c, ajc) in aj.iter_mut().enumerate() {
+                            *ajc = _mm512_fmadd_ps(kb, qv[c], *ajc);
+                        }
+                    }
+                }
+                for (j, aj) in a.iter().enumerate() {
+                    for (c, ajc) in aj.iter().enumerate() {
+                        let p = st.add(j * rp + 16 * c);
+                        let v = if e0 == 0 {
+                            *ajc
+                        } else {
+                            _mm512_add_ps(_mm512_loadu_ps(p), *ajc)
+                        };
+                        _mm512_storeu_ps(p, v);
+                    }
+                }
+                e0 = e1;
+            }
+        }
+    }
+
+    /// `acc = acc·corr + P·V` for `R` rows × `16·NC` columns (pointers
+    /// offset to the tile).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn pv_tile<const R: usize, const NC: usize>(
+        st: *const f32,
+        rp: usize,
+        nk: usize,
+        v: *const f32,
+        acc: *mut f32,
+        d: usize,
+        corr: *const f32,
+    ) {
+        // SAFETY: the caller guarantees R rows of acc (stride d) with 16·NC
+        // columns, nk value rows (stride d) with 16·NC columns, nk×rp
+        // probabilities (R columns used) and R corrections.
+        unsafe {
+            let mut a = [[_mm512_setzero_ps(); NC]; R];
+            for (i, ai) in a.iter_mut().enumerate() {
+                let cr = _mm512_set1_ps(*corr.add(i));
+                for (c, aic) in ai.iter_mut().enumerate() {
+                    *aic = _mm512_mul_ps(_mm512_loadu_ps(acc.add(i * d + 16 * c)), cr);
+                }
+            }
+            for k in 0..nk {
+                let mut vv = [_mm512_setzero_ps(); NC];
+                for (c, x) in vv.iter_mut().enumerate() {
+                    *x = _mm512_loadu_ps(v.add(k * d + 16 * c));
+                }
+                for (i, ai) in a.iter_mut().enumerate() {
+                    let p = _mm512_set1_ps(*st.add(k * rp + i));
+                    for (c, aic) in ai.iter_mut().enumerate() {
+                        *aic = _mm512_fmadd_ps(p, vv[c], *aic);
+                    }
+                }
+            }
+            for (i, ai) in a.iter().enumerate() {
+                for (c, aic) in ai.iter().enumerate() {
+                    _mm512_storeu_ps(acc.add(i * d + 16 * c), *aic);
+                }
+            }
+        }
+    }
+
+    /// `pv` for rows `0..R` (pointers offset to the first row).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn pv_rows<const R: usize>(
+        s: *const f32,
+        rp: usize,
+        nk: usize,
+        v: *const f32,
+        a: *mut f32,
+        d: usize,
+        c: *const f32,
+    ) {
+        // SAFETY: the caller guarantees R rows of a (stride d), R columns
+        // of nk×rp probabilities at s, R corrections and nk value rows of
+        // d floats at v; columns stay below d.
+        unsafe {
+            let mut c0 = 0;
+            while c0 + 64 <= d {
+                pv_tile::<R, 4>(s, rp, nk, v.add(c0), a.add(c0), d, c);
+                c0 += 64;
+            }
+            while c0 + 16 <= d {
+                pv_tile::<R, 1>(s, rp, nk, v.add(c0), a.add(c0), d, c);
+                c0 += 16;
+            }
+            for i in 0..R {
+                let cr = *c.add(i);
+                for col in c0..d {
+                    let mut x = *a.add(i * d + col) * cr;
+                    for k in 0..nk {
+                        x += *s.add(k * rp + i) * *v.add(k * d + col);
+                    }
+                    *a.add(i * d + col) = x;
+                }
+            }
+        }
+    }
+
+    pub(super) struct Steps;
+
+    impl BlockSteps for Steps {
+        type Cvt = F16cCvt;
+
+        #[inline(always)]
+        unsafe fn qk(qt: &[f32], rp: usize, kt: &[f32], nk: usize, d: usize, st: &mut [f32]) {
+            assert!(qt.len() >= d * rp && st.len() >= nk * rp && kt.len() >= d * BK);
+            assert!(rp.is_multiple_of(16) && nk <= BK);
+            let mut r0 = 0;
+            while r0 < rp {
+                let nc = ((rp - r0) / 16).min(3);
+                // SAFETY: r0 + 16·nc <= rp; keys j..j+NK <= nk <= BK; st has
+                // nk×rp floats (asserted); AVX-512F available (contract).
+                unsafe {
+                    let (q0, s0) = (qt.as_ptr().add(r0), st.as_mut_ptr().add(r0));
+                    let mut j = 0;
+                    while j + 8 <= nk {
+                        let (kj, sj) = (kt.as_ptr().add(j), s0.add(j * rp));
+                        match nc {
+                            3 => qk_tile::<8, 3>(q0, rp, kj, d, sj),
+                            2 => qk_tile::<8, 2>(q0, rp, kj, d, sj),
+                            _ => qk_tile::<8, 1>(q0, rp, kj, d, sj),
+                        }
+                        j += 8;
+                    }
+                    while j < nk {
+                        let (kj, sj) = (kt.as_ptr().add(j), s0.add(j * rp));
+                        match nc {
+                            3 => qk_tile::<1, 3>(q0, rp, kj, d, sj),
+                            2 => qk_tile::<1, 2>(q0, rp, kj, d, sj),
+                            _ => qk_tile::<1, 1>(q0, rp, kj, d, sj),
+                        }
+                        j += 1;
+                    }
+                }
+                r0 += 16 * nc;
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn softmax(
+            st: &mut [f32],
+            rp: usize,
+            nk: usize,
+            m: &mut [f32],
+            l: &mut [f32],
+            corr: &mut [f32],
+        ) {
+            assert!(st.len() >= nk * rp && m.len() >= rp && l.len() >= rp && corr.len() >= rp);
+            assert!(rp.is_multiple_of(16));
+            // SAFETY: all accesses are at r0..r0+16 <= rp of rows k < nk;
+            // AVX-512F available (contract).
+            unsafe {
+                let sp = st.as_mut_ptr();
+                for r0 in (0..rp).step_by(16) {
+                    let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
+                    for k in 0..nk {
+                        mx = _mm512_max_ps(mx, _mm512_loadu_ps(sp.add(k * rp + r0)));
+                    }
+                    let m_old = _mm512_loadu_ps(m.as_ptr().add(r0));
+                    let m_new = _mm512_max_ps(m_old, mx);
+                    let cr = exp_ps(_mm512_sub_ps(m_old, m_new));
+                    let mut s0 = _mm512_setzero_ps();
+                    let mut s1 = _mm512_setzero_ps();
+                    let mut k = 0;
+                    while k + 2 <= nk {
+                        let a = sp.add(k * rp + r0);
+                        let b = sp.add((k + 1) * rp + r0);
+                        let pa = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(a), m_new));
+                        let pb = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(b), m_new));
+                        _mm512_storeu_ps(a, pa);
+                        _mm512_storeu_ps(b, pb);
+                        s0 = _mm512_add_ps(s0, pa);
+                        s1 = _mm512_add_ps(s1, pb);
+                        k += 2;
+                    }
+                    if k < nk {
+                        let a = sp.add(k * rp + r0);
+                        let pa = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(a), m_new));
+                        _mm512_storeu_ps(a, pa);
+                        s0 = _mm512_add_ps(s0, pa);
+                    }
+                    let l_old = _mm512_loadu_ps(l.as_ptr().add(r0));
+                    let l_new = _mm512_fmadd_ps(l_old, cr, _mm512_add_ps(s0, s1));
+                    _mm512_storeu_ps(l.as_mut_ptr().add(r0), l_new);
+                    _mm512_storeu_ps(m.as_mut_ptr().add(r0), m_new);
+                    _mm512_storeu_ps(corr.as_mut_ptr().add(r0), cr);
+                }
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn pv(
+            st: &[f32],
+            rp: usize,
+            nk: usize,
+            vt: &[f32],
+            d: usize,
+            acc: &mut [f32],
+            corr: &[f32],
+        ) {
+            assert!(st.len() >= nk * rp && acc.len() >= rp * d && corr.len() >= rp);
+            assert!(vt.len() >= nk * d && rp.is_multiple_of(2));
+            let (sp, ap, cp, vp) = (st.as_ptr(), acc.as_mut_ptr(), corr.as_ptr(), vt.as_ptr());
+            // SAFETY: rows r0..r0+R <= rp (rp is even); nk value rows of d
+            // floats at vt (asserted); AVX-512F available (contract).
+            unsafe {
+                let mut r0 = 0;
+                while r0 < rp {
+                    if r0 + 6 <= rp {
+                        pv_rows::<6>(sp.add(r0), rp, nk, vp, ap.add(r0 * d), d, cp.add(r0));
+                        r0 += 6;
+                    } else {
+                        pv_rows::<2>(sp.add(r0), rp, nk, vp, ap.add(r0 * d), d, cp.add(r0));
+                        r0 += 2;
+                    }
+                }
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn row_qk(qs: &[f32], kt: &[f32], nk: usize, d: usize, st: &mut [f32]) {
+            assert!(qs.len() >= d && kt.len() >= d * BK && st.len() >= BK && nk <= BK);
+            let nv = nk.div_ceil(16);
+            // SAFETY: nv·16 <= BK lanes of kt rows and st (asserted);
+            // AVX-512F available (contract).
+            unsafe {
+                let (kp, sp) = (kt.as_ptr(), st.as_mut_ptr());
+                let mut e0 = 0;
+                while e0 < d {
+                    let e1 = (e0 + QK_CHUNK).min(d);
+                    let mut a = [_mm512_setzero_ps(); BK / 16];
+                    for (e, &qe) in qs.iter().enumerate().take(e1).skip(e0) {
+                        let qb = _mm512_set1_ps(qe);
+                        for (v, av) in a.iter_mut().enumerate().take(nv) {
+                            *av =
+                                _mm512_fmadd_ps(_mm512_loadu_ps(kp.add(e * BK + 16 * v)), qb, *av);
+                        }
+                    }
+                    for (v, av) in a.iter().enumerate().take(nv) {
+                        let p = sp.add(16 * v);
+                        let x = if e0 == 0 {
+                            *av
+                        } else {
+                            _mm512_add_ps(_mm512_loadu_ps(p), *av)
+                        };
+                        _mm512_storeu_ps(p, x);
+                    }
+                    e0 = e1;
+                }
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn row_softmax(st: &mut [f32], nk: usize, m: &mut f32, l: &mut f32) -> f32 {
+            // SAFETY: AVX2/FMA available (this level implies them).
+            unsafe { row_softmax_simd(st, nk, m, l) }
+        }
+
+        #[inline(always)]
+        unsafe fn row_pv(acc: &mut [f32], corr: f32, p: &[f32], nk: usize, vt: &[f32], d: usize) {
+            assert!(acc.len() >= d && p.len() >= nk && vt.len() >= nk * d);
+            let d16 = d & !15;
+            // SAFETY: columns c..c+16 <= d16 <= d of acc and of nk rows of
+            // vt (asserted); AVX-512F available (contract).
+            unsafe {
+                let cr = _mm512_set1_ps(corr);
+                for c in (0..d16).step_by(16) {
+                    let mut a = _mm512_mul_ps(_mm512_loadu_ps(acc.as_ptr().add(c)), cr);
+                    for (k, &pk) in p[..nk].iter().enumerate() {
+                        let v = _mm512_loadu_ps(vt.as_ptr().add(k * d + c));
+                        a = _mm512_fmadd_ps(_mm512_set1_ps(pk), v, a);
+                    }
+                    _mm512_storeu_ps(acc.as_mut_ptr().add(c), a);
+                }
+            }
+            for c in d16..d {
+                let mut x = acc[c] * corr;
+                for k in 0..nk {
+                    x += p[k] * vt[k * d + c];
+                }
+                acc[c] = x;
+            }
+        }
+    }
+
+    /// One tiled item with AVX-512F.
+    ///
+    /// # Safety
+    /// AVX-512F, AVX2, FMA and F16C are available.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn tiled(ctx: &Ctx<'_>, it: &Item<'_>, out: SyncPtr<f32>, scr: &mut [f32]) {
+        // SAFETY: this level's features are available (this function's contract).
+        unsafe { drive_tiled::<Steps>(ctx, it, out, scr) }
+    }
+
+    /// One decode item with AVX-512F.
+    ///
+    /// # Safety
+    /// AVX-512F, AVX2, FMA and F16C are available.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn decode(
+        ctx: &Ctx<'_>,
+        seq: &SeqSpan<'_>,
+        g: usize,
+        span: usize,
+        part: &mut [f32],
+        scr: &mut [f32],
+    ) {
+        // SAFETY: as above.
+        unsafe { drive_decode::<Steps>(ctx, seq, g, span, part, scr) }
+    }
+}

@@ -1,0 +1,448 @@
+//! Attention over the paged pool: both forms against a straightforward f64
+//! reference, and the fused kernel's batch invariance (a row's result is
+//! bitwise the same whatever else is in the step, however the queries are
+//! grouped and on any number of threads).
+
+use super::*;
+use crate::kernels::kv::KvStore;
+use crate::kernels::testutil::{assert_close, Rng};
+use crate::kernels::Isa;
+use half::f16;
+
+/// A pool with random keys and values (f16-representable when `f16`).
+struct Pool {
+    geom: KvGeom,
+    n_rep: usize,
+    k: KvStore,
+    v: KvStore,
+}
+
+impl Pool {
+    fn new(n_blocks: usize, hkv: usize, d: usize, n_rep: usize, f16: bool, seed: u64) -> Pool {
+        let geom = KvGeom {
+            n_blocks,
+            n_kv_heads: hkv,
+            head_dim: d,
+            block: 16,
+        };
+        let mut rng = Rng::new(seed);
+        let mut fill = || {
+            let vals = rng.vec(geom.elems());
+            if f16 {
+                KvStore::F16(vals.iter().map(|&x| f16::from_f32(x)).collect())
+            } else {
+                KvStore::F32(vals)
+            }
+        };
+        let (k, v) = (fill(), fill());
+        Pool { geom, n_rep, k, v }
+    }
+    fn h(&self) -> usize {
+        self.geom.n_kv_heads * self.n_rep
+    }
+}
+
+/// A sequence: its blocks in the pool and its length.
+#[derive(Clone)]
+struct Seq {
+    blocks: Vec<i32>,
+}
+
+/// Gives `n` sequences disjoint, shuffled blocks, `per` each.
+fn seqs_in(pool: &Pool, n: usize, per: usize, seed: u64) -> Vec<Seq> {
+    let mut ids: Vec<i32> = (0..pool.geom.n_blocks as i32).collect();
+    let mut rng = Rng::new(seed);
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+    }
+    assert!(n * per <= ids.len());
+    (0..n)
+        .map(|j| Seq {
+            blocks: ids[j * per..(j + 1) * per].to_vec(),
+        })
+        .collect()
+}
+
+/// One step: (sequence, start position, query count) in step order.
+struct Step {
+    table: Vec<i32>,
+    blocks: Vec<i32>,
+    tokens: usize,
+}
+
+fn step(seqs: &[Seq], parts: &[(usize, usize, usize)]) -> Step {
+    let (mut table, mut blocks, mut first) = (Vec::new(), Vec::new(), 0);
+    for &(j, start, count) in parts {
+        table.extend([
+            first as i32,
+            count as i32,
+            start as i32,
+            blocks.len() as i32,
+        ]);
+        blocks.extend(&seqs[j].blocks);
+        first += count;
+    }
+    Step {
+        table,
+        blocks,
+        tokens: first,
+    }
+}
+
+/// Query rows for every (sequence, position): deterministic per
+/// (sequence, position), so the same query appears in every grouping.
+fn q_of(pool: &Pool, j: usize, p: usize) -> Vec<f32> {
+    let mut rng = Rng::new(1000 * j as u64 + p as u64 + 7);
+    rng.vec(pool.h() * pool.geom.head_dim)
+        .iter()
+        .map(|x| x * 4.0)
+        .collect()
+}
+
+fn q_for(pool: &Pool, parts: &[(usize, usize, usize)]) -> Vec<f32> {
+    let mut q = Vec::new();
+    for &(j, start, count) in parts {
+        for p in start..start + count {
+            q.extend(q_of(pool, j, p));
+        }
+    }
+    q
+}
+
+/// Causal attention of the step in f64.
+fn naive(pool: &Pool, q: &[f32], s: &StepSeqs<'_>) -> Vec<f64> {
+    let (d, h_n) = (pool.geom.head_dim, pool.h());
+    let bs = pool.geom.block;
+    let mut out = vec![0f64; q.len()];
+    for sq in s.iter() {
+        for i in 0..sq.count {
+            let row = sq.first + i;
+            let n_t = sq.start + i + 1;
+            for h in 0..h_n {
+                let g = h / pool.n_rep;
+                let qv = &q[(row * h_n + h) * d..][..d];
+                let key = |t: usize, e: usize| {
+                    pool.k
+                        .view()
+                        .get(pool.geom.k_index(sq.block_of(t, bs), t % bs, g, e))
+                        as f64
+                };
+                let sc: Vec<f64> = (0..n_t)
+                    .map(|t| {
+                        (0..d).map(|e| qv[e] as f64 * key(t, e)).sum::<f64>() / (d as f64).sqrt()
+                    })
+                    .collect();
+                let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let ex: Vec<f64> = sc.iter().map(|v| (v - mx).exp()).collect();
+                let z: f64 = ex.iter().sum();
+                for (t, &w) in ex.iter().enumerate() {
+                    let base = pool.geom.v_index(sq.block_of(t, bs), t % bs, g, 0);
+                    for e in 0..d {
+                        out[(row * h_n + h) * d + e] += w / z * pool.v.view().get(base + e) as f64;
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+fn fused(pool: &Pool, isa: Isa, threads: usize, st: &Step, q: &[f32]) -> Vec<f32> {
+    let tp = ThreadPool::new(threads);
+    let s = StepSeqs::new(&st.table, &st.blocks, st.tokens, &pool.geom).unwrap();
+    let mut work = AttnWork::new(&pool.geom, pool.n_rep, st.tokens, s.len(), threads);
+    let mut out = vec![f32::NAN; q.len()];
+    attention_paged(
+        &tp,
+        isa,
+        q,
+        pool.k.view(),
+        pool.v.view(),
+        &pool.geom,
+        pool.n_rep,
+        &s,
+        &mut out,
+        &mut work,
+    )
+    .unwrap();
+    out
+}
+
+fn unfused(pool: &Pool, st: &Step, q: &[f32]) -> Vec<f32> {
+    let tp = ThreadPool::new(2);
+    let s = StepSeqs::new(&st.table, &st.blocks, st.tokens, &pool.geom).unwrap();
+    let t_n = s.max_keys() + 3; // longer than needed: the tail is masked
+    let mut scores = vec![0f32; pool.h() * st.tokens * t_n];
+    let (g, r) = (&pool.geom, pool.n_rep);
+    attn_scores(&tp, q, pool.k.view(), g, r, &s, t_n, &mut scores).unwrap();
+    softmax_rows(&tp, &mut scores, t_n).unwrap();
+    let mut out = vec![f32::NAN; q.len()];
+    attn_values(&tp, &scores, pool.v.view(), g, r, &s, t_n, &mut out).unwrap();
+    out
+}
+
+/// A mixed step: a prefill chunk from 0, a chunk after a history, a
+/// decode token after a long history (two spans), a two-token chunk.
+fn mixed_parts() -> Vec<(usize, usize, usize)> {
+    vec![(0, 0, 37), (1, 70, 20), (2, 300, 1), (3, 5, 2)]
+}
+
+#[test]
+fn both_forms_match_the_reference() {
+    // SmolLM2's geometry, no GQA with a small head, MQA with an odd head dim.
+    for (hkv, d, n_rep) in [(3, 64, 3), (4, 16, 1), (1, 20, 4), (2, 7, 2)] {
+        for f16 in [false, true] {
+            let pool = Pool::new(4 * 24, hkv, d, n_rep, f16, 11);
+            let seqs = seqs_in(&pool, 4, 24, 5);
+            let parts = mixed_parts();
+            let st = step(&seqs, &parts);
+            let q = q_for(&pool, &parts);
+            let s = StepSeqs::new(&st.table, &st.blocks, st.tokens, &pool.geom).unwrap();
+            let want = naive(&pool, &q, &s);
+            let what = format!("hkv {hkv} d {d} n_rep {n_rep} f16 {f16}");
+            assert_close(
+                &unfused(&pool, &st, &q),
+                &want,
+                2e-5,
+                2e-4,
+                &format!("unfused {what}"),
+            );
+            for isa in Isa::supported_levels() {
+                for threads in [1, 2] {
+                    let got = fused(&pool, isa, threads, &st, &q);
+                    assert_close(&got, &want, 2e-5, 2e-4, &format!("fused {isa:?} {what}"));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn rows_do_not_depend_on_the_batch() {
+    // Sequence 0 has 600 positions (three spans); its queries at 560..580
+    // are computed in five groupings, beside other sequences or alone, on
+    // one or two threads: every row must be bitwise the same.
+    for (hkv, d, n_rep) in [(3, 64, 3), (2, 20, 2)] {
+        let pool = Pool::new(160, hkv, d, n_rep, true, 21);
+        let seqs = seqs_in(&pool, 4, 40, 9);
+        let target: Vec<usize> = (560..580).collect();
+        let groupings: Vec<Vec<Vec<(usize, usize, usize)>>> = vec![
+            // All 20 queries in one tiled item group, alone.
+            vec![vec![(0, 560, 20)]],
+            // One decode step per query, alone.
+            target.iter().map(|&p| vec![(0, p, 1)]).collect(),
+            // Chunks of 2, 5, 13 beside other sequences' prefill and decode.
+            vec![
+                vec![(1, 0, 40), (0, 560, 2), (2, 200, 1)],
+                vec![(3, 9, 3), (0, 562, 5), (1, 40, 1)],
+                vec![(2, 201, 1), (0, 567, 13), (3, 12, 30)],
+            ],
+            // Chunks of 3 (decode items with three queries) and 17.
+            vec![
+                vec![(0, 560, 3), (1, 0, 7)],
+                vec![(2, 100, 50), (0, 563, 17)],
+            ],
+        ];
+        for isa in Isa::supported_levels() {
+            let mut reference: Option<Vec<Vec<f32>>> = None;
+            for (gi, grouping) in groupings.iter().enumerate() {
+                for threads in [1, 2, 3] {
+                    // Row results of sequence 0, by position.
+                    let mut rows: Vec<Vec<f32>> = vec![Vec::new(); target.len()];
+                    for parts in grouping {
+                        let st = step(&seqs, parts);
+                        let q = q_for(&pool, parts);
+                        let out = fused(&pool, isa, threads, &st, &q);
+                        let row_len = pool.h() * d;
+                        let mut first = 0;
+                        for &(j, start, count) in parts {
+                            if j == 0 {
+                                for i in 0..count {
+                                    rows[start + i - 560] = out
+                                        [(first + i) * row_len..(first + i + 1) * row_len]
+                                        .to_vec();
+                                }
+                            }
+                            first += count;
+                        }
+                    }
+                    match &reference {
+                        None => reference = Some(rows),
+                        Some(r) => {
+                            for (p, (a, b)) in r.iter().zip(&rows).enumerate() {
+                                let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                                assert!(
+                                    same,
+                                    "{isa:?} d {d}: grouping {gi} on {threads} threads changes \
+                                     the row at position {}",
+                                    560 + p
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn causal_mask_exact() {
+    // Keys all equal, value rows one-hot on the position: a query at
+    // position p must average exactly the first p + 1 one-hot rows.
+    let (hkv, d, n_rep) = (1, 32, 3);
+    let mut pool = Pool::new(2, hkv, d, n_rep, false, 1);
+    let geom = pool.geom;
+    pool.k = KvStore::F32(vec![1.0; geom.elems()]);
+    let mut v = vec![0.0; geom.elems()];
+    let blocks = [1, 0];
+    for t in 0..d {
+        v[geom.v_index(blocks[t / 16], t % 16, 0, t)] = 1.0;
+    }
+    pool.v = KvStore::F32(v);
+    let seqs = vec![Seq {
+        blocks: blocks.iter().map(|&b| b as i32).collect(),
+    }];
+    for parts in [vec![(0, 3, 20)], vec![(0, 3, 2)], vec![(0, 30, 1)]] {
+        let st = step(&seqs, &parts);
+        let q = vec![0.5f32; st.tokens * n_rep * d];
+        let mut outs = vec![("unfused".to_string(), unfused(&pool, &st, &q))];
+        for isa in Isa::supported_levels() {
+            outs.push((format!("{isa:?}"), fused(&pool, isa, 2, &st, &q)));
+        }
+        let (_, start, count) = parts[0];
+        for (what, out) in outs {
+            for i in 0..count {
+                let p = start + i;
+                for h in 0..n_rep {
+                    let o = &out[(i * n_rep + h) * d..][..d];
+                    for (t, &x) in o.iter().enumerate() {
+                        let want = if t <= p { 1.0 / (p + 1) as f32 } else { 0.0 };
+                        assert!((x - want).abs() < 1e-6, "{what} p {p} t {t}: {x} vs {want}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn span_merge_is_the_online_softmax() {
+    // Merging two halves equals one pass over all keys (up to rounding),
+    // a span without keys changes nothing, the first span is taken as is.
+    let (m1, l1, a1) = (2.0f32, 3.0f32, [1.0f32, -2.0]);
+    let (m2, l2, a2) = (5.0f32, 0.5f32, [4.0f32, 0.5]);
+    let (mut mm, mut ll, mut aa) = (f32::NEG_INFINITY, 0.0, [0.0f32; 2]);
+    merge_span(
+        &mut mm,
+        &mut ll,
+        &mut aa,
+        f32::NEG_INFINITY,
+        9.0,
+        &[9.0, 9.0],
+    );
+    assert_eq!((mm, ll, aa), (f32::NEG_INFINITY, 0.0, [0.0, 0.0]));
+    merge_span(&mut mm, &mut ll, &mut aa, m1, l1, &a1);
+    assert_eq!((mm, ll, aa), (m1, l1, a1));
+    merge_span(&mut mm, &mut ll, &mut aa, m2, l2, &a2);
+    let w1 = ((m1 - m2) as f64).exp();
+    assert_eq!(mm, m2);
+    assert!((ll as f64 - (l1 as f64 * w1 + l2 as f64)).abs() < 1e-6);
+    assert!((aa[0] as f64 - (a1[0] as f64 * w1 + a2[0] as f64)).abs() < 1e-6);
+}
+
+#[test]
+fn bad_steps_are_refused() {
+    let pool = Pool::new(8, 2, 16, 2, false, 3);
+    let seqs = seqs_in(&pool, 2, 4, 1);
+    let st = step(&seqs, &[(0, 0, 5), (1, 10, 1)]);
+    let s = StepSeqs::new(&st.table, &st.blocks, st.tokens, &pool.geom).unwrap();
+    let tp = ThreadPool::new(1);
+    let mut work = AttnWork::new(&pool.geom, 2, 6, 2, 1);
+    let q = q_for(&pool, &[(0, 0, 5), (1, 10, 1)]);
+    let mut out = vec![0.0; q.len()];
+    let (k, v, g) = (pool.k.view(), pool.v.view(), &pool.geom);
+    assert!(attention_paged(
+        &tp,
+        Isa::current(),
+        &q[1..],
+        k,
+        v,
+        g,
+        2,
+        &s,
+        &mut out,
+        &mut work
+    )
+    .is_err());
+    assert!(attention_paged(
+        &tp,
+        Isa::current(),
+        &q,
+        KvView::F32(&[]),
+        v,
+        g,
+        2,
+        &s,
+        &mut out,
+        &mut work
+    )
+    .is_err());
+    assert!(attention_paged(&tp, Isa::current(), &q, k, v, g, 2, &s, &mut out, &mut work).is_ok());
+    let mut scores = vec![0.0; 4 * 6 * 10];
+    assert!(
+        attn_scores(&tp, &q, k, g, 2, &s, 10, &mut scores).is_err(),
+        "T shorter than 11 keys"
+    );
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx2_exp_accuracy() {
+    use std::arch::x86_64::*;
+    if !Isa::detect().avx2() {
+        return;
+    }
+    let mut xs = vec![
+        f32::NEG_INFINITY,
+        -100.0,
+        -87.5,
+        0.0,
+        -1e-8,
+        -0.5,
+        -86.9,
+        -3.3,
+    ];
+    xs.extend((0..2000).map(|i| -(i as f32) * 0.05));
+    xs.truncate(xs.len() / 8 * 8);
+    for c in xs.chunks_exact(8) {
+        let mut out = [0f32; 8];
+        // SAFETY: AVX2 and FMA detected above.
+        unsafe {
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn run(x: &[f32], out: &mut [f32; 8]) {
+                // SAFETY: 8 floats each; features enabled here.
+                unsafe {
+                    _mm256_storeu_ps(
+                        out.as_mut_ptr(),
+                        paged::x86_exp_ps_for_tests(_mm256_loadu_ps(x.as_ptr())),
+                    )
+                }
+            }
+            run(c, &mut out);
+        }
+        for (&x, &e) in c.iter().zip(&out) {
+            let want = (x as f64).exp();
+            if x == f32::NEG_INFINITY {
+                assert_eq!(e, 0.0, "exp({x})");
+            } else if x < -87.0 {
+                assert!(e < 1e-37, "exp({x}) = {e}");
+            } else {
+                assert!(
+                    ((e as f64) - want).abs() <= 4e-7 * want,
+                    "exp({x}) = {e}, want {want}"
+                );
+            }
+        }
+    }
+}
