@@ -1,6 +1,7 @@
 //! Command-line interface: argument definitions and dispatch.
 mod bench;
 mod chat;
+mod convert;
 mod flags;
 mod graph;
 mod model;
@@ -44,6 +45,9 @@ pub enum Command {
     Pull,
     /// Write a random-weight Meta checkpoint (any params.json, seeded).
     GenCheckpoint(tools::GenCheckpointArgs),
+    /// Convert a Meta, Hugging Face or GGUF model into a GGUF file that
+    /// llama.cpp runs (f32, f16, bf16, q8_0, q4_0).
+    Convert(convert::ConvertArgs),
 }
 
 /// llama-server's two-letter short flag `-np` (clap's short flags are one
@@ -71,5 +75,6 @@ pub fn run(cli: Cli) -> CliResult {
         Command::Inspect(a) => tools::inspect(a),
         Command::Pull => tools::pull(),
         Command::GenCheckpoint(a) => tools::gen_checkpoint(a),
+        Command::Convert(a) => convert::run(a),
     }
 }

@@ -15,6 +15,7 @@ pub mod exact;
 pub mod fast;
 #[cfg(test)]
 mod invariance;
+pub mod quantize;
 
 use self::blocks::dequant_block;
 use crate::ir::DType;

@@ -1,7 +1,8 @@
-//! A small GGUF writer, used to build test fixtures (including deliberately broken ones).
+//! GGUF writers.
 //!
-//! It writes exactly what it is given: counts, offsets and alignment can be overridden so
-//! tests can produce malformed files.
+//! [`GgufWriter`] builds a whole image in memory and writes exactly what it is given:
+//! counts, offsets and alignment can be overridden so tests can produce malformed files.
+//! [`GgufStreamWriter`] writes the header and then one tensor at a time (`convert`).
 
 use super::{GgufArray, GgufValue, DEFAULT_ALIGNMENT};
 use std::path::Path;
@@ -214,5 +215,108 @@ fn put_array(out: &mut Vec<u8>, a: &GgufArray) {
         GgufArray::F64(v) => v
             .iter()
             .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+    }
+}
+
+/// One tensor of a [`GgufStreamWriter`], declared before any data is written.
+#[derive(Debug, Clone)]
+pub struct StreamTensor {
+    pub name: String,
+    /// GGUF order (`ne[0]` fastest).
+    pub ne: Vec<u64>,
+    pub ggml_type: u32,
+    /// Bytes of data the tensor will have.
+    pub n_bytes: usize,
+}
+
+/// A GGUF file written tensor by tensor: the header (metadata, and every
+/// tensor's name, shape, type and offset, all known in advance) first, then
+/// each tensor's bytes as they are produced, so that only one tensor needs
+/// to be in memory. Alignment 32 (`general.alignment` is not written).
+pub struct GgufStreamWriter {
+    out: std::io::BufWriter<std::fs::File>,
+    tensors: Vec<StreamTensor>,
+    next: usize,
+    /// Bytes written since the start of the data section.
+    data_pos: usize,
+}
+
+impl GgufStreamWriter {
+    /// Creates `path` and writes the header.
+    pub fn create(
+        path: &Path,
+        kvs: &[(String, GgufValue)],
+        tensors: Vec<StreamTensor>,
+    ) -> std::io::Result<GgufStreamWriter> {
+        use std::io::Write;
+        let align = DEFAULT_ALIGNMENT as usize;
+        let mut head = Vec::new();
+        head.extend_from_slice(b"GGUF");
+        head.extend_from_slice(&3u32.to_le_bytes());
+        head.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
+        head.extend_from_slice(&(kvs.len() as u64).to_le_bytes());
+        for (k, v) in kvs {
+            put_str(&mut head, k);
+            head.extend_from_slice(&v.type_id().to_le_bytes());
+            put_value(&mut head, v);
+        }
+        let mut offset = 0usize;
+        for t in &tensors {
+            put_str(&mut head, &t.name);
+            head.extend_from_slice(&(t.ne.len() as u32).to_le_bytes());
+            for d in &t.ne {
+                head.extend_from_slice(&d.to_le_bytes());
+            }
+            head.extend_from_slice(&t.ggml_type.to_le_bytes());
+            head.extend_from_slice(&(offset as u64).to_le_bytes());
+            offset = pad(offset + t.n_bytes, align);
+        }
+        head.resize(pad(head.len(), align), 0);
+        let mut out = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(path)?);
+        out.write_all(&head)?;
+        Ok(GgufStreamWriter {
+            out,
+            tensors,
+            next: 0,
+            data_pos: 0,
+        })
+    }
+
+    /// Writes the data of the next declared tensor (they come in the
+    /// declared order); `data` must have the declared size.
+    pub fn write_tensor(&mut self, data: &[u8]) -> std::io::Result<()> {
+        use std::io::Write;
+        let Some(t) = self.tensors.get(self.next) else {
+            return Err(std::io::Error::other("more tensors written than declared"));
+        };
+        if data.len() != t.n_bytes {
+            return Err(std::io::Error::other(format!(
+                "tensor {}: {} bytes written, {} declared",
+                t.name,
+                data.len(),
+                t.n_bytes
+            )));
+        }
+        self.out.write_all(data)?;
+        let end = pad(self.data_pos + data.len(), DEFAULT_ALIGNMENT as usize);
+        self.out
+            .write_all(&vec![0u8; end - self.data_pos - data.len()])?;
+        self.data_pos = end;
+        self.next += 1;
+        Ok(())
+    }
+
+    /// Flushes the file; every declared tensor must have been written.
+    pub fn finish(mut self) -> std::io::Result<()> {
+        use std::io::Write;
+        if self.next != self.tensors.len() {
+            return Err(std::io::Error::other(format!(
+                "{} of {} tensors written",
+                self.next,
+                self.tensors.len()
+            )));
+        }
+        self.out.flush()?;
+        self.out.get_ref().sync_all()
     }
 }

@@ -266,20 +266,54 @@ pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, HfError> {
     ))
 }
 
-/// A Hugging Face Llama checkpoint, renamed to Meta's names, Q/K rows in
-/// Meta's order.
+/// A Hugging Face Llama checkpoint, renamed to Meta's names.
 pub struct HfCheckpoint {
     pub config: HfConfig,
     pub weights: WeightStore,
     /// `lm_head.weight` was present but unused because the embeddings are
     /// tied (as transformers does).
     pub dropped_tied_head: bool,
+    /// Tensors still in Hugging Face's Q/K row order, with the head count to
+    /// undo it with ([`hf_to_meta_rows`]); empty once [`load_hf_checkpoint`]
+    /// has done it.
+    pub unpermuted: BTreeMap<String, usize>,
+}
+
+impl HfCheckpoint {
+    /// Tensor `name` in Meta's row order (a permuted copy for `wq`/`wk`
+    /// still in HF order, else the stored view).
+    pub fn meta_tensor(&self, name: &str) -> Result<Option<WeightTensor>, HfError> {
+        let Some(t) = self.weights.tensors.get(name) else {
+            return Ok(None);
+        };
+        match self.unpermuted.get(name) {
+            Some(&h) => hf_to_meta_rows(t, h)
+                .map(Some)
+                .map_err(|message| HfError::Tensor {
+                    tensor: name.to_string(),
+                    message,
+                }),
+            None => Ok(Some(t.clone())),
+        }
+    }
 }
 
 /// Opens a Hugging Face checkpoint directory: reads `config.json`, maps
 /// every safetensors file, renames the tensors and puts `wq`/`wk` back in
 /// Meta's row order.
 pub fn load_hf_checkpoint(dir: &Path) -> Result<HfCheckpoint, HfError> {
+    let mut ck = open_hf_checkpoint(dir)?;
+    for name in std::mem::take(&mut ck.unpermuted).keys() {
+        let t = ck.meta_tensor(name)?.expect("listed tensors exist");
+        ck.weights.tensors.insert(name.clone(), t);
+    }
+    Ok(ck)
+}
+
+/// [`load_hf_checkpoint`] without the Q/K permutation: every tensor stays a
+/// view of the map, and [`HfCheckpoint::meta_tensor`] permutes `wq`/`wk` one
+/// at a time (what `convert` needs to hold one tensor at a time).
+pub fn open_hf_checkpoint(dir: &Path) -> Result<HfCheckpoint, HfError> {
     let cfg_path = dir.join("config.json");
     let text = std::fs::read_to_string(&cfg_path)
         .map_err(|e| path_err(&cfg_path, format!("cannot read config.json: {e}")))?;
@@ -353,6 +387,7 @@ pub fn load_hf_checkpoint(dir: &Path) -> Result<HfCheckpoint, HfError> {
     }
     let mut weights = WeightStore::default();
     let mut dropped_tied_head = false;
+    let mut unpermuted = BTreeMap::new();
     for (name, t) in raw.tensors {
         let meta = match hf_to_meta_name(&name) {
             HfName::Meta(m) => m,
@@ -381,13 +416,9 @@ pub fn load_hf_checkpoint(dir: &Path) -> Result<HfCheckpoint, HfError> {
         } else {
             None
         };
-        let t = match heads {
-            Some(h) => hf_to_meta_rows(&t, h).map_err(|message| HfError::Tensor {
-                tensor: name.clone(),
-                message,
-            })?,
-            None => t,
-        };
+        if let Some(h) = heads {
+            unpermuted.insert(meta.clone(), h);
+        }
         weights.tensors.insert(meta, t);
     }
     if !args.tied_embeddings && !weights.tensors.contains_key("output.weight") {
@@ -400,6 +431,7 @@ pub fn load_hf_checkpoint(dir: &Path) -> Result<HfCheckpoint, HfError> {
         config,
         weights,
         dropped_tied_head,
+        unpermuted,
     })
 }
 
