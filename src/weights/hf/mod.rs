@@ -303,10 +303,11 @@ impl HfCheckpoint {
 /// Meta's row order.
 pub fn load_hf_checkpoint(dir: &Path) -> Result<HfCheckpoint, HfError> {
     let mut ck = open_hf_checkpoint(dir)?;
-    for name in std::mem::take(&mut ck.unpermuted).keys() {
+    for name in ck.unpermuted.keys() {
         let t = ck.meta_tensor(name)?.expect("listed tensors exist");
         ck.weights.tensors.insert(name.clone(), t);
     }
+    ck.unpermuted.clear();
     Ok(ck)
 }
 
