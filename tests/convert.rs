@@ -50,6 +50,7 @@ fn last_logits(path: &Path, exact: bool) -> Vec<f32> {
         logit_rows: LogitRows::Last,
         passes: PassList::all(),
         exact,
+        ..Default::default()
     };
     Session::new(&m, &opts)
         .unwrap()
