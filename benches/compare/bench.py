@@ -39,6 +39,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -138,13 +139,18 @@ def prepare(args):
 
 
 def timed(cmd, env=None):
-    """Runs cmd; returns (stdout, peak RSS in MiB of that process)."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
-    out = p.stdout.read()
-    _, status, ru = os.wait4(p.pid, 0)
-    p.returncode = os.waitstatus_to_exitcode(status)
-    if p.returncode != 0:
-        raise RuntimeError(f"{cmd[0]} exited {p.returncode}")
+    """Runs cmd; returns (stdout, peak RSS in MiB of that process from
+    wait4), or None (logged with the end of its stderr) when it fails."""
+    with tempfile.TemporaryFile() as errf:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errf, env=env)
+        out = p.stdout.read()
+        _, status, ru = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        if p.returncode != 0:
+            errf.seek(0)
+            tail = errf.read()[-800:].decode(errors="replace")
+            log(f"FAILED (exit {p.returncode}): {' '.join(cmd)}\n{tail}")
+            return None
     return out, ru.ru_maxrss / 1024.0
 
 
@@ -162,6 +168,8 @@ def run(args):
     classes = args.classes.split(",")
     bins = {c: llamacpp_bin(c, "llama-bench") for c in classes}
     samples = {}
+    res = {"rounds": args.rounds, "cpu": cpu_name(), "samples": samples,
+           "llama_graph": git_rev(), "args": vars(args)}
     for rnd in range(args.rounds):
         for v in variants:
             path = model_path(v)
@@ -178,17 +186,26 @@ def run(args):
                     order = ["lg", "lc"] if rnd % 2 == 0 else ["lc", "lg"]
                     for who in order:
                         if who == "lg":
-                            out, rss = timed([str(LG), "bench", *flags], env)
+                            got = timed([str(LG), "bench", *flags], env)
                         else:
-                            out, rss = timed([str(bins[cls] / "llama-bench"), *flags])
-                        r = rows_of(out)
-                        r["rss_mib"] = rss
+                            got = timed([str(bins[cls] / "llama-bench"), *flags])
+                        if got is None:
+                            continue
+                        r = rows_of(got[0])
+                        r["rss_mib"] = got[1]
                         key = f"{v}|{cls}|{t}|{who}"
                         samples.setdefault(key, []).append(r)
                         log(f"round {rnd} {key}: " + " ".join(f"{k} {x:.1f}" for k, x in r.items()))
-    res = {"rounds": args.rounds, "cpu": cpu_name(), "samples": samples}
-    Path(args.out).write_text(json.dumps(res, indent=1))
+                        # Written after every sample: an interrupted run keeps what it measured.
+                        res["samples"] = samples
+                        Path(args.out).write_text(json.dumps(res, indent=1))
     table(res)
+
+
+def git_rev():
+    r = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
+                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    return r.stdout.strip() or "?"
 
 
 def cpu_name():
