@@ -31,8 +31,12 @@ pub enum Isa {
 pub const ISA_ENV: &str = "LLAMA_GRAPH_ISA";
 
 impl Isa {
-    /// Every level, lowest first. (An aarch64 NEON level would slot in after
-    /// `Scalar` for that architecture.)
+    /// Every level, lowest first. An aarch64 NEON level would be a variant
+    /// after `Scalar` that [`Isa::supported`] accepts only on that
+    /// architecture (today `supported` compares against [`Isa::detect`],
+    /// which is `Scalar` off x86-64), with a `neon()` predicate like
+    /// [`Isa::avx2`]; the float matmuls take a level's kernels through
+    /// one trait (`matmul::tiles::Tiles`), where a 4-lane NEON set slots in.
     pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Vnni];
 
     /// The name `LLAMA_GRAPH_ISA` and the reports use.
