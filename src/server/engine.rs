@@ -6,14 +6,24 @@
 //! [`GenEvent`]s from the returned [`GenStream`]; dropping the stream cancels
 //! the sequence. [`EngineHandle::stats`] feeds `/metrics`.
 //!
-//! This implementation serves one sequence at a time over the
-//! single-sequence [`Session`]: requests wait in a bounded queue (a full
-//! queue refuses at once with [`SubmitError::QueueFull`]) and run in
-//! arrival order. The API is the one a batching engine keeps.
+//! The engine batches: one thread owns the compiled [`Session`] and runs
+//! graph steps that carry tokens of several sequences at once. Between
+//! steps it admits queued requests into the running batch, drops cancelled
+//! ones (their KV blocks are free for the next step) and retires finished
+//! ones; [`super::scheduler::Scheduler`] decides what each step carries
+//! (decode tokens first, then prefill chunks within the step's token
+//! budget) and hands out KV blocks. At most `parallel` sequences run at
+//! once; requests wait in a bounded queue until one can start (a full queue
+//! refuses at once with [`SubmitError::QueueFull`]) and start in arrival
+//! order. Every kernel computes a sequence's rows independently of the rest
+//! of the batch, so a greedy request's tokens do not depend on what else is
+//! running.
 
+use super::scheduler::{Scheduler, SchedulerConfig, SeqId};
+use crate::exec::{Batch, KvPool};
 use crate::generate::sampler::{Sampler, SamplerConfig};
 use crate::session::{Model, Session, SessionError, SessionOptions};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::task::{Context, Poll};
@@ -90,12 +100,15 @@ pub struct EngineStats {
     pub in_flight: usize,
     /// KV-cache cells (token positions) holding a live sequence's tokens.
     pub kv_used: usize,
-    /// KV-cache cells in all.
+    /// KV-cache cells in all (the pool all sequences share).
     pub kv_total: usize,
     /// Generated tokens per second while at least one sequence was in
     /// flight, over the most recent stretch of at least one second of such
     /// time (0 before the first such stretch).
     pub tokens_per_s: f64,
+    /// Sequences preempted because the KV pool ran short (their blocks were
+    /// freed and they were fed again from their first token later).
+    pub preemptions_total: u64,
 }
 
 /// Fixed properties of a running engine.
@@ -114,10 +127,11 @@ pub struct EngineLimits {
 /// How to start an engine.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
-    /// The session to compile (its `context` is the total KV size).
+    /// The session to compile: its `context` is the KV pool all sequences
+    /// share (and the longest one sequence may be), its `batch` the most
+    /// tokens per step (decode tokens and prefill chunks together).
     pub session: SessionOptions,
-    /// Sequences in flight at most (`-np`). This engine runs one at a time
-    /// whatever the value.
+    /// Sequences in flight at most (`-np`): the most sequences per step.
     pub parallel: usize,
     /// Requests that may wait for a free sequence slot.
     pub queue_capacity: usize,
@@ -153,6 +167,8 @@ struct Shared {
     tokens_generated_total: AtomicU64,
     in_flight: AtomicUsize,
     kv_used: AtomicUsize,
+    kv_total: AtomicUsize,
+    preemptions_total: AtomicU64,
     /// f64 bits.
     tokens_per_s: AtomicU64,
 }
@@ -225,7 +241,9 @@ impl EngineHandle {
         let shared = Arc::new(Shared::default());
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let thread_shared = shared.clone();
-        let session_opts = cfg.session.clone();
+        let mut session_opts = cfg.session.clone();
+        session_opts.parallel = cfg.parallel;
+        let parallel = cfg.parallel;
         std::thread::Builder::new()
             .name("llama-graph-engine".into())
             .spawn(move || {
@@ -238,7 +256,7 @@ impl EngineHandle {
                 };
                 let _ = ready_tx.send(Ok((session.context(), session.vocab())));
                 // The model's mappings stay alive with the session.
-                engine_loop(session, &thread_shared);
+                engine_loop(session, parallel, &thread_shared);
                 drop(model);
             })
             .map_err(|e| EngineError::Thread(e.to_string()))?;
@@ -324,8 +342,9 @@ impl EngineHandle {
             queue_depth,
             in_flight: s.in_flight.load(Ordering::Relaxed),
             kv_used: s.kv_used.load(Ordering::Relaxed),
-            kv_total: self.limits.context,
+            kv_total: s.kv_total.load(Ordering::Relaxed),
             tokens_per_s: f64::from_bits(s.tokens_per_s.load(Ordering::Relaxed)),
+            preemptions_total: s.preemptions_total.load(Ordering::Relaxed),
         }
     }
 }
@@ -352,109 +371,186 @@ impl Throughput {
     }
 }
 
-fn engine_loop(mut session: Session, shared: &Shared) {
+/// A running sequence's generation state.
+struct Live {
+    tx: mpsc::UnboundedSender<GenEvent>,
+    sampler: Sampler,
+    prompt_tokens: usize,
+    max_tokens: usize,
+    stop_tokens: Vec<u32>,
+    /// Tokens sampled so far (a final stop token included).
+    generated: usize,
+}
+
+/// The engine thread: admits, schedules, steps, samples, retires, until the
+/// last handle is dropped.
+fn engine_loop(mut session: Session, parallel: usize, shared: &Shared) {
+    let geom = session.exec.kv_geom();
+    let mut sched = Scheduler::new(
+        SchedulerConfig {
+            parallel,
+            step_tokens: session.exec.max_chunk(),
+            context: session.context(),
+        },
+        // The scheduler hands out the whole pool (the session's own
+        // single-sequence allocator is not used here).
+        KvPool::new(geom.n_blocks, geom.block),
+    );
+    shared.kv_total.store(sched.kv_total(), Ordering::Relaxed);
+    let mut live: HashMap<SeqId, Live> = HashMap::with_capacity(parallel);
+    let mut next_id: SeqId = 0;
+    let mut batch = Batch::with_capacity(session.exec.max_chunk(), parallel, geom.n_blocks);
+    let mut plan = Vec::with_capacity(parallel);
+    let mut sampled: Vec<(SeqId, u32)> = Vec::with_capacity(parallel);
+    let mut gone: Vec<SeqId> = Vec::with_capacity(parallel);
     let mut rate = Throughput {
         tokens: 0,
         busy: Duration::ZERO,
     };
     loop {
-        let job = {
+        // Admit queued requests while a sequence can start; wait when idle.
+        {
             let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
             loop {
                 if q.shutdown {
-                    // Queued streams see their channel close.
+                    // Queued and running streams see their channels close.
                     q.jobs.clear();
                     return;
                 }
-                if let Some(j) = q.jobs.pop_front() {
-                    // Counted in flight before it leaves the queue's count,
-                    // so that a reader never sees it in neither.
-                    shared.in_flight.fetch_add(1, Ordering::Relaxed);
-                    break j;
+                while let Some(job) = q.jobs.front() {
+                    if job.tx.is_closed() {
+                        q.jobs.pop_front();
+                        continue;
+                    }
+                    if !sched.can_admit(job.req.prompt.len()) {
+                        break;
+                    }
+                    let job = q.jobs.pop_front().expect("looked at above");
+                    let id = next_id;
+                    next_id += 1;
+                    match Sampler::new(job.req.sampling, session.vocab()) {
+                        Ok(mut sampler) if sched.admit(id, &job.req.prompt, job.req.max_tokens) => {
+                            for &t in &job.req.prompt {
+                                sampler.accept(t);
+                            }
+                            shared.in_flight.fetch_add(1, Ordering::Relaxed);
+                            shared
+                                .tokens_prompt_total
+                                .fetch_add(job.req.prompt.len() as u64, Ordering::Relaxed);
+                            live.insert(
+                                id,
+                                Live {
+                                    tx: job.tx,
+                                    sampler,
+                                    prompt_tokens: job.req.prompt.len(),
+                                    max_tokens: job.req.max_tokens,
+                                    stop_tokens: job.req.stop_tokens,
+                                    generated: 0,
+                                },
+                            );
+                        }
+                        Ok(_) => {
+                            let _ = job
+                                .tx
+                                .send(GenEvent::Error("the request cannot fit the context".into()));
+                        }
+                        Err(e) => {
+                            let _ = job.tx.send(GenEvent::Error(e.0));
+                        }
+                    }
+                }
+                if !sched.is_idle() {
+                    break;
                 }
                 q = shared.ready.wait(q).unwrap_or_else(|e| e.into_inner());
             }
-        };
-        run_job(&mut session, job, shared, &mut rate);
+        }
+        // Sequences whose client has gone: their KV is free for this step.
+        gone.clear();
+        gone.extend(
+            live.iter()
+                .filter(|(_, l)| l.tx.is_closed())
+                .map(|(&id, _)| id),
+        );
+        for &id in &gone {
+            retire(&mut sched, &mut live, id, Ok(Finish::Cancelled), shared);
+        }
+        plan.clear();
+        plan.extend_from_slice(sched.schedule(&mut batch));
+        if plan.is_empty() {
+            continue;
+        }
+        let t0 = Instant::now();
+        sampled.clear();
+        let stepped = session.exec.step(&batch).map(|logits| {
+            for (j, slot) in plan.iter().enumerate() {
+                if let (true, Some(l)) = (slot.samples, live.get_mut(&slot.id)) {
+                    sampled.push((slot.id, l.sampler.sample(logits.row(j))));
+                }
+            }
+        });
+        if let Err(e) = stepped {
+            let msg = e.to_string();
+            for slot in &plan {
+                retire(&mut sched, &mut live, slot.id, Err(msg.clone()), shared);
+            }
+            continue;
+        }
+        sched.advance();
+        for &(id, tok) in &sampled {
+            let Some(l) = live.get_mut(&id) else {
+                continue;
+            };
+            l.generated += 1;
+            shared
+                .tokens_generated_total
+                .fetch_add(1, Ordering::Relaxed);
+            let end = if l.stop_tokens.contains(&tok) {
+                Some(Finish::Stop)
+            } else if l.tx.send(GenEvent::Token(tok)).is_err() {
+                Some(Finish::Cancelled)
+            } else if l.generated >= l.max_tokens {
+                Some(Finish::Length)
+            } else {
+                l.sampler.accept(tok);
+                sched.push_token(id, tok);
+                None
+            };
+            if let Some(f) = end {
+                retire(&mut sched, &mut live, id, Ok(f), shared);
+            }
+        }
+        shared.kv_used.store(sched.kv_used(), Ordering::Relaxed);
+        shared
+            .preemptions_total
+            .store(sched.preemptions(), Ordering::Relaxed);
+        rate.add(sampled.len() as u64, t0.elapsed(), &shared.tokens_per_s);
     }
 }
 
-/// Runs one sequence to its end and releases it; every path sends exactly
-/// one final event (which a cancelled stream no longer receives), after the
-/// sequence has left the in-flight count, so that a client that has its
+/// Ends a sequence: its KV blocks go back to the pool, it leaves the
+/// in-flight count, then its stream gets its one final event (which a
+/// cancelled stream no longer receives), so that a client that has its
 /// answer never sees its own sequence in the statistics.
-fn run_job(session: &mut Session, job: Job, shared: &Shared, rate: &mut Throughput) {
-    let Job { req, tx } = job;
-    let t0 = Instant::now();
-    let mut generated = 0usize;
-    let end = if tx.is_closed() {
-        Ok(Finish::Cancelled)
-    } else {
-        decode(session, &req, &tx, shared, &mut generated)
+fn retire(
+    sched: &mut Scheduler,
+    live: &mut HashMap<SeqId, Live>,
+    id: SeqId,
+    end: Result<Finish, String>,
+    shared: &Shared,
+) {
+    sched.remove(id);
+    shared.kv_used.store(sched.kv_used(), Ordering::Relaxed);
+    let Some(l) = live.remove(&id) else {
+        return;
     };
-    rate.add(generated as u64, t0.elapsed(), &shared.tokens_per_s);
-    shared.kv_used.store(0, Ordering::Relaxed);
     shared.in_flight.fetch_sub(1, Ordering::Relaxed);
-    let _ = tx.send(match end {
+    let _ = l.tx.send(match end {
         Ok(finish) => GenEvent::Done {
             finish,
-            prompt_tokens: req.prompt.len(),
-            completion_tokens: generated,
+            prompt_tokens: l.prompt_tokens,
+            completion_tokens: l.generated,
         },
         Err(e) => GenEvent::Error(e),
     });
-}
-
-/// Feeds the prompt, then samples, sends and feeds tokens until a stop
-/// token, the budget or a cancelled stream. `generated` counts sampled
-/// tokens as they are sampled.
-fn decode(
-    session: &mut Session,
-    req: &GenRequest,
-    tx: &mpsc::UnboundedSender<GenEvent>,
-    shared: &Shared,
-    generated: &mut usize,
-) -> Result<Finish, String> {
-    let mut sampler = Sampler::new(req.sampling, session.vocab()).map_err(|e| e.0)?;
-    for &t in &req.prompt {
-        sampler.accept(t);
-    }
-    session.reset();
-    shared
-        .tokens_prompt_total
-        .fetch_add(req.prompt.len() as u64, Ordering::Relaxed);
-    // The prompt in chunks, so that a cancelled long prompt stops early.
-    let chunk = session.exec.max_chunk().max(1);
-    let (head, last) = req.prompt.split_at(req.prompt.len() - 1);
-    for c in head.chunks(chunk) {
-        if tx.is_closed() {
-            return Ok(Finish::Cancelled);
-        }
-        let fed = session.feed(c).map(|_| ());
-        shared.kv_used.store(session.position(), Ordering::Relaxed);
-        fed.map_err(|e| e.to_string())?;
-    }
-    let mut logits = session.feed(last).map_err(|e| e.to_string())?;
-    loop {
-        let tok = sampler.sample(logits);
-        *generated += 1;
-        shared
-            .tokens_generated_total
-            .fetch_add(1, Ordering::Relaxed);
-        shared.kv_used.store(session.position(), Ordering::Relaxed);
-        if req.stop_tokens.contains(&tok) {
-            return Ok(Finish::Stop);
-        }
-        if tx.send(GenEvent::Token(tok)).is_err() {
-            return Ok(Finish::Cancelled);
-        }
-        if *generated >= req.max_tokens {
-            return Ok(Finish::Length);
-        }
-        if tx.is_closed() {
-            return Ok(Finish::Cancelled);
-        }
-        sampler.accept(tok);
-        logits = session.feed(&[tok]).map_err(|e| e.to_string())?;
-    }
 }

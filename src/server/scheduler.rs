@@ -1,0 +1,522 @@
+//! Continuous batching: which tokens of which sequences go into the next
+//! graph step.
+//!
+//! The scheduler knows sequences only as token lists and KV blocks; the
+//! engine around it owns the samplers and the client streams. Every step:
+//!
+//! 1. **decode tokens first**: each running sequence whose tokens are all in
+//!    the KV cache but its newest one feeds that token (one token, one
+//!    logits row, the next sampled token);
+//! 2. **prefill chunks** fill the rest of the step's token budget, oldest
+//!    sequence first, so prompts are fed in chunks mixed with the other
+//!    sequences' decode tokens;
+//! 3. a sequence whose chunk reaches its newest token **samples** from this
+//!    step's logits.
+//!
+//! KV memory is the executor's pool of blocks ([`KvPool`]). A new sequence
+//! is admitted (at most `parallel` run at once) when the pool can hold its
+//! whole prompt; its blocks are taken then, so a prompt once admitted is
+//! never starved of KV. Decoding takes one more block every `BS` tokens.
+//! When the pool is exhausted, the youngest running sequence is
+//! **preempted**: its blocks go back to the pool and it waits, ahead of new
+//! requests, to be fed again from its first token (recomputation, as vLLM
+//! does). Because every kernel computes a sequence's rows independently of
+//! the batch, a preempted sequence continues with exactly the tokens it
+//! would have produced. A sequence whose prompt plus budget exceeds the
+//! context can never run and is refused when it is added; one that does
+//! fit always runs eventually, since the oldest running sequence is never
+//! preempted and the pool holds a whole context.
+
+use crate::exec::{Batch, KvPool};
+use std::collections::VecDeque;
+
+/// A sequence's identity, chosen by the caller.
+pub type SeqId = u64;
+
+/// Limits of the scheduler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Sequences in flight at most (`-np`).
+    pub parallel: usize,
+    /// Tokens per step at most (decode tokens and prefill chunks together).
+    pub step_tokens: usize,
+    /// Positions one sequence may hold at most (prompt plus generated).
+    pub context: usize,
+}
+
+/// Why a sequence cannot be added.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AddError {
+    /// Its prompt plus its token budget exceed the context: it could never
+    /// run.
+    TooLong { tokens: usize, context: usize },
+    /// The prompt is empty.
+    Empty,
+}
+
+/// One sequence's place in the next step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Slot {
+    pub id: SeqId,
+    /// Tokens fed in this step.
+    pub tokens: usize,
+    /// Whether this step's logits row for the sequence gives its next token
+    /// (its chunk reaches its newest token).
+    pub samples: bool,
+}
+
+#[derive(Debug)]
+struct Seq {
+    id: SeqId,
+    /// Prompt then generated tokens.
+    tokens: Vec<u32>,
+    /// Positions in the KV cache (a prefix of `tokens`).
+    fed: usize,
+    blocks: Vec<u32>,
+    /// `tokens.len()` never exceeds this.
+    max_len: usize,
+}
+
+/// The continuous-batching scheduler (see the module documentation).
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    pool: KvPool,
+    /// Admitted sequences, oldest first.
+    running: Vec<Seq>,
+    /// Preempted sequences, to be fed again before any new one is
+    /// admitted (oldest preemption first).
+    preempted: VecDeque<Seq>,
+    /// The current step's plan.
+    plan: Vec<Slot>,
+    /// Sequences preempted so far (for statistics and tests).
+    preemptions: u64,
+}
+
+impl Scheduler {
+    /// A scheduler over `pool` (whose blocks it hands out alone).
+    pub fn new(cfg: SchedulerConfig, pool: KvPool) -> Self {
+        let cfg = SchedulerConfig {
+            parallel: cfg.parallel.max(1),
+            step_tokens: cfg.step_tokens.max(1),
+            context: cfg.context.min(pool.capacity()),
+        };
+        Scheduler {
+            running: Vec::with_capacity(cfg.parallel),
+            preempted: VecDeque::with_capacity(cfg.parallel),
+            plan: Vec::with_capacity(cfg.parallel),
+            cfg,
+            pool,
+            preemptions: 0,
+        }
+    }
+
+    pub fn config(&self) -> SchedulerConfig {
+        self.cfg
+    }
+
+    /// Checks that a sequence of `prompt` tokens generating at most
+    /// `max_tokens` can ever run.
+    pub fn check(&self, prompt: usize, max_tokens: usize) -> Result<(), AddError> {
+        if prompt == 0 {
+            return Err(AddError::Empty);
+        }
+        let tokens = prompt.saturating_add(max_tokens);
+        // The last sampled token is never fed, so `tokens - 1` positions
+        // are what the sequence holds at most; the refusal is on the
+        // caller's own count, as a user states it.
+        if tokens > self.cfg.context {
+            return Err(AddError::TooLong {
+                tokens,
+                context: self.cfg.context,
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether a new sequence of `prompt` tokens can start now: fewer than
+    /// `parallel` are running, none waits to be fed again after a
+    /// preemption, and the pool can hold the prompt and still give every
+    /// running sequence one more block.
+    pub fn can_admit(&self, prompt: usize) -> bool {
+        self.running.len() < self.cfg.parallel
+            && self.preempted.is_empty()
+            && self.pool.free_blocks() >= self.pool.blocks_for(prompt) + self.running.len()
+    }
+
+    /// Starts a sequence (call [`Self::can_admit`] first; [`Self::check`]
+    /// must have passed). Returns false, changing nothing, if it cannot
+    /// start now.
+    pub fn admit(&mut self, id: SeqId, prompt: &[u32], max_tokens: usize) -> bool {
+        if self.check(prompt.len(), max_tokens).is_err() || !self.can_admit(prompt.len()) {
+            return false;
+        }
+        let mut seq = Seq {
+            id,
+            tokens: prompt.to_vec(),
+            fed: 0,
+            blocks: Vec::new(),
+            max_len: prompt.len() + max_tokens,
+        };
+        if !self.pool.reserve(&mut seq.blocks, prompt.len()) {
+            return false;
+        }
+        self.running.push(seq);
+        true
+    }
+
+    /// Removes a sequence wherever it is and returns its KV blocks to the
+    /// pool at once. False if it is unknown.
+    pub fn remove(&mut self, id: SeqId) -> bool {
+        if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            let mut s = self.running.remove(i);
+            self.pool.release(&mut s.blocks);
+            return true;
+        }
+        if let Some(i) = self.preempted.iter().position(|s| s.id == id) {
+            if let Some(mut s) = self.preempted.remove(i) {
+                self.pool.release(&mut s.blocks);
+            }
+            return true;
+        }
+        false
+    }
+
+    /// Plans the next step into `batch` and returns its slots, in batch
+    /// order (the order of the step's logits rows). Empty when nothing can
+    /// run.
+    pub fn schedule(&mut self, batch: &mut Batch) -> &[Slot] {
+        batch.clear();
+        self.plan.clear();
+        self.readmit();
+        let mut budget = self.cfg.step_tokens;
+        // Decode tokens first, then prefill chunks; oldest first in each.
+        for decode in [true, false] {
+            let mut i = 0;
+            while i < self.running.len() && budget > 0 {
+                let pending = self.running[i].tokens.len() - self.running[i].fed;
+                if pending == 0 || (pending == 1) != decode {
+                    i += 1;
+                    continue;
+                }
+                let want = pending.min(budget);
+                // Only decode tokens may preempt: in the decode pass the
+                // younger sequences are not planned yet; prefill chunks
+                // already hold their blocks (a prompt is reserved whole).
+                match self.grow(i, want, decode) {
+                    Grow::Fits(n) => {
+                        let s = &self.running[i];
+                        batch.push(&s.tokens[s.fed..s.fed + n], s.fed, &s.blocks);
+                        self.plan.push(Slot {
+                            id: s.id,
+                            tokens: n,
+                            samples: s.fed + n == s.tokens.len(),
+                        });
+                        budget -= n;
+                        i += 1;
+                    }
+                    // `i` now names the next sequence (this one was
+                    // preempted).
+                    Grow::Preempted => {}
+                    Grow::Wait => i += 1,
+                }
+            }
+        }
+        &self.plan
+    }
+
+    /// Records that the planned step ran: each planned sequence's tokens
+    /// are now in the KV cache.
+    pub fn advance(&mut self) {
+        for p in &self.plan {
+            if let Some(s) = self.running.iter_mut().find(|s| s.id == p.id) {
+                s.fed += p.tokens;
+            }
+        }
+    }
+
+    /// Appends a sampled token to a sequence. False if the sequence is
+    /// unknown or already at its token budget.
+    pub fn push_token(&mut self, id: SeqId, token: u32) -> bool {
+        match self.running.iter_mut().find(|s| s.id == id) {
+            Some(s) if s.tokens.len() < s.max_len => {
+                s.tokens.push(token);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Sequences admitted and not finished (preempted ones included).
+    pub fn in_flight(&self) -> usize {
+        self.running.len() + self.preempted.len()
+    }
+    pub fn running(&self) -> usize {
+        self.running.len()
+    }
+    /// Sequences waiting to be fed again after a preemption.
+    pub fn preempted(&self) -> usize {
+        self.preempted.len()
+    }
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
+    }
+    pub fn is_idle(&self) -> bool {
+        self.running.is_empty() && self.preempted.is_empty()
+    }
+    /// Positions held by sequences (whole blocks).
+    pub fn kv_used(&self) -> usize {
+        (self.pool.total_blocks() - self.pool.free_blocks()) * self.pool.block_size()
+    }
+    /// Positions the pool holds.
+    pub fn kv_total(&self) -> usize {
+        self.pool.capacity()
+    }
+    /// The ids of the sequences admitted (running, then preempted).
+    pub fn ids(&self) -> impl Iterator<Item = SeqId> + '_ {
+        self.running
+            .iter()
+            .map(|s| s.id)
+            .chain(self.preempted.iter().map(|s| s.id))
+    }
+
+    /// Moves preempted sequences back to running while the pool holds
+    /// their tokens (they are fed again from the first one).
+    fn readmit(&mut self) {
+        while let Some(s) = self.preempted.front() {
+            let need = self.pool.blocks_for(s.tokens.len()) + self.running.len();
+            if self.running.len() >= self.cfg.parallel || self.pool.free_blocks() < need {
+                break;
+            }
+            let mut s = self.preempted.pop_front().expect("checked above");
+            let ok = self.pool.reserve(&mut s.blocks, s.tokens.len());
+            debug_assert!(ok, "counted above");
+            self.running.push(s);
+        }
+    }
+
+    /// Takes the blocks sequence `i` needs to feed `want` more tokens. If
+    /// the pool is short it feeds what its blocks hold, or, when
+    /// `may_preempt`, preempts the youngest running sequences (sequence `i`
+    /// itself if it is the youngest).
+    fn grow(&mut self, i: usize, want: usize, may_preempt: bool) -> Grow {
+        loop {
+            let s = &mut self.running[i];
+            let target = s.fed + want;
+            if self.pool.reserve(&mut s.blocks, target) {
+                return Grow::Fits(want);
+            }
+            // Feed what the blocks already held allow (a prompt admitted
+            // whole always fits; this is for decode growth).
+            let held = s.blocks.len() * self.pool.block_size();
+            if held > s.fed {
+                return Grow::Fits((held - s.fed).min(want));
+            }
+            if !may_preempt {
+                return Grow::Wait;
+            }
+            let victim = self.running.len() - 1;
+            self.preempt(victim);
+            if victim == i {
+                return Grow::Preempted;
+            }
+        }
+    }
+
+    fn preempt(&mut self, i: usize) {
+        let mut s = self.running.remove(i);
+        self.pool.release(&mut s.blocks);
+        s.fed = 0;
+        self.preemptions += 1;
+        self.preempted.push_back(s);
+    }
+}
+
+enum Grow {
+    /// Feed this many tokens (at least one).
+    Fits(usize),
+    /// The sequence was preempted.
+    Preempted,
+    /// Nothing fits this step; the sequence waits.
+    Wait,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sched(parallel: usize, step_tokens: usize, blocks: usize) -> Scheduler {
+        Scheduler::new(
+            SchedulerConfig {
+                parallel,
+                step_tokens,
+                context: blocks * 4,
+            },
+            KvPool::new(blocks, 4),
+        )
+    }
+
+    /// Runs one step: plans it, checks the batch against the plan, records
+    /// it, and gives every sampling sequence the token `100 + id`.
+    fn step(s: &mut Scheduler, batch: &mut Batch) -> Vec<Slot> {
+        let plan = s.schedule(batch).to_vec();
+        assert_eq!(batch.n_seqs(), plan.len());
+        assert_eq!(
+            batch.n_tokens(),
+            plan.iter().map(|p| p.tokens).sum::<usize>()
+        );
+        assert!(batch.n_tokens() <= s.config().step_tokens);
+        assert!(plan.len() <= s.config().parallel);
+        s.advance();
+        for p in &plan {
+            if p.samples {
+                s.push_token(p.id, 100 + p.id as u32);
+            }
+        }
+        plan
+    }
+
+    #[test]
+    fn prompts_are_chunked_beside_decode_tokens() {
+        let mut s = sched(4, 8, 16);
+        let mut b = Batch::default();
+        assert!(s.admit(1, &[1; 10], 5));
+        let p = step(&mut s, &mut b);
+        assert_eq!(
+            p,
+            [Slot {
+                id: 1,
+                tokens: 8,
+                samples: false
+            }]
+        );
+        assert!(s.admit(2, &[2; 6], 5));
+        // Sequence 1's last 2 prompt tokens, then 6 of sequence 2's.
+        let p = step(&mut s, &mut b);
+        assert_eq!(
+            p,
+            [
+                Slot {
+                    id: 1,
+                    tokens: 2,
+                    samples: true
+                },
+                Slot {
+                    id: 2,
+                    tokens: 6,
+                    samples: true
+                }
+            ]
+        );
+        // Both decode now: one token each, decode first.
+        assert!(s.admit(3, &[3; 20], 5));
+        let p = step(&mut s, &mut b);
+        assert_eq!(
+            p[..2],
+            [
+                Slot {
+                    id: 1,
+                    tokens: 1,
+                    samples: true
+                },
+                Slot {
+                    id: 2,
+                    tokens: 1,
+                    samples: true
+                }
+            ]
+        );
+        assert_eq!(
+            p[2],
+            Slot {
+                id: 3,
+                tokens: 6,
+                samples: false
+            }
+        );
+        // The batch's sequence table: tokens contiguous, start positions.
+        assert_eq!(b.seq_table()[..12], [0, 1, 10, 0, 1, 1, 6, 3, 2, 6, 0, 5]);
+    }
+
+    #[test]
+    fn parallel_and_kv_bound_admission() {
+        let mut s = sched(2, 64, 10);
+        assert!(s.admit(1, &[0; 4], 4));
+        assert!(s.admit(2, &[0; 4], 4));
+        assert!(!s.can_admit(4), "two in flight");
+        assert!(!s.admit(3, &[0; 4], 4));
+        assert!(s.remove(1));
+        assert!(s.can_admit(4));
+        // 9 free blocks: 7 for a 28-token prompt plus one per running
+        // sequence (one) fits, 8 blocks' worth of prompt does not.
+        assert!(s.can_admit(28) && !s.can_admit(33));
+        assert_eq!(
+            s.check(30, 11),
+            Err(AddError::TooLong {
+                tokens: 41,
+                context: 40
+            })
+        );
+        assert_eq!(s.check(0, 1), Err(AddError::Empty));
+        assert!(s.check(30, 10).is_ok());
+    }
+
+    #[test]
+    fn finished_and_cancelled_sequences_free_their_blocks_at_once() {
+        let mut s = sched(4, 64, 8);
+        let mut b = Batch::default();
+        assert!(s.admit(1, &[0; 9], 3));
+        assert!(s.admit(2, &[0; 5], 3));
+        step(&mut s, &mut b);
+        assert_eq!(s.kv_used(), (3 + 2) * 4);
+        assert!(s.remove(1));
+        assert_eq!(s.kv_used(), 2 * 4);
+        assert!(!s.remove(1), "already gone");
+        assert!(s.remove(2));
+        assert_eq!(s.kv_used(), 0);
+        assert!(s.is_idle());
+        assert!(s.schedule(&mut b).is_empty() && b.is_empty());
+    }
+
+    #[test]
+    fn a_short_pool_preempts_the_youngest_and_feeds_it_again() {
+        // 6 blocks of 4 positions; two sequences of 8-token prompts that
+        // each want 8 more tokens: 16 positions each, 32 in all, 24 held.
+        let mut s = sched(2, 64, 6);
+        let mut b = Batch::default();
+        assert!(s.admit(1, &[1; 8], 8));
+        assert!(s.admit(2, &[2; 8], 8));
+        let mut fed: Vec<(SeqId, usize, usize)> = Vec::new();
+        let mut done = Vec::new();
+        for _ in 0..64 {
+            if s.is_idle() {
+                break;
+            }
+            let plan = s.schedule(&mut b).to_vec();
+            // Every block table entry is a distinct block.
+            let mut ids = b.block_table().to_vec();
+            ids.sort_unstable();
+            ids.dedup();
+            assert_eq!(ids.len(), b.block_table().len(), "blocks are never shared");
+            s.advance();
+            for (j, p) in plan.iter().enumerate() {
+                let row = &b.seq_table()[4 * j..4 * j + 4];
+                fed.push((p.id, row[2] as usize, p.tokens));
+                if p.samples && !s.push_token(p.id, 7) {
+                    done.push(p.id);
+                    s.remove(p.id);
+                }
+            }
+        }
+        assert!(s.preemptions() > 0, "the pool was short");
+        done.sort_unstable();
+        assert_eq!(done, [1, 2], "both finished");
+        // Sequence 2 was fed again from position 0 after its preemption.
+        let restarts = fed
+            .iter()
+            .filter(|&&(id, start, _)| id == 2 && start == 0)
+            .count();
+        assert_eq!(restarts, 1 + s.preemptions() as usize);
+        assert_eq!(s.kv_used(), 0);
+    }
+}

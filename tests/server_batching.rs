@@ -1,0 +1,184 @@
+//! Continuous batching in the serving engine (issue 15, point 2), on a
+//! small random Meta checkpoint: requests that do not fit the free KV wait
+//! and then run, a short KV pool preempts and recomputes sequences without
+//! changing their tokens, a cancelled sequence's KV is freed, and the
+//! engine never holds more sequences than `-np`.
+mod common;
+
+use llama_graph::generate::{generate, GenOptions, SamplerConfig, StopReason};
+use llama_graph::server::engine::{
+    EngineConfig, EngineHandle, Finish, GenEvent, GenRequest, GenStream, SubmitError,
+};
+use llama_graph::session::{Model, Session, SessionOptions};
+
+fn model() -> Model {
+    Model::open(&common::root().join("tests/fixtures/meta/gqa_scaled")).unwrap()
+}
+
+fn options(context: usize) -> SessionOptions {
+    SessionOptions {
+        context: Some(context),
+        batch: 32,
+        threads: 2,
+        ..SessionOptions::default()
+    }
+}
+
+fn engine(context: usize, parallel: usize) -> EngineHandle {
+    EngineHandle::start(
+        model(),
+        EngineConfig {
+            session: options(context),
+            parallel,
+            queue_capacity: 16,
+        },
+    )
+    .unwrap()
+}
+
+fn greedy() -> SamplerConfig {
+    SamplerConfig {
+        temperature: 0.0,
+        ..SamplerConfig::default()
+    }
+}
+
+fn prompt(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i * 37 + salt * 101 + 3) % 512)
+        .collect()
+}
+
+fn request(prompt: Vec<u32>, max_tokens: usize) -> GenRequest {
+    GenRequest {
+        prompt,
+        max_tokens,
+        sampling: greedy(),
+        stop_tokens: Vec::new(),
+    }
+}
+
+/// What `generate` gives alone.
+fn alone(prompt: &[u32], n: usize) -> Vec<u32> {
+    let m = model();
+    let mut s = Session::new(&m, &options(512)).unwrap();
+    let opts = GenOptions {
+        n_predict: Some(n),
+        sampler: greedy(),
+        stop_strings: Vec::new(),
+        record_top: false,
+    };
+    let st = generate(&mut s, None, prompt, &opts, &mut |_| {}).unwrap();
+    assert_eq!(st.stop_reason, Some(StopReason::Length));
+    st.generated_tokens
+}
+
+fn collect(mut s: GenStream) -> (Vec<u32>, GenEvent) {
+    let mut toks = Vec::new();
+    loop {
+        match s.blocking_next().expect("a stream ends with Done or Error") {
+            GenEvent::Token(t) => toks.push(t),
+            end => return (toks, end),
+        }
+    }
+}
+
+/// Polls the engine's statistics until `done` holds (at most ~10 s of
+/// polling; the engine frees a cancelled sequence within one step).
+fn wait_for(e: &EngineHandle, done: impl Fn(&llama_graph::server::engine::EngineStats) -> bool) {
+    for _ in 0..2000 {
+        if done(&e.stats()) {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    panic!("the engine did not get there: {:?}", e.stats());
+}
+
+#[test]
+fn requests_longer_than_the_free_kv_wait_and_then_run() {
+    // A pool of 256 positions: each request fits alone, not both at once.
+    let e = engine(256, 2);
+    let (a, b) = (prompt(200, 1), prompt(180, 2));
+    let sa = e.submit(request(a.clone(), 20)).unwrap();
+    let sb = e.submit(request(b.clone(), 30)).unwrap();
+    assert_eq!(collect(sa).0, alone(&a, 20));
+    assert_eq!(collect(sb).0, alone(&b, 30));
+    // One that can never fit is refused with the numbers.
+    let Err(err) = e.submit(request(prompt(250, 3), 10)) else {
+        panic!("a request over the context was accepted");
+    };
+    assert_eq!(
+        err,
+        SubmitError::TooLong {
+            prompt_tokens: 250,
+            max_tokens: 10,
+            context: 256
+        }
+    );
+    let st = e.stats();
+    assert_eq!((st.in_flight, st.kv_used, st.kv_total), (0, 0, 256));
+}
+
+#[test]
+fn a_short_pool_preempts_and_recomputes_without_changing_tokens() {
+    // 128 positions for three sequences that each grow to 90: the pool runs
+    // out while they decode, so the youngest are preempted and fed again.
+    let e = engine(128, 3);
+    let prompts: Vec<Vec<u32>> = (0..3).map(|j| prompt(30, 10 + j)).collect();
+    let streams: Vec<GenStream> = prompts
+        .iter()
+        .map(|p| e.submit(request(p.clone(), 60)).unwrap())
+        .collect();
+    for (p, s) in prompts.iter().zip(streams) {
+        let (toks, end) = collect(s);
+        assert_eq!(toks, alone(p, 60));
+        assert!(matches!(
+            end,
+            GenEvent::Done {
+                finish: Finish::Length,
+                prompt_tokens: 30,
+                completion_tokens: 60
+            }
+        ));
+    }
+    let st = e.stats();
+    assert!(st.preemptions_total > 0, "the pool was short: {st:?}");
+    assert_eq!((st.in_flight, st.kv_used), (0, 0));
+}
+
+#[test]
+fn a_cancelled_sequence_frees_its_kv_and_the_engine_goes_on() {
+    let e = engine(512, 4);
+    let mut s = e.submit(request(prompt(40, 4), 400)).unwrap();
+    for _ in 0..3 {
+        assert!(matches!(s.blocking_next(), Some(GenEvent::Token(_))));
+    }
+    assert!(e.stats().kv_used >= 40);
+    drop(s);
+    wait_for(&e, |st| st.in_flight == 0 && st.kv_used == 0);
+    let p = prompt(20, 5);
+    assert_eq!(
+        collect(e.submit(request(p.clone(), 8)).unwrap()).0,
+        alone(&p, 8)
+    );
+}
+
+#[test]
+fn at_most_parallel_sequences_run_and_the_rest_queue() {
+    // Eight requests, two run at a time: all eight finish with their own
+    // tokens, and the engine never reports more than two in flight.
+    let e = engine(512, 2);
+    let prompts: Vec<Vec<u32>> = (0..8).map(|j| prompt(5 + 7 * j, 20 + j as u32)).collect();
+    let streams: Vec<GenStream> = prompts
+        .iter()
+        .map(|p| e.submit(request(p.clone(), 6)).unwrap())
+        .collect();
+    let mut max_in_flight = 0;
+    for (p, s) in prompts.iter().zip(streams) {
+        max_in_flight = max_in_flight.max(e.stats().in_flight);
+        assert_eq!(collect(s).0, alone(p, 6));
+    }
+    assert!(max_in_flight <= 2, "{max_in_flight}");
+    assert_eq!(e.stats().requests_total, 8);
+}
