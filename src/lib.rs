@@ -4,6 +4,7 @@
 //! Layout: [`ir`] (the graph), [`model`] (arguments and the Llama builder),
 //! [`weights`] (checkpoint readers), [`tokenizer`], [`kernels`].
 pub mod convert;
+pub mod dist;
 pub mod error;
 pub mod exec;
 pub mod fetch;

@@ -12,20 +12,23 @@
 //! engine drives [`Session::exec`] with batches of several sequences whose
 //! blocks it takes from [`Session::pool`].
 
+use crate::dist::stage::{PipelineLink, StepHeader};
 use crate::exec::{
     bind_weights, materialize_packed, store_dtypes, Batch, BindError, ExecError, Executor, KvPool,
 };
 use crate::ir::{DType, Graph, GraphError, LogitRows};
 use crate::model::llama::BuildError;
 use crate::model::{build_llama, BuildOptions, ModelArgs, ParamsError};
-use crate::passes::{run_pipeline, PassError, PassList, PipelineReport};
+use crate::passes::{partition, run_pipeline, PassError, PassList, PipelineReport, StagePlan};
 use crate::plan::{compile, ExecPlan, PlanLimits};
 use crate::tokenizer::gguf::GgufTokenizerParts;
 use crate::tokenizer::{Tokenizer, TokenizerError};
 use crate::weights::gguf::{GgufError, LlamaGguf};
 use crate::weights::hf::{load_hf_checkpoint, HfError};
-use crate::weights::pth::{load_meta_checkpoint, PthError};
+use crate::weights::pth::{load_meta_checkpoint, merge_shards, open_pth, shard_paths, PthError};
 use crate::weights::WeightStore;
+use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use thiserror::Error;
 
@@ -73,7 +76,14 @@ pub enum SessionError {
     Exec(#[from] ExecError),
     #[error("{0}")]
     Invalid(String),
+    #[error("pipeline: {0}")]
+    Pipeline(String),
 }
+
+/// Chooses the checkpoint tensors to load from the model's arguments and
+/// the dtypes of all its tensors (see [`Model::open_only`]).
+pub type TensorSelector<'a> =
+    dyn Fn(&ModelArgs, &BTreeMap<String, DType>) -> Result<BTreeSet<String>, String> + 'a;
 
 /// The format a model was found in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -140,6 +150,28 @@ impl Model {
 
     /// Opens a GGUF file (llama architecture).
     pub fn open_gguf(path: &Path) -> Result<Model, LoadError> {
+        Model::open_gguf_file(path)
+    }
+
+    /// Opens a model keeping only the tensors `select` names (a pipeline
+    /// stage's): the others are dropped from the store before anything
+    /// reads their pages, and the shards of a Meta checkpoint are merged
+    /// only for the selected tensors.
+    pub fn open_only(path: &Path, select: &TensorSelector<'_>) -> Result<Model, LoadError> {
+        let perr = |message: String| LoadError::Path {
+            path: path.display().to_string(),
+            message,
+        };
+        if std::fs::metadata(path).is_ok_and(|m| m.is_dir()) && path.join("params.json").is_file() {
+            return Model::open_meta_dir_with(path, Some(select));
+        }
+        let mut model = Model::open(path)?;
+        let keep = select(&model.args, &store_dtypes(&model.weights)).map_err(perr)?;
+        model.weights.tensors.retain(|k, _| keep.contains(k));
+        Ok(model)
+    }
+
+    fn open_gguf_file(path: &Path) -> Result<Model, LoadError> {
         let gerr = |source| LoadError::Gguf {
             path: path.display().to_string(),
             source,
@@ -392,6 +424,13 @@ impl Model {
 
     /// Opens a Meta checkpoint directory.
     pub fn open_meta_dir(dir: &Path) -> Result<Model, LoadError> {
+        Model::open_meta_dir_with(dir, None)
+    }
+
+    fn open_meta_dir_with(
+        dir: &Path,
+        select: Option<&TensorSelector<'_>>,
+    ) -> Result<Model, LoadError> {
         let pj = dir.join("params.json");
         let text = std::fs::read_to_string(&pj).map_err(|e| LoadError::Path {
             path: pj.display().to_string(),
@@ -401,11 +440,41 @@ impl Model {
             path: pj.display().to_string(),
             source,
         })?;
-        let weights = load_meta_checkpoint(dir)?;
-        let emb_rows = weights
-            .tensors
-            .get("tok_embeddings.weight")
-            .and_then(|t| t.shape.first().copied());
+        let emb_rows_of = |w: &WeightStore| {
+            w.tensors
+                .get("tok_embeddings.weight")
+                .and_then(|t| t.shape.first().copied())
+        };
+        let (weights, emb_rows) = match select {
+            None => {
+                let w = load_meta_checkpoint(dir)?;
+                let rows = emb_rows_of(&w);
+                (w, rows)
+            }
+            Some(select) => {
+                // Shards are views until merged; merge only what is kept.
+                // Meta splits the embedding along its columns, so shard 0
+                // has every row.
+                let mut shards = shard_paths(dir)?
+                    .iter()
+                    .map(|p| open_pth(p))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let rows = shards.first().and_then(emb_rows_of);
+                let mut a = args.clone();
+                if a.vocab_size.is_none() {
+                    a.vocab_size = rows;
+                }
+                let dtypes = shards.first().map(store_dtypes).unwrap_or_default();
+                let keep = select(&a, &dtypes).map_err(|message| LoadError::Path {
+                    path: dir.display().to_string(),
+                    message,
+                })?;
+                for s in &mut shards {
+                    s.tensors.retain(|k, _| keep.contains(k));
+                }
+                (merge_shards(shards)?, rows)
+            }
+        };
         match (args.vocab_size, emb_rows) {
             (None, Some(rows)) => args.vocab_size = Some(rows),
             (Some(v), Some(rows)) if v != rows => {
@@ -487,6 +556,13 @@ pub struct Session {
     pub pool: KvPool,
     /// The blocks of the session's own sequence ([`Session::feed`]).
     blocks: Vec<u32>,
+    /// For a pipeline stage: its index, the number of stages and its layers.
+    pub stage: Option<(usize, usize, Range<usize>)>,
+    /// On rank 0 of a pipeline: the link to the later stages; `feed` runs
+    /// stage 0 here and gets the logits back from the last stage.
+    link: Option<PipelineLink>,
+    /// The logits the last stage sent back.
+    remote_logits: Vec<f32>,
     pos: usize,
     vocab: usize,
     /// The current step, reused across calls.
@@ -495,6 +571,34 @@ pub struct Session {
 
 impl Session {
     pub fn new(model: &Model, opts: &SessionOptions) -> Result<Session, SessionError> {
+        Session::build(model, opts, None)
+    }
+
+    /// A session for stage `stage` of `plan`: the compiled graph is
+    /// partitioned (see [`crate::passes::partition`]) and only this stage's
+    /// graph is planned, bound (only its tensors are read) and run, with a
+    /// KV pool for its layers only. Stage 0 embeds tokens; the others take
+    /// the hidden state through [`Executor::step_with`].
+    pub fn new_stage(
+        model: &Model,
+        opts: &SessionOptions,
+        plan: &StagePlan,
+        stage: usize,
+    ) -> Result<Session, SessionError> {
+        if stage >= plan.n_stages() {
+            return Err(SessionError::Pipeline(format!(
+                "stage {stage} of a {}-stage plan",
+                plan.n_stages()
+            )));
+        }
+        Session::build(model, opts, Some((plan, stage)))
+    }
+
+    fn build(
+        model: &Model,
+        opts: &SessionOptions,
+        stage: Option<(&StagePlan, usize)>,
+    ) -> Result<Session, SessionError> {
         if opts.batch == 0 {
             return Err(SessionError::Invalid(
                 "the batch size (-b) must be at least 1".into(),
@@ -516,14 +620,23 @@ impl Session {
         bo.logit_rows = opts.logit_rows;
         bo.kv_dtype = if opts.exact { DType::F32 } else { DType::F16 };
         let mut graph = build_llama(&model.args, &bo)?;
+        let stage_graph = |g: &Graph| -> Result<Graph, SessionError> {
+            match stage {
+                None => Ok(g.clone()),
+                Some((plan, k)) => Ok(partition(g, plan)?.stages.swap_remove(k).graph),
+            }
+        };
         // Check every tensor against the builder's graph, where each has its
         // own checkpoint name and shape, before passes pack any of them.
-        let unused_weights = bind_weights(&graph, &model.weights)?.unused;
+        let unused_weights = bind_weights(&stage_graph(&graph)?, &model.weights)?.unused;
         let passes = match opts.logit_rows {
             LogitRows::All => opts.passes.clone().without("last_logits"),
             LogitRows::Last => opts.passes.clone(),
         };
         let report = run_pipeline(&mut graph, &passes, |_, _| {})?;
+        if stage.is_some() {
+            graph = stage_graph(&graph)?;
+        }
         let limits = PlanLimits {
             max_tokens: opts.batch,
             max_seqs: opts.parallel,
@@ -548,10 +661,197 @@ impl Session {
             unused_weights,
             blocks: Vec::with_capacity(geom.n_blocks),
             pool,
+            stage: stage.map(|(p, k)| (k, p.n_stages(), p.layers[k].clone())),
+            link: None,
+            remote_logits: Vec::new(),
             pos: 0,
             vocab,
             batch: Batch::with_capacity(max.s, max.n, geom.n_blocks),
         })
+    }
+
+    /// Makes this session (stage 0 of a pipeline) rank 0 of the pipeline:
+    /// [`Session::feed`] sends each step on and returns the logits the last
+    /// stage sends back.
+    pub fn attach_pipeline(&mut self, link: PipelineLink) -> Result<(), SessionError> {
+        match &self.stage {
+            Some((0, n, _)) if *n == link.n_stages() => {
+                self.link = Some(link);
+                Ok(())
+            }
+            other => Err(SessionError::Pipeline(format!(
+                "only stage 0 of a {}-stage plan leads a {}-rank pipeline (this session: {other:?})",
+                link.n_stages(),
+                link.n_stages()
+            ))),
+        }
+    }
+
+    /// The pipeline link, if this session leads one.
+    pub fn pipeline(&mut self) -> Option<&mut PipelineLink> {
+        self.link.as_mut()
+    }
+
+    /// After an error rank 0 reported: ends every rank of the pipeline this
+    /// session leads (`MPI_Abort` under MPI).
+    pub fn abort_pipeline(&mut self, code: i32) {
+        if let Some(mut l) = self.link.take() {
+            l.abort(code);
+        }
+    }
+
+    /// Ends the pipeline this session leads (every rank stops; `reason`
+    /// empty for a clean stop).
+    pub fn stop_pipeline(&mut self, reason: &str) -> Result<(), SessionError> {
+        match self.link.take() {
+            Some(mut l) => l
+                .stop(reason)
+                .map_err(|e| SessionError::Pipeline(e.to_string())),
+            None => Ok(()),
+        }
+    }
+
+    /// Runs the current batch: here alone, or as stage 0 of the pipeline
+    /// this session leads, in which case the step goes on to the later
+    /// stages and, when `want_logits`, the last stage's logits come back
+    /// (one row per sequence). Without `want_logits` a pipelined step
+    /// returns no logits.
+    fn run_batch(&mut self, want_logits: bool) -> Result<Option<&[f32]>, SessionError> {
+        let Some(link) = self.link.as_mut() else {
+            let out = self.exec.step(&self.batch)?;
+            return Ok(Some(out.last()));
+        };
+        let out = self.exec.step(&self.batch)?;
+        let h = StepHeader { want_logits };
+        let perr = |e: crate::dist::DistError| SessionError::Pipeline(e.to_string());
+        link.forward(&h, &self.batch, out.data).map_err(perr)?;
+        if !want_logits {
+            return Ok(None);
+        }
+        let l = link.recv_logits().map_err(perr)?;
+        if l.width != self.vocab || l.rows == 0 {
+            return Err(SessionError::Pipeline(format!(
+                "the last stage sent {} x {} logits, expected rows of {}",
+                l.rows, l.width, self.vocab
+            )));
+        }
+        self.remote_logits.clear();
+        self.remote_logits
+            .extend_from_slice(&l.data[(l.rows - 1) * l.width..]);
+        Ok(Some(&self.remote_logits))
+    }
+
+    /// Greedy decoding of several sequences for throughput measurements:
+    /// sequence `j` starts at position 0 with `starts[j]` and decodes `n`
+    /// tokens, with its own blocks of the KV pool. Each step is one
+    /// sequence's token (a micro-batch). Alone, the steps alternate;
+    /// leading a pipeline, a sequence's next step starts as soon as its
+    /// logits are back, so while the later stages work on one sequence this
+    /// rank runs stage 0 of the next, and with as many sequences as stages
+    /// every stage is busy. Returns each sequence's tokens; their blocks go
+    /// back to the pool. The session's own sequence must be empty.
+    pub fn decode_in_flight(
+        &mut self,
+        starts: &[u32],
+        n: usize,
+    ) -> Result<Vec<Vec<u32>>, SessionError> {
+        let m = starts.len();
+        if m == 0 || n == 0 || n > self.context() || self.pos != 0 {
+            return Err(SessionError::Invalid(format!(
+                "{m} sequences of {n} tokens from position {}: need at least one sequence of 1 to {} tokens from an empty session",
+                self.pos,
+                self.context()
+            )));
+        }
+        let mut blocks: Vec<Vec<u32>> = vec![Vec::new(); m];
+        let result = self.decode_in_flight_with(starts, n, &mut blocks);
+        for b in &mut blocks {
+            self.pool.release(b);
+        }
+        result
+    }
+
+    fn decode_in_flight_with(
+        &mut self,
+        starts: &[u32],
+        n: usize,
+        blocks: &mut [Vec<u32>],
+    ) -> Result<Vec<Vec<u32>>, SessionError> {
+        let m = starts.len();
+        for b in blocks.iter_mut() {
+            if !self.pool.reserve(b, n) {
+                return Err(SessionError::Invalid(format!(
+                    "the KV pool has {} blocks of {} positions, too few for {m} sequences of {n} tokens (use a larger -c)",
+                    self.pool.total_blocks(),
+                    self.pool.block_size()
+                )));
+            }
+        }
+        fn argmax(l: &[f32]) -> u32 {
+            let mut best = 0;
+            for (i, &v) in l.iter().enumerate() {
+                if v > l[best] {
+                    best = i;
+                }
+            }
+            best as u32
+        }
+        let perr = |e: crate::dist::DistError| SessionError::Pipeline(e.to_string());
+        let mut next: Vec<u32> = starts.to_vec();
+        let mut out: Vec<Vec<u32>> = vec![Vec::with_capacity(n); m];
+        let mut issued: std::collections::VecDeque<usize> = Default::default();
+        let vocab = self.vocab;
+        let take = |link: &mut PipelineLink,
+                    issued: &mut std::collections::VecDeque<usize>,
+                    next: &mut Vec<u32>,
+                    out: &mut Vec<Vec<u32>>|
+         -> Result<(), SessionError> {
+            let Some(front) = issued.pop_front() else {
+                return Ok(());
+            };
+            let l = link.recv_logits().map_err(perr)?;
+            if l.width != vocab || l.rows != 1 {
+                return Err(SessionError::Pipeline(format!(
+                    "{} x {} logits came back for one sequence's step",
+                    l.rows, l.width
+                )));
+            }
+            let t = argmax(&l.data);
+            next[front] = t;
+            out[front].push(t);
+            Ok(())
+        };
+        for i in 0..n {
+            for j in 0..m {
+                if let Some(link) = self.link.as_mut() {
+                    // Sequence j's token from step i - 1 is due first.
+                    while out[j].len() < i && !issued.is_empty() {
+                        take(link, &mut issued, &mut next, &mut out)?;
+                    }
+                }
+                self.batch.clear();
+                self.batch.push(&[next[j]], i, &blocks[j]);
+                let step = self.exec.step(&self.batch)?;
+                match self.link.as_mut() {
+                    None => {
+                        let t = argmax(step.last());
+                        next[j] = t;
+                        out[j].push(t);
+                    }
+                    Some(link) => {
+                        let h = StepHeader { want_logits: true };
+                        link.forward(&h, &self.batch, step.data).map_err(perr)?;
+                        issued.push_back(j);
+                    }
+                }
+            }
+        }
+        if let Some(link) = self.link.as_mut() {
+            while !issued.is_empty() {
+                take(link, &mut issued, &mut next, &mut out)?;
+            }
+        }
+        Ok(out)
     }
 
     /// Tokens already in the KV cache.
@@ -635,16 +935,18 @@ impl Session {
         self.check_and_reserve(tokens)?;
         let chunk = self.exec.max_chunk();
         let n_chunks = tokens.len().div_ceil(chunk);
-        for (i, c) in tokens.chunks(chunk).enumerate() {
+        let mut chunks = tokens.chunks(chunk);
+        for c in chunks.by_ref().take(n_chunks - 1) {
             self.batch.clear();
             self.batch.push(c, self.pos, &self.blocks);
             self.pos += c.len();
-            if i + 1 < n_chunks {
-                self.exec.step(&self.batch)?;
-            } else {
-                return Ok(self.exec.step(&self.batch)?.last());
-            }
+            self.run_batch(false)?;
         }
-        unreachable!("tokens is not empty")
+        let c = chunks.next().unwrap_or_default();
+        self.batch.clear();
+        self.batch.push(c, self.pos, &self.blocks);
+        self.pos += c.len();
+        self.run_batch(true)?
+            .ok_or_else(|| SessionError::Pipeline("no logits came back".into()))
     }
 }

@@ -10,7 +10,7 @@
 use crate::ir::SEQ_TABLE_COLS;
 
 /// The tokens of one step, grouped by sequence.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Batch {
     tokens: Vec<i32>,
     /// `[N, 4]`: first token, token count, start position, block-list offset.
@@ -26,6 +26,18 @@ impl Batch {
             tokens: Vec::with_capacity(max_tokens),
             seqs: Vec::with_capacity(max_seqs * SEQ_TABLE_COLS),
             blocks: Vec::with_capacity(max_blocks),
+        }
+    }
+
+    /// A batch from its three tables, as [`Batch::tokens`],
+    /// [`Batch::seq_table`] and [`Batch::block_table`] give them (a pipeline
+    /// stage receives them from the previous one). The executor checks a
+    /// batch before running it.
+    pub fn from_parts(tokens: Vec<i32>, seqs: Vec<i32>, blocks: Vec<i32>) -> Self {
+        Batch {
+            tokens,
+            seqs,
+            blocks,
         }
     }
 

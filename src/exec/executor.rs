@@ -289,7 +289,7 @@ impl Executor {
                     }
                     continue;
                 }
-                Op::Reshape | Op::RopeTable { .. } => continue,
+                Op::Reshape | Op::RopeTable { .. } | Op::Send { .. } => continue,
                 op if op.step_input().is_some() => continue,
                 _ => {}
             }
@@ -455,6 +455,16 @@ impl Executor {
     /// plan, every sequence within the context, its block list long enough
     /// and inside the pool.
     pub fn step(&mut self, batch: &Batch) -> Result<Logits<'_>, ExecError> {
+        self.step_with(batch, &[])
+    }
+
+    /// Runs one step of a pipeline stage's graph (see
+    /// [`crate::passes::partition`]): the first stage embeds the batch's
+    /// tokens, the others read `hidden`, the `[S, E]` values their `Recv`
+    /// node stands for (what the previous stage sent for this batch).
+    /// Returns the graph's output: the logits on the last stage, the hidden
+    /// state to send on the others.
+    pub fn step_with(&mut self, batch: &Batch, hidden: &[f32]) -> Result<Logits<'_>, ExecError> {
         let s = batch.n_tokens();
         if s == 0 || s > self.max_chunk {
             return Err(ExecError::StepSize {
@@ -501,7 +511,7 @@ impl Executor {
                     st.shape.eval(&b)
                 );
             }
-            self.run_step(i, arena, batch, &seqs, &b)
+            self.run_step(i, arena, batch, hidden, &seqs, &b)
                 .map_err(|e| match e {
                     RunError::Kernel(source) => ExecError::Kernel {
                         node: self.steps[i].name.clone(),
@@ -543,6 +553,7 @@ impl Executor {
         i: usize,
         arena: ArenaPtr,
         batch: &Batch,
+        hidden: &[f32],
         seqs: &StepSeqs<'_>,
         b: &Bindings,
     ) -> Result<(), RunError> {
@@ -902,6 +913,18 @@ impl Executor {
                     kernels::dispatch::mul_inplace(out_from_input0()?, bsl)?;
                 }
             },
+            Op::Recv { from } => {
+                let out = out_fresh()?;
+                if hidden.len() != out.len() {
+                    return Err(RunError::Unsupported(format!(
+                        "this stage reads the hidden state stage {from} sent: {} values for {} tokens, got {}",
+                        out.len(),
+                        b.s,
+                        hidden.len()
+                    )));
+                }
+                out.copy_from_slice(hidden);
+            }
             Op::Tokens
             | Op::Positions
             | Op::KvSlots
@@ -910,7 +933,8 @@ impl Executor {
             | Op::Weight { .. }
             | Op::KvCache { .. }
             | Op::Reshape
-            | Op::RopeTable { .. } => {}
+            | Op::RopeTable { .. }
+            | Op::Send { .. } => {}
         }
         Ok(())
     }

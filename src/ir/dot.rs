@@ -37,12 +37,87 @@ fn style(op: &Op) -> &'static str {
             "shape=invhouse, style=filled, fillcolor=\"#d9ead3\""
         }
         Op::OutputHead => "shape=box, style=\"filled,bold\", fillcolor=\"#cfe2f3\"",
+        Op::Send { .. } => "shape=cds, style=filled, fillcolor=\"#f4cccc\"",
+        Op::Recv { .. } => "shape=cds, style=filled, fillcolor=\"#f4cccc\", orientation=180",
         _ => "shape=box, style=rounded",
     }
 }
 
 /// Renders `graph` as a DOT digraph.
 pub fn to_dot(graph: &Graph, opts: DotOptions) -> Result<String, GraphError> {
+    let mut out = header();
+    write_graph(&mut out, graph, opts, "", "  ")?;
+    let _ = writeln!(out, "}}");
+    Ok(out)
+}
+
+/// Renders the graphs of pipeline stages (see `crate::passes::partition`)
+/// as one DOT digraph: one cluster per stage (labelled with `labels[k]`)
+/// holding its layer clusters, and a dashed edge from each `Send` to the
+/// `Recv` of the same value in the stage it goes to. Node identifiers are
+/// `s<k>/<name>`, as a value that several stages read (a RoPE table, a
+/// tied embedding) is a node of each.
+pub fn to_dot_stages(
+    stages: &[&Graph],
+    labels: &[String],
+    opts: DotOptions,
+) -> Result<String, GraphError> {
+    let mut out = header();
+    for (k, g) in stages.iter().enumerate() {
+        let _ = writeln!(out, "  subgraph cluster_stage_{k} {{");
+        let label = labels
+            .get(k)
+            .cloned()
+            .unwrap_or_else(|| format!("stage {k}"));
+        let _ = writeln!(
+            out,
+            "    label={}; style=\"rounded,bold\"; color=\"#cc0000\"; fontcolor=\"#cc0000\";",
+            quote(&label)
+        );
+        write_graph(&mut out, g, opts, &format!("s{k}/"), "    ")?;
+        let _ = writeln!(out, "  }}");
+    }
+    for (k, g) in stages.iter().enumerate() {
+        for id in g.topo_order()? {
+            let n = g.node(id);
+            let Op::Send { to } = n.op else { continue };
+            let Some(&src) = g.inputs(id).first() else {
+                continue;
+            };
+            let value = &g.node(src).name;
+            if stages.get(to).is_some_and(|t| t.find(value).is_some()) {
+                let _ = writeln!(
+                    out,
+                    "  {} -> {} [style=dashed, color=\"#cc0000\", penwidth=2, label=\"MPI\"];",
+                    quote(&format!("s{k}/{}", n.name)),
+                    quote(&format!("s{to}/{value}"))
+                );
+            }
+        }
+    }
+    let _ = writeln!(out, "}}");
+    Ok(out)
+}
+
+fn header() -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "digraph llama_graph {{");
+    let _ = writeln!(out, "  rankdir=TB;");
+    let _ = writeln!(out, "  node [fontname=\"Helvetica\", fontsize=10];");
+    let _ = writeln!(out, "  edge [color=\"#666666\"];");
+    out
+}
+
+/// Writes one graph's nodes (in layer clusters) and edges, node ids
+/// prefixed with `prefix`, lines indented by `ind`.
+fn write_graph(
+    out: &mut String,
+    graph: &Graph,
+    opts: DotOptions,
+    prefix: &str,
+    ind: &str,
+) -> Result<(), GraphError> {
+    let id = |name: &str| quote(&format!("{prefix}{name}"));
     let order = graph.topo_order()?;
     let shown = |l: Option<usize>| match (l, opts.max_layers) {
         (Some(l), Some(m)) => l < m,
@@ -50,8 +125,8 @@ pub fn to_dot(graph: &Graph, opts: DotOptions) -> Result<String, GraphError> {
     };
     let mut clusters: BTreeMap<Option<usize>, Vec<String>> = BTreeMap::new();
     let mut hidden_layers = std::collections::BTreeSet::new();
-    for &id in &order {
-        let n = graph.node(id);
+    for &nid in &order {
+        let n = graph.node(nid);
         if !shown(n.layer) {
             hidden_layers.insert(n.layer.unwrap_or(0));
             continue;
@@ -67,33 +142,32 @@ pub fn to_dot(graph: &Graph, opts: DotOptions) -> Result<String, GraphError> {
         label.push_str(&n.meta.to_string());
         clusters.entry(n.layer).or_default().push(format!(
             "{} [label={}, {}];",
-            quote(&n.name),
+            id(&n.name),
             quote(&label),
             style(&n.op)
         ));
     }
-    let mut out = String::new();
-    let _ = writeln!(out, "digraph llama_graph {{");
-    let _ = writeln!(out, "  rankdir=TB;");
-    let _ = writeln!(out, "  node [fontname=\"Helvetica\", fontsize=10];");
-    let _ = writeln!(out, "  edge [color=\"#666666\"];");
     for (layer, lines) in &clusters {
         match layer {
             Some(l) => {
-                let _ = writeln!(out, "  subgraph cluster_layer_{l} {{");
                 let _ = writeln!(
                     out,
-                    "    label={}; style=rounded; color=\"#3d85c6\";",
+                    "{ind}subgraph cluster_{}layer_{l} {{",
+                    prefix.replace('/', "_")
+                );
+                let _ = writeln!(
+                    out,
+                    "{ind}  label={}; style=rounded; color=\"#3d85c6\";",
                     quote(&format!("layers.{l}"))
                 );
                 for line in lines {
-                    let _ = writeln!(out, "    {line}");
+                    let _ = writeln!(out, "{ind}  {line}");
                 }
-                let _ = writeln!(out, "  }}");
+                let _ = writeln!(out, "{ind}}}");
             }
             None => {
                 for line in lines {
-                    let _ = writeln!(out, "  {line}");
+                    let _ = writeln!(out, "{ind}{line}");
                 }
             }
         }
@@ -106,24 +180,24 @@ pub fn to_dot(graph: &Graph, opts: DotOptions) -> Result<String, GraphError> {
         let name = format!("layers.{first}..{last} (elided)");
         let _ = writeln!(
             out,
-            "  {} [label={}, shape=box, style=dashed];",
-            quote(&name),
+            "{ind}{} [label={}, shape=box, style=dashed];",
+            id(&name),
             quote(&format!("… {} more layers …", hidden_layers.len()))
         );
         Some(name)
     };
     let mut elided_edges = std::collections::BTreeSet::new();
-    for &id in &order {
-        let n = graph.node(id);
-        for (slot, src) in graph.inputs(id).into_iter().enumerate() {
+    for &nid in &order {
+        let n = graph.node(nid);
+        for (slot, src) in graph.inputs(nid).into_iter().enumerate() {
             let s = graph.node(src);
             match (shown(s.layer), shown(n.layer), &elided) {
                 (true, true, _) => {
                     let _ = writeln!(
                         out,
-                        "  {} -> {} [label=\"{slot}\"];",
-                        quote(&s.name),
-                        quote(&n.name)
+                        "{ind}{} -> {} [label=\"{slot}\"];",
+                        id(&s.name),
+                        id(&n.name)
                     );
                 }
                 (true, false, Some(e)) if s.layer.is_some() => {
@@ -137,8 +211,7 @@ pub fn to_dot(graph: &Graph, opts: DotOptions) -> Result<String, GraphError> {
         }
     }
     for (a, b) in elided_edges {
-        let _ = writeln!(out, "  {} -> {} [style=dashed];", quote(&a), quote(&b));
+        let _ = writeln!(out, "{ind}{} -> {} [style=dashed];", id(&a), id(&b));
     }
-    let _ = writeln!(out, "}}");
-    Ok(out)
+    Ok(())
 }

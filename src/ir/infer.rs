@@ -447,6 +447,22 @@ pub fn infer(
             check_blocks("blocks (input 4)", blocks, nb)?;
             f32m(Shape::new([Dim::S, Dim::Const(h), Dim::Const(d)]))
         }
+        Op::Recv { .. } => {
+            let d = declared.ok_or("Recv needs a declared type")?;
+            let rows_then_const = d.shape.rank() == 2
+                && d.shape.0[0] == Dim::S
+                && d.shape.0[1].as_const().is_some_and(|c| c > 0);
+            if d.dtype != DType::F32 || !rows_then_const {
+                return Err(format!(
+                    "a stage boundary carries f32[S, E] (one row per token), declared {d}"
+                ));
+            }
+            Ok(d.clone())
+        }
+        Op::Send { .. } => {
+            let x = inputs[0];
+            infer(&Op::Recv { from: 0 }, &[], Some(x)).map_err(|e| format!("x (input 0): {e}"))
+        }
         Op::LastRows => {
             let (x, seqs) = (inputs[0], inputs[1]);
             expect_f32("x (input 0)", x)?;

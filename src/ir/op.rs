@@ -194,6 +194,19 @@ pub enum Op {
     /// `seqs i32[N, 4]`, `blocks i32[NB]`) -> `[S, H, D]`; each query reads
     /// its own sequence's positions up to its own.
     Attention { n_rep: usize, scale: f64 },
+
+    // ---- pipeline stage boundary (created by `crate::passes::partition`) ----
+    /// The value a pipeline stage receives from stage `from`: a source of
+    /// its declared type, `f32[S, E]` (the hidden state after the previous
+    /// stage's last layer). The caller of the stage's executor fills it with
+    /// what stage `from` sent, which arrives with the step's description
+    /// (its tokens' sequences and positions) so that this stage binds the
+    /// same step.
+    Recv { from: usize },
+    /// The value a pipeline stage hands to stage `to`: (`x[S, E]`) -> the
+    /// same tensor, a view of `x`. It is the stage graph's output; its
+    /// caller sends it.
+    Send { to: usize },
 }
 
 impl Op {
@@ -230,6 +243,8 @@ impl Op {
             Op::MatMulSwiGlu => "MatMulSwiGlu",
             Op::QkvRopeCache { .. } => "QkvRopeCache",
             Op::Attention { .. } => "Attention",
+            Op::Recv { .. } => "Recv",
+            Op::Send { .. } => "Send",
         }
     }
 
@@ -243,9 +258,10 @@ impl Op {
             | Op::BlockTable
             | Op::Weight { .. }
             | Op::KvCache { .. }
-            | Op::RopeTable { .. } => 0,
+            | Op::RopeTable { .. }
+            | Op::Recv { .. } => 0,
             Op::RmsNorm { .. } | Op::Reshape | Op::Softmax | Op::Silu | Op::RopeFreqs(_) => 1,
-            Op::SliceCols { .. } => 1,
+            Op::SliceCols { .. } | Op::Send { .. } => 1,
             Op::RmsNormScaled { .. } | Op::MatMulSwiGlu => 2,
             Op::MatMulAdd | Op::KvWrite => 3,
             Op::AttnScores { .. } | Op::AttnValues { .. } => 4,
@@ -333,6 +349,8 @@ impl Op {
             Op::RmsNorm { eps } => format!("eps={eps:e}"),
             Op::AttnScores { n_rep, scale } => format!("n_rep={n_rep}, scale={scale:.6}, causal"),
             Op::AttnValues { n_rep } => format!("n_rep={n_rep}"),
+            Op::Recv { from } => format!("from=stage {from}"),
+            Op::Send { to } => format!("to=stage {to}"),
             _ => String::new(),
         }
     }

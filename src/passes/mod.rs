@@ -12,6 +12,7 @@
 
 mod fuse;
 mod pack;
+pub mod partition;
 
 use crate::ir::{Graph, GraphError};
 use serde::Serialize;
@@ -23,6 +24,7 @@ pub use fuse::{
     fuse_residual, fuse_rope_cache, last_logits,
 };
 pub use pack::{compress_weights, pack_weights, PACKED_SUFFIX};
+pub use partition::{partition, Partition, Stage, StagePlan};
 
 /// What one pass did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]

@@ -168,7 +168,7 @@ pub fn compile(graph: &Graph, limits: &PlanLimits) -> Result<ExecPlan, GraphErro
             }
             for u in graph.users(n) {
                 last = last.max(pos[&u]);
-                if matches!(graph.node(u).op, Op::Reshape) {
+                if matches!(graph.node(u).op, Op::Reshape | Op::Send { .. }) {
                     stack.push(u);
                 }
             }
@@ -189,7 +189,7 @@ pub fn compile(graph: &Graph, limits: &PlanLimits) -> Result<ExecPlan, GraphErro
             },
             Op::RopeTable { .. } => Value::Constant(node.name.clone()),
             // Views: the output is the input's storage.
-            Op::Reshape | Op::KvWrite => values[&inputs[0]].clone(),
+            Op::Reshape | Op::KvWrite | Op::Send { .. } => values[&inputs[0]].clone(),
             op => {
                 let bytes = node.meta.shape.numel(&max) * elem_bytes(node.meta.dtype);
                 naive += bytes;
@@ -230,7 +230,7 @@ pub fn compile(graph: &Graph, limits: &PlanLimits) -> Result<ExecPlan, GraphErro
             }
         };
         // A buffer read through an alias must live as long as the alias's readers.
-        if matches!(node.op, Op::Reshape) {
+        if matches!(node.op, Op::Reshape | Op::Send { .. }) {
             if let Value::Arena(b) = value {
                 let l = last_use(graph, &values, id);
                 buffers[b].last = buffers[b].last.max(l);

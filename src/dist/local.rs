@@ -1,0 +1,98 @@
+//! A [`Transport`] between threads of one process: every rank has an inbox
+//! (a channel) that every other rank holds a sender to. It runs the same
+//! protocol as MPI does, so the pipeline is tested without an MPI runtime,
+//! and a rank whose transport is dropped is seen as gone by the others.
+
+use super::{DistError, Tag, Transport};
+use std::collections::VecDeque;
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::time::{Duration, Instant};
+
+type Envelope = (usize, Tag, Vec<u8>);
+
+pub struct LocalTransport {
+    rank: usize,
+    peers: Vec<Option<Sender<Envelope>>>,
+    inbox: Receiver<Envelope>,
+    /// Messages that arrived while a receive waited for another peer or tag.
+    early: VecDeque<Envelope>,
+    timeout: Duration,
+}
+
+impl LocalTransport {
+    /// `n` connected ranks; a receive waits at most `timeout`.
+    pub fn mesh(n: usize, timeout: Duration) -> Vec<LocalTransport> {
+        let (txs, rxs): (Vec<_>, Vec<_>) = (0..n).map(|_| channel::<Envelope>()).unzip();
+        rxs.into_iter()
+            .enumerate()
+            .map(|(rank, inbox)| LocalTransport {
+                rank,
+                peers: txs
+                    .iter()
+                    .enumerate()
+                    .map(|(r, t)| (r != rank).then(|| t.clone()))
+                    .collect(),
+                inbox,
+                early: VecDeque::new(),
+                timeout,
+            })
+            .collect()
+    }
+}
+
+impl Transport for LocalTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.peers.len()
+    }
+
+    fn send(&mut self, to: usize, tag: Tag, bytes: Vec<u8>) -> Result<(), DistError> {
+        let tx = self
+            .peers
+            .get(to)
+            .and_then(|p| p.as_ref())
+            .ok_or_else(|| DistError::Transport(format!("no rank {to} to send to")))?;
+        tx.send((self.rank, tag, bytes))
+            .map_err(|_| DistError::PeerGone { peer: to })
+    }
+
+    fn recv(&mut self, from: usize, tag: Tag) -> Result<Vec<u8>, DistError> {
+        if let Some(i) = self
+            .early
+            .iter()
+            .position(|(f, t, _)| *f == from && *t == tag)
+        {
+            return Ok(self.early.remove(i).map(|e| e.2).unwrap_or_default());
+        }
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.inbox.recv_timeout(left) {
+                Ok((f, t, b)) if f == from && t == tag => return Ok(b),
+                Ok(e) => self.early.push_back(e),
+                Err(RecvTimeoutError::Timeout) => {
+                    return Err(DistError::Timeout {
+                        peer: from,
+                        secs: self.timeout.as_secs_f64(),
+                    })
+                }
+                // Every sender is gone: in a mesh, each rank holds one to
+                // each other, so all peers have ended.
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(DistError::PeerGone { peer: from })
+                }
+            }
+        }
+    }
+
+    fn abort(&mut self, _code: i32) {
+        // Dropping the senders lets the peers see this rank gone once they
+        // drain their inboxes.
+        for p in &mut self.peers {
+            *p = None;
+        }
+    }
+}
