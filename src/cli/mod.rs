@@ -5,6 +5,7 @@ mod convert;
 mod flags;
 mod graph;
 mod model;
+mod pipeline;
 mod run;
 mod serve;
 mod tools;

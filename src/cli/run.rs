@@ -2,8 +2,10 @@
 
 use super::flags::{n_predict, RuntimeFlags, SamplingFlags};
 use super::model::ModelArg;
+use super::pipeline::{PipelineFlags, Role};
 use clap::Args;
 use llama_graph::generate::chat::{conversation_tokens, Message};
+use llama_graph::generate::SamplerConfig;
 use llama_graph::generate::{generate, GenOptions, GenStats};
 use llama_graph::session::{Model, Session};
 use llama_graph::tokenizer::EncodeOptions;
@@ -55,6 +57,8 @@ pub struct RunArgs {
     pub runtime: RuntimeFlags,
     #[command(flatten)]
     pub sampling: SamplingFlags,
+    #[command(flatten)]
+    pub pipeline: PipelineFlags,
     /// Stop when this text appears (repeatable); it is not printed.
     #[arg(long = "stop", value_name = "TEXT")]
     pub stop: Vec<String>,
@@ -159,23 +163,44 @@ pub fn chat_prompt_tokens(model: &Model, messages: &[Message]) -> Result<Vec<u32
 
 pub fn run(a: RunArgs) -> super::CliResult {
     let t_start = Instant::now();
+    let role = Role::start(&a.pipeline)?;
     // Validate everything that does not need the model first.
     let n_predict = n_predict(a.n_predict)?;
     let threads = a.runtime.threads()?;
-    let sampler = a.sampling.config()?;
-    let text = read_prompt(&a)?;
-
-    let (model, _) = a.model.open(false)?;
-    let prompt = match (&a.prompt_tokens, &text) {
-        (Some(ids), _) => ids.clone(),
-        (None, Some(t)) => prompt_tokens(&model, t, a.chat, a.system.as_deref())?,
-        (None, None) => unreachable!("read_prompt returns a prompt or ids"),
+    let opts_for = |m: &Model| {
+        let context = m.args.plan_context(a.runtime.ctx_size);
+        a.runtime.session_options(context, threads)
     };
-    let context = model.args.plan_context(a.runtime.ctx_size);
-    llama_graph::generate::run::check_fits(prompt.len(), n_predict, context)?;
-
-    let opts = a.runtime.session_options(context, threads)?;
-    let mut session = Session::new(&model, &opts)?;
+    if let Role::Worker(t) = role {
+        return Ok(super::pipeline::work(t, &a.model, &a.pipeline, &opts_for)?);
+    }
+    // Rank 0 (or the only process) reads the prompt and samples.
+    let prepare = |model: &Model| -> Result<(SamplerConfig, Vec<u32>, usize), String> {
+        let sampler = a.sampling.config()?;
+        let text = read_prompt(&a)?;
+        let prompt = match (&a.prompt_tokens, &text) {
+            (Some(ids), _) => ids.clone(),
+            (None, Some(t)) => prompt_tokens(model, t, a.chat, a.system.as_deref())?,
+            (None, None) => return Err("no prompt".into()),
+        };
+        let context = model.args.plan_context(a.runtime.ctx_size);
+        llama_graph::generate::run::check_fits(prompt.len(), n_predict, context)
+            .map_err(|e| e.to_string())?;
+        Ok((sampler, prompt, context))
+    };
+    let (model, mut session, (sampler, prompt, context)) = match role {
+        Role::Leader(t) => {
+            let (staged, prep) =
+                super::pipeline::lead(t, &a.model, &a.pipeline, &opts_for, prepare)?;
+            (staged.model, staged.session, prep)
+        }
+        _ => {
+            let (model, _) = a.model.open(false)?;
+            let prep = prepare(&model)?;
+            let session = Session::new(&model, &opts_for(&model)?)?;
+            (model, session, prep)
+        }
+    };
     if a.verbose || a.debug {
         eprintln!("{}", isa_line());
     }
@@ -217,14 +242,28 @@ pub fn run(a: RunArgs) -> super::CliResult {
         let _ = out.write_all(s.as_bytes());
         let _ = out.flush();
     };
-    let stats = generate(
+    let stats = match generate(
         &mut session,
         model.tokenizer.as_ref(),
         &prompt,
         &gen_opts,
         &mut emit,
-    )?;
+    ) {
+        Ok(s) => s,
+        Err(e) => {
+            drop(out);
+            eprintln!("error: {e}");
+            session.abort_pipeline(1);
+            return Err(e.into());
+        }
+    };
     drop(out);
+    if session.pipeline().is_some() {
+        if let Some(mib) = super::pipeline::peak_rss_mib() {
+            eprintln!("pipeline: rank 0: peak RSS {mib:.1} MiB");
+        }
+        session.stop_pipeline("")?;
+    }
     println!();
     report(&stats, load_s, a.stats_json.as_ref())?;
     if let Some(p) = &a.logits_out {
