@@ -12,9 +12,10 @@
 //! Each test runs once untimed (warm-up) and then `-r` times.
 
 use super::model::ModelArg;
+use super::pipeline::Role;
 use clap::{Args, ValueEnum};
 use llama_graph::passes::PassList;
-use llama_graph::session::{Session, SessionOptions};
+use llama_graph::session::{Model, Session, SessionOptions};
 use serde::Serialize;
 use std::time::Instant;
 
@@ -76,6 +77,14 @@ pub struct BenchArgs {
     /// Seed of the synthetic token ids.
     #[arg(long = "seed", default_value_t = 1234)]
     pub seed: u64,
+    /// Sequences decoding at once in tgN (each with its own KV cache,
+    /// greedy, round robin): tokens/s counts all of them. With --pipeline,
+    /// a sequence's next step starts as soon as its logits are back, so
+    /// several sequences in flight keep every stage busy.
+    #[arg(long = "in-flight", value_name = "M", default_value_t = 1)]
+    pub in_flight: usize,
+    #[command(flatten)]
+    pub pipeline: super::pipeline::PipelineFlags,
 }
 
 /// One result row, with llama-bench's field names.
@@ -102,6 +111,10 @@ pub struct BenchRow {
     /// The instruction-set level the kernels ran at (not in llama-bench;
     /// `LLAMA_GRAPH_ISA` caps it).
     pub isa: String,
+    /// Pipeline stages (MPI ranks; 1 without --pipeline) (not in llama-bench).
+    pub stages: usize,
+    /// Sequences decoding at once in tgN (not in llama-bench).
+    pub in_flight: usize,
 }
 
 /// Mean and sample standard deviation (0 for fewer than two samples).
@@ -136,12 +149,22 @@ enum Test {
     Gen(usize),
 }
 
-fn run_once(session: &mut Session, test: &Test, tokens: &[u32]) -> Result<f64, String> {
+fn run_once(
+    session: &mut Session,
+    test: &Test,
+    tokens: &[u32],
+    in_flight: usize,
+) -> Result<f64, String> {
     session.reset();
     let t0 = Instant::now();
     match *test {
         Test::Prompt(_) => {
             session.feed(tokens).map_err(|e| e.to_string())?;
+        }
+        Test::Gen(n) if in_flight > 1 => {
+            session
+                .decode_in_flight(&tokens[..in_flight], n)
+                .map_err(|e| e.to_string())?;
         }
         Test::Gen(n) => {
             for &t in &tokens[..n] {
@@ -159,8 +182,49 @@ pub fn run(a: BenchArgs) -> super::CliResult {
     if a.threads.contains(&0) {
         return Err("-t: thread counts must be at least 1".into());
     }
+    if a.in_flight == 0 {
+        return Err("--in-flight must be at least 1".into());
+    }
+    if a.pipeline.enabled() && a.threads.len() != 1 {
+        return Err("with --pipeline, give one thread count (-t N, threads per rank)".into());
+    }
+    let mut tests: Vec<Test> = a
+        .n_prompt
+        .iter()
+        .filter(|&&n| n > 0)
+        .map(|&n| Test::Prompt(n))
+        .collect();
+    tests.extend(a.n_gen.iter().filter(|&&n| n > 0).map(|&n| Test::Gen(n)));
+    let longest = tests
+        .iter()
+        .map(|t| match t {
+            Test::Prompt(n) | Test::Gen(n) => *n,
+        })
+        .max()
+        .unwrap_or(0)
+        .max(a.in_flight);
+    let opts_for_threads = |threads: usize| -> Result<SessionOptions, String> {
+        Ok(SessionOptions {
+            // The KV pool holds every sequence in flight.
+            context: Some(longest.max(1) * a.in_flight),
+            batch: a.batch,
+            threads,
+            exact: a.exact,
+            passes: PassList::parse(&a.passes)?,
+            ..SessionOptions::default()
+        })
+    };
+    let opts_for = |_: &Model| opts_for_threads(a.threads[0]);
     let t_load = Instant::now();
-    let (model, _) = a.model.open(true)?;
+    let (model, mut premade) = match Role::start(&a.pipeline)? {
+        Role::Worker(t) => return Ok(super::pipeline::work(t, &a.model, &a.pipeline, &opts_for)?),
+        Role::Leader(t) => {
+            let (staged, ()) =
+                super::pipeline::lead(t, &a.model, &a.pipeline, &opts_for, |_| Ok(()))?;
+            (staged.model, Some(staged.session))
+        }
+        Role::Single => (a.model.open(true)?.0, None),
+    };
     let model_size: u64 = model
         .weights
         .tensors
@@ -179,20 +243,6 @@ pub fn run(a: BenchArgs) -> super::CliResult {
     }
     let filename = model.path.display().to_string();
     let open_s = t_load.elapsed().as_secs_f64();
-    let mut tests: Vec<Test> = a
-        .n_prompt
-        .iter()
-        .filter(|&&n| n > 0)
-        .map(|&n| Test::Prompt(n))
-        .collect();
-    tests.extend(a.n_gen.iter().filter(|&&n| n > 0).map(|&n| Test::Gen(n)));
-    let longest = tests
-        .iter()
-        .map(|t| match t {
-            Test::Prompt(n) | Test::Gen(n) => *n,
-        })
-        .max()
-        .unwrap_or(0);
     let mut rows = Vec::new();
     let mut seed = a.seed.max(1);
     eprintln!("{}", super::run::isa_line());
@@ -202,30 +252,34 @@ pub fn run(a: BenchArgs) -> super::CliResult {
     }
     for &threads in &a.threads {
         let t0 = Instant::now();
-        let opts = SessionOptions {
-            context: Some(longest.max(1)),
-            batch: a.batch,
-            threads,
-            exact: a.exact,
-            passes: PassList::parse(&a.passes)?,
-            ..SessionOptions::default()
+        let mut session = match premade.take() {
+            Some(s) => s,
+            None => Session::new(&model, &opts_for_threads(threads)?)?,
         };
-        let mut session = Session::new(&model, &opts)?;
+        let stages = session.pipeline().map_or(1, |l| l.n_stages());
         let load_s = open_s + t0.elapsed().as_secs_f64();
         for test in &tests {
             let (name, n_prompt, n_gen, n) = match *test {
                 Test::Prompt(n) => (format!("pp{n}"), n, 0, n),
                 Test::Gen(n) => (format!("tg{n}"), 0, n, n),
             };
-            let tokens = synthetic_tokens(&mut seed, n, vocab);
+            let len = match test {
+                Test::Gen(_) => n.max(a.in_flight),
+                Test::Prompt(_) => n,
+            };
+            let tokens = synthetic_tokens(&mut seed, len, vocab);
             if !a.no_warmup {
-                run_once(&mut session, test, &tokens)?;
+                run_once(&mut session, test, &tokens, a.in_flight)?;
             }
             let mut secs = Vec::with_capacity(a.reps);
             for _ in 0..a.reps {
-                secs.push(run_once(&mut session, test, &tokens)?);
+                secs.push(run_once(&mut session, test, &tokens, a.in_flight)?);
             }
-            let ts: Vec<f64> = secs.iter().map(|s| n as f64 / s).collect();
+            let count = match test {
+                Test::Gen(_) => n * a.in_flight,
+                Test::Prompt(_) => n,
+            };
+            let ts: Vec<f64> = secs.iter().map(|s| count as f64 / s).collect();
             let ns: Vec<f64> = secs.iter().map(|s| s * 1e9).collect();
             let (avg_ts, stddev_ts) = mean_std(&ts);
             let (avg_ns, stddev_ns) = mean_std(&ns);
@@ -247,6 +301,12 @@ pub fn run(a: BenchArgs) -> super::CliResult {
                 load_s,
                 exact: a.exact,
                 isa: llama_graph::kernels::Isa::current().to_string(),
+                stages,
+                in_flight: if matches!(test, Test::Gen(_)) {
+                    a.in_flight
+                } else {
+                    1
+                },
             };
             if matches!(a.output, OutputFormat::Md) {
                 println!(
@@ -255,16 +315,54 @@ pub fn run(a: BenchArgs) -> super::CliResult {
                     model_size as f64 / 1048576.0,
                     model_n_params as f64 / 1e6,
                     threads,
-                    row.test,
+                    match (row.stages, row.in_flight) {
+                        (1, 1) => row.test.clone(),
+                        (st, m) => format!("{} ({m} seq, {st} stages)", row.test),
+                    },
                     row.avg_ts,
                     row.stddev_ts
                 );
             }
             rows.push(row);
         }
+        if session.pipeline().is_some() {
+            hop_probe(&mut session, model.args.dim, a.batch)?;
+            if let Some(mib) = super::pipeline::peak_rss_mib() {
+                eprintln!("pipeline: rank 0: peak RSS {mib:.1} MiB");
+            }
+            session.stop_pipeline("")?;
+        }
     }
     if matches!(a.output, OutputFormat::Json) {
         println!("{}", serde_json::to_string_pretty(&rows)?);
+    }
+    Ok(())
+}
+
+/// The cost of one stage boundary: round trips of a decode step's and of
+/// a full prefill chunk's message between rank 0 and rank 1 (the header
+/// plus `S x dim` f32 values), halved. On stderr.
+fn hop_probe(session: &mut Session, dim: usize, batch: usize) -> Result<(), String> {
+    let Some(link) = session.pipeline() else {
+        return Ok(());
+    };
+    for s in [1usize, batch] {
+        let bytes = 24 + s * dim * 4;
+        let mut us: Vec<f64> = Vec::new();
+        for i in 0..=50 {
+            let dt = link.round_trip(bytes).map_err(|e| e.to_string())?;
+            if i > 0 {
+                us.push(dt.as_secs_f64() * 1e6 / 2.0);
+            }
+        }
+        us.sort_by(f64::total_cmp);
+        eprintln!(
+            "pipeline: one hop of S={s}: {bytes} bytes ({} per token), median {:.1} us, min {:.1} us over {} round trips",
+            dim * 4,
+            us[us.len() / 2],
+            us[0],
+            us.len()
+        );
     }
     Ok(())
 }
