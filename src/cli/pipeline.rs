@@ -117,6 +117,15 @@ fn open(
     Ok(Staged { model, session })
 }
 
+/// After a failed start-up agreement: every rank prints the one message
+/// and ends in order (`MPI_Finalize` waits for all, so every rank has
+/// printed before `mpirun` sees the first non-zero exit), then exits 1.
+fn fail_everywhere(mut t: Box<dyn Transport>, e: &str) -> ! {
+    eprintln!("error: {e}");
+    t.finish();
+    std::process::exit(1)
+}
+
 /// Peak resident memory of this process (VmHWM), in MiB.
 pub fn peak_rss_mib() -> Option<f64> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -140,8 +149,7 @@ pub fn lead<C>(
         open(t.as_ref(), model_arg, flags, opts).and_then(|s| check(&s.model).map(|c| (s, c)));
     let verdict = agree(t.as_mut(), mine.as_ref().map(|_| ()).map_err(Clone::clone));
     if let Err(e) = verdict {
-        t.finish();
-        return Err(e);
+        fail_everywhere(t, &e);
     }
     let link = PipelineLink::new(t).map_err(|e| e.to_string())?;
     if let Ok((s, _)) = &mut mine {
@@ -163,10 +171,7 @@ pub fn work(
     let verdict = agree(t.as_mut(), mine.as_ref().map(|_| ()).map_err(Clone::clone));
     let mut staged = match (mine, verdict) {
         (Ok(s), Ok(())) => s,
-        (_, Err(e)) | (Err(e), Ok(())) => {
-            t.finish();
-            return Err(e);
-        }
+        (_, Err(e)) | (Err(e), Ok(())) => fail_everywhere(t, &e),
     };
     match serve_stage(&mut staged.session.exec, t.as_mut()) {
         Ok(reason) => {

