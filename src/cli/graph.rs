@@ -4,7 +4,7 @@ use clap::Args;
 use llama_graph::ir::dot::{to_dot, DotOptions};
 use llama_graph::ir::{print, Bindings, Graph, RopeScaling};
 use llama_graph::model::{build_llama, BuildOptions, ModelArgs};
-use llama_graph::passes::{run_pipeline, PassList, PipelineReport};
+use llama_graph::passes::{partition, run_pipeline, PassList, PipelineReport, StagePlan};
 use llama_graph::plan::{compile, PlanLimits};
 use std::path::PathBuf;
 
@@ -53,6 +53,16 @@ pub struct GraphArgs {
     /// naive_activation_bytes, arena_bytes, passes, ...).
     #[arg(long = "stats-json", value_name = "FILE")]
     pub stats_json: Option<PathBuf>,
+    /// Partition the graph (after the passes) into N pipeline stages
+    /// balanced by weight bytes, as `--pipeline` does over N MPI ranks, and
+    /// show the stages (DOT: one cluster per stage; text: one section per
+    /// stage; summary: each stage's layers and weight bytes).
+    #[arg(long = "stages", value_name = "N", conflicts_with = "json", value_parser = clap::value_parser!(u64).range(1..))]
+    pub stages: Option<u64>,
+    /// Partition into stages of these many layers (comma-separated), as
+    /// `--pipeline --layers-per-stage` does.
+    #[arg(long = "layers-per-stage", value_name = "N,N,..", value_delimiter = ',', conflicts_with_all = ["json", "stages"])]
+    pub layers_per_stage: Option<Vec<usize>>,
 }
 
 pub fn load_params(path: &PathBuf) -> Result<ModelArgs, String> {
@@ -103,6 +113,53 @@ pub fn run(a: GraphArgs) -> super::CliResult {
     if let (Some(path), Some(before)) = (&a.stats_json, &unoptimised) {
         let json = stats_json(&graph, before, &report, &passes, ctx, a.batch_size as usize)?;
         std::fs::write(path, json).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    let plan = match (&a.stages, &a.layers_per_stage) {
+        // As every rank computes it: balanced on the builder's graph.
+        (Some(n), _) => Some(llama_graph::dist::stage_plan(
+            &args,
+            &Default::default(),
+            *n as usize,
+            None,
+        )?),
+        (None, Some(c)) => Some(StagePlan::from_counts(c, args.n_layers)?),
+        (None, None) => None,
+    };
+    if let Some(plan) = plan {
+        let part = partition(&graph, &plan).map_err(|e| e.to_string())?;
+        if a.dot {
+            print!(
+                "{}",
+                part.to_dot(DotOptions {
+                    max_layers: a.layers
+                })?
+            );
+        } else if a.text {
+            print!("{}", part.dump()?);
+        } else {
+            println!("{} stages, layers {}", plan.n_stages(), plan.describe());
+            for s in &part.stages {
+                let bytes: usize = s
+                    .graph
+                    .node_ids()
+                    .filter(|&i| matches!(s.graph.node(i).op, llama_graph::ir::Op::Weight { .. }))
+                    .map(|i| {
+                        let m = &s.graph.node(i).meta;
+                        m.shape
+                            .const_numel()
+                            .and_then(|n| m.dtype.bytes_for(n))
+                            .unwrap_or(0)
+                    })
+                    .sum();
+                let kernels = s.graph.node_count();
+                println!(
+                    "  {}: {:.2} GiB of weights, {kernels} nodes",
+                    s.label(plan.n_stages()),
+                    bytes as f64 / (1u64 << 30) as f64
+                );
+            }
+        }
+        return Ok(());
     }
     if a.dot {
         print!(

@@ -75,10 +75,10 @@ impl StagePlan {
     }
 
     /// `n_stages` stages whose largest holds as few weight bytes as possible
-    /// (weights outside the layers count for the stage that reads them: the
-    /// embedding table for the first, the final norm and output head for the
-    /// last). Among plans with the same largest stage, the later cuts win,
-    /// so the last stage (which also runs the output head) is not larger.
+    /// (weights outside the layers count for the stage that holds them: the
+    /// final norm and output head for the last, a tied embedding table for
+    /// the first and the last; see [`layer_weight_bytes`]). Among plans with
+    /// the same largest stage, the most even one wins.
     pub fn balanced(graph: &Graph, n_stages: usize) -> Result<StagePlan, String> {
         let bytes = layer_weight_bytes(graph);
         let n_layers = bytes.per_layer.len();
@@ -107,24 +107,30 @@ impl StagePlan {
             }
             c
         };
-        // best[k][e]: the smallest largest-stage cost of stages 0..=k over
-        // layers 0..e; cut[k][e]: where stage k starts in that solution.
-        let inf = u64::MAX;
+        // best[k][e]: the best (largest stage, sum of squared stage sizes)
+        // of stages 0..=k over layers 0..e, compared in that order: the
+        // largest stage as small as possible, then stages as even as
+        // possible; cut[k][e]: where stage k starts in that solution.
+        type Score = (u64, u128);
+        let inf: Score = (u64::MAX, u128::MAX);
+        let sq = |c: u64| (c as u128) * (c as u128);
         let mut best = vec![vec![inf; n_layers + 1]; n_stages];
         let mut cut = vec![vec![0usize; n_layers + 1]; n_stages];
         for (e, b) in best[0].iter_mut().enumerate().skip(1) {
-            *b = cost(0, 0, e);
+            let c = cost(0, 0, e);
+            *b = (c, sq(c));
         }
         for k in 1..n_stages {
             for e in (k + 1)..=n_layers {
                 for a in k..e {
-                    if best[k - 1][a] == inf {
+                    let prev = best[k - 1][a];
+                    if prev == inf {
                         continue;
                     }
-                    let c = best[k - 1][a].max(cost(k, a, e));
-                    // On a tie the later cut wins (see above).
-                    if c < best[k][e] || (c == best[k][e] && a > cut[k][e]) {
-                        best[k][e] = c;
+                    let c = cost(k, a, e);
+                    let score = (prev.0.max(c), prev.1.saturating_add(sq(c)));
+                    if score < best[k][e] {
+                        best[k][e] = score;
                         cut[k][e] = a;
                     }
                 }
@@ -176,9 +182,11 @@ fn weight_bytes(g: &Graph, id: NodeId) -> u64 {
         .unwrap_or(0) as u64
 }
 
-/// How many bytes of weights each layer reads; weights outside the layers
+/// How many bytes of weights each layer holds; weights outside the layers
 /// count for the first stage when they feed the embedding side (no layer
-/// node upstream of their readers) and for the last stage otherwise.
+/// node upstream of their readers), except a table that is only gathered
+/// from, and for the last stage when they feed the output side. A tied
+/// embedding table, which is also the output head, counts for both.
 pub fn layer_weight_bytes(g: &Graph) -> LayerBytes {
     let n_layers = g
         .node_ids()
@@ -199,7 +207,11 @@ pub fn layer_weight_bytes(g: &Graph) -> LayerBytes {
             Some(l) => out.per_layer[l] += b,
             None => {
                 let users = g.users(id);
-                if users.iter().any(|u| !after_layers.contains(u)) {
+                // A table only gathered from (an untied embedding) stays in
+                // the file mapping; only the rows of the tokens seen become
+                // resident, so it does not weigh on the first stage.
+                let gathered_only = users.iter().all(|&u| matches!(g.node(u).op, Op::Embedding));
+                if !gathered_only && users.iter().any(|u| !after_layers.contains(u)) {
                     out.first += b;
                 }
                 if users.iter().any(|u| after_layers.contains(u)) {
