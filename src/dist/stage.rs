@@ -132,6 +132,7 @@ pub fn decode_stage(b: &[u8], peer: usize) -> Result<StageMsg, DistError> {
         KIND_STOP => Ok(StageMsg::Stop(
             String::from_utf8_lossy(&b[4..]).into_owned(),
         )),
+        KIND_ECHO => Ok(StageMsg::Echo(b.to_vec())),
         KIND_STEP => {
             if b.len() < HEADER_BYTES {
                 return Err(bad(format!("a step header of {} bytes", b.len())));
@@ -391,6 +392,10 @@ mod tests {
         assert_eq!(
             decode_stage(&encode_stop("no"), 0).unwrap(),
             StageMsg::Stop("no".into())
+        );
+        assert_eq!(
+            decode_stage(&encode_echo(5), 1).unwrap(),
+            StageMsg::Echo(encode_echo(5))
         );
         let l = decode_logits(&encode_logits(1, 4, &v[..4]), 2).unwrap();
         assert_eq!((l.rows, l.width, l.data), (1, 4, v[..4].to_vec()));
