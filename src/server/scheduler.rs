@@ -151,11 +151,14 @@ impl Scheduler {
         if self.check(prompt.len(), max_tokens).is_err() || !self.can_admit(prompt.len()) {
             return false;
         }
+        // Room for every token it may get: appending never reallocates.
+        let mut tokens = Vec::with_capacity(prompt.len() + max_tokens);
+        tokens.extend_from_slice(prompt);
         let mut seq = Seq {
             id,
-            tokens: prompt.to_vec(),
+            tokens,
             fed: 0,
-            blocks: Vec::new(),
+            blocks: Vec::with_capacity(self.pool.blocks_for(prompt.len() + max_tokens)),
             max_len: prompt.len() + max_tokens,
         };
         if !self.pool.reserve(&mut seq.blocks, prompt.len()) {
@@ -222,6 +225,11 @@ impl Scheduler {
                 }
             }
         }
+        &self.plan
+    }
+
+    /// The plan of the last [`Self::schedule`] call.
+    pub fn plan(&self) -> &[Slot] {
         &self.plan
     }
 
