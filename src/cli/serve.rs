@@ -114,7 +114,7 @@ pub fn run(a: ServeArgs) -> super::CliResult {
     };
     let lim = loaded.engine.limits();
     eprintln!(
-        "ready in {:.2} s: model `{}`, context {} tokens per sequence, up to {} sequences at once, queue of {}, {threads} threads{}",
+        "ready in {:.2} s: model `{}`, KV pool of {} tokens shared by up to {} sequences at once, queue of {}, {threads} threads{}",
         t0.elapsed().as_secs_f64(),
         loaded.model_id,
         lim.context,

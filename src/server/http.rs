@@ -313,6 +313,12 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Result<Response, ApiError> {
         st.kv_total.to_string(),
     );
     metric(
+        "preemptions_total",
+        "counter",
+        "Sequences preempted because the KV pool ran short (fed again later).",
+        st.preemptions_total.to_string(),
+    );
+    metric(
         "kv_usage_ratio",
         "gauge",
         "KV-cache cells in use over cells in all.",
