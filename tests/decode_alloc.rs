@@ -141,7 +141,7 @@ fn batched_steps_do_not_allocate() {
     }
     let long: Vec<u32> = (0..40).collect();
     let before = ALLOCS.load(Ordering::SeqCst);
-    assert!(sched.admit(3, &long, 20));
+    assert!(sched.admit(3, &long, 40));
     let after_admit = ALLOCS.load(Ordering::SeqCst);
     for _ in 0..32 {
         step(&mut sched, &mut sess, &mut samplers);
