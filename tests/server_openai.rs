@@ -109,6 +109,27 @@ impl Reference {
     }
 }
 
+/// What `llama-graph run -t 2 --temp 0 ARGS` prints on the default model
+/// (the generated text; `run` ends it with one newline).
+fn run_command(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_llama-graph"))
+        .args(["run", "-m", model_path().to_str().unwrap(), "-t", "2"])
+        .args(["--temp", "0"])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "llama-graph run {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).expect("run prints UTF-8");
+    text.strip_suffix('\n')
+        .expect("run ends with a newline")
+        .to_string()
+}
+
 fn greedy() -> SamplerConfig {
     SamplerConfig {
         temperature: 0.0,
@@ -187,6 +208,17 @@ fn openai_client_against_the_run_path() {
             ..SamplerConfig::default()
         },
         &[],
+    );
+
+    // The `llama-graph run` command itself prints the same greedy answers
+    // (so the server's must equal what `run --temp 0` gives).
+    let ns = n.to_string();
+    let cli = run_command(&["--chat", "--system", system, "-p", user, "-n", &ns]);
+    assert_eq!(cli, chat.text, "run --chat --temp 0");
+    assert_eq!(
+        run_command(&["-p", text_prompt, "-n", "12"]),
+        text.text,
+        "run --temp 0"
     );
 
     let server = Server::start(&[
