@@ -40,6 +40,51 @@ impl LocalTransport {
     }
 }
 
+impl LocalTransport {
+    /// The next message from `from` under `tag`, waiting until `deadline`
+    /// (`None`: for as long as the peer lives).
+    fn recv_until(
+        &mut self,
+        from: usize,
+        tag: Tag,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<u8>, DistError> {
+        if let Some(i) = self
+            .early
+            .iter()
+            .position(|(f, t, _)| *f == from && *t == tag)
+        {
+            return Ok(self.early.remove(i).map(|e| e.2).unwrap_or_default());
+        }
+        loop {
+            let got = match deadline {
+                Some(d) => self
+                    .inbox
+                    .recv_timeout(d.saturating_duration_since(Instant::now())),
+                None => self
+                    .inbox
+                    .recv()
+                    .map_err(|_| RecvTimeoutError::Disconnected),
+            };
+            match got {
+                Ok((f, t, b)) if f == from && t == tag => return Ok(b),
+                Ok(e) => self.early.push_back(e),
+                Err(RecvTimeoutError::Timeout) => {
+                    return Err(DistError::Timeout {
+                        peer: from,
+                        secs: self.timeout.as_secs_f64(),
+                    })
+                }
+                // Every sender is gone: in a mesh, each rank holds one to
+                // each other, so all peers have ended.
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(DistError::PeerGone { peer: from })
+                }
+            }
+        }
+    }
+}
+
 impl Transport for LocalTransport {
     fn rank(&self) -> usize {
         self.rank
@@ -60,34 +105,12 @@ impl Transport for LocalTransport {
     }
 
     fn recv(&mut self, from: usize, tag: Tag) -> Result<Vec<u8>, DistError> {
-        if let Some(i) = self
-            .early
-            .iter()
-            .position(|(f, t, _)| *f == from && *t == tag)
-        {
-            return Ok(self.early.remove(i).map(|e| e.2).unwrap_or_default());
-        }
-        let deadline = Instant::now() + self.timeout;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.inbox.recv_timeout(left) {
-                Ok((f, t, b)) if f == from && t == tag => return Ok(b),
-                Ok(e) => self.early.push_back(e),
-                Err(RecvTimeoutError::Timeout) => {
-                    return Err(DistError::Timeout {
-                        peer: from,
-                        secs: self.timeout.as_secs_f64(),
-                    })
-                }
-                // Every sender is gone: in a mesh, each rank holds one to
-                // each other, so all peers have ended.
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(DistError::PeerGone { peer: from })
-                }
-            }
-        }
+        self.recv_until(from, tag, Some(Instant::now() + self.timeout))
     }
 
+    fn recv_idle(&mut self, from: usize, tag: Tag) -> Result<Vec<u8>, DistError> {
+        self.recv_until(from, tag, None)
+    }
     fn abort(&mut self, _code: i32) {
         // Dropping the senders lets the peers see this rank gone once they
         // drain their inboxes.

@@ -85,6 +85,11 @@ pub trait Transport: Send {
     /// Waits for the next message from rank `from` under `tag`; fails when
     /// the peer is known dead or nothing came within the transport's timeout.
     fn recv(&mut self, from: usize, tag: Tag) -> Result<Vec<u8>, DistError>;
+    /// Like [`Transport::recv`] without the deadline: for a rank that waits
+    /// for work, which may not come for as long as the job is idle (a stage
+    /// of a server between requests). A peer that dies is still noticed
+    /// (heartbeats under MPI, its dropped sender in one process).
+    fn recv_idle(&mut self, from: usize, tag: Tag) -> Result<Vec<u8>, DistError>;
     /// Ends the whole job after a failure that was already reported
     /// (`MPI_Abort` under MPI). Local transports return, and their peers
     /// see this rank gone.

@@ -100,6 +100,49 @@ impl MpiTransport {
     }
 }
 
+impl MpiTransport {
+    /// The next message from `from` under `tag`, waiting until `deadline`
+    /// (`None`: for as long as the peer lives).
+    fn recv_until(
+        &mut self,
+        from: usize,
+        tag: Tag,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<u8>, DistError> {
+        if let Some(i) = self
+            .early
+            .iter()
+            .position(|(f, t, _)| *f == from && *t == tag)
+        {
+            return Ok(self.early.remove(i).map(|e| e.2).unwrap_or_default());
+        }
+        loop {
+            let got = match deadline {
+                Some(d) => self
+                    .inbox
+                    .recv_timeout(d.saturating_duration_since(Instant::now())),
+                None => self
+                    .inbox
+                    .recv()
+                    .map_err(|_| RecvTimeoutError::Disconnected),
+            };
+            match got {
+                Ok((f, t, b)) if f == from && t == tag => return Ok(b),
+                Ok(e) => self.early.push_back(e),
+                Err(RecvTimeoutError::Timeout) => {
+                    return Err(DistError::Timeout {
+                        peer: from,
+                        secs: self.timeout.as_secs_f64(),
+                    })
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(DistError::Transport("the MPI thread has ended".into()))
+                }
+            }
+        }
+    }
+}
+
 impl Transport for MpiTransport {
     fn rank(&self) -> usize {
         self.rank
@@ -126,32 +169,12 @@ impl Transport for MpiTransport {
     }
 
     fn recv(&mut self, from: usize, tag: Tag) -> Result<Vec<u8>, DistError> {
-        if let Some(i) = self
-            .early
-            .iter()
-            .position(|(f, t, _)| *f == from && *t == tag)
-        {
-            return Ok(self.early.remove(i).map(|e| e.2).unwrap_or_default());
-        }
-        let deadline = Instant::now() + self.timeout;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.inbox.recv_timeout(left) {
-                Ok((f, t, b)) if f == from && t == tag => return Ok(b),
-                Ok(e) => self.early.push_back(e),
-                Err(RecvTimeoutError::Timeout) => {
-                    return Err(DistError::Timeout {
-                        peer: from,
-                        secs: self.timeout.as_secs_f64(),
-                    })
-                }
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(DistError::Transport("the MPI thread has ended".into()))
-                }
-            }
-        }
+        self.recv_until(from, tag, Some(Instant::now() + self.timeout))
     }
 
+    fn recv_idle(&mut self, from: usize, tag: Tag) -> Result<Vec<u8>, DistError> {
+        self.recv_until(from, tag, None)
+    }
     fn abort(&mut self, code: i32) {
         if self.cmds.send(Cmd::Abort(code)).is_ok() {
             // MPI_Abort ends this process too; wait for it.

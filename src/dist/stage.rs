@@ -217,8 +217,13 @@ pub fn decode_logits(b: &[u8], peer: usize) -> Result<LogitsMsg, DistError> {
 
 /// Rank 0's end of the pipeline: sends steps to rank 1, receives logits
 /// from the last rank.
+///
+/// Dropped without [`PipelineLink::stop`] (rank 0 leaving on an error
+/// path), it stops the other ranks with that reason, so none waits for a
+/// step that will never come.
 pub struct PipelineLink {
     transport: Box<dyn Transport>,
+    stopped: bool,
 }
 
 impl PipelineLink {
@@ -231,7 +236,10 @@ impl PipelineLink {
                 transport.size()
             )));
         }
-        Ok(PipelineLink { transport })
+        Ok(PipelineLink {
+            transport,
+            stopped: false,
+        })
     }
 
     pub fn n_stages(&self) -> usize {
@@ -259,6 +267,10 @@ impl PipelineLink {
     /// Tells every rank to stop (`reason` empty: cleanly), then ends this
     /// rank's part of the job.
     pub fn stop(&mut self, reason: &str) -> Result<(), DistError> {
+        if self.stopped {
+            return Ok(());
+        }
+        self.stopped = true;
         let r = self.transport.send(1, Tag::Stage, encode_stop(reason));
         self.transport.finish();
         r
@@ -284,6 +296,7 @@ impl PipelineLink {
 
     /// Ends the whole job after an error rank 0 already reported.
     pub fn abort(&mut self, code: i32) {
+        self.stopped = true;
         self.transport.abort(code);
     }
 
@@ -292,16 +305,27 @@ impl PipelineLink {
     }
 }
 
+impl Drop for PipelineLink {
+    fn drop(&mut self) {
+        let _ = self.stop("rank 0 ended without stopping the pipeline");
+    }
+}
+
 /// The loop of every rank but 0: receive a step from the previous rank,
 /// run this stage, send the result on (the hidden state to the next rank,
 /// or the logits back to rank 0 from the last one), until a stop comes.
 /// Returns the stop's reason (empty for a clean stop).
+///
+/// The next step is awaited without a deadline ([`Transport::recv_idle`]):
+/// a pipeline may be idle for as long as its leader has no work (a server
+/// between requests). A dead or silent peer is still noticed by the
+/// transport, and a step that never comes back is rank 0's deadline.
 pub fn serve_stage(exec: &mut Executor, transport: &mut dyn Transport) -> Result<String, String> {
     let (rank, size) = (transport.rank(), transport.size());
     let last = rank + 1 == size;
     loop {
         let b = transport
-            .recv(rank - 1, Tag::Stage)
+            .recv_idle(rank - 1, Tag::Stage)
             .map_err(|e| e.to_string())?;
         match decode_stage(&b, rank - 1).map_err(|e| e.to_string())? {
             StageMsg::Stop(reason) => {
