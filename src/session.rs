@@ -15,6 +15,7 @@
 use crate::dist::stage::{PipelineLink, StepHeader};
 use crate::exec::{
     bind_weights, materialize_packed, store_dtypes, Batch, BindError, ExecError, Executor, KvPool,
+    Logits,
 };
 use crate::ir::{DType, Graph, GraphError, LogitRows};
 use crate::model::llama::BuildError;
@@ -717,28 +718,34 @@ impl Session {
     /// (one row per sequence). Without `want_logits` a pipelined step
     /// returns no logits.
     fn run_batch(&mut self, want_logits: bool) -> Result<Option<&[f32]>, SessionError> {
-        let Some(link) = self.link.as_mut() else {
-            let out = self.exec.step(&self.batch)?;
-            return Ok(Some(out.last()));
-        };
-        let out = self.exec.step(&self.batch)?;
-        let h = StepHeader { want_logits };
-        let perr = |e: crate::dist::DistError| SessionError::Pipeline(e.to_string());
-        link.forward(&h, &self.batch, out.data).map_err(perr)?;
-        if !want_logits {
-            return Ok(None);
-        }
-        let l = link.recv_logits().map_err(perr)?;
-        if l.width != self.vocab || l.rows == 0 {
-            return Err(SessionError::Pipeline(format!(
-                "the last stage sent {} x {} logits, expected rows of {}",
-                l.rows, l.width, self.vocab
-            )));
-        }
-        self.remote_logits.clear();
-        self.remote_logits
-            .extend_from_slice(&l.data[(l.rows - 1) * l.width..]);
-        Ok(Some(&self.remote_logits))
+        let out = run_step(
+            &mut self.exec,
+            self.link.as_mut(),
+            &mut self.remote_logits,
+            self.vocab,
+            &self.batch,
+            want_logits,
+        )?;
+        Ok(out.map(|l| l.last()))
+    }
+
+    /// Runs one step that the caller built (the server's scheduler: decode
+    /// tokens and prefill chunks of several sequences, with their block
+    /// tables from the caller's KV pool) and returns its logits, one row
+    /// per sequence as [`Executor::step`] gives them. Alone, the step runs
+    /// here; leading a pipeline, this rank runs stage 0, the later stages
+    /// the rest, and the logits come back from the last one. Either way
+    /// the rows are the same, so a caller is written once for both.
+    pub fn step(&mut self, batch: &Batch) -> Result<Logits<'_>, SessionError> {
+        run_step(
+            &mut self.exec,
+            self.link.as_mut(),
+            &mut self.remote_logits,
+            self.vocab,
+            batch,
+            true,
+        )?
+        .ok_or_else(|| SessionError::Pipeline("no logits came back".into()))
     }
 
     /// Greedy decoding of several sequences for throughput measurements:
@@ -949,4 +956,44 @@ impl Session {
         self.run_batch(true)?
             .ok_or_else(|| SessionError::Pipeline("no logits came back".into()))
     }
+}
+
+/// One step of `batch` here (`link` None), or as stage 0 of a pipeline:
+/// stage 0's output goes on and, when `want_logits`, the last stage's
+/// logits come back into `remote` (checked: rows of `vocab`, one per
+/// sequence of the step).
+fn run_step<'a>(
+    exec: &'a mut Executor,
+    link: Option<&mut PipelineLink>,
+    remote: &'a mut Vec<f32>,
+    vocab: usize,
+    batch: &Batch,
+    want_logits: bool,
+) -> Result<Option<Logits<'a>>, SessionError> {
+    let Some(link) = link else {
+        return Ok(Some(exec.step(batch)?));
+    };
+    let out = exec.step(batch)?;
+    let perr = |e: crate::dist::DistError| SessionError::Pipeline(e.to_string());
+    link.forward(&StepHeader { want_logits }, batch, out.data)
+        .map_err(perr)?;
+    if !want_logits {
+        return Ok(None);
+    }
+    let l = link.recv_logits().map_err(perr)?;
+    if l.width != vocab || l.rows == 0 || l.rows > batch.n_seqs() {
+        return Err(SessionError::Pipeline(format!(
+            "the last stage sent {} x {} logits for a step of {} sequences, expected rows of {}",
+            l.rows,
+            l.width,
+            batch.n_seqs(),
+            vocab
+        )));
+    }
+    *remote = l.data;
+    Ok(Some(Logits {
+        rows: l.rows,
+        vocab: l.width,
+        data: remote,
+    }))
 }

@@ -7,10 +7,12 @@ mod common;
 use llama_graph::dist::local::LocalTransport;
 use llama_graph::dist::stage::{agree, serve_stage, PipelineLink};
 use llama_graph::dist::{open_stage_model, Transport};
+use llama_graph::generate::SamplerConfig;
 use llama_graph::ir::{dot::DotOptions, DType, LogitRows, Op};
 use llama_graph::model::{build_llama, BuildOptions};
 use llama_graph::passes::{partition, run_pipeline, PassList, StagePlan};
 use llama_graph::plan::compile;
+use llama_graph::server::engine::{EngineConfig, EngineHandle, GenEvent, GenRequest, GenStream};
 use llama_graph::session::{Model, Session, SessionOptions};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -279,6 +281,23 @@ fn pipelined(
     prompt: &[u32],
     steps: usize,
 ) -> Vec<Vec<(usize, f32)>> {
+    with_pipeline(path, n, counts, o, |mut s, _| {
+        let tops = greedy(&mut s, prompt, steps);
+        s.stop_pipeline("").unwrap();
+        tops
+    })
+}
+
+/// Runs stages 1.. of `n` as threads over the local transport and gives
+/// `lead` rank 0's session (leading the pipeline) and model; `lead` must
+/// stop the pipeline. Checks that every stage stopped cleanly.
+fn with_pipeline<R>(
+    path: &Path,
+    n: usize,
+    counts: Option<Vec<usize>>,
+    o: &SessionOptions,
+    lead: impl FnOnce(Session, Model) -> R,
+) -> R {
     let mut ts = LocalTransport::mesh(n, Duration::from_secs(120));
     let mut workers = Vec::new();
     for mut t in ts.drain(1..).collect::<Vec<_>>() {
@@ -303,12 +322,11 @@ fn pipelined(
     agree(&mut t0, Ok(())).unwrap();
     s.attach_pipeline(PipelineLink::new(Box::new(t0)).unwrap())
         .unwrap();
-    let tops = greedy(&mut s, prompt, steps);
-    s.stop_pipeline("").unwrap();
+    let r = lead(s, model);
     for w in workers {
-        assert_eq!(w.join().unwrap(), "");
+        assert_eq!(w.join().unwrap(), "", "a stage stopped with a reason");
     }
-    tops
+    r
 }
 
 fn layer_of(name: &str) -> usize {
@@ -372,6 +390,68 @@ fn gguf_pipeline_matches_one_process() {
     let want = greedy(&mut one, &p, 6);
     let got = pipelined(&path, 3, None, &o, &p, 6);
     assert_same("smollm2 x3", &want, &got);
+}
+
+/// The serving engine leading a 3-stage pipeline: concurrent greedy
+/// requests (prefill chunks batched with other sequences' decode tokens)
+/// get the same tokens as the engine in one process, and dropping the
+/// engine stops every stage cleanly.
+#[test]
+fn the_serving_engine_over_a_pipeline_matches_one_process() {
+    // 4 layers: its own checkpoint (tests run at once; 5 is another's).
+    let path = random_meta(4);
+    let parallel = 3;
+    let o = SessionOptions {
+        parallel,
+        ..opts(8, PassList::all())
+    };
+    let cfg = EngineConfig {
+        session: o.clone(),
+        parallel,
+        queue_capacity: 8,
+    };
+    let vocab = Model::open(&path).unwrap().args.vocab_size.unwrap() as u32;
+    let reqs: Vec<GenRequest> = [(19, 12), (5, 20), (30, 7), (11, 9)]
+        .iter()
+        .enumerate()
+        .map(|(j, &(n, max_tokens))| GenRequest {
+            prompt: prompt(n, vocab)
+                .iter()
+                .map(|t| (t + j as u32) % vocab)
+                .collect(),
+            max_tokens,
+            sampling: SamplerConfig {
+                temperature: 0.0,
+                ..SamplerConfig::default()
+            },
+            stop_tokens: Vec::new(),
+        })
+        .collect();
+    let run = |e: &EngineHandle| -> Vec<Vec<u32>> {
+        let streams: Vec<GenStream> = reqs.iter().map(|r| e.submit(r.clone()).unwrap()).collect();
+        streams
+            .into_iter()
+            .map(|mut s| {
+                let mut toks = Vec::new();
+                loop {
+                    match s.blocking_next().expect("a stream ends with Done") {
+                        GenEvent::Token(t) => toks.push(t),
+                        GenEvent::Done { .. } => return toks,
+                        GenEvent::Error(e) => panic!("{e}"),
+                    }
+                }
+            })
+            .collect()
+    };
+    let want = run(&EngineHandle::start(Model::open(&path).unwrap(), cfg.clone()).unwrap());
+    let got = with_pipeline(&path, 3, None, &o, |s, model| {
+        // Dropping the last handle ends the engine, which stops the pipeline.
+        run(&EngineHandle::with_session(s, model, cfg).unwrap())
+    });
+    assert_eq!(got, want);
+    for (toks, r) in got.iter().zip(&reqs) {
+        assert_eq!(toks.len(), r.max_tokens);
+    }
 }
 
 /// A rank that fails to open its stage fails every rank with its message.

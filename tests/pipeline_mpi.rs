@@ -355,3 +355,246 @@ fn a_checkpoint_one_rank_cannot_open_fails_every_rank_alike() {
     let want = format!("error: rank 1: {}: cannot open", missing.display());
     assert_eq!(err.matches(&want).count(), 3, "every rank says it:\n{err}");
 }
+
+/// A `serve` job under `mpirun` (or one process), on 127.0.0.1 with an
+/// OS-assigned port. Dropped without [`ServeJob::stop`], it kills the job
+/// and its ranks.
+struct ServeJob {
+    child: std::process::Child,
+    addr: std::net::SocketAddr,
+    log: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl ServeJob {
+    /// Starts `cmd` (the binary, or mpirun with the binary as its first
+    /// argument) with `serve ... --port 0 ARGS` and waits (bounded) until
+    /// `/health` answers 200.
+    fn start(mut cmd: Command, args: &[&str]) -> ServeJob {
+        use std::io::BufRead;
+        cmd.args(["serve", "--host", "127.0.0.1", "--port", "0"])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let mut child = cmd
+            .spawn()
+            .expect("the server starts (mpirun: openmpi-bin)");
+        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let stderr = child.stderr.take().unwrap();
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if let Some(rest) = line.strip_prefix("listening on http://") {
+                    let _ = tx.send(rest.split_whitespace().next().unwrap_or("").to_string());
+                }
+                let mut l = sink.lock().unwrap();
+                l.push_str(&line);
+                l.push('\n');
+            }
+        });
+        let addr = match rx.recv_timeout(HANG) {
+            Ok(a) => a.parse().expect("a socket address"),
+            Err(_) => {
+                let _ = child.kill();
+                panic!(
+                    "the server never said where it listens:\n{}",
+                    log.lock().unwrap()
+                );
+            }
+        };
+        let job = ServeJob { child, addr, log };
+        let t0 = Instant::now();
+        loop {
+            if let Ok((200, _)) = job.request("GET", "/health", "") {
+                return job;
+            }
+            assert!(
+                t0.elapsed() < HANG,
+                "the server never became ready:\n{}",
+                job.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// One request on a fresh connection: status and body.
+    fn request(&self, method: &str, path: &str, body: &str) -> std::io::Result<(u16, String)> {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(self.addr)?;
+        s.set_read_timeout(Some(HANG))?;
+        write!(
+            s,
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            self.addr,
+            body.len()
+        )?;
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw)?;
+        Ok(common::server::parse_response(&raw))
+    }
+
+    /// A temperature-0 completion of `prompt`: its text and finish reason.
+    fn complete(&self, prompt: &str, max_tokens: usize) -> (String, String) {
+        let body = serde_json::json!({
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        })
+        .to_string();
+        let (code, text) = self
+            .request("POST", "/v1/completions", &body)
+            .unwrap_or_else(|e| panic!("POST /v1/completions: {e}\n{}", self.log()));
+        assert_eq!(code, 200, "{text}\n{}", self.log());
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        let c = &v["choices"][0];
+        (
+            c["text"].as_str().unwrap().to_string(),
+            c["finish_reason"].as_str().unwrap().to_string(),
+        )
+    }
+
+    /// The job's processes: the child and, under mpirun, its ranks.
+    fn pids(&self) -> Vec<u32> {
+        let out = Command::new("pgrep")
+            .args(["-P", &self.child.id().to_string()])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .collect()
+    }
+
+    /// Sends SIGTERM to `pid` and waits (bounded) for the job to end:
+    /// its exit status and everything it wrote to stderr.
+    fn stop(mut self, pid: u32) -> (bool, String) {
+        let ok = Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(ok.success());
+        let t0 = Instant::now();
+        let status = loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                break st;
+            }
+            assert!(
+                t0.elapsed() < HANG,
+                "the job did not end after SIGTERM:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        // The stderr reader sees the end of the pipe shortly after.
+        std::thread::sleep(Duration::from_millis(300));
+        (status.success(), self.log())
+    }
+}
+
+impl Drop for ServeJob {
+    fn drop(&mut self) {
+        for p in self.pids() {
+            let _ = Command::new("kill").args(["-9", &p.to_string()]).status();
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The rank of an `mpirun` child process (from its environment).
+fn mpi_rank(pid: u32) -> Option<usize> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    env.split(|&b| b == 0).find_map(|kv| {
+        std::str::from_utf8(kv)
+            .ok()?
+            .strip_prefix("OMPI_COMM_WORLD_RANK=")?
+            .parse()
+            .ok()
+    })
+}
+
+#[test]
+fn serve_pipeline_answers_concurrent_requests_like_one_process() {
+    let g = smollm2();
+    let model = g.display().to_string();
+    let args = ["-m", &model, "-t", "1", "-c", "512", "--parallel", "3"];
+    let prompts = [
+        "The capital of France is",
+        "Once upon a time there was",
+        "def fibonacci(n):",
+    ];
+    let n = 12;
+    // `run --temp 0` on each prompt: the tokens a request must produce.
+    let run: Vec<String> = prompts
+        .iter()
+        .map(|p| {
+            let o = Command::new(BIN)
+                .args(["run", "-m", &model, "-p", p, "-n", &n.to_string()])
+                .args(["--temp", "0", "-t", "1", "-c", "512"])
+                .output()
+                .unwrap();
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+            let text = String::from_utf8(o.stdout).unwrap();
+            text.strip_suffix('\n').unwrap_or(&text).to_string()
+        })
+        .collect();
+    // One process, the requests one after another.
+    let one = ServeJob::start(Command::new(BIN), &args);
+    let alone: Vec<(String, String)> = prompts.iter().map(|p| one.complete(p, n)).collect();
+    let pid = one.child.id();
+    let (ok, log) = one.stop(pid);
+    assert!(ok, "{log}");
+    for (a, r) in alone.iter().zip(&run) {
+        assert_eq!(&a.0, r, "one-process serve vs run --temp 0");
+    }
+    // Two ranks, the requests at once (batched into the same steps).
+    // A receive deadline of 3 s: the idle stretch below outlasts it.
+    let mut c = mpirun(2);
+    c.env("LLAMA_GRAPH_PIPELINE_TIMEOUT", "3")
+        .args(["-x", "LLAMA_GRAPH_PIPELINE_TIMEOUT", BIN]);
+    let job = ServeJob::start(c, &[&args[..], &["--pipeline"]].concat());
+    let got: Vec<(String, String)> = std::thread::scope(|s| {
+        let hs: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let job = &job;
+                s.spawn(move || job.complete(p, n))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(got, alone, "pipelined serve vs one process");
+    // Idle for longer than a step may take: the later stage waits for work
+    // as long as rank 0 lives, and serves the next request.
+    std::thread::sleep(Duration::from_secs(5));
+    assert_eq!(job.complete(prompts[0], n), alone[0]);
+    // SIGTERM to rank 0: it stops serving and stops the pipeline; every
+    // rank ends cleanly and mpirun exits 0.
+    let ranks = job.pids();
+    assert_eq!(ranks.len(), 2, "two ranks under mpirun: {ranks:?}");
+    let rank0 = *ranks
+        .iter()
+        .find(|&&p| mpi_rank(p) == Some(0))
+        .expect("rank 0 among mpirun's children");
+    let (ok, log) = job.stop(rank0);
+    assert!(ok, "{log}");
+    for want in [
+        "pipeline: rank 0 of 2: stage 0",
+        "pipeline: rank 1 of 2: stage 1",
+        "pipeline: rank 0: peak RSS",
+        "pipeline: rank 1: peak RSS",
+    ] {
+        assert!(log.contains(want), "no {want:?} in\n{log}");
+    }
+    for p in ranks {
+        let alive = std::fs::read_to_string(format!("/proc/{p}/status"))
+            .is_ok_and(|s| !s.contains("State:\tZ"));
+        assert!(!alive, "rank process {p} outlived the job");
+    }
+}

@@ -2,10 +2,12 @@
 
 use super::flags::RuntimeFlags;
 use super::model::ModelArg;
+use super::pipeline::{PipelineFlags, Role};
 use clap::Args;
 use llama_graph::generate::chat::ChatFormat;
 use llama_graph::server::engine::{EngineConfig, EngineHandle};
 use llama_graph::server::{serve, AppState, Loaded, ServerOptions};
+use llama_graph::session::{Model, SessionOptions};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -56,6 +58,12 @@ pub struct ServeArgs {
     pub max_connections: usize,
     #[command(flatten)]
     pub runtime: RuntimeFlags,
+    /// `mpirun -np N llama-graph serve --pipeline ...`: rank 0 serves HTTP
+    /// and runs the tokenizer, scheduler and sampler and stage 0; the
+    /// other ranks run the later stages of every batched step. Stop it
+    /// with SIGTERM to rank 0 (every rank then ends cleanly).
+    #[command(flatten)]
+    pub pipeline: PipelineFlags,
 }
 
 pub fn run(a: ServeArgs) -> super::CliResult {
@@ -82,6 +90,19 @@ pub fn run(a: ServeArgs) -> super::CliResult {
         )
     })?;
     let addr = SocketAddr::new(ip, a.port);
+    // Every rank compiles its stage for the same steps as rank 0's engine
+    // runs (tokens and sequences per step).
+    let opts_for = |m: &Model| -> Result<SessionOptions, String> {
+        let context = m.args.plan_context(a.runtime.ctx_size);
+        let mut o = a.runtime.session_options(context, threads)?;
+        o.parallel = a.parallel;
+        Ok(o)
+    };
+    let role = match Role::start(&a.pipeline)? {
+        // The later stages serve steps until rank 0 stops the pipeline.
+        Role::Worker(t) => return Ok(super::pipeline::work(t, &a.model, &a.pipeline, &opts_for)?),
+        r => r,
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -104,7 +125,8 @@ pub fn run(a: ServeArgs) -> super::CliResult {
     let server = runtime.spawn(serve(listener, state.clone(), shutdown_signal()));
 
     let t0 = Instant::now();
-    let loaded = load(&a, threads);
+    let pipelined = matches!(role, Role::Leader(_));
+    let loaded = load(&a, role, &opts_for);
     let loaded = match loaded {
         Ok(l) => l,
         Err(e) => {
@@ -129,17 +151,40 @@ pub fn run(a: ServeArgs) -> super::CliResult {
     }
     eprintln!("shutting down");
     runtime.shutdown_timeout(Duration::from_secs(1));
+    // The last engine handle: the engine ends (and stops the pipeline).
+    drop(state);
+    if pipelined {
+        if let Some(mib) = super::pipeline::peak_rss_mib() {
+            eprintln!("pipeline: rank 0: peak RSS {mib:.1} MiB");
+        }
+    }
     Ok(())
 }
 
-fn load(a: &ServeArgs, threads: usize) -> Result<Loaded, Box<dyn std::error::Error>> {
-    let (mut model, _) = a.model.open(false)?;
-    let tokenizer = model.tokenizer.take().ok_or_else(|| {
+fn load(
+    a: &ServeArgs,
+    role: Role,
+    opts_for: &dyn Fn(&Model) -> Result<SessionOptions, String>,
+) -> Result<Loaded, Box<dyn std::error::Error>> {
+    let no_tokenizer = |m: &Model| {
         format!(
             "{} has no tokenizer, which the server needs (a Meta directory needs tokenizer.model)",
-            model.path.display()
+            m.path.display()
         )
-    })?;
+    };
+    let (mut model, staged) = match role {
+        Role::Leader(t) => {
+            // Rank 0 opens stage 0; a failure on any rank fails every rank.
+            let has_tokenizer = |m: &Model| match m.tokenizer {
+                Some(_) => Ok(()),
+                None => Err(no_tokenizer(m)),
+            };
+            let (s, ()) = super::pipeline::lead(t, &a.model, &a.pipeline, opts_for, has_tokenizer)?;
+            (s.model, Some(s.session))
+        }
+        _ => (a.model.open(false)?.0, None),
+    };
+    let tokenizer = model.tokenizer.take().ok_or_else(|| no_tokenizer(&model))?;
     let chat = ChatFormat::of(&model);
     if !chat.available() {
         eprintln!("warning: this GGUF file has no chat template; /v1/chat/completions will refuse requests, /v1/completions works");
@@ -154,16 +199,16 @@ fn load(a: &ServeArgs, threads: usize) -> Result<Loaded, Box<dyn std::error::Err
             .map(str::to_string)
             .unwrap_or(name)
     });
-    let context = model.args.plan_context(a.runtime.ctx_size);
-    let session = a.runtime.session_options(context, threads)?;
-    let engine = EngineHandle::start(
-        model,
-        EngineConfig {
-            session,
-            parallel: a.parallel,
-            queue_capacity: a.max_queue,
-        },
-    )?;
+    let cfg = EngineConfig {
+        session: opts_for(&model)?,
+        parallel: a.parallel,
+        queue_capacity: a.max_queue,
+    };
+    let engine = match staged {
+        // Each step of the engine runs over every stage.
+        Some(session) => EngineHandle::with_session(session, model, cfg)?,
+        None => EngineHandle::start(model, cfg)?,
+    };
     Ok(Loaded {
         engine,
         // One model per process: the tokenizer lives until exit.

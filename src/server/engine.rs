@@ -174,16 +174,24 @@ struct Shared {
 }
 
 /// Closes the queue when the last handle goes away; the engine thread then
-/// finishes (cancelling what was queued) and exits.
+/// finishes (cancelling what was queued, stopping a pipeline it leads) and
+/// exits, which the drop waits for (at most the step under way).
 struct Owner {
     shared: Arc<Shared>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl Drop for Owner {
     fn drop(&mut self) {
-        let mut q = self.shared.queue.lock().unwrap_or_else(|e| e.into_inner());
-        q.shutdown = true;
-        self.shared.ready.notify_all();
+        {
+            let mut q = self.shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+            q.shutdown = true;
+            self.shared.ready.notify_all();
+        }
+        let t = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(t) = t {
+            let _ = t.join();
+        }
     }
 }
 
@@ -228,6 +236,40 @@ impl EngineHandle {
     /// Compiles a session for `model` on a new engine thread and starts
     /// serving. Returns once the session is ready (or failed to compile).
     pub fn start(model: Model, cfg: EngineConfig) -> Result<EngineHandle, EngineError> {
+        let mut session_opts = cfg.session.clone();
+        session_opts.parallel = cfg.parallel;
+        EngineHandle::launch(&cfg, move || {
+            let session = Session::new(&model, &session_opts)?;
+            // The model's mappings stay alive with the session.
+            Ok((session, Box::new(model) as Box<dyn Send>))
+        })
+    }
+
+    /// Serves with a session compiled elsewhere, for `cfg.parallel`
+    /// sequences: stage 0 leading a pipeline (`serve --pipeline`), whose
+    /// steps then run over every stage. `model` (whose mappings the session
+    /// reads) lives as long as the engine. When the engine stops (the last
+    /// handle dropped), it stops the pipeline, so every rank ends.
+    pub fn with_session(
+        session: Session,
+        model: Model,
+        cfg: EngineConfig,
+    ) -> Result<EngineHandle, EngineError> {
+        if session.plan.max.n < cfg.parallel {
+            return Err(EngineError::Invalid(format!(
+                "the session was compiled for {} sequences per step, the engine runs {}",
+                session.plan.max.n, cfg.parallel
+            )));
+        }
+        EngineHandle::launch(&cfg, move || {
+            Ok((session, Box::new(model) as Box<dyn Send>))
+        })
+    }
+
+    fn launch(
+        cfg: &EngineConfig,
+        make: impl FnOnce() -> Result<(Session, Box<dyn Send>), SessionError> + Send + 'static,
+    ) -> Result<EngineHandle, EngineError> {
         if cfg.parallel == 0 {
             return Err(EngineError::Invalid(
                 "-np/--parallel must be at least 1".into(),
@@ -241,13 +283,11 @@ impl EngineHandle {
         let shared = Arc::new(Shared::default());
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let thread_shared = shared.clone();
-        let mut session_opts = cfg.session.clone();
-        session_opts.parallel = cfg.parallel;
         let parallel = cfg.parallel;
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("llama-graph-engine".into())
             .spawn(move || {
-                let session = match Session::new(&model, &session_opts) {
+                let (mut session, keep) = match make() {
                     Ok(s) => s,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
@@ -255,16 +295,24 @@ impl EngineHandle {
                     }
                 };
                 let _ = ready_tx.send(Ok((session.context(), session.vocab())));
-                // The model's mappings stay alive with the session.
-                engine_loop(session, parallel, &thread_shared);
-                drop(model);
+                engine_loop(&mut session, parallel, &thread_shared);
+                if session.pipeline().is_some() {
+                    if let Err(e) = session.stop_pipeline("") {
+                        eprintln!("error: stopping the pipeline: {e}");
+                    }
+                }
+                drop(session);
+                drop(keep);
             })
             .map_err(|e| EngineError::Thread(e.to_string()))?;
         let (context, vocab) = ready_rx
             .recv()
             .map_err(|_| EngineError::Thread("the engine thread ended while loading".into()))??;
         Ok(EngineHandle {
-            owner: Arc::new(Owner { shared }),
+            owner: Arc::new(Owner {
+                shared,
+                thread: Mutex::new(Some(thread)),
+            }),
             limits: EngineLimits {
                 context,
                 parallel: cfg.parallel,
@@ -384,7 +432,7 @@ struct Live {
 
 /// The engine thread: admits, schedules, steps, samples, retires, until the
 /// last handle is dropped.
-fn engine_loop(mut session: Session, parallel: usize, shared: &Shared) {
+fn engine_loop(session: &mut Session, parallel: usize, shared: &Shared) {
     let geom = session.exec.kv_geom();
     let mut sched = Scheduler::new(
         SchedulerConfig {
@@ -482,7 +530,9 @@ fn engine_loop(mut session: Session, parallel: usize, shared: &Shared) {
         }
         let t0 = Instant::now();
         sampled.clear();
-        let stepped = session.exec.step(&batch).map(|logits| {
+        // Here alone, or over every stage of the pipeline this session
+        // leads: the same logits rows either way.
+        let stepped = session.step(&batch).map(|logits| {
             for (j, slot) in plan.iter().enumerate() {
                 if let (true, Some(l)) = (slot.samples, live.get_mut(&slot.id)) {
                     sampled.push((slot.id, l.sampler.sample(logits.row(j))));
@@ -493,6 +543,13 @@ fn engine_loop(mut session: Session, parallel: usize, shared: &Shared) {
             let msg = e.to_string();
             for slot in &plan {
                 retire(&mut sched, &mut live, slot.id, Err(msg.clone()), shared);
+            }
+            if session.pipeline().is_some() {
+                // The stages may disagree on what ran: no later step can
+                // be trusted. End every rank (mpirun then ends the job).
+                eprintln!("error: the pipeline failed: {msg}");
+                session.abort_pipeline(1);
+                return;
             }
             continue;
         }
