@@ -13,10 +13,11 @@ use llama_graph::session::{Model, Session, SessionOptions};
 #[derive(Debug, Args, Clone, Default)]
 pub struct PipelineFlags {
     /// Run as a pipeline over the ranks of an MPI job, one stage of layers
-    /// per rank: `mpirun -np N llama-graph run --pipeline ...`. Every rank
-    /// opens the same model path but maps only its stage's tensors and
-    /// keeps only its layers' KV cache; rank 0 also reads the prompt,
-    /// samples and prints. Needs a build with `--features mpi`.
+    /// per rank: `mpirun -np N llama-graph run|bench|serve --pipeline ...`.
+    /// Every rank opens the same model path but maps only its stage's
+    /// tensors and keeps only its layers' KV cache; rank 0 also owns the
+    /// tokenizer, the sampler and the output (for serve: the HTTP server;
+    /// stop it with SIGTERM to rank 0). Needs a build with `--features mpi`.
     #[arg(long = "pipeline")]
     pub pipeline: bool,
     /// Layers of each stage, one count per rank, comma-separated (e.g.
