@@ -44,6 +44,12 @@ fn check_case(name: &str, kind: TokenizerKind) {
     assert_eq!(t.kind(), kind, "{name}");
     let fx: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    check_expected(name, &t, &fx);
+}
+
+/// `t` against `tokenizers`' ids in `fx` (the layout of
+/// `hf_tokenizer_fixtures.py`).
+fn check_expected(name: &str, t: &Tokenizer, fx: &Value) {
     let mut n = 0;
     for c in fx["cases"].as_array().unwrap() {
         let text = c["text"].as_str().unwrap();
@@ -131,6 +137,84 @@ fn llama2_legacy_normalizer() {
 #[test]
 fn llama3_byte_level() {
     check_case("llama3_bpe", TokenizerKind::Gpt2Bpe);
+}
+
+/// Meta's Llama 3 vocabulary as the tokenizer.json transformers'
+/// `TikTokenConverter` makes of it: the skeleton of that file (all but the
+/// vocabulary and the merges) is committed; the vocabulary and the merges
+/// are filled in here from the real `tokenizer.model` by this crate's code
+/// and must have the digests of transformers' own; then the file must
+/// tokenize as `tokenizers` does (`tests/reference/llama3_tokenizer_json.py`).
+#[test]
+fn llama3_real_tokenizer_json() {
+    use llama_graph::fetch::LLAMA3_TOKENIZER;
+    use llama_graph::tokenizer::gguf::bytes_to_unicode;
+    use llama_graph::tokenizer::tiktoken::{merges_from_ranks, parse_tiktoken_bpe};
+    use sha2::{Digest, Sha256};
+    let fixtures = common::root().join("tests/fixtures/tokenizer");
+    let fx: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures.join("llama3_hf.json")).unwrap())
+            .unwrap();
+    let mut tj: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures.join("llama3_hf_skeleton.json")).unwrap(),
+    )
+    .unwrap();
+    let data =
+        std::fs::read(fetch_wheel_member(&LLAMA3_TOKENIZER).unwrap_or_else(|e| panic!("{e}")))
+            .unwrap();
+    let ranks = parse_tiktoken_bpe(&data).unwrap();
+    let alphabet = bytes_to_unicode();
+    let spelled: Vec<String> = ranks
+        .iter()
+        .map(|t| t.iter().map(|&b| alphabet[b as usize]).collect())
+        .collect();
+    let merges: Vec<(u32, u32)> = merges_from_ranks(&ranks);
+    let digest = |lines: &mut dyn Iterator<Item = String>| -> String {
+        let mut h = Sha256::new();
+        for l in lines {
+            h.update(l.as_bytes());
+        }
+        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    };
+    assert_eq!(spelled.len() as u64, fx["n_vocab"].as_u64().unwrap());
+    assert_eq!(merges.len() as u64, fx["n_merges"].as_u64().unwrap());
+    assert_eq!(
+        digest(
+            &mut spelled
+                .iter()
+                .enumerate()
+                .map(|(i, t)| format!("{t}\t{i}\n"))
+        ),
+        fx["vocab_sha256"].as_str().unwrap(),
+        "vocabulary"
+    );
+    assert_eq!(
+        digest(
+            &mut merges
+                .iter()
+                .map(|&(l, r)| format!("{} {}\n", spelled[l as usize], spelled[r as usize]))
+        ),
+        fx["merges_sha256"].as_str().unwrap(),
+        "merges: the same as transformers' TikTokenConverter, in the same order"
+    );
+    tj["model"]["vocab"] = Value::Object(
+        spelled
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), json!(i)))
+            .collect(),
+    );
+    tj["model"]["merges"] = Value::Array(
+        merges
+            .iter()
+            .map(|&(l, r)| json!([spelled[l as usize], spelled[r as usize]]))
+            .collect(),
+    );
+    let t = Tokenizer::from_hf_json(tj.to_string().as_bytes(), None).unwrap();
+    assert_eq!(t.kind(), TokenizerKind::Gpt2Bpe);
+    assert_eq!(t.n_vocab(), 128256);
+    assert_eq!(t.token_to_id("<|eot_id|>"), Some(128009));
+    check_expected("llama3_real", &t, &fx);
 }
 
 #[test]

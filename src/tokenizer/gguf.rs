@@ -5,7 +5,9 @@
 //!
 //! * `model == "gpt2"`: byte-level BPE. Tokens are strings in the GPT-2
 //!   byte-to-unicode alphabet (`Ġ` for a space), `merges` are `"left right"`
-//!   lines in priority order, and `pre` names the pre-tokenizer split.
+//!   lines in priority order, and `pre` names the pre-tokenizer split. With
+//!   Llama 3's pre-tokenizer (`llama-bpe`), a piece that is itself a token
+//!   is taken whole (llama.cpp's `ignore_merges`).
 //! * `model == "llama"`: SentencePiece-style BPE by score, with `<0xNN>` byte
 //!   tokens for byte fallback (Llama 2 GGUFs).
 //!
@@ -87,7 +89,7 @@ fn pre_tok(name: Option<&str>) -> Result<PreTok, String> {
 }
 
 /// GPT-2's byte <-> unicode alphabet.
-pub(crate) fn bytes_to_unicode() -> [char; 256] {
+pub fn bytes_to_unicode() -> [char; 256] {
     let mut t = ['\0'; 256];
     let mut n = 0u32;
     for (b, slot) in t.iter_mut().enumerate() {
@@ -265,6 +267,26 @@ impl Tokenizer {
                     // Earlier merges win when a pair appears twice.
                     merges.entry((li, ri)).or_insert((rank as u32, mi));
                 }
+                // llama.cpp's `ignore_merges` for the Llama 3 pre-tokenizer: a
+                // piece that is a token is that token, unmerged. The piece is
+                // compared in the byte alphabet, so any token whose text is
+                // all alphabet characters can match.
+                let whole = if pre == PreTok::Llama3 {
+                    let mut w: FxHashMap<Vec<u8>, u32> = FxHashMap::default();
+                    for (i, t) in p.tokens.iter().enumerate() {
+                        let Ok(s) = std::str::from_utf8(t) else {
+                            continue;
+                        };
+                        let bytes: Option<Vec<u8>> =
+                            s.chars().map(|c| inverse.get(&c).copied()).collect();
+                        if let Some(b) = bytes.filter(|b| !b.is_empty()) {
+                            w.entry(b).or_insert(i as u32);
+                        }
+                    }
+                    Some(w)
+                } else {
+                    None
+                };
                 let mut decode = Vec::with_capacity(n);
                 for (i, t) in p.tokens.iter().enumerate() {
                     let bytes = match types[i] {
@@ -299,7 +321,7 @@ impl Tokenizer {
                         pre,
                         byte_ids,
                         merges,
-                        whole: None,
+                        whole,
                     })),
                     texts: p.tokens.clone(),
                     decode,

@@ -113,6 +113,35 @@ pub fn parse_tiktoken_bpe(data: &[u8]) -> Result<Vec<Vec<u8>>, TokenizerError> {
     Ok(by_rank.into_iter().flatten().map(|(b, _)| b).collect())
 }
 
+/// The byte-pair merges under which a merge-list BPE (GGUF `gpt2`,
+/// `tokenizer.json`) reproduces tiktoken's rank-driven merging, derived as
+/// transformers' `TikTokenConverter` derives them: for every token of two or
+/// more bytes, every split into two tokens `(left, right)`, ordered by the
+/// token's rank, then by the ranks of `left` and `right`. (tiktoken merges
+/// any adjacent pair whose concatenation is a token, so every split has to
+/// be a merge; for Llama 3 that is 280 147 merges for 128 000 tokens.)
+/// `tokens` is indexed by rank, as [`parse_tiktoken_bpe`] returns it.
+pub fn merges_from_ranks(tokens: &[Vec<u8>]) -> Vec<(u32, u32)> {
+    let rank: FxHashMap<&[u8], u32> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.as_slice(), i as u32))
+        .collect();
+    let mut out = Vec::new();
+    let mut local = Vec::new();
+    for t in tokens {
+        local.clear();
+        for k in 1..t.len() {
+            if let (Some(&l), Some(&r)) = (rank.get(&t[..k]), rank.get(&t[k..])) {
+                local.push((l, r));
+            }
+        }
+        local.sort_unstable();
+        out.extend_from_slice(&local);
+    }
+    out
+}
+
 fn clip(s: &str) -> String {
     s.chars().take(60).collect()
 }
@@ -270,6 +299,20 @@ mod tests {
         assert_eq!(v[11], "<|image|>");
         assert_eq!(v[12], "<|reserved_special_token_2|>");
         assert_eq!(v[255], "<|reserved_special_token_245|>");
+    }
+
+    #[test]
+    fn merges_are_every_split_in_rank_order() {
+        let toks: Vec<Vec<u8>> = ["a", "b", "c", "ab", "bc", "abc", "ca"]
+            .iter()
+            .map(|s| s.as_bytes().to_vec())
+            .collect();
+        // ab = a+b; bc = b+c; abc = a+bc (ranks 0, 4) and ab+c (3, 2),
+        // sorted by the left rank; ca = c+a.
+        assert_eq!(
+            merges_from_ranks(&toks),
+            vec![(0, 1), (1, 2), (0, 4), (3, 2), (2, 0)]
+        );
     }
 
     #[test]
