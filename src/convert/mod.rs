@@ -10,12 +10,10 @@
 //! checkpoints split over several `consolidated.*.pth` are the exception:
 //! the shard merge happens at load.
 //!
-//! Types: `f32`, `f16`, `bf16`, `q8_0`, `q4_0` (blocks bit-identical to
-//! `llama-quantize`'s: see [`crate::kernels::quantized::quantize`]). As
-//! llama.cpp does, 1-D tensors (norms) stay F32, and a matrix whose rows are
-//! not whole blocks falls back (to Q8_0, then F16). One difference: the
-//! output head (or the tied embedding) of a `q4_0` file is Q8_0, where
-//! llama-quantize writes Q6_K when the row length is a multiple of 256.
+//! Types: `f32`, `f16`, `bf16`, `q8_0`, `q4_0` and llama.cpp's mixes
+//! `q4_k_m`, `q5_k_m`, `q6_k`: each tensor gets the type llama-quantize
+//! gives it (see [`target_type`]) and blocks bit-identical to
+//! llama-quantize's (see [`crate::kernels::quantized::quantize`]).
 
 use crate::ir::{DType, RopeScaling};
 use crate::kernels::quantized::{dequantize_row, quantize::quantize_row};
@@ -29,18 +27,23 @@ use crate::weights::{WeightStore, WeightTensor};
 use std::path::{Path, PathBuf};
 use thiserror::Error;
 
-/// The target type of `convert`.
+/// The target type of `convert`: a plain type, or one of llama.cpp's
+/// mixes (`Q4_K_M`: mostly Q4_K, more bits where llama-quantize puts them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(non_camel_case_types)]
 pub enum OutType {
     F32,
     F16,
     BF16,
     Q8_0,
     Q4_0,
+    Q4_K_M,
+    Q5_K_M,
+    Q6_K,
 }
 
 impl OutType {
-    pub const NAMES: &'static str = "f32, f16, bf16, q8_0, q4_0";
+    pub const NAMES: &'static str = "f32, f16, bf16, q8_0, q4_0, q4_k_m, q5_k_m, q6_k";
 
     pub fn parse(s: &str) -> Result<OutType, String> {
         Ok(match s.to_ascii_lowercase().as_str() {
@@ -49,13 +52,9 @@ impl OutType {
             "bf16" => OutType::BF16,
             "q8_0" => OutType::Q8_0,
             "q4_0" => OutType::Q4_0,
-            "q4_k_m" => {
-                return Err(
-                    "q4_k_m is not implemented yet (no K-quant quantizer); supported: \
-                            f32, f16, bf16, q8_0, q4_0"
-                        .into(),
-                )
-            }
+            "q4_k_m" => OutType::Q4_K_M,
+            "q5_k_m" => OutType::Q5_K_M,
+            "q6_k" => OutType::Q6_K,
             other => {
                 return Err(format!(
                     "unknown type `{other}`; supported: {}",
@@ -65,6 +64,7 @@ impl OutType {
         })
     }
 
+    /// llama.cpp's default tensor type of the mix (`llama_ftype_get_default_type`).
     fn dtype(self) -> DType {
         match self {
             OutType::F32 => DType::F32,
@@ -72,6 +72,9 @@ impl OutType {
             OutType::BF16 => DType::BF16,
             OutType::Q8_0 => DType::Q8_0,
             OutType::Q4_0 => DType::Q4_0,
+            OutType::Q4_K_M => DType::Q4_K,
+            OutType::Q5_K_M => DType::Q5_K,
+            OutType::Q6_K => DType::Q6_K,
         }
     }
 
@@ -82,8 +85,15 @@ impl OutType {
             OutType::F16 => 1,
             OutType::Q4_0 => 2,
             OutType::Q8_0 => 7,
+            OutType::Q4_K_M => 15,
+            OutType::Q5_K_M => 17,
+            OutType::Q6_K => 18,
             OutType::BF16 => 32,
         }
+    }
+
+    fn quantized(self) -> bool {
+        !matches!(self, OutType::F32 | OutType::F16 | OutType::BF16)
     }
 }
 
@@ -187,24 +197,91 @@ fn tensor_names(a: &ModelArgs) -> Vec<String> {
     v
 }
 
-/// The stored type of a tensor: 1-D stays F32; rows that are not whole
-/// blocks fall back to Q8_0 and then F16.
-fn target_type(ty: OutType, name: &str, shape: &[usize], tied: bool) -> DType {
-    if shape.len() < 2 {
-        return DType::F32;
-    }
-    let ne0 = shape[shape.len() - 1];
-    let mut want = ty.dtype();
-    let is_head = name == "output.weight" || (tied && name == "tok_embeddings.weight");
-    if ty == OutType::Q4_0 && is_head {
-        want = DType::Q8_0;
-    }
-    for d in [want, DType::Q8_0, DType::F16] {
-        if ne0.is_multiple_of(d.block_elems()) {
-            return d;
+/// What the type choice needs to know about the model.
+#[derive(Debug, Clone, Copy)]
+struct MixInfo {
+    n_layers: usize,
+    /// llama.cpp's `LLM_TYPE_70B` (80 layers with grouped-query attention):
+    /// its attn_v gets more bits.
+    is_70b: bool,
+    tied: bool,
+}
+
+impl MixInfo {
+    fn new(a: &ModelArgs) -> MixInfo {
+        MixInfo {
+            n_layers: a.n_layers,
+            is_70b: a.n_layers == 80 && a.n_heads != a.n_kv_heads,
+            tied: a.tied_embeddings,
         }
     }
-    DType::F32
+}
+
+/// The stored type of a tensor, chosen as llama-quantize chooses it
+/// (`llama_tensor_get_type` in llama.cpp's `src/llama-quant.cpp`, for the
+/// llama architecture, no importance matrix, no overrides):
+///
+/// * 1-D tensors (norms) stay F32; F32/F16/BF16 files are that type
+///   throughout.
+/// * The output head (the token embedding when it is tied) is Q6_K in
+///   every quantized mix but Q8_0, or Q8_0 when its rows are not a
+///   multiple of the mix's block.
+/// * Q4_K_M / Q5_K_M: `attn_v` and `ffn_down` of the layers
+///   `use_more_bits` picks (the first and last eighth, and every third in
+///   between) are Q6_K; a 70B-shaped model's other `attn_v` are Q5_K.
+/// * Rows that are not whole blocks of the chosen type fall back:
+///   Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, and to F16 when even
+///   those do not fit.
+fn target_type(ty: OutType, name: &str, shape: &[usize], m: MixInfo) -> DType {
+    if shape.len() < 2 || !ty.quantized() {
+        return if shape.len() < 2 {
+            DType::F32
+        } else {
+            ty.dtype()
+        };
+    }
+    let ne0 = shape[shape.len() - 1];
+    let mut t = ty.dtype();
+    let is_head = name == "output.weight" || (m.tied && name == "tok_embeddings.weight");
+    // "blk.N." of llama-quantize is the layer index here: it walks the
+    // tensors in layer order.
+    let layer = name
+        .strip_prefix("layers.")
+        .and_then(|r| r.split_once('.'))
+        .and_then(|(i, _)| i.parse::<usize>().ok());
+    let n = m.n_layers;
+    let more_bits = |i: usize| i < n / 8 || i >= 7 * n / 8 || (i as i64 - (n / 8) as i64) % 3 == 2;
+    let k_m = matches!(ty, OutType::Q4_K_M | OutType::Q5_K_M);
+    if is_head {
+        if !ne0.is_multiple_of(t.block_elems()) {
+            t = DType::Q8_0;
+        } else if t != DType::Q8_0 {
+            t = DType::Q6_K;
+        }
+    } else if let Some(i) = layer {
+        if name.ends_with("attention.wv.weight") {
+            if k_m && more_bits(i) {
+                t = DType::Q6_K;
+            }
+            if m.is_70b && t == DType::Q4_K {
+                t = DType::Q5_K;
+            }
+        } else if name.ends_with("feed_forward.w2.weight") && k_m && more_bits(i) {
+            t = DType::Q6_K;
+        }
+    }
+    if !ne0.is_multiple_of(t.block_elems()) {
+        t = match t {
+            DType::Q4_K => DType::Q5_0,
+            DType::Q5_K => DType::Q5_1,
+            DType::Q6_K => DType::Q8_0,
+            other => other,
+        };
+        if !ne0.is_multiple_of(t.block_elems()) {
+            t = DType::F16;
+        }
+    }
+    t
 }
 
 /// llama.cpp's `rope_freqs.weight` for Llama 3 scaling: the number each
@@ -444,6 +521,64 @@ fn spm_tokenizer_kvs(data: &[u8]) -> Result<Vec<(String, GgufValue)>, ConvertErr
     Ok(kv)
 }
 
+/// The `tokenizer.*` keys for a Llama 3 tiktoken `tokenizer.model`: the
+/// byte-level vocabulary llama.cpp's `gpt2` model reads (tokens in GPT-2's
+/// byte alphabet, Meta's 256 special tokens as control tokens), the merges
+/// recovered from the ranks ([`crate::tokenizer::tiktoken::merges_from_ranks`])
+/// and Llama 3's pre-tokenizer (`llama-bpe`, with which llama.cpp also takes
+/// a piece that is a token whole, as tiktoken does).
+fn tiktoken_tokenizer_kvs(data: &[u8]) -> Result<Vec<(String, GgufValue)>, ConvertError> {
+    use crate::tokenizer::tiktoken::{
+        llama3_special_tokens, merges_from_ranks, parse_tiktoken_bpe,
+    };
+    let base = parse_tiktoken_bpe(data).map_err(|e| ConvertError::Tokenizer(e.to_string()))?;
+    let alphabet = crate::tokenizer::gguf::bytes_to_unicode();
+    let spell = |b: &[u8]| -> String { b.iter().map(|&x| alphabet[x as usize]).collect() };
+    let mut tokens: Vec<String> = base.iter().map(|t| spell(t)).collect();
+    let merges: Vec<String> = merges_from_ranks(&base)
+        .into_iter()
+        .map(|(l, r)| format!("{} {}", tokens[l as usize], tokens[r as usize]))
+        .collect();
+    let n_base = tokens.len();
+    let mut types = vec![1i32; n_base];
+    for t in llama3_special_tokens() {
+        tokens.push(t);
+        types.push(3);
+    }
+    let id = |name: &str| tokens.iter().position(|t| t == name).map(|i| i as u32);
+    let (bos, eos) = (id("<|begin_of_text|>"), id("<|end_of_text|>"));
+    let mut kv = vec![
+        ("tokenizer.ggml.model".to_string(), s("gpt2")),
+        ("tokenizer.ggml.pre".into(), s("llama-bpe")),
+    ];
+    for (k, v) in [
+        ("tokenizer.ggml.bos_token_id", bos),
+        ("tokenizer.ggml.eos_token_id", eos),
+    ] {
+        if let Some(v) = v {
+            kv.push((k.into(), GgufValue::U32(v)));
+        }
+    }
+    kv.push((
+        "tokenizer.ggml.tokens".into(),
+        GgufValue::Array(GgufArray::String(tokens)),
+    ));
+    kv.push((
+        "tokenizer.ggml.token_type".into(),
+        GgufValue::Array(GgufArray::I32(types)),
+    ));
+    kv.push((
+        "tokenizer.ggml.merges".into(),
+        GgufValue::Array(GgufArray::String(merges)),
+    ));
+    kv.push(("tokenizer.ggml.add_bos_token".into(), GgufValue::Bool(true)));
+    kv.push((
+        "tokenizer.ggml.add_eos_token".into(),
+        GgufValue::Bool(false),
+    ));
+    Ok(kv)
+}
+
 fn read_opt(p: &Path) -> Result<Option<Vec<u8>>, ConvertError> {
     if !p.is_file() {
         return Ok(None);
@@ -507,13 +642,7 @@ pub fn convert(
         args = a;
         match read_opt(&src.join("tokenizer.model"))? {
             Some(d) if d.first() == Some(&0x0a) => tok_kvs = spm_tokenizer_kvs(&d)?,
-            Some(_) => {
-                return Err(ConvertError::Tokenizer(
-                    "converting a Meta Llama 3 (tiktoken) tokenizer.model is not supported yet; \
-                     convert the Hugging Face layout of the model instead"
-                        .into(),
-                ))
-            }
+            Some(d) => tok_kvs = tiktoken_tokenizer_kvs(&d)?,
             None => {}
         }
         source = Source::Store(store);
@@ -561,7 +690,7 @@ pub fn convert(
             tensor: name.clone(),
             message: "missing from the source".into(),
         })?;
-        let dt = target_type(ty, &name, &shape, args.tied_embeddings);
+        let dt = target_type(ty, &name, &shape, MixInfo::new(&args));
         let g = meta_to_gguf_name(&name).expect("graph names map to GGUF");
         plan.push((name, g, dt, shape));
     }
@@ -660,22 +789,113 @@ fn convert_tensor(t: &WeightTensor, dt: DType) -> Result<Vec<u8>, String> {
         return Err(format!("{} bytes for shape {:?}", src.len(), t.shape));
     }
     let mut out = vec![0u8; out_row * rows];
-    let mut x = vec![0f32; cols];
-    for (r, o) in src.chunks_exact(in_row).zip(out.chunks_exact_mut(out_row)) {
-        match t.dtype {
-            DType::BF16 => {
-                for (v, c) in x.iter_mut().zip(r.chunks_exact(2)) {
-                    *v = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
+    // Rows are independent (and each is quantized alone, as llama-quantize
+    // does), so they are spread over threads; the bytes do not depend on
+    // how.
+    use rayon::prelude::*;
+    src.par_chunks_exact(in_row)
+        .zip(out.par_chunks_exact_mut(out_row))
+        .try_for_each_init(
+            || vec![0f32; cols],
+            |x, (r, o)| -> Result<(), String> {
+                match t.dtype {
+                    DType::BF16 => {
+                        for (v, c) in x.iter_mut().zip(r.chunks_exact(2)) {
+                            *v = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
+                        }
+                    }
+                    DType::F16 => {
+                        for (v, c) in x.iter_mut().zip(r.chunks_exact(2)) {
+                            *v = half::f16::from_le_bytes([c[0], c[1]]).to_f32();
+                        }
+                    }
+                    other => dequantize_row(other, r, x).map_err(|e| format!("{other}: {e}"))?,
                 }
-            }
-            DType::F16 => {
-                for (v, c) in x.iter_mut().zip(r.chunks_exact(2)) {
-                    *v = half::f16::from_le_bytes([c[0], c[1]]).to_f32();
-                }
-            }
-            other => dequantize_row(other, r, &mut x).map_err(|e| format!("{other}: {e}"))?,
-        }
-        quantize_row(dt, &x, o).ok_or_else(|| format!("cannot write {dt}"))?;
-    }
+                quantize_row(dt, x, o).ok_or_else(|| format!("cannot write {dt}"))
+            },
+        )?;
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mix(n_layers: usize, is_70b: bool) -> MixInfo {
+        MixInfo {
+            n_layers,
+            is_70b,
+            tied: false,
+        }
+    }
+
+    /// The layers whose attn_v llama-quantize's Q4_K_M gives Q6_K.
+    fn q6_layers(m: MixInfo) -> Vec<usize> {
+        (0..m.n_layers)
+            .filter(|i| {
+                target_type(
+                    OutType::Q4_K_M,
+                    &format!("layers.{i}.attention.wv.weight"),
+                    &[1024, 4096],
+                    m,
+                ) == DType::Q6_K
+            })
+            .collect()
+    }
+
+    #[test]
+    fn q4_k_m_mix() {
+        // use_more_bits over 32 layers (Llama 3 8B): the first and last
+        // 4, and every third from layer 6.
+        assert_eq!(
+            q6_layers(mix(32, false)),
+            vec![0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+        );
+        let t = |name: &str, shape: &[usize], m| target_type(OutType::Q4_K_M, name, shape, m);
+        // 70B-shaped: the other attn_v are Q5_K, ffn_down unchanged.
+        let m70 = mix(80, true);
+        assert_eq!(
+            t("layers.40.attention.wv.weight", &[1024, 8192], m70),
+            DType::Q5_K
+        );
+        assert_eq!(
+            t("layers.12.attention.wv.weight", &[1024, 8192], m70),
+            DType::Q6_K
+        );
+        assert_eq!(
+            t("layers.40.feed_forward.w2.weight", &[8192, 28672], m70),
+            DType::Q4_K
+        );
+        // Fallbacks by row length.
+        let m = mix(8, false);
+        assert_eq!(
+            t("layers.4.attention.wq.weight", &[576, 576], m),
+            DType::Q5_0
+        );
+        assert_eq!(
+            t("layers.0.feed_forward.w2.weight", &[576, 1536], m),
+            DType::Q6_K
+        );
+        assert_eq!(
+            t("layers.0.feed_forward.w2.weight", &[576, 704], m),
+            DType::Q8_0
+        );
+        assert_eq!(t("layers.4.attention.wq.weight", &[48, 48], m), DType::F16);
+        assert_eq!(t("output.weight", &[800, 576], m), DType::Q8_0);
+        assert_eq!(t("output.weight", &[800, 512], m), DType::Q6_K);
+        assert_eq!(t("norm.weight", &[512], m), DType::F32);
+        // The tied embedding is the head.
+        let tied = MixInfo { tied: true, ..m };
+        assert_eq!(t("tok_embeddings.weight", &[800, 512], tied), DType::Q6_K);
+        assert_eq!(t("tok_embeddings.weight", &[800, 512], m), DType::Q4_K);
+        // Q8_0 keeps its head; F16 files are F16.
+        assert_eq!(
+            target_type(OutType::Q8_0, "output.weight", &[800, 512], m),
+            DType::Q8_0
+        );
+        assert_eq!(
+            target_type(OutType::F16, "output.weight", &[800, 512], m),
+            DType::F16
+        );
+    }
 }

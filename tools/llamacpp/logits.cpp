@@ -11,6 +11,12 @@
 // generated_tokens[i-1] (greedy) or, with --teacher, teacher[i-1]. generated_tokens[i]
 // is the argmax of steps[i] (ties: lowest id). --logits-bin also writes every step's
 // whole logit vector (STEPS x n_vocab little-endian f32) to PATH.
+//
+//   llama-graph-logits -m MODEL --tokenize-hex FILE [--no-parse-special]
+//
+// only loads the vocabulary and tokenizes each line of FILE (a UTF-8 string written
+// as hex, so that any text fits on one line) without BOS, special tokens parsed unless
+// --no-parse-special, printing {"tokens":[[ids of line 1],...]}.
 #include "llama.h"
 
 #include <algorithm>
@@ -38,6 +44,64 @@ static std::vector<llama_token> parse_ids(const char * s) {
         }
     }
     return v;
+}
+
+static std::string unhex(const std::string & h) {
+    std::string out;
+    for (size_t i = 0; i + 1 < h.size(); i += 2) {
+        out.push_back((char) std::strtol(h.substr(i, 2).c_str(), nullptr, 16));
+    }
+    return out;
+}
+
+// --tokenize-hex: see the top of the file.
+static int tokenize_lines(const char * model_path, const char * path, bool parse_special) {
+    llama_backend_init();
+    llama_model_params mp = llama_model_default_params();
+    mp.vocab_only = true;
+    llama_model * model = llama_model_load_from_file(model_path, mp);
+    if (!model) {
+        std::fprintf(stderr, "cannot load %s\n", model_path);
+        return 1;
+    }
+    const llama_vocab * vocab = llama_model_get_vocab(model);
+    FILE * f = std::fopen(path, "rb");
+    if (!f) {
+        std::fprintf(stderr, "cannot read %s\n", path);
+        return 1;
+    }
+    std::string line;
+    std::printf("{\"tokens\":[");
+    bool first = true;
+    for (int c; (c = std::fgetc(f)) != EOF || !line.empty();) {
+        if (c != '\n' && c != EOF) {
+            line.push_back((char) c);
+            continue;
+        }
+        std::string text = unhex(line);
+        line.clear();
+        int n = -llama_tokenize(vocab, text.data(), (int) text.size(), nullptr, 0, false, parse_special);
+        std::vector<llama_token> ids(std::max(n, 0));
+        if (n > 0 && llama_tokenize(vocab, text.data(), (int) text.size(), ids.data(), n, false,
+                                    parse_special) != n) {
+            std::fprintf(stderr, "llama_tokenize failed\n");
+            return 1;
+        }
+        std::printf("%s[", first ? "" : ",");
+        for (size_t i = 0; i < ids.size(); i++) {
+            std::printf("%s%d", i ? "," : "", ids[i]);
+        }
+        std::printf("]");
+        first = false;
+        if (c == EOF) {
+            break;
+        }
+    }
+    std::printf("]}\n");
+    std::fclose(f);
+    llama_model_free(model);
+    llama_backend_free();
+    return 0;
 }
 
 static void print_step(const float * logits, int n_vocab, int top_k, bool first) {
@@ -68,6 +132,8 @@ static int argmax(const float * logits, int n_vocab) {
 int main(int argc, char ** argv) {
     const char * model_path = nullptr;
     const char * bin_path = nullptr;
+    const char * tokenize_path = nullptr;
+    bool parse_special = true;
     std::vector<llama_token> prompt, teacher;
     int steps = 1, threads = 1, n_ctx = 0, chunk = 512, top_k = 10;
     for (int i = 1; i < argc; i++) {
@@ -88,10 +154,15 @@ int main(int argc, char ** argv) {
         else if (a == "-b") chunk = std::atoi(next());
         else if (a == "--top") top_k = std::atoi(next());
         else if (a == "--logits-bin") bin_path = next();
+        else if (a == "--tokenize-hex") tokenize_path = next();
+        else if (a == "--no-parse-special") parse_special = false;
         else {
             std::fprintf(stderr, "unknown argument %s\n", a.c_str());
             return 2;
         }
+    }
+    if (model_path && tokenize_path) {
+        return tokenize_lines(model_path, tokenize_path, parse_special);
     }
     if (!model_path || prompt.empty() || steps < 1 || chunk < 1 || top_k < 2) {
         std::fprintf(stderr, "usage: %s -m MODEL --prompt-tokens IDS [-n STEPS] [--teacher IDS] "
