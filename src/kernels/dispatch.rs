@@ -101,7 +101,8 @@ pub fn embedding_any(
     out: &mut [f32],
 ) -> Result<(), KernelError> {
     const OP: &str = "embedding";
-    if !table.dtype.is_quantized() {
+    // BF16Z has blocks (of bf16 values) but is read by `embedding_rows`.
+    if !table.dtype.is_quantized() || table.dtype == crate::ir::DType::BF16Z {
         return embedding_rows(table, vocab, dim, ids, out);
     }
     let row_bytes = table.dtype.bytes_for(dim).ok_or(KernelError::Invalid {
