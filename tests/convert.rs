@@ -395,18 +395,39 @@ fn smollm2_q4_k_m_is_llama_quantize_s() {
 
 #[test]
 fn llama_cpp_runs_our_k_quants() {
+    // Every K-quant format and fallback (see k_quant_mixes_are_llama_quantize_s),
+    // and Q4_0 with its Q6_K head, run by llama.cpp. Tolerance as Q4_0's in
+    // llama_cpp_runs_what_we_write: llama.cpp multiplies with 8-bit
+    // activations, llama-graph --exact with f32 ones.
     let tmp = tempfile::tempdir().unwrap();
     let meta = k_model(tmp.path());
-    let ours = tmp.path().join("k-q4_k_m.gguf");
-    run_convert(&meta, &ours, OutType::Q4_K_M);
-    let theirs = llama_cpp_top10(&ours);
-    let logits = last_logits(&ours, true);
-    let worst = theirs
-        .iter()
-        .map(|(id, v)| (logits[*id] - v).abs())
-        .fold(0f32, f32::max);
-    eprintln!("Q4_K_M: llama.cpp vs llama-graph on our file: max |top-10 logit diff| {worst:.2e}");
-    assert!(worst <= 5e-2, "{worst}");
+    for ty in [
+        OutType::Q4_K_M,
+        OutType::Q5_K_M,
+        OutType::Q6_K,
+        OutType::Q4_0,
+    ] {
+        let ours = tmp.path().join(format!("k-{ty:?}.gguf"));
+        run_convert(&meta, &ours, ty);
+        let theirs = llama_cpp_top10(&ours);
+        let logits = last_logits(&ours, true);
+        let worst = theirs
+            .iter()
+            .map(|(id, v)| (logits[*id] - v).abs())
+            .fold(0f32, f32::max);
+        eprintln!(
+            "{ty:?}: llama.cpp vs llama-graph on our file: max |top-10 logit diff| {worst:.2e}"
+        );
+        assert!(worst <= 5e-2, "{ty:?}: {worst}");
+        let top = |v: &[(usize, f32)]| v[0].0;
+        let our_top = logits
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .unwrap()
+            .0;
+        assert_eq!(our_top, top(&theirs), "{ty:?}: top-1");
+    }
 }
 
 #[test]
