@@ -10,10 +10,13 @@ use llama_graph::session::SessionOptions;
 #[derive(Debug, Args, Clone)]
 pub struct RuntimeFlags {
     /// Context to plan for (KV-cache positions). Default 2048, capped by the
-    /// model's own limit.
+    /// model's own limit. For `serve`, the KV pool all sequences share (one
+    /// sequence may use all of it).
     #[arg(short = 'c', long = "ctx-size", value_name = "N")]
     pub ctx_size: Option<usize>,
-    /// Prefill chunk: the most prompt tokens processed in one step.
+    /// Prefill chunk: the most prompt tokens processed in one step. For
+    /// `serve`, the step's token budget: decode tokens of the running
+    /// sequences and prefill chunks of new ones together.
     #[arg(
         short = 'b',
         long = "batch-size",
@@ -33,7 +36,8 @@ pub struct RuntimeFlags {
     /// IQ4_XS weights quantize their activations to an 8-bit quant plus an
     /// 8-bit remainder and multiply in integers (logits within ~0.01 of
     /// exact); Q2_K always uses the exact path. With it, results match a
-    /// float reference on the same weights within rounding.
+    /// float reference on the same weights within rounding. The KV cache is
+    /// f32 with it, f16 without.
     #[arg(long = "exact")]
     pub exact: bool,
 }
