@@ -10,7 +10,7 @@
 
 use llama_graph::ir::DType;
 use llama_graph::kernels::dispatch::{matmul_any, MatmulMode};
-use llama_graph::kernels::quantized::fast::{self as qfast, Q8Act};
+use llama_graph::kernels::quantized::fast::{self as qfast, Layout, Q8Act};
 use llama_graph::kernels::quantized::quantize_row;
 use llama_graph::kernels::Isa;
 use llama_graph::kernels::{Epilogue, WeightRef};
@@ -141,16 +141,32 @@ fn main() {
             if !qfast::supports(dtype) {
                 continue;
             }
-            // Kernel levels A/B, interleaved: rounds of (each level: reps runs).
-            let levels: Vec<Isa> = [Isa::Avx2, Isa::Avx512Vnni]
-                .into_iter()
-                .filter(|l| l.supported())
-                .collect();
+            // Kernel levels and weight layouts A/B, interleaved: rounds of
+            // (each variant: reps runs).
+            let mut w8 = vec![0u8; wq.len()];
+            let has_x8 = qfast::x8::supports(dtype, n, k);
+            if has_x8 {
+                qfast::x8::repack(dtype, &wq, rb, &mut w8);
+            }
+            let mut variants: Vec<(Isa, Layout)> = vec![];
+            for level in [Isa::Avx2, Isa::Avx512Vnni] {
+                if level.supported() {
+                    variants.push((level, Layout::Rows));
+                    if has_x8 {
+                        variants.push((level, Layout::X8));
+                    }
+                }
+            }
             let mut scratch = vec![Q8Act::default(); qfast::scratch_len(s, k).unwrap()];
-            let mut times: Vec<Vec<f64>> = vec![vec![]; levels.len()];
+            let mut times: Vec<Vec<f64>> = vec![vec![]; variants.len()];
             let reps = if s > 1 { 3 } else { 30 };
             for _round in 0..7 {
-                for (li, &level) in levels.iter().enumerate() {
+                for (vi, &(level, layout)) in variants.iter().enumerate() {
+                    let wl = if layout == Layout::X8 {
+                        WeightRef::new(dtype, &w8).with_layout(Layout::X8)
+                    } else {
+                        w
+                    };
                     let mut run = || {
                         qfast::qmatmul_fast_with(
                             level,
@@ -158,7 +174,7 @@ fn main() {
                             &x,
                             s,
                             k,
-                            w,
+                            wl,
                             n,
                             Epilogue::None,
                             &mut y,
@@ -171,15 +187,15 @@ fn main() {
                     for _ in 0..reps {
                         run();
                     }
-                    times[li].push(t.elapsed().as_secs_f64() / reps as f64);
+                    times[vi].push(t.elapsed().as_secs_f64() / reps as f64);
                 }
             }
-            for (li, level) in levels.iter().enumerate() {
-                let v = &mut times[li];
+            for (vi, (level, layout)) in variants.iter().enumerate() {
+                let v = &mut times[vi];
                 v.sort_by(f64::total_cmp);
                 let (med, best) = (v[v.len() / 2], v[0]);
                 println!(
-                    "{name:22} {dtype:5} Fast/{level:?}: median {:8.3} ms (best {:8.3})  {:6.2} GB/s  {:6.1} GFLOP/s (median)",
+                    "{name:22} {dtype:5} Fast/{level:?}/{layout:?}: median {:8.3} ms (best {:8.3})  {:6.2} GB/s  {:6.1} GFLOP/s (median)",
                     med * 1e3,
                     best * 1e3,
                     wq.len() as f64 / med / 1e9,

@@ -630,10 +630,14 @@ impl Session {
         // Check every tensor against the builder's graph, where each has its
         // own checkpoint name and shape, before passes pack any of them.
         let unused_weights = bind_weights(&stage_graph(&graph)?, &model.weights)?.unused;
-        let passes = match opts.logit_rows {
+        let mut passes = match opts.logit_rows {
             LogitRows::All => opts.passes.clone().without("last_logits"),
             LogitRows::Last => opts.passes.clone(),
         };
+        if opts.exact {
+            // The exact kernels read rows one after another.
+            passes = passes.without("interleave_weights");
+        }
         let report = run_pipeline(&mut graph, &passes, |_, _| {})?;
         if stage.is_some() {
             graph = stage_graph(&graph)?;

@@ -106,6 +106,16 @@ fn run_with(
     rows: LogitRows,
     serial_attention_work: Option<usize>,
 ) -> (Vec<Vec<f32>>, Session) {
+    run_mode(model, passes, rows, serial_attention_work, true)
+}
+
+fn run_mode(
+    model: &Model,
+    passes: &str,
+    rows: LogitRows,
+    serial_attention_work: Option<usize>,
+    exact: bool,
+) -> (Vec<Vec<f32>>, Session) {
     let opts = SessionOptions {
         context: Some(48),
         batch: 5,
@@ -113,7 +123,7 @@ fn run_with(
         threads: 2,
         logit_rows: rows,
         passes: PassList::parse(passes).unwrap(),
-        exact: true,
+        exact,
     };
     let mut s = Session::new(model, &opts).unwrap();
     if let Some(w) = serial_attention_work {
@@ -155,7 +165,9 @@ fn each_fusion_matches_the_unfused_graph() {
     let singles: Vec<String> = PASSES
         .iter()
         .map(|p| p.name.to_string())
-        .filter(|n| n != "fuse_rope_cache" && n != "compress_weights")
+        // interleave_weights also needs packed weights, and exact sessions
+        // skip it: see fast_path_logits_do_not_depend_on_the_weight_layout.
+        .filter(|n| n != "fuse_rope_cache" && n != "compress_weights" && n != "interleave_weights")
         .collect();
     let mut configs: Vec<String> = singles.clone();
     configs.push("fuse_qkv,fuse_attention,fuse_rope_cache".into());
@@ -194,6 +206,52 @@ fn each_fusion_matches_the_unfused_graph() {
         // Fused attention on the pool too (small calls run serially by default).
         let (got, _) = run_with(&model, "all", LogitRows::Last, Some(0));
         assert_close(&got, &want, &format!("{dtype} all, pooled attention"));
+    }
+}
+
+/// In fast mode, `interleave_weights` stores the packed quantized weights
+/// row-interleaved (x8) and every logit stays bit for bit what the
+/// row-major weights give (prefill chunks and single-token steps); exact
+/// sessions skip the pass.
+#[test]
+fn fast_path_logits_do_not_depend_on_the_weight_layout() {
+    let rows_only = PassList::all()
+        .without("interleave_weights")
+        .names()
+        .join(",");
+    // (The block types our quantizer writes; the kernels' tests cover the others.)
+    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        let model = random_model(&tiny_args(false), dtype, 11);
+        let (want, s0) = run_mode(&model, &rows_only, LogitRows::Last, None, false);
+        assert!(!s0
+            .passes
+            .passes
+            .iter()
+            .any(|p| p.name == "interleave_weights"));
+        let (got, sess) = run_mode(&model, "all", LogitRows::Last, None, false);
+        let x8 = sess
+            .passes
+            .passes
+            .iter()
+            .find(|p| p.name == "interleave_weights")
+            .map(|p| p.rewrites);
+        assert!(
+            x8.is_some_and(|n| n > 0),
+            "{dtype}: interleave_weights rewrote nothing ({x8:?})"
+        );
+        for (step, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{dtype}: step {step} logits differ between x8 and row-major weights"
+            );
+        }
+        assert_eq!(got.len(), want.len());
+        let (_, exact) = run_mode(&model, "all", LogitRows::Last, None, true);
+        assert!(!exact
+            .passes
+            .passes
+            .iter()
+            .any(|p| p.name == "interleave_weights"));
     }
 }
 
@@ -392,6 +450,7 @@ fn packed_weights_are_byte_concatenations_for_any_dtype() {
             parts: vec!["a".into(), "b".into()],
             axis: 0,
             stored_as: None,
+            layout: Default::default(),
         });
         let out = materialize_packed(&g, &store).unwrap();
         let ab = &out.tensors["ab"];

@@ -40,7 +40,7 @@ pub struct GraphArgs {
     /// none (the builder's graph), or all when --after is given. Passes:
     /// fold_rope_table, fold_norm_weight, fuse_qkv, fuse_gate_up,
     /// fuse_residual, fuse_attention, fuse_rope_cache, last_logits,
-    /// pack_weights, compress_weights, dead_code.
+    /// pack_weights, compress_weights, interleave_weights, dead_code.
     #[arg(long = "passes", value_name = "LIST", value_parser = super::flags::parse_passes)]
     pub passes: Option<String>,
     /// Show the graph as it is right after this pass (one of the selected

@@ -1,6 +1,6 @@
 //! Binding the graph's weight nodes to loaded tensors.
 
-use crate::ir::{DType, Graph, Op};
+use crate::ir::{DType, Graph, Op, WeightLayout};
 use crate::weights::{TensorBytes, WeightStore, WeightTensor};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -120,6 +120,8 @@ struct PackPlan<'a> {
     /// For BF16Z storage: each row's exception count (see
     /// [`crate::kernels::bf16z`]).
     counts: Vec<u32>,
+    /// How the rows are stored in the arena.
+    layout: WeightLayout,
 }
 
 impl PackPlan<'_> {
@@ -235,7 +237,16 @@ pub fn materialize_packed(graph: &Graph, store: &WeightStore) -> Result<WeightSt
             bytes: total,
             stored: p.stored_as.unwrap_or(dtype),
             counts: Vec::new(),
+            layout: p.layout,
         };
+        if p.layout == WeightLayout::X8
+            && (p.stored_as.is_some()
+                || !crate::kernels::quantized::fast::x8::supports(dtype, rows, cols))
+        {
+            return Err(err(format!(
+                "{dtype}[{rows}, {cols}] cannot be stored with rows interleaved by 8"
+            )));
+        }
         match p.stored_as {
             None => {}
             Some(DType::BF16Z) if dtype == DType::BF16 => {
@@ -262,6 +273,7 @@ pub fn materialize_packed(graph: &Graph, store: &WeightStore) -> Result<WeightSt
     let shared = |p: &PackPlan| {
         p.parts.len() == 1
             && p.stored == p.dtype
+            && p.layout == WeightLayout::Rows
             && matches!(p.parts[0].data, TensorBytes::Owned(_))
     };
     // Offsets in the arena. Every size was checked against bytes that exist,
@@ -342,6 +354,32 @@ fn fill_arena(
             }
             continue;
         }
+        if p.layout == WeightLayout::X8 {
+            // Whole groups of 8 rows, about a copy chunk at a time: gathered
+            // (a group may span two parts), interleaved into the arena, and
+            // their source pages released.
+            use crate::kernels::quantized::fast::x8;
+            let (rows, cols) = (p.shape[0], p.shape[1]);
+            let rb = p.dtype.bytes_for(cols).unwrap_or(0);
+            let per = (COPY_CHUNK / (x8::G * rb).max(1)).max(1) * x8::G;
+            let mut tmp = Vec::with_capacity(per * rb);
+            let mut r0 = 0;
+            while r0 < rows {
+                let r1 = (r0 + per).min(rows);
+                tmp.clear();
+                for r in r0..r1 {
+                    tmp.extend_from_slice(p.row(r, rb));
+                }
+                let out = &mut map[offset + r0 * rb..offset + r1 * rb];
+                x8::repack(p.dtype, &tmp, rb, out);
+                p.release_rows(r0.saturating_sub(per), r1, rb);
+                r0 = r1;
+            }
+            for part in &p.parts {
+                part.data.release_range(0, part.data.len());
+            }
+            continue;
+        }
         let mut at = offset;
         for part in &p.parts {
             let src = part.data.as_bytes();
@@ -404,6 +442,7 @@ mod tests {
                 parts: parts.iter().map(|p| p.to_string()).collect(),
                 axis: 0,
                 stored_as: None,
+                layout: Default::default(),
             });
         }
         g

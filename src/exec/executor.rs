@@ -13,7 +13,9 @@
 use super::arena::{Arena, ArenaPtr};
 use super::batch::Batch;
 use super::bind::BoundWeights;
-use crate::ir::{Bindings, CacheKind, DType, Graph, Op, RopeParams, Shape, StepInput};
+use crate::ir::{
+    Bindings, CacheKind, DType, Graph, Op, RopeParams, Shape, StepInput, WeightLayout,
+};
 use crate::kernels::{
     self, AttnWork, Epilogue, KernelError, KvGeom, KvHalf, KvStore, MatmulMode, StepSeqs, WeightRef,
 };
@@ -119,6 +121,9 @@ pub const SERIAL_ATTENTION_WORK: usize = 1 << 18;
 pub struct Executor {
     steps: Vec<Step>,
     weights: Vec<WeightTensor>,
+    /// How each weight's rows are stored (by weight index; the graph's
+    /// packed weights say, see [`crate::ir::WeightLayout`]).
+    layouts: Vec<WeightLayout>,
     /// Rank-1 weights (norm scales) widened to f32 once, by weight index.
     vectors: HashMap<usize, Vec<f32>>,
     /// The KV pool: one store per (layer, K/V), index `2 * layer + kind`.
@@ -178,6 +183,10 @@ impl Executor {
             .map(|(i, n)| (n.as_str(), i))
             .collect();
         let tensors: Vec<WeightTensor> = weights.tensors.into_values().collect();
+        let layouts: Vec<WeightLayout> = names
+            .iter()
+            .map(|n| graph.packed_weight(n).map(|p| p.layout).unwrap_or_default())
+            .collect();
         let mut caches: Vec<KvStore> = Vec::new();
         let mut geom = KvGeom {
             n_blocks: 0,
@@ -348,6 +357,7 @@ impl Executor {
         Ok(Executor {
             steps,
             weights: tensors,
+            layouts,
             vectors,
             caches,
             geom,
@@ -542,7 +552,7 @@ impl Executor {
         match loc {
             Loc::Weight(w) => {
                 let t = &self.weights[w];
-                Ok(WeightRef::new(t.dtype, t.data.as_bytes()))
+                Ok(WeightRef::new(t.dtype, t.data.as_bytes()).with_layout(self.layouts[w]))
             }
             _ => Err(RunError::Unsupported("expected a weight operand".into())),
         }
@@ -828,7 +838,7 @@ impl Executor {
                 let freqs = unsafe { arena.slice(fo, s * d) };
                 let q_out = unsafe { arena.slice_mut(o, s * h * d) };
                 let t = &self.weights[wi];
-                let w = WeightRef::new(t.dtype, t.data.as_bytes());
+                let w = WeightRef::new(t.dtype, t.data.as_bytes()).with_layout(self.layouts[wi]);
                 let (qn, kn) = (h * d, hkv * d);
                 let (lo, hi) = self.caches.split_at_mut(ck.max(cv));
                 let (kc, vc) = if ck < cv {

@@ -88,6 +88,28 @@ pub struct PackedWeight {
     /// [`DType::BF16Z`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stored_as: Option<crate::ir::DType>,
+    /// How the rows are arranged (the `interleave_weights` pass stores
+    /// quantized weights as [`WeightLayout::X8`]).
+    #[serde(default, skip_serializing_if = "WeightLayout::is_rows")]
+    pub layout: WeightLayout,
+}
+
+/// How the bytes of a stored weight matrix are arranged.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum WeightLayout {
+    /// Rows one after another, as in the checkpoint.
+    #[default]
+    Rows,
+    /// Block-quantized rows interleaved in groups of 8, so that one vector
+    /// load holds the same word of 8 rows (see
+    /// `kernels::quantized::fast::x8`).
+    X8,
+}
+
+impl WeightLayout {
+    pub fn is_rows(&self) -> bool {
+        *self == WeightLayout::Rows
+    }
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

@@ -8,6 +8,7 @@ use super::quantized::exact::qmatmul;
 use super::quantized::fast::{self as qfast, Q8Act};
 use super::Isa;
 use super::{check_len, embedding_rows, mul_dims, KernelError, WeightRef};
+use crate::ir::WeightLayout;
 use crate::pool::ThreadPool;
 use std::cell::RefCell;
 
@@ -52,6 +53,36 @@ thread_local! {
     /// [`qfast::scratch_len_for`] seen on this thread and is then reused (no
     /// allocation per call).
     static ACT_SCRATCH: RefCell<Vec<Q8Act>> = const { RefCell::new(Vec::new()) };
+    /// GGUF rows unpacked from an x8 weight for a kernel that reads rows.
+    static ROWS: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` on `w` with its rows one after another: `w` itself, or for an
+/// x8 weight of `rows` rows the rows unpacked into a per-thread buffer
+/// (only when a kernel other than the fast path reads an x8 weight, e.g.
+/// exact mode switched on after the weights were interleaved).
+fn with_gguf_rows<R>(
+    op: &'static str,
+    w: WeightRef<'_>,
+    rows: usize,
+    f: impl FnOnce(WeightRef<'_>) -> Result<R, KernelError>,
+) -> Result<R, KernelError> {
+    if w.layout == WeightLayout::Rows {
+        return f(w);
+    }
+    if rows == 0 || !w.bytes.len().is_multiple_of(rows) || !rows.is_multiple_of(qfast::x8::G) {
+        return Err(KernelError::Invalid {
+            op,
+            what: "x8 weights need rows in whole groups of 8",
+        });
+    }
+    let row_bytes = w.bytes.len() / rows;
+    ROWS.with(|cell| {
+        let mut buf = cell.borrow_mut();
+        buf.resize(w.bytes.len(), 0);
+        qfast::x8::unpack_rows(w.dtype, w.bytes, row_bytes, 0, rows, &mut buf);
+        f(WeightRef::new(w.dtype, &buf))
+    })
 }
 
 /// `y = x·Wᵀ` for any weight dtype in the given mode.
@@ -71,6 +102,11 @@ pub fn matmul_any(
         // Exact in both modes, as for plain bf16.
         return super::matmul::bf16z::matmul(pool, x, s, k, w.bytes, n, epilogue, y);
     }
+    if w.layout == WeightLayout::X8 && !(mode == MatmulMode::Fast && qfast::supports(w.dtype)) {
+        return with_gguf_rows("matmul", w, n, |w| {
+            matmul_any(pool, x, s, k, w, n, epilogue, y, mode)
+        });
+    }
     if mode == MatmulMode::Fast && qfast::supports(w.dtype) {
         if let Some(need) = qfast::scratch_len_for(Isa::current(), w.dtype, s, k) {
             return ACT_SCRATCH.with(|cell| {
@@ -79,6 +115,11 @@ pub fn matmul_any(
                     scratch.resize(need, Q8Act::default());
                 }
                 qfast::qmatmul_fast(pool, x, s, k, w, n, epilogue, y, &mut scratch)
+            });
+        }
+        if w.layout == WeightLayout::X8 {
+            return with_gguf_rows("matmul", w, n, |w| {
+                matmul_any(pool, x, s, k, w, n, epilogue, y, mode)
             });
         }
     }
@@ -131,11 +172,23 @@ pub fn embedding_any(
             });
         }
         let r = id as usize * row_bytes;
-        dequantize_row(table.dtype, &table.bytes[r..r + row_bytes], o).map_err(|_| {
-            KernelError::Invalid {
-                op: OP,
-                what: "bad quantized row",
-            }
+        let dequant = |row: &[u8], o: &mut [f32]| dequantize_row(table.dtype, row, o);
+        let done = if table.layout == WeightLayout::X8 {
+            // One row of an x8 table (a tied embedding stored for the output
+            // head), unpacked into the per-thread buffer (no allocation per step).
+            ROWS.with(|cell| {
+                let mut buf = cell.borrow_mut();
+                buf.resize(row_bytes, 0);
+                let id = id as usize;
+                qfast::x8::unpack_rows(table.dtype, table.bytes, row_bytes, id, id + 1, &mut buf);
+                dequant(&buf, o)
+            })
+        } else {
+            dequant(&table.bytes[r..r + row_bytes], o)
+        };
+        done.map_err(|_| KernelError::Invalid {
+            op: OP,
+            what: "bad quantized row",
         })?;
     }
     Ok(())

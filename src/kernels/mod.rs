@@ -43,7 +43,7 @@ pub use kv::{kv_write_rows, KvGeom, KvHalf, KvStore, KvView, SeqSpan, StepSeqs};
 pub use matmul::{gemv, matmul, matmul_with, Epilogue};
 pub use quantized::dequantize_row;
 
-use crate::ir::DType;
+use crate::ir::{DType, WeightLayout};
 use thiserror::Error;
 
 /// Errors from kernel argument checks. Every message names the operation
@@ -167,15 +167,27 @@ pub(crate) fn check_linear(
 
 /// A borrowed tensor of weights in its stored dtype (F32, F16 or BF16,
 /// little-endian, no alignment requirement).
+/// Rows are stored one after another unless `layout` says otherwise
+/// (only the fast quantized path reads [`WeightLayout::X8`] directly;
+/// [`dispatch`] hands every other kernel GGUF rows).
 #[derive(Clone, Copy, Debug)]
 pub struct WeightRef<'a> {
     pub dtype: DType,
     pub bytes: &'a [u8],
+    pub layout: WeightLayout,
 }
 
 impl<'a> WeightRef<'a> {
     pub fn new(dtype: DType, bytes: &'a [u8]) -> Self {
-        WeightRef { dtype, bytes }
+        WeightRef {
+            dtype,
+            bytes,
+            layout: WeightLayout::Rows,
+        }
+    }
+    /// The same bytes, read as stored in `layout`.
+    pub fn with_layout(self, layout: WeightLayout) -> Self {
+        WeightRef { layout, ..self }
     }
     /// Wraps f32 values (tests, small tensors built at run time).
     pub fn from_f32(v: &'a [f32]) -> Self {
@@ -186,6 +198,7 @@ impl<'a> WeightRef<'a> {
         WeightRef {
             dtype: DType::F32,
             bytes,
+            layout: WeightLayout::Rows,
         }
     }
     /// Element size in bytes, or an error for dtypes plain kernels do not read.

@@ -118,6 +118,7 @@ fn packed_weight(
         parts: names,
         axis: 0,
         stored_as: None,
+        layout: Default::default(),
     });
     Ok(Some(id))
 }

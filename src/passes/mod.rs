@@ -23,7 +23,7 @@ pub use fuse::{
     dead_code, fold_norm_weight, fold_rope_table, fuse_attention, fuse_gate_up, fuse_qkv,
     fuse_residual, fuse_rope_cache, last_logits,
 };
-pub use pack::{compress_weights, pack_weights, PACKED_SUFFIX};
+pub use pack::{compress_weights, interleave_weights, pack_weights, PACKED_SUFFIX};
 pub use partition::{partition, Partition, Stage, StagePlan};
 
 /// What one pass did.
@@ -94,6 +94,11 @@ pub const PASSES: &[Pass] = &[
         name: "compress_weights",
         summary: "every packed bf16 weight -> bf16z (lossless, 49 bytes per 32 weights plus exceptions): a quarter fewer bytes per decode step",
         run: compress_weights,
+    },
+    Pass {
+        name: "interleave_weights",
+        summary: "every packed quantized weight -> rows interleaved in groups of 8 (x8), so decode kernels need no per-row lane sums (same arithmetic, bit for bit)",
+        run: interleave_weights,
     },
     Pass {
         name: "dead_code",

@@ -12,7 +12,7 @@
 //! bit with that row computed alone (`S = 1`).
 
 use super::exact::qmatmul_with;
-use super::fast::{self, qmatmul_fast_with, scratch_len_for, Q8Act};
+use super::fast::{self, qmatmul_fast_with, scratch_len_for, x8, Layout, Q8Act};
 use crate::ir::DType;
 use crate::kernels::matmul::Epilogue;
 use crate::kernels::testutil::{random_blocks, Rng};
@@ -44,6 +44,8 @@ const STEPS: [usize; 7] = [1, 2, 3, 7, 16, 37, 64];
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Path {
     Fast,
+    /// The fast path over weights stored as [`x8`].
+    FastX8,
     Exact,
 }
 
@@ -80,9 +82,15 @@ fn run(
         Ep::SwiGlu => Epilogue::SwiGlu,
     };
     match path {
-        Path::Fast => {
+        Path::Fast | Path::FastX8 => {
+            let layout = if path == Path::Fast {
+                Layout::Rows
+            } else {
+                Layout::X8
+            };
             let mut scratch =
                 vec![Q8Act::default(); scratch_len_for(isa, w.dtype, s, k).expect("whole blocks")];
+            let w = w.with_layout(layout);
             qmatmul_fast_with(isa, pool, x, s, k, w, n, e, &mut y, &mut scratch).unwrap();
         }
         Path::Exact => qmatmul_with(isa, pool, x, s, k, w, n, e, &mut y).unwrap(),
@@ -99,18 +107,31 @@ fn every_quantized_matmul_is_batch_invariant() {
         let be = dtype.block_elems();
         let k = blocks * be;
         let w = random_blocks(dtype, n * k / be, &mut rng);
-        let wr = WeightRef::new(dtype, &w);
+        // The first whole groups of 16 rows stored as x8.
+        let n8 = n - n % 16;
+        let rb = dtype.bytes_for(k).unwrap();
+        let mut w8 = vec![0u8; n8 * rb];
+        if x8::supports(dtype, n8, k) {
+            x8::repack(dtype, &w[..n8 * rb], rb, &mut w8);
+        }
         let smax = *STEPS.iter().max().unwrap();
         // Activations with a wide spread of magnitudes between blocks.
         let x: Vec<f32> = (0..smax * k)
             .map(|i| rng.uniform() * [1.0, 0.01, 30.0][(i / 32) % 3])
             .collect();
-        let paths: &[Path] = if fast::supports(dtype) {
+        let paths: &[Path] = if x8::supports(dtype, n8, k) {
+            &[Path::Fast, Path::FastX8, Path::Exact]
+        } else if fast::supports(dtype) {
             &[Path::Fast, Path::Exact]
         } else {
             &[Path::Exact]
         };
         for &path in paths {
+            let (wr, n) = if path == Path::FastX8 {
+                (WeightRef::new(dtype, &w8), n8)
+            } else {
+                (WeightRef::new(dtype, &w), n)
+            };
             for isa in Isa::supported_levels() {
                 for ep in [Ep::None, Ep::Accumulate, Ep::AddResidual, Ep::SwiGlu] {
                     let n_out = if matches!(ep, Ep::SwiGlu) { n / 2 } else { n };

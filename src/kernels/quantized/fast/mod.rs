@@ -62,6 +62,7 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 pub mod units;
+pub mod x8;
 
 use crate::ir::DType;
 use crate::kernels::matmul::Epilogue;
@@ -254,11 +255,41 @@ pub fn dot_q8_scalar(dtype: DType, row: &[u8], acts: &[Q8Act]) -> f32 {
     f
 }
 
+/// How a weight matrix's bytes are laid out ([`Layout::X8`]: see [`x8`]).
+pub use crate::ir::WeightLayout as Layout;
+
+thread_local! {
+    /// GGUF rows unpacked from an x8 matrix (scalar level, prefill decode).
+    static UNPACKED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` on rows `r0..r1` of `w` as GGUF rows (the bytes themselves, or
+/// unpacked from x8 into a per-thread buffer).
+fn with_rows<R>(
+    layout: Layout,
+    dtype: DType,
+    w: &[u8],
+    row_bytes: usize,
+    f: impl FnOnce(&[u8]) -> R,
+) -> R {
+    match layout {
+        Layout::Rows => f(w),
+        Layout::X8 => UNPACKED.with(|cell| {
+            let mut buf = cell.borrow_mut();
+            buf.resize(w.len(), 0);
+            x8::unpack_rows(dtype, w, row_bytes, 0, w.len() / row_bytes, &mut buf);
+            f(&buf)
+        }),
+    }
+}
+
 /// `out[r * nt + t] = row_r · acts[t]` for the consecutive weight rows in
-/// `w` (`row_bytes` each) and up to 4 activation rows (`nt = acts.len()`).
+/// `w` (`row_bytes` each; whole groups of 8 for [`Layout::X8`]) and up to
+/// 4 activation rows (`nt = acts.len()`).
 #[inline]
 fn dot_rows(
     dtype: DType,
+    layout: Layout,
     w: &[u8],
     row_bytes: usize,
     acts: &[&[Q8Act]],
@@ -267,6 +298,13 @@ fn dot_rows(
 ) {
     #[cfg(target_arch = "x86_64")]
     {
+        if level != Level::Scalar && layout == Layout::X8 {
+            // SAFETY: the caller checked the level; the lengths are checked inside.
+            unsafe {
+                x8::simd::dot_rows(level == Level::Avx512Vnni, dtype, w, row_bytes, acts, out)
+            };
+            return;
+        }
         if level == Level::Avx512Vnni {
             // SAFETY: the caller checked `level.supported()`; the lengths are
             // checked inside.
@@ -280,12 +318,14 @@ fn dot_rows(
         }
     }
     let _ = level;
-    let nt = acts.len();
-    for (r, row) in w.chunks_exact(row_bytes).enumerate() {
-        for (t, a) in acts.iter().enumerate() {
-            out[r * nt + t] = dot_q8_scalar(dtype, row, a);
+    with_rows(layout, dtype, w, row_bytes, |w| {
+        let nt = acts.len();
+        for (r, row) in w.chunks_exact(row_bytes).enumerate() {
+            for (t, a) in acts.iter().enumerate() {
+                out[r * nt + t] = dot_q8_scalar(dtype, row, a);
+            }
         }
-    }
+    })
 }
 
 /// `y = x·Wᵀ` with `epilogue` for a `W` `[n, k]` of a [supported](supports)
@@ -322,6 +362,8 @@ pub fn qmatmul_fast_with(
     y: &mut [f32],
     scratch: &mut [Q8Act],
 ) -> Result<(), KernelError> {
+    // For Layout::X8, `w.bytes` holds the matrix as [`x8::repack`] wrote it.
+    let layout = w.layout;
     let level = Level::of(isa);
     const OP: &str = "qmatmul_fast";
     if !supports(w.dtype) {
@@ -331,6 +373,12 @@ pub fn qmatmul_fast_with(
         });
     }
     let (row_bytes, n_out) = check_linear(OP, x, s, k, &w, n, &epilogue, y)?;
+    if layout == Layout::X8 && !(x8::supports(w.dtype, n, k) && n_out.is_multiple_of(x8::G)) {
+        return Err(KernelError::Invalid {
+            op: OP,
+            what: "x8 weights need rows (and SwiGLU halves) in whole groups of 8",
+        });
+    }
     let nb = k / QK;
     let need = scratch_len_for(isa, w.dtype, s, k).unwrap_or(usize::MAX);
     if scratch.len() < need {
@@ -344,7 +392,9 @@ pub fn qmatmul_fast_with(
     #[cfg(target_arch = "x86_64")]
     {
         if packed_for(isa, w.dtype, s, k) {
-            packed::run(level, pool, x, s, k, w, n_out, row_bytes, epilogue, y);
+            packed::run(
+                level, layout, pool, x, s, k, w, n_out, row_bytes, epilogue, y,
+            );
             return Ok(());
         }
     }
@@ -367,7 +417,7 @@ pub fn qmatmul_fast_with(
     // follows (16-row chunks taken alternately by two threads measured 0.75x
     // of one thread's speed); the atomic counter still balances 4 per thread.
     let rows_per_chunk = if s <= 4 {
-        COLS_PER_CHUNK.max(n_out.div_ceil(4 * pool.n_threads()))
+        COLS_PER_CHUNK.max(n_out.div_ceil(4 * pool.n_threads()).next_multiple_of(x8::G))
     } else {
         COLS_PER_CHUNK
     };
@@ -397,6 +447,7 @@ pub fn qmatmul_fast_with(
                 let tile = &tile[..nt];
                 dot_rows(
                     w.dtype,
+                    layout,
                     &w.bytes[j0 * row_bytes..j1 * row_bytes],
                     row_bytes,
                     tile,
@@ -407,6 +458,7 @@ pub fn qmatmul_fast_with(
                     let (u0, u1) = (j0 + n_out, j1 + n_out);
                     dot_rows(
                         w.dtype,
+                        layout,
                         &w.bytes[u0 * row_bytes..u1 * row_bytes],
                         row_bytes,
                         tile,
@@ -606,6 +658,7 @@ mod packed {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn run(
         level: Level,
+        layout: Layout,
         pool: &ThreadPool,
         x: &[f32],
         s: usize,
@@ -617,16 +670,19 @@ mod packed {
         y: &mut [f32],
     ) {
         match level {
-            Level::Avx512Vnni => {
-                run_with::<VnniK>(level, pool, x, s, k, w, n_out, row_bytes, epilogue, y)
-            }
-            _ => run_with::<Avx2K>(level, pool, x, s, k, w, n_out, row_bytes, epilogue, y),
+            Level::Avx512Vnni => run_with::<VnniK>(
+                level, layout, pool, x, s, k, w, n_out, row_bytes, epilogue, y,
+            ),
+            _ => run_with::<Avx2K>(
+                level, layout, pool, x, s, k, w, n_out, row_bytes, epilogue, y,
+            ),
         }
     }
 
     #[allow(clippy::too_many_arguments)]
     fn run_with<K: Kernels>(
         level: Level,
+        layout: Layout,
         pool: &ThreadPool,
         x: &[f32],
         s: usize,
@@ -690,23 +746,17 @@ mod packed {
                         wdec.resize(need, K::W::default());
                     }
                     let (gate, up) = wdec[..need].split_at_mut(rp * nu);
+                    let rows = |r0: usize, r1: usize| &w.bytes[r0 * row_bytes..r1 * row_bytes];
                     // SAFETY: the caller checked the level.
-                    unsafe {
-                        K::decode(
-                            dtype,
-                            &w.bytes[j0 * row_bytes..j1 * row_bytes],
-                            row_bytes,
-                            gate,
-                        );
-                        if swiglu {
-                            let (u0, u1) = (j0 + n_out, j1 + n_out);
-                            K::decode(
-                                dtype,
-                                &w.bytes[u0 * row_bytes..u1 * row_bytes],
-                                row_bytes,
-                                up,
-                            );
-                        }
+                    with_rows(layout, dtype, rows(j0, j1), row_bytes, |b| unsafe {
+                        K::decode(dtype, b, row_bytes, gate)
+                    });
+                    if swiglu {
+                        let (u0, u1) = (j0 + n_out, j1 + n_out);
+                        // SAFETY: as above.
+                        with_rows(layout, dtype, rows(u0, u1), row_bytes, |b| unsafe {
+                            K::decode(dtype, b, row_bytes, up)
+                        });
                     }
                     let (gate, up): (&[K::W], &[K::W]) = (gate, up);
                     let mut vg = [[0f32; TG_MAX]; R_MAX];
@@ -1001,6 +1051,48 @@ mod tests {
                                 );
                             } else {
                                 same(got, w, "swiglu", t, j);
+                            }
+                        }
+                    }
+                    // The first whole groups of 16 rows stored as x8.
+                    let n8 = n - n % 16;
+                    if n8 == 0 || !x8::supports(dtype, n8, k) {
+                        continue;
+                    }
+                    let mut w8 = vec![0u8; n8 * rb];
+                    x8::repack(dtype, &wq[..n8 * rb], rb, &mut w8);
+                    let w8 = WeightRef::new(dtype, &w8).with_layout(Layout::X8);
+                    let run8 = |e: Epilogue<'_>, y: &mut [f32]| {
+                        let pool = ThreadPool::new(2);
+                        let need = scratch_len_for(level, dtype, s, k).unwrap();
+                        let mut scratch = vec![Q8Act::default(); need];
+                        qmatmul_fast_with(level, &pool, &x, s, k, w8, n8, e, y, &mut scratch)
+                            .unwrap();
+                    };
+                    let r8: Vec<f32> = (0..s * n8).map(|i| r[i % n8 + (i / n8) * n]).collect();
+                    let mut y0 = vec![f32::NAN; s * n8];
+                    run8(Epilogue::None, &mut y0);
+                    let mut y = vec![0f32; s * n8];
+                    run8(Epilogue::AddResidual(&r8), &mut y);
+                    let mut g = vec![0f32; s * n8 / 2];
+                    run8(Epilogue::SwiGlu, &mut g);
+                    for t in 0..s {
+                        for j in 0..n8 {
+                            let (i, w) = (t * n8 + j, want[t * n + j]);
+                            same(y0[i], w, "x8 none", t, j);
+                            same(y[i], w + r8[i], "x8 residual", t, j);
+                        }
+                        for j in 0..n8 / 2 {
+                            let (gv, uv) = (want[t * n + j], want[t * n + j + n8 / 2]);
+                            let w = crate::kernels::elementwise::silu_f32(gv) * uv;
+                            let got = g[t * n8 / 2 + j];
+                            if Level::of(level) == Level::Avx512Vnni {
+                                assert!(
+                                    (got - w).abs() <= 1e-6 * w.abs() + 1e-25,
+                                    "{ctx} x8 swiglu {got} vs {w}"
+                                );
+                            } else {
+                                same(got, w, "x8 swiglu", t, j);
                             }
                         }
                     }

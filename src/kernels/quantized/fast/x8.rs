@@ -1,0 +1,937 @@
+//! The row-interleaved ("x8") weight layout of the fast path and its
+//! small-S kernels.
+//!
+//! GGUF stores a weight matrix row by row. A single-token product then
+//! multiplies each row's unit with the activation block across the vector
+//! and has to sum the vector's lanes once per unit and row (the row-major
+//! kernels in `avx2.rs`/`avx512.rs` spend about a third of their work on
+//! those reductions and on gathering every row's scales). In the x8 layout
+//! the rows are interleaved in groups of 8, so that one 256-bit load holds
+//! the same four bytes of 8 rows: lane `r` of the vector is row `r`, every
+//! product lands in its row's lane, a unit's total needs no reduction, the
+//! rows' scales are vectors, and the f32 step covers 8 rows at once.
+//!
+//! Layout: a matrix of `n` rows (`n` a multiple of 8) is `n / 8` groups;
+//! a group is its rows' storage blocks column by column, each block column
+//! `8 × block_bytes` bytes, the same size as before. Inside a block column
+//! every part of the GGUF block ([`parts`]) is stored in one of three ways:
+//! * [`Part::Rows`] (the f16 scales): each row's bytes one after another;
+//! * [`Part::Cols`] (Q6_K's byte scales): byte `i` of the 8 rows together;
+//! * [`Part::Words`] (the quants): 4-byte word `w` of the 8 rows together,
+//!   so the vector at `32 w` holds word `w` of every row.
+//!
+//! The kernels compute every output with the shared arithmetic of
+//! `units.rs` (bit for bit what the row-major kernels and the scalar
+//! reference give); [`unpack_rows`] turns a group back into GGUF rows for
+//! the scalar level and the prefill kernels' decoders.
+
+use crate::ir::DType;
+
+/// How one part of a GGUF block is stored in an x8 block column (see the
+/// module docs); `(offset in the GGUF block, bytes)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Part {
+    Rows(usize, usize),
+    Cols(usize, usize),
+    Words(usize, usize),
+}
+
+impl Part {
+    const fn len(self) -> usize {
+        match self {
+            Part::Rows(_, l) | Part::Cols(_, l) | Part::Words(_, l) => l,
+        }
+    }
+}
+
+/// Rows per group.
+pub const G: usize = 8;
+
+/// The parts of a block of `dtype` in x8 order, or `None` for a dtype
+/// without an x8 layout.
+pub const fn parts(dtype: DType) -> Option<&'static [Part]> {
+    use Part::*;
+    Some(match dtype {
+        DType::Q8_0 => &[Rows(0, 2), Words(2, 32)],
+        DType::Q4_0 | DType::IQ4_NL => &[Rows(0, 2), Words(2, 16)],
+        DType::Q4_1 => &[Rows(0, 2), Rows(2, 2), Words(4, 16)],
+        DType::Q5_0 => &[Rows(0, 2), Words(2, 4), Words(6, 16)],
+        DType::Q5_1 => &[Rows(0, 2), Rows(2, 2), Words(4, 4), Words(8, 16)],
+        DType::Q3_K => &[Rows(108, 2), Words(96, 12), Words(0, 32), Words(32, 64)],
+        DType::Q4_K => &[Rows(0, 2), Rows(2, 2), Words(4, 12), Words(16, 128)],
+        DType::Q5_K => &[
+            Rows(0, 2),
+            Rows(2, 2),
+            Words(4, 12),
+            Words(16, 32),
+            Words(48, 128),
+        ],
+        DType::Q6_K => &[Rows(208, 2), Cols(192, 16), Words(0, 128), Words(128, 64)],
+        DType::IQ4_XS => &[Rows(0, 2), Rows(2, 2), Words(4, 4), Words(8, 128)],
+        _ => return None,
+    })
+}
+
+/// Offset in an x8 block column of part `i` of `parts`.
+pub const fn part_offset(parts: &[Part], i: usize) -> usize {
+    let mut o = 0;
+    let mut p = 0;
+    while p < i {
+        o += G * parts[p].len();
+        p += 1;
+    }
+    o
+}
+
+/// True when a `[n, k]` matrix of `dtype` can be stored as x8.
+pub fn supports(dtype: DType, n: usize, k: usize) -> bool {
+    parts(dtype).is_some() && n > 0 && n.is_multiple_of(G) && k > 0 && dtype.bytes_for(k).is_some()
+}
+
+/// Interleaves `src` (`n` GGUF rows of `row_bytes`) into `dst` (same size).
+///
+/// # Panics
+/// If the dtype has no x8 layout, `n` is not a multiple of 8 or the sizes disagree.
+pub fn repack(dtype: DType, src: &[u8], row_bytes: usize, dst: &mut [u8]) {
+    let ps = parts(dtype).expect("x8: dtype without a layout");
+    let bb = dtype.block_bytes();
+    assert!(row_bytes.is_multiple_of(bb) && src.len() == dst.len());
+    let n = src.len() / row_bytes;
+    assert!(n * row_bytes == src.len() && n.is_multiple_of(G));
+    let cb = G * bb;
+    for g in 0..n / G {
+        let rows = &src[g * G * row_bytes..(g + 1) * G * row_bytes];
+        let group = &mut dst[g * G * row_bytes..(g + 1) * G * row_bytes];
+        for (r, row) in rows.chunks_exact(row_bytes).enumerate() {
+            for (blk, col) in row.chunks_exact(bb).zip(group.chunks_exact_mut(cb)) {
+                let mut o = 0;
+                for &p in ps {
+                    match p {
+                        Part::Rows(at, l) => {
+                            col[o + r * l..o + (r + 1) * l].copy_from_slice(&blk[at..at + l])
+                        }
+                        Part::Cols(at, l) => {
+                            for (i, &v) in blk[at..at + l].iter().enumerate() {
+                                col[o + G * i + r] = v;
+                            }
+                        }
+                        Part::Words(at, l) => {
+                            let dst = col[o + 4 * r..o + G * l].chunks_mut(4 * G);
+                            for (d, w) in dst.zip(blk[at..at + l].chunks_exact(4)) {
+                                d[..4].copy_from_slice(w);
+                            }
+                        }
+                    }
+                    o += G * p.len();
+                }
+            }
+        }
+    }
+}
+
+/// Writes GGUF rows `r0..r1` of an x8 matrix (`x8`, rows of `row_bytes`)
+/// into `dst` (`(r1 - r0) * row_bytes` bytes).
+///
+/// # Panics
+/// As [`repack`], or if the rows are out of range.
+pub fn unpack_rows(
+    dtype: DType,
+    x8: &[u8],
+    row_bytes: usize,
+    r0: usize,
+    r1: usize,
+    dst: &mut [u8],
+) {
+    let ps = parts(dtype).expect("x8: dtype without a layout");
+    let bb = dtype.block_bytes();
+    let nblk = row_bytes / bb;
+    assert!(
+        nblk * bb == row_bytes && dst.len() == (r1 - r0) * row_bytes && r1 * row_bytes <= x8.len()
+    );
+    let cb = G * bb;
+    // Whole groups column by column (the common case), then any partial group row by row.
+    let (g0, g1) = (r0.div_ceil(G), r1 / G);
+    if g0 < g1 {
+        for g in g0..g1 {
+            for b in 0..nblk {
+                let col = &x8[(g * nblk + b) * cb..(g * nblk + b + 1) * cb];
+                for (i, &p) in ps.iter().enumerate() {
+                    let o = part_offset(ps, i);
+                    for r in 0..G {
+                        let at = (g * G + r - r0) * row_bytes + b * bb;
+                        let blk = &mut dst[at..at + bb];
+                        match p {
+                            Part::Rows(at, l) => {
+                                blk[at..at + l].copy_from_slice(&col[o + r * l..o + (r + 1) * l])
+                            }
+                            Part::Cols(at, l) => {
+                                for i in 0..l {
+                                    blk[at + i] = col[o + G * i + r];
+                                }
+                            }
+                            Part::Words(at, l) => {
+                                let src = &col[o..o + G * l];
+                                for (d, s) in blk[at..at + l]
+                                    .chunks_exact_mut(4)
+                                    .zip(src.chunks_exact(4 * G))
+                                {
+                                    d.copy_from_slice(&s[4 * r..4 * r + 4]);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for row in (r0..r1).filter(|&row| row < g0 * G || row >= g1.max(g0) * G) {
+        let (g, r) = (row / G, row % G);
+        for b in 0..nblk {
+            let col = &x8[(g * nblk + b) * cb..(g * nblk + b + 1) * cb];
+            let blk = &mut dst[(row - r0) * row_bytes + b * bb..][..bb];
+            for (i, &p) in ps.iter().enumerate() {
+                let o = part_offset(ps, i);
+                match p {
+                    Part::Rows(at, l) => {
+                        blk[at..at + l].copy_from_slice(&col[o + r * l..o + (r + 1) * l])
+                    }
+                    Part::Cols(at, l) => {
+                        for i in 0..l {
+                            blk[at + i] = col[o + G * i + r];
+                        }
+                    }
+                    Part::Words(at, l) => {
+                        for w in 0..l / 4 {
+                            blk[at + 4 * w..at + 4 * w + 4]
+                                .copy_from_slice(&col[o + 4 * G * w + 4 * r..][..4]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) mod simd {
+    //! The x8 small-S kernels: AVX2 (`maddubs`, 16-bit sums where they
+    //! cannot overflow) and AVX-512 VNNI (256-bit `vpdpbusd`).
+
+    use super::super::avx2::{
+        FIq4Nl, FIq4Xs, Fmt, FQ3K, FQ4K, FQ4_0, FQ4_1, FQ5K, FQ5_0, FQ5_1, FQ6K, FQ8_0,
+    };
+    use super::super::{Q8Act, RES};
+    use super::{part_offset, parts, Part, G};
+    use crate::ir::DType;
+    use std::arch::x86_64::*;
+
+    /// A fast-path format in the x8 layout.
+    pub(in super::super) trait X8Fmt: Fmt {
+        /// `parts(dtype)`.
+        const PARTS: &'static [Part];
+        /// Largest `q + OFF` (bounds the 16-bit sums of the AVX2 kernel).
+        const UMAX: i32;
+        /// The scales of every unit (`d[u][h]`, per half; equal halves
+        /// unless the format has a scale per half) and additive terms
+        /// (`m[u]`, formats with one) of block column `x`, lane = row,
+        /// exactly as `units::block_scales` gives them.
+        ///
+        /// # Safety
+        /// avx2/fma/f16c; `x` holds one block column.
+        unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m256; 8]);
+        /// `q + OFF` of elements `4j..4j+4` of unit `u` of the 8 rows
+        /// (lane `r` = row `r`).
+        ///
+        /// # Safety
+        /// avx2/fma/f16c; `x` holds one block column, `u < UNITS`, `j < 8`.
+        unsafe fn quad(x: &[u8], u: usize, j: usize) -> __m256i;
+    }
+
+    /// Offset of part `i` of `F`'s layout.
+    const fn off<F: X8Fmt>(i: usize) -> usize {
+        part_offset(F::PARTS, i)
+    }
+
+    /// The 8 rows' f16 at part offset `o` (a `Rows(_, 2)` part), widened.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn f16x8(x: &[u8], o: usize) -> __m256 {
+        let x = &x[o..o + 16];
+        // SAFETY: 16 bytes; unaligned load.
+        _mm256_cvtph_ps(unsafe { _mm_loadu_si128(x.as_ptr() as *const __m128i) })
+    }
+
+    /// Word `w` of the 8 rows of the `Words` part at offset `o`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn word8(x: &[u8], o: usize, w: usize) -> __m256i {
+        let x = &x[o + 32 * w..o + 32 * w + 32];
+        // SAFETY: 32 bytes; unaligned load.
+        unsafe { _mm256_loadu_si256(x.as_ptr() as *const __m256i) }
+    }
+
+    /// The low (`hi` false) or high nibbles of every byte.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn nibble(v: __m256i, hi: bool) -> __m256i {
+        let v = if hi { _mm256_srli_epi16::<4>(v) } else { v };
+        _mm256_and_si256(v, _mm256_set1_epi8(15))
+    }
+
+    /// Byte `i` of every lane of `v` (as `i32`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn lane_byte(v: __m256i, i: usize) -> __m256i {
+        _mm256_and_si256(
+            _mm256_srlv_epi32(v, _mm256_set1_epi32(8 * i as i32)),
+            _mm256_set1_epi32(255),
+        )
+    }
+
+    /// `d · v` for `i32` lanes `v`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn times(d: __m256, v: __m256i) -> __m256 {
+        _mm256_mul_ps(d, _mm256_cvtepi32_ps(v))
+    }
+
+    /// 16 in byte `4r + i` where bit `4j + i` of lane `r` of `qh` is set (the
+    /// fifth bit of Q5_0/Q5_1 elements `4j..4j+4`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn q5_high(qh: __m256i, j: usize) -> __m256i {
+        let idx = _mm256_add_epi8(
+            _mm256_setr_epi8(
+                0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, //
+                0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
+            ),
+            _mm256_set1_epi8((j / 2) as i8),
+        );
+        let bits = _mm256_set1_epi32(if j.is_multiple_of(2) {
+            0x0804_0201
+        } else {
+            0x8040_2010u32 as i32
+        });
+        let m = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(qh, idx), bits), bits);
+        _mm256_and_si256(m, _mm256_set1_epi8(16))
+    }
+
+    /// `v` where bit `bit` of each byte of `w` is set, else 0.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn bit_to(w: __m256i, bit: usize, v: i8) -> __m256i {
+        let b = _mm256_set1_epi8((1u8 << bit) as i8);
+        _mm256_and_si256(
+            _mm256_cmpeq_epi8(_mm256_and_si256(w, b), b),
+            _mm256_set1_epi8(v),
+        )
+    }
+
+    /// The IQ4 grid plus 128 looked up for nibbles.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn iq4_u(nib: __m256i) -> __m256i {
+        let g = crate::kernels::quantized::blocks::IQ4_VALUES.map(|v| (v as u8) ^ 0x80);
+        // SAFETY: 16 bytes; unaligned load.
+        let t = unsafe { _mm_loadu_si128(g.as_ptr() as *const __m128i) };
+        _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nib)
+    }
+
+    /// The one-unit formats' scales: the f16 scale in part 0, the minimum
+    /// in part 1 where there is one.
+    #[inline(always)]
+    unsafe fn one_unit_scales<F: X8Fmt>(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m256; 8]) {
+        // SAFETY: as the caller's.
+        unsafe {
+            d[0][0] = f16x8(x, 0);
+            d[0][1] = d[0][0];
+            if F::HAS_MIN {
+                m[0] = f16x8(x, off::<F>(1));
+            }
+        }
+    }
+
+    macro_rules! x8_consts {
+        ($dt:expr, $umax:expr) => {
+            const PARTS: &'static [Part] = match parts($dt) {
+                Some(p) => p,
+                None => panic!("no x8 layout"),
+            };
+            const UMAX: i32 = $umax;
+        };
+    }
+
+    impl X8Fmt for FQ8_0 {
+        x8_consts!(DType::Q8_0, 255);
+        #[inline(always)]
+        unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m256; 8]) {
+            unsafe { one_unit_scales::<Self>(x, d, m) }
+        }
+        #[inline(always)]
+        unsafe fn quad(x: &[u8], _u: usize, j: usize) -> __m256i {
+            unsafe { _mm256_xor_si256(word8(x, off::<Self>(1), j), _mm256_set1_epi8(-128)) }
+        }
+    }
+
+    impl X8Fmt for FQ4_0 {
+        x8_consts!(DType::Q4_0, 15);
+        #[inline(always)]
+        unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m256; 8]) {
+            unsafe { one_unit_scales::<Self>(x, d, m) }
+        }
+        #[inline(always)]
+        unsafe fn quad(x: &[u8], _u: usize, j: usize) -> __m256i {
+            unsafe { nibble(word8(x, off::<Self>(1), j % 4), j >= 4) }
+        }
+    }
+
+    impl X8Fmt for FIq4Nl {
+        x8_consts!(DType::IQ4_NL, 241);
+        #[inline(always)]
+        unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m256; 8]) {
+            unsafe { one_unit_scales::<Self>(x, d, m) }
+        }
+        #[inline(always)]
+        unsafe fn quad(x: &[u8], _u: usize, j: usize) -> __m256i {
+            unsafe { iq4_u(nibble(word8(x, off::<Self>(1), j % 4), j >= 4)) }
+        }
+    }
+
+    impl X8Fmt for FQ4_1 {
+        x8_consts!(DType::Q4_1, 15);
+        #[inline(always)]
+        unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m256; 8]) {
+            unsafe { one_unit_scales::<Self>(x, d, m) }
+        }
+        #[inline(always)]
+        unsafe fn quad(x: &[u8], _u: usize, j: usize) -> __m256i {
+            unsafe { nibble(word8(x, off::<Self>(2), j % 4), j >= 4) }
+        }
+    }
+
+    impl X8Fmt for FQ5_0 {
+        x8_consts!(DType::Q5_0, 31);
+        #[inline(always)]
+        unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m256; 8]) {
+            unsafe { one_unit_scales::<Self>(x, d, m) }
+        }
+        #[inline(always)]
+        unsafe fn quad(x: &[u8], _u: usize, j: usize) -> __m256i {
+            unsafe {
+                let nib = nibble(word8(x, off::<Self>(2), j % 4), j >= 4);
+                _mm256_or_si256(nib, q5_high(word8(x, off::<Self>(1), 0), j))
+            }
+        }
+    }
+
+    impl X8Fmt for FQ5_1 {
+        x8_consts!(DType::Q5_1, 31);
+        #[inline(always)]
+        unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m256; 8]) {
+            unsafe { one_unit_scales::<Self>(x, d, m) }
+        }
+        #[inline(always)]
+        unsafe fn quad(x: &[u8], _u: usize, j: usize) -> __m256i {
+            unsafe {
+                let nib = nibble(word8(x, off::<Self>(3), j % 4), j >= 4);
+                _mm256_or_si256(nib, q5_high(word8(x, off::<Self>(2), 0), j))
+            }
+        }
+    }
+
+    /// The Q4_K/Q5_K scales of the 8 rows: `d·sc` and `−(dmin·m)` per unit,
+    /// from the three words of 6-bit values (parts 0, 1, 2 = d, dmin, scales).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn k_scales8<F: X8Fmt>(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m256; 8]) {
+        unsafe {
+            let (dv, dmv) = (f16x8(x, 0), f16x8(x, off::<F>(1)));
+            let o = off::<F>(2);
+            let (w0, w1, w2) = (word8(x, o, 0), word8(x, o, 1), word8(x, o, 2));
+            let k1 = _mm256_set1_epi32(0x3f3f_3f3f);
+            let k2 = _mm256_set1_epi32(0x0f0f_0f0f);
+            let k3 = _mm256_set1_epi32(0x0303_0303);
+            let sc_lo = _mm256_and_si256(w0, k1);
+            let sc_hi = _mm256_or_si256(
+                _mm256_and_si256(w2, k2),
+                _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srli_epi32::<6>(w0), k3)),
+            );
+            let mn_lo = _mm256_and_si256(w1, k1);
+            let mn_hi = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi32::<4>(w2), k2),
+                _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srli_epi32::<6>(w1), k3)),
+            );
+            let neg = _mm256_set1_ps(-0.0);
+            for u in 0..8 {
+                let (sc, mn) = if u < 4 {
+                    (sc_lo, mn_lo)
+                } else {
+                    (sc_hi, mn_hi)
+                };
+                d[u][0] = times(dv, lane_byte(sc, u % 4));
+                d[u][1] = d[u][0];
+                m[u] = _mm256_xor_ps(times(dmv, lane_byte(mn, u % 4)), neg);
+            }
+        }
+    }
+
+    impl X8Fmt for FQ4K {
+        x8_consts!(DType::Q4_K, 15);
+        #[inline(always)]
+        unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m256; 8]) {
+            unsafe { k_scales8::<Self>(x, d, m) }
+        }
+        #[inline(always)]
+        unsafe fn quad(x: &[u8], u: usize, j: usize) -> __m256i {
+            unsafe { nibble(word8(x, off::<Self>(3), 8 * (u / 2) + j), u % 2 == 1) }
+        }
+    }
+
+    impl X8Fmt for FQ5K {
+        x8_consts!(DType::Q5_K, 31);
+        #[inline(always)]
+        unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m256; 8]) {
+            unsafe { k_scales8::<Self>(x, d, m) }
+        }
+        #[inline(always)]
+        unsafe fn quad(x: &[u8], u: usize, j: usize) -> __m256i {
+            unsafe {
+                let nib = nibble(word8(x, off::<Self>(4), 8 * (u / 2) + j), u % 2 == 1);
+                _mm256_or_si256(nib, bit_to(word8(x, off::<Self>(3), j), u, 16))
+            }
+        }
+    }
+
+    impl X8Fmt for FQ6K {
+        x8_consts!(DType::Q6_K, 63);
+        #[inline(always)]
+        unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], _m: &mut [__m256; 8]) {
+            unsafe {
+                let dv = f16x8(x, 0);
+                let o = off::<Self>(1);
+                for u in 0..8 {
+                    for h in 0..2 {
+                        let i = 2 * u + h;
+                        let b = &x[o + G * i..o + G * i + 8];
+                        let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(b.as_ptr() as *const __m128i));
+                        d[u][h] = times(dv, v);
+                    }
+                }
+            }
+        }
+        #[inline(always)]
+        unsafe fn quad(x: &[u8], u: usize, j: usize) -> __m256i {
+            let (n, k) = (u / 4, u % 4);
+            unsafe {
+                let lo = nibble(word8(x, off::<Self>(2), 16 * n + 8 * (k & 1) + j), k >= 2);
+                let qh = word8(x, off::<Self>(3), 8 * n + j);
+                let hi = _mm256_and_si256(
+                    _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k as i32)),
+                    _mm256_set1_epi8(3),
+                );
+                _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi))
+            }
+        }
+    }
+
+    impl X8Fmt for FQ3K {
+        x8_consts!(DType::Q3_K, 7);
+        #[inline(always)]
+        unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], _m: &mut [__m256; 8]) {
+            unsafe {
+                let dv = f16x8(x, 0);
+                let o = off::<Self>(1);
+                let w = [word8(x, o, 0), word8(x, o, 1), word8(x, o, 2)];
+                let (m15, m3) = (_mm256_set1_epi32(15), _mm256_set1_epi32(3));
+                for i in 0..16 {
+                    let (lw, sh) = if i < 8 {
+                        (w[i / 4], 8 * (i % 4))
+                    } else {
+                        (w[(i - 8) / 4], 8 * ((i - 8) % 4) + 4)
+                    };
+                    let lo =
+                        _mm256_and_si256(_mm256_srlv_epi32(lw, _mm256_set1_epi32(sh as i32)), m15);
+                    let hs = 8 * (i % 4) + 2 * (i / 4);
+                    let hi =
+                        _mm256_and_si256(_mm256_srlv_epi32(w[2], _mm256_set1_epi32(hs as i32)), m3);
+                    let s = _mm256_sub_epi32(
+                        _mm256_or_si256(lo, _mm256_slli_epi32::<4>(hi)),
+                        _mm256_set1_epi32(32),
+                    );
+                    d[i / 2][i % 2] = times(dv, s);
+                }
+            }
+        }
+        #[inline(always)]
+        unsafe fn quad(x: &[u8], u: usize, j: usize) -> __m256i {
+            let (h, s) = (u / 4, u % 4);
+            unsafe {
+                let q = word8(x, off::<Self>(3), 8 * h + j);
+                let low = _mm256_and_si256(
+                    _mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * s as i32)),
+                    _mm256_set1_epi8(3),
+                );
+                _mm256_or_si256(low, bit_to(word8(x, off::<Self>(2), j), u, 4))
+            }
+        }
+    }
+
+    impl X8Fmt for FIq4Xs {
+        x8_consts!(DType::IQ4_XS, 241);
+        #[inline(always)]
+        unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], _m: &mut [__m256; 8]) {
+            unsafe {
+                let dv = f16x8(x, 0);
+                let hb = &x[off::<Self>(1)..off::<Self>(1) + 16];
+                let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(hb.as_ptr() as *const __m128i));
+                let l = word8(x, off::<Self>(2), 0);
+                for k in 0..8 {
+                    let lo = _mm256_and_si256(
+                        _mm256_srlv_epi32(l, _mm256_set1_epi32(4 * k as i32)),
+                        _mm256_set1_epi32(15),
+                    );
+                    let hi = _mm256_and_si256(
+                        _mm256_srlv_epi32(h, _mm256_set1_epi32(2 * k as i32)),
+                        _mm256_set1_epi32(3),
+                    );
+                    let s = _mm256_sub_epi32(
+                        _mm256_or_si256(lo, _mm256_slli_epi32::<4>(hi)),
+                        _mm256_set1_epi32(32),
+                    );
+                    d[k][0] = times(dv, s);
+                    d[k][1] = d[k][0];
+                }
+            }
+        }
+        #[inline(always)]
+        unsafe fn quad(x: &[u8], u: usize, j: usize) -> __m256i {
+            unsafe { iq4_u(nibble(word8(x, off::<Self>(3), 4 * u + j % 4), j >= 4)) }
+        }
+    }
+
+    /// Calls `$f::<F, ...>` with the format type of `$dtype`.
+    macro_rules! with_x8 {
+        ($dtype:expr, $f:ident :: < _ $(, $g:tt)* > ( $($arg:expr),* )) => {
+            match $dtype {
+                DType::Q8_0 => $f::<FQ8_0 $(, $g)*>($($arg),*),
+                DType::Q4_0 => $f::<FQ4_0 $(, $g)*>($($arg),*),
+                DType::Q4_1 => $f::<FQ4_1 $(, $g)*>($($arg),*),
+                DType::Q5_0 => $f::<FQ5_0 $(, $g)*>($($arg),*),
+                DType::Q5_1 => $f::<FQ5_1 $(, $g)*>($($arg),*),
+                DType::IQ4_NL => $f::<FIq4Nl $(, $g)*>($($arg),*),
+                DType::Q3_K => $f::<FQ3K $(, $g)*>($($arg),*),
+                DType::Q4_K => $f::<FQ4K $(, $g)*>($($arg),*),
+                DType::Q5_K => $f::<FQ5K $(, $g)*>($($arg),*),
+                DType::Q6_K => $f::<FQ6K $(, $g)*>($($arg),*),
+                DType::IQ4_XS => $f::<FIq4Xs $(, $g)*>($($arg),*),
+                _ => unreachable!("no x8 layout"),
+            }
+        };
+    }
+
+    /// `out[r * nt + t] = row_r · acts[t]` for the x8 groups in `w` (whole
+    /// groups of `row_bytes` rows) and 1..=4 activation rows.
+    ///
+    /// # Safety
+    /// The CPU must support `vnni ? Avx512Vnni : Avx2`; `dtype` has an x8 layout.
+    pub(in super::super) unsafe fn dot_rows(
+        vnni: bool,
+        dtype: DType,
+        w: &[u8],
+        row_bytes: usize,
+        acts: &[&[Q8Act]],
+        out: &mut [f32],
+    ) {
+        unsafe {
+            if vnni {
+                with_x8!(dtype, rows_vnni::<_>(w, row_bytes, acts, out))
+            } else {
+                with_x8!(dtype, rows_avx2::<_>(w, row_bytes, acts, out))
+            }
+        }
+    }
+
+    /// Splits `w` into groups and `acts` into tiles of at most `NT` tokens.
+    #[inline(always)]
+    fn tiles<const NT: usize>(
+        w: &[u8],
+        row_bytes: usize,
+        nu: usize,
+        acts: &[&[Q8Act]],
+        out: &mut [f32],
+        mut kern: impl FnMut(&[u8], &[&[Q8Act]], &mut [[f32; G]; 4]),
+    ) {
+        let gb = G * row_bytes;
+        let ng = w.len() / gb;
+        let nt = acts.len();
+        assert!(ng * gb == w.len() && out.len() == ng * G * nt && (1..=4).contains(&nt));
+        for a in acts {
+            assert!(a.len() >= nu);
+        }
+        let mut v = [[0f32; G]; 4];
+        for g in 0..ng {
+            let mut t0 = 0;
+            while t0 < nt {
+                let tn = (nt - t0).min(NT);
+                kern(&w[g * gb..(g + 1) * gb], &acts[t0..t0 + tn], &mut v);
+                for t in 0..tn {
+                    for r in 0..G {
+                        out[(g * G + r) * nt + t0 + t] = v[t][r];
+                    }
+                }
+                t0 += tn;
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn rows_avx2<F: X8Fmt>(w: &[u8], row_bytes: usize, acts: &[&[Q8Act]], out: &mut [f32]) {
+        let nblk = row_bytes / F::BYTES;
+        tiles::<2>(w, row_bytes, nblk * F::UNITS, acts, out, |g, a, v| {
+            // SAFETY: this closure runs inside a function with these features.
+            unsafe {
+                match a.len() {
+                    1 => group_avx2::<F, 1>(g, nblk, [a[0]], v),
+                    _ => group_avx2::<F, 2>(g, nblk, [a[0], a[1]], v),
+                }
+            }
+        });
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn rows_vnni<F: X8Fmt>(w: &[u8], row_bytes: usize, acts: &[&[Q8Act]], out: &mut [f32]) {
+        let nblk = row_bytes / F::BYTES;
+        tiles::<4>(w, row_bytes, nblk * F::UNITS, acts, out, |g, a, v| {
+            // SAFETY: this closure runs inside a function with these features.
+            unsafe {
+                match a.len() {
+                    1 => group_vnni::<F, 1>(g, nblk, [a[0]], v),
+                    2 => group_vnni::<F, 2>(g, nblk, [a[0], a[1]], v),
+                    3 => group_vnni::<F, 3>(g, nblk, [a[0], a[1], a[2]], v),
+                    _ => group_vnni::<F, 4>(g, nblk, [a[0], a[1], a[2], a[3]], v),
+                }
+            }
+        });
+    }
+
+    /// Four bytes of `v` at element `4j` (an activation word), broadcast.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn bcast(v: &[i8; 32], j: usize) -> __m256i {
+        // SAFETY: 4j + 4 <= 32; unaligned read.
+        _mm256_set1_epi32(unsafe { std::ptr::read_unaligned(v.as_ptr().add(4 * j) as *const i32) })
+    }
+
+    /// The shared f32 step for 8 rows (lanes) and one token: `i` the unit's
+    /// (or half's) exact `Σ (q + OFF)·a` per row.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn step<F: X8Fmt>(
+        f: __m256,
+        i: [__m256i; 2],
+        a: &Q8Act,
+        d: &[__m256; 2],
+        m: __m256,
+        off: i32,
+    ) -> __m256 {
+        let da = _mm256_set1_ps(a.d);
+        let mut f = f;
+        if F::SPLIT {
+            for h in 0..2 {
+                let t = _mm256_sub_epi32(i[h], _mm256_set1_epi32(off * a.isum[h]));
+                f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(da, d[h]), f);
+            }
+        } else {
+            let t = _mm256_sub_epi32(i[0], _mm256_set1_epi32(off * (a.isum[0] + a.isum[1])));
+            f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(da, d[0]), f);
+        }
+        if F::HAS_MIN {
+            f = _mm256_fmadd_ps(m, _mm256_set1_ps(a.s), f);
+        }
+        f
+    }
+
+    /// One group of 8 rows times `NT` tokens, AVX2: `maddubs` of the
+    /// unsigned quants with the broadcast activation words, summed in 16
+    /// bits over as many words as cannot overflow (formats with `OFF = 128`
+    /// use `|q|` and the signs moved onto the activations, one word at a time).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn group_avx2<F: X8Fmt, const NT: usize>(
+        g: &[u8],
+        nblk: usize,
+        a: [&[Q8Act]; NT],
+        out: &mut [[f32; G]; 4],
+    ) {
+        let signed = F::OFF >= 128;
+        // Words per 16-bit sum: each maddubs lane is at most 2·UMAX·127.
+        let per16 = if signed {
+            1
+        } else {
+            (32767 / (2 * F::UMAX * 127)).clamp(1, 8) as usize
+        };
+        let off = if signed { 0 } else { F::OFF };
+        let ones = _mm256_set1_epi16(1);
+        let res = _mm256_set1_epi16(RES as i16);
+        let cb = G * F::BYTES;
+        let mut f = [_mm256_setzero_ps(); NT];
+        let mut d = [[_mm256_setzero_ps(); 2]; 8];
+        let mut m = [_mm256_setzero_ps(); 8];
+        for blk in 0..nblk {
+            let x = &g[blk * cb..(blk + 1) * cb];
+            unsafe { F::scales8(x, &mut d, &mut m) };
+            for u in 0..F::UNITS {
+                let mut ab: [&Q8Act; NT] = [&a[0][0]; NT];
+                for t in 0..NT {
+                    ab[t] = &a[t][blk * F::UNITS + u];
+                }
+                let mut i32s = [[_mm256_setzero_si256(); 2]; NT];
+                let mut s16q = [_mm256_setzero_si256(); NT];
+                let mut s16r = [_mm256_setzero_si256(); NT];
+                let mut n16 = 0;
+                for j in 0..8 {
+                    let h = if F::SPLIT { j / 4 } else { 0 };
+                    let wq = unsafe { F::quad(x, u, j) };
+                    if signed {
+                        let q = _mm256_xor_si256(wq, _mm256_set1_epi8(-128));
+                        let aq = _mm256_abs_epi8(q);
+                        for t in 0..NT {
+                            let (sq, sr) = (
+                                _mm256_sign_epi8(bcast(&ab[t].qs, j), q),
+                                _mm256_sign_epi8(bcast(&ab[t].qr, j), q),
+                            );
+                            let p = _mm256_add_epi32(
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(aq, sq), res),
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(aq, sr), ones),
+                            );
+                            i32s[t][h] = _mm256_add_epi32(i32s[t][h], p);
+                        }
+                    } else {
+                        for t in 0..NT {
+                            s16q[t] = _mm256_add_epi16(
+                                s16q[t],
+                                _mm256_maddubs_epi16(wq, bcast(&ab[t].qs, j)),
+                            );
+                            s16r[t] = _mm256_add_epi16(
+                                s16r[t],
+                                _mm256_maddubs_epi16(wq, bcast(&ab[t].qr, j)),
+                            );
+                        }
+                        n16 += 1;
+                        if n16 == per16 || j == 7 || (F::SPLIT && j == 3) {
+                            for t in 0..NT {
+                                let p = _mm256_add_epi32(
+                                    _mm256_madd_epi16(s16q[t], res),
+                                    _mm256_madd_epi16(s16r[t], ones),
+                                );
+                                i32s[t][h] = _mm256_add_epi32(i32s[t][h], p);
+                                s16q[t] = _mm256_setzero_si256();
+                                s16r[t] = _mm256_setzero_si256();
+                            }
+                            n16 = 0;
+                        }
+                    }
+                }
+                for t in 0..NT {
+                    f[t] = step::<F>(f[t], i32s[t], ab[t], &d[u], m[u], off);
+                }
+            }
+        }
+        for t in 0..NT {
+            // SAFETY: out[t] holds 8 f32; unaligned store.
+            unsafe { _mm256_storeu_ps(out[t].as_mut_ptr(), f[t]) };
+        }
+    }
+
+    /// One group of 8 rows times `NT` tokens, AVX-512 VNNI: 256-bit
+    /// `vpdpbusd` of the unsigned quants with the broadcast activation words.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn group_vnni<F: X8Fmt, const NT: usize>(
+        g: &[u8],
+        nblk: usize,
+        a: [&[Q8Act]; NT],
+        out: &mut [[f32; G]; 4],
+    ) {
+        let cb = G * F::BYTES;
+        let mut f = [_mm256_setzero_ps(); NT];
+        let mut d = [[_mm256_setzero_ps(); 2]; 8];
+        let mut m = [_mm256_setzero_ps(); 8];
+        for blk in 0..nblk {
+            let x = &g[blk * cb..(blk + 1) * cb];
+            unsafe { F::scales8(x, &mut d, &mut m) };
+            for u in 0..F::UNITS {
+                let mut ab: [&Q8Act; NT] = [&a[0][0]; NT];
+                for t in 0..NT {
+                    ab[t] = &a[t][blk * F::UNITS + u];
+                }
+                let mut sq = [[_mm256_setzero_si256(); 2]; NT];
+                let mut sr = [[_mm256_setzero_si256(); 2]; NT];
+                for j in 0..8 {
+                    let h = if F::SPLIT { j / 4 } else { 0 };
+                    let wq = unsafe { F::quad(x, u, j) };
+                    for t in 0..NT {
+                        sq[t][h] = _mm256_dpbusd_epi32(sq[t][h], wq, bcast(&ab[t].qs, j));
+                        sr[t][h] = _mm256_dpbusd_epi32(sr[t][h], wq, bcast(&ab[t].qr, j));
+                    }
+                }
+                for t in 0..NT {
+                    let i = [0, 1]
+                        .map(|h| _mm256_add_epi32(_mm256_slli_epi32::<8>(sq[t][h]), sr[t][h]));
+                    f[t] = step::<F>(f[t], i, ab[t], &d[u], m[u], F::OFF);
+                }
+            }
+        }
+        for t in 0..NT {
+            // SAFETY: out[t] holds 8 f32; unaligned store.
+            unsafe { _mm256_storeu_ps(out[t].as_mut_ptr(), f[t]) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::testutil::{random_blocks, Rng};
+
+    #[test]
+    fn layouts_cover_every_block_byte_once() {
+        for dtype in [
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_1,
+            DType::Q5_0,
+            DType::Q5_1,
+            DType::IQ4_NL,
+            DType::Q3_K,
+            DType::Q4_K,
+            DType::Q5_K,
+            DType::Q6_K,
+            DType::IQ4_XS,
+        ] {
+            let ps = parts(dtype).unwrap();
+            let mut seen = vec![0; dtype.block_bytes()];
+            for p in ps {
+                let (at, l) = match *p {
+                    Part::Rows(a, l) | Part::Cols(a, l) | Part::Words(a, l) => (a, l),
+                };
+                if let Part::Words(..) = p {
+                    assert!(l.is_multiple_of(4), "{dtype}");
+                }
+                seen[at..at + l].iter_mut().for_each(|s| *s += 1);
+            }
+            assert!(seen.iter().all(|&s| s == 1), "{dtype}: {seen:?}");
+            // A round trip through the layout.
+            let mut rng = Rng::new(9);
+            let (n, nblk) = (16, 3);
+            let rb = nblk * dtype.block_bytes();
+            let src = random_blocks(dtype, n * nblk, &mut rng);
+            let mut x8 = vec![0u8; src.len()];
+            repack(dtype, &src, rb, &mut x8);
+            assert_ne!(x8, src, "{dtype}");
+            let mut back = vec![0u8; 5 * rb];
+            unpack_rows(dtype, &x8, rb, 6, 11, &mut back);
+            assert_eq!(back, src[6 * rb..11 * rb], "{dtype}");
+        }
+    }
+}
