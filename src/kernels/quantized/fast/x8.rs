@@ -152,35 +152,16 @@ pub fn unpack_rows(
     // Whole groups column by column (the common case), then any partial group row by row.
     let (g0, g1) = (r0.div_ceil(G), r1 / G);
     if g0 < g1 {
-        for g in g0..g1 {
-            for b in 0..nblk {
-                let col = &x8[(g * nblk + b) * cb..(g * nblk + b + 1) * cb];
-                for (i, &p) in ps.iter().enumerate() {
-                    let o = part_offset(ps, i);
-                    for r in 0..G {
-                        let at = (g * G + r - r0) * row_bytes + b * bb;
-                        let blk = &mut dst[at..at + bb];
-                        match p {
-                            Part::Rows(at, l) => {
-                                blk[at..at + l].copy_from_slice(&col[o + r * l..o + (r + 1) * l])
-                            }
-                            Part::Cols(at, l) => {
-                                for i in 0..l {
-                                    blk[at + i] = col[o + G * i + r];
-                                }
-                            }
-                            Part::Words(at, l) => {
-                                let src = &col[o..o + G * l];
-                                for (d, s) in blk[at..at + l]
-                                    .chunks_exact_mut(4)
-                                    .zip(src.chunks_exact(4 * G))
-                                {
-                                    d.copy_from_slice(&s[4 * r..4 * r + 4]);
-                                }
-                            }
-                        }
-                    }
-                }
+        #[cfg(target_arch = "x86_64")]
+        let avx2 = std::is_x86_feature_detected!("avx2");
+        #[cfg(not(target_arch = "x86_64"))]
+        let avx2 = false;
+        let gb = G * row_bytes;
+        let groups = x8[g0 * gb..g1 * gb].chunks_exact(gb);
+        let out = dst[(g0 * G - r0) * row_bytes..(g1 * G - r0) * row_bytes].chunks_exact_mut(gb);
+        for (group, out) in groups.zip(out) {
+            for (b, col) in group.chunks_exact(cb).enumerate() {
+                unpack_column(ps, col, out, row_bytes, b * bb, avx2);
             }
         }
     }
@@ -208,6 +189,107 @@ pub fn unpack_rows(
                     }
                 }
             }
+        }
+    }
+}
+
+/// Writes block column `col` of a group into its 8 GGUF rows in `out`
+/// (rows of `row_bytes`, the block at byte `at0` of each row).
+fn unpack_column(
+    ps: &[Part],
+    col: &[u8],
+    out: &mut [u8],
+    row_bytes: usize,
+    at0: usize,
+    avx2: bool,
+) {
+    let mut o = 0;
+    for &p in ps {
+        match p {
+            Part::Rows(at, l) => {
+                for r in 0..G {
+                    let d = r * row_bytes + at0 + at;
+                    out[d..d + l].copy_from_slice(&col[o + r * l..o + (r + 1) * l]);
+                }
+            }
+            Part::Cols(at, l) => {
+                for r in 0..G {
+                    let d = r * row_bytes + at0 + at;
+                    for (i, v) in out[d..d + l].iter_mut().enumerate() {
+                        *v = col[o + G * i + r];
+                    }
+                }
+            }
+            Part::Words(at, l) => {
+                let nw = l / 4;
+                let mut w = 0;
+                #[cfg(target_arch = "x86_64")]
+                if avx2 {
+                    while w + 4 <= nw {
+                        // SAFETY: AVX2 was detected; the function checks its bounds.
+                        unsafe {
+                            transpose4(
+                                &col[o + 4 * G * w..o + 4 * G * (w + 4)],
+                                out,
+                                row_bytes,
+                                at0 + at + 4 * w,
+                            )
+                        };
+                        w += 4;
+                    }
+                }
+                let _ = avx2;
+                for w in w..nw {
+                    for r in 0..G {
+                        let d = r * row_bytes + at0 + at + 4 * w;
+                        let s = o + 4 * G * w + 4 * r;
+                        out[d..d + 4].copy_from_slice(&col[s..s + 4]);
+                    }
+                }
+            }
+        }
+        o += G * p.len();
+    }
+}
+
+/// Four words of 8 rows (`src`: 4 vectors, lane = row) transposed into
+/// 16 bytes of each row (`out[r * row_bytes + at..][..16]`).
+///
+/// # Safety
+/// AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn transpose4(src: &[u8], out: &mut [u8], row_bytes: usize, at: usize) {
+    use std::arch::x86_64::*;
+    assert!(src.len() == 128 && (G - 1) * row_bytes + at + 16 <= out.len());
+    // SAFETY: bounds checked above; unaligned loads and stores.
+    unsafe {
+        let p = src.as_ptr() as *const __m256i;
+        let (a, b, c, d) = (
+            _mm256_loadu_si256(p),
+            _mm256_loadu_si256(p.add(1)),
+            _mm256_loadu_si256(p.add(2)),
+            _mm256_loadu_si256(p.add(3)),
+        );
+        let (t0, t1) = (_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+        let (t2, t3) = (_mm256_unpacklo_epi32(c, d), _mm256_unpackhi_epi32(c, d));
+        // Rows (0, 4), (1, 5), (2, 6), (3, 7) in the low and high halves.
+        let u = [
+            _mm256_unpacklo_epi64(t0, t2),
+            _mm256_unpackhi_epi64(t0, t2),
+            _mm256_unpacklo_epi64(t1, t3),
+            _mm256_unpackhi_epi64(t1, t3),
+        ];
+        let o = out.as_mut_ptr().add(at);
+        for (r, v) in u.into_iter().enumerate() {
+            _mm_storeu_si128(
+                o.add(r * row_bytes) as *mut __m128i,
+                _mm256_castsi256_si128(v),
+            );
+            _mm_storeu_si128(
+                o.add((r + 4) * row_bytes) as *mut __m128i,
+                _mm256_extracti128_si256::<1>(v),
+            );
         }
     }
 }
@@ -932,6 +1014,12 @@ mod tests {
             let mut back = vec![0u8; 5 * rb];
             unpack_rows(dtype, &x8, rb, 6, 11, &mut back);
             assert_eq!(back, src[6 * rb..11 * rb], "{dtype}");
+            // Whole groups (the vector transpose) and a partial group before them.
+            for (r0, r1) in [(0, 16), (3, 16), (8, 16)] {
+                let mut back = vec![0u8; (r1 - r0) * rb];
+                unpack_rows(dtype, &x8, rb, r0, r1, &mut back);
+                assert_eq!(back, src[r0 * rb..r1 * rb], "{dtype} rows {r0}..{r1}");
+            }
         }
     }
 }
