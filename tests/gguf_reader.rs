@@ -591,6 +591,9 @@ fn dims_overflow() {
         vec![u64::MAX],
         vec![1 << 62, 4],
         vec![i64::MAX as u64 + 1],
+        // Empty (a zero dim first), but the other dims' product overflows:
+        // found by the gguf_reader fuzz target (row-major shape product).
+        vec![0, 1 << 40, 1 << 40],
     ] {
         let e = parse(one_tensor("big", ggml_type::F32, &ne, vec![]).to_bytes());
         assert!(

@@ -1054,11 +1054,19 @@ fn parse_header(buf: &[u8]) -> Result<Header, GgufError> {
             ne: ne.clone(),
         };
         let mut n_elements: u64 = 1;
+        // The product of the non-zero dims must fit too: a zero dim makes
+        // the tensor empty, but the shape's product taken in any other
+        // order (e.g. row-major) must not overflow on the way.
+        let mut nonzero: u64 = 1;
         for &d in &ne {
             if d > i64::MAX as u64 {
                 return Err(overflow());
             }
             n_elements = n_elements.checked_mul(d).ok_or_else(overflow)?;
+            nonzero = nonzero.checked_mul(d.max(1)).ok_or_else(overflow)?;
+        }
+        if usize::try_from(nonzero).is_err() {
+            return Err(overflow());
         }
         if n_elements > i64::MAX as u64 {
             return Err(overflow());
