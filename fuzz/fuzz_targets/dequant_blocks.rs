@@ -9,7 +9,9 @@
 use libfuzzer_sys::fuzz_target;
 use llama_graph::ir::DType;
 use llama_graph::kernels::matmul::Epilogue;
-use llama_graph::kernels::quantized::fast::{qmatmul_fast_with, scratch_len_for, supports, Q8Act};
+use llama_graph::kernels::quantized::fast::{
+    qmatmul_fast_with, scratch_len_for, supports, x8, Layout, Q8Act,
+};
 use llama_graph::kernels::quantized::{dequantize_row, dot_row_scalar, dot_row_simd};
 use llama_graph::kernels::{Isa, WeightRef};
 use llama_graph::pool::ThreadPool;
@@ -97,6 +99,42 @@ fuzz_target!(|data: &[u8]| {
                 assert!(
                     a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
                     "{dtype} fast path, s={s} token {t}: scalar {a} vs {b}"
+                );
+            }
+        }
+    }
+    // The x8 layout: 8 rows (row r = the blocks rotated by r), interleaved,
+    // at this CPU's level against the row-major rows at the scalar level,
+    // bit for bit.
+    if x8::supports(dtype, x8::G, n) {
+        let pool = POOL.get_or_init(|| ThreadPool::new(2));
+        let mut rows = Vec::with_capacity(x8::G * bytes.len());
+        for r in 0..x8::G {
+            let cut = (r % nblocks) * bb;
+            rows.extend_from_slice(&bytes[cut..]);
+            rows.extend_from_slice(&bytes[..cut]);
+        }
+        let mut inter = vec![0u8; rows.len()];
+        x8::repack(dtype, &rows, bytes.len(), &mut inter);
+        for s in [1usize, 3, 17] {
+            let xs: Vec<f32> = (0..s)
+                .flat_map(|t| x.iter().map(move |v| v * (1.0 - t as f32)))
+                .collect();
+            let mut got = [vec![0f32; s * x8::G], vec![0f32; s * x8::G]];
+            let ws = [
+                (Isa::Scalar, WeightRef::new(dtype, &rows)),
+                (Isa::current(), WeightRef::new(dtype, &inter).with_layout(Layout::X8)),
+            ];
+            for (i, (isa, w)) in ws.into_iter().enumerate() {
+                let need = scratch_len_for(isa, dtype, s, n).expect("whole blocks");
+                let mut scratch = vec![Q8Act::default(); need];
+                qmatmul_fast_with(isa, pool, &xs, s, n, w, x8::G, Epilogue::None, &mut got[i], &mut scratch)
+                    .expect("valid shapes");
+            }
+            for (j, (a, b)) in got[0].iter().zip(&got[1]).enumerate() {
+                assert!(
+                    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                    "{dtype} x8, s={s} output {j}: rows {a} vs x8 {b}"
                 );
             }
         }
