@@ -130,20 +130,27 @@ pub fn supports(dtype: DType) -> bool {
     units::is_unit_format(dtype)
 }
 
-/// Smallest S that runs the packed (prefill) kernels at `isa`, if that
-/// level has them. Any threshold gives the same results (every kernel
+/// Smallest S that runs the packed (prefill) kernels at `isa` for weights
+/// of `dtype`, if any. Any threshold gives the same results (every kernel
 /// computes the same arithmetic); it only decides speed. Below it the
 /// small-S kernels read the x8-interleaved weights directly, 4 tokens per
 /// pass; the packed kernels decode every weight once per call into wider
-/// units, which only pays off over enough tokens. Measured (`bench -p S
-/// -n 0 -t 2`, tokens/s, small-S vs packed): SmolLM2 Q4_1, AVX2 S=4 346 vs
-/// 153, S=16 628 vs 412; VNNI S=16 822 vs 592, S=64 902 vs 1007; 1B Q4_K_M,
-/// AVX2 S=4 56 vs 23, S=16 65 vs 63, S=64 74 vs 83; VNNI S=16 86 vs 93.
-pub fn packed_min_s(isa: Isa) -> Option<usize> {
-    match Level::of(isa) {
-        Level::Scalar => None,
-        Level::Avx2 => Some(16),
-        Level::Avx512Vnni => Some(16),
+/// units, which pays off only over enough tokens, and later for Q4_1, whose
+/// small-S kernels are cheapest. Measured (`bench -p S -n 0 -t 2`, tokens/s,
+/// small-S vs packed):
+/// * SmolLM2 Q4_1: AVX2 S=4 346 vs 153, S=16 628 vs 412, S=128 720 vs 613,
+///   S=512 646 vs 576; VNNI S=16 822 vs 592, S=32 895 vs 841, S=64 902 vs 1007.
+/// * 1B-shaped Q4_1: AVX2 S=16 85 vs 54, S=64 94 vs 75; VNNI S=32 114 vs
+///   100, S=64 124 vs 131.
+/// * 1B-shaped Q8_0: AVX2 S=32 55 vs 63; VNNI S=32 107 vs 98, S=128 108 vs 161.
+/// * 1B-shaped Q4_K_M: AVX2 S=4 56 vs 23, S=16 65 vs 63, S=64 74 vs 83;
+///   VNNI S=16 86 vs 93.
+pub fn packed_min_s(isa: Isa, dtype: DType) -> Option<usize> {
+    match (Level::of(isa), dtype) {
+        (Level::Scalar, _) => None,
+        (Level::Avx2, DType::Q4_1) => None,
+        (Level::Avx512Vnni, DType::Q4_1) => Some(64),
+        (Level::Avx2 | Level::Avx512Vnni, _) => Some(16),
     }
 }
 
@@ -151,7 +158,7 @@ pub fn packed_min_s(isa: Isa) -> Option<usize> {
 fn packed_for(isa: Isa, dtype: DType, s: usize, k: usize) -> bool {
     cfg!(target_arch = "x86_64")
         && supports(dtype)
-        && packed_min_s(isa).is_some_and(|m| s >= m)
+        && packed_min_s(isa, dtype).is_some_and(|m| s >= m)
         && k >= dtype.block_elems()
         && k.is_multiple_of(dtype.block_elems())
 }
