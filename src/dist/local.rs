@@ -3,9 +3,8 @@
 //! protocol as MPI does, so the pipeline is tested without an MPI runtime,
 //! and a rank whose transport is dropped is seen as gone by the others.
 
-use super::{DistError, Tag, Transport};
-use std::collections::VecDeque;
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use super::{DistError, Inbox, Tag, Transport};
+use std::sync::mpsc::{channel, Sender};
 use std::time::{Duration, Instant};
 
 type Envelope = (usize, Tag, Vec<u8>);
@@ -13,9 +12,7 @@ type Envelope = (usize, Tag, Vec<u8>);
 pub struct LocalTransport {
     rank: usize,
     peers: Vec<Option<Sender<Envelope>>>,
-    inbox: Receiver<Envelope>,
-    /// Messages that arrived while a receive waited for another peer or tag.
-    early: VecDeque<Envelope>,
+    inbox: Inbox,
     timeout: Duration,
 }
 
@@ -32,8 +29,7 @@ impl LocalTransport {
                     .enumerate()
                     .map(|(r, t)| (r != rank).then(|| t.clone()))
                     .collect(),
-                inbox,
-                early: VecDeque::new(),
+                inbox: Inbox::new(inbox),
                 timeout,
             })
             .collect()
@@ -49,39 +45,10 @@ impl LocalTransport {
         tag: Tag,
         deadline: Option<Instant>,
     ) -> Result<Vec<u8>, DistError> {
-        if let Some(i) = self
-            .early
-            .iter()
-            .position(|(f, t, _)| *f == from && *t == tag)
-        {
-            return Ok(self.early.remove(i).map(|e| e.2).unwrap_or_default());
-        }
-        loop {
-            let got = match deadline {
-                Some(d) => self
-                    .inbox
-                    .recv_timeout(d.saturating_duration_since(Instant::now())),
-                None => self
-                    .inbox
-                    .recv()
-                    .map_err(|_| RecvTimeoutError::Disconnected),
-            };
-            match got {
-                Ok((f, t, b)) if f == from && t == tag => return Ok(b),
-                Ok(e) => self.early.push_back(e),
-                Err(RecvTimeoutError::Timeout) => {
-                    return Err(DistError::Timeout {
-                        peer: from,
-                        secs: self.timeout.as_secs_f64(),
-                    })
-                }
-                // Every sender is gone: in a mesh, each rank holds one to
-                // each other, so all peers have ended.
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(DistError::PeerGone { peer: from })
-                }
-            }
-        }
+        self.inbox
+            .recv_until(from, tag, deadline, self.timeout, || DistError::PeerGone {
+                peer: from,
+            })
     }
 }
 

@@ -176,3 +176,60 @@ pub fn open_stage_model(
         .ok_or_else(|| "the stage plan was not made".to_string())?;
     Ok((model, plan))
 }
+
+/// A rank's incoming messages, `(from, tag, bytes)`, as a transport's
+/// receiving thread or peers deliver them, with the ones that arrived while
+/// a receive waited for another peer or tag kept aside in order.
+pub(crate) struct Inbox {
+    rx: std::sync::mpsc::Receiver<(usize, Tag, Vec<u8>)>,
+    early: std::collections::VecDeque<(usize, Tag, Vec<u8>)>,
+}
+
+impl Inbox {
+    pub(crate) fn new(rx: std::sync::mpsc::Receiver<(usize, Tag, Vec<u8>)>) -> Inbox {
+        Inbox {
+            rx,
+            early: std::collections::VecDeque::new(),
+        }
+    }
+
+    /// The next message from `from` under `tag`, waiting until `deadline`
+    /// (`None`: until every sender is gone). A timeout names `from` and
+    /// `timeout`; `gone` is the error once no sender is left.
+    pub(crate) fn recv_until(
+        &mut self,
+        from: usize,
+        tag: Tag,
+        deadline: Option<std::time::Instant>,
+        timeout: std::time::Duration,
+        gone: impl FnOnce() -> DistError,
+    ) -> Result<Vec<u8>, DistError> {
+        use std::sync::mpsc::RecvTimeoutError;
+        if let Some(i) = self
+            .early
+            .iter()
+            .position(|(f, t, _)| *f == from && *t == tag)
+        {
+            return Ok(self.early.remove(i).map(|e| e.2).unwrap_or_default());
+        }
+        loop {
+            let got = match deadline {
+                Some(d) => self
+                    .rx
+                    .recv_timeout(d.saturating_duration_since(std::time::Instant::now())),
+                None => self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+            };
+            match got {
+                Ok((f, t, b)) if f == from && t == tag => return Ok(b),
+                Ok(e) => self.early.push_back(e),
+                Err(RecvTimeoutError::Timeout) => {
+                    return Err(DistError::Timeout {
+                        peer: from,
+                        secs: timeout.as_secs_f64(),
+                    })
+                }
+                Err(RecvTimeoutError::Disconnected) => return Err(gone()),
+            }
+        }
+    }
+}

@@ -24,12 +24,11 @@
 //! A rank that ends in order tells the others (a goodbye message) before
 //! `MPI_Finalize`, so its silence afterwards is not taken for a failure.
 
-use super::{DistError, Tag, Transport};
+use super::{DistError, Inbox, Tag, Transport};
 use mpi::point_to_point::{Destination, MatchedReceiveVec, Source};
 use mpi::request::{Request, StaticScope};
 use mpi::topology::Communicator;
-use std::collections::VecDeque;
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender, TryRecvError};
+use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -54,8 +53,7 @@ pub struct MpiTransport {
     rank: usize,
     size: usize,
     cmds: Sender<Cmd>,
-    inbox: Receiver<(usize, Tag, Vec<u8>)>,
-    early: VecDeque<(usize, Tag, Vec<u8>)>,
+    inbox: Inbox,
     timeout: Duration,
     thread: Option<JoinHandle<()>>,
 }
@@ -92,8 +90,7 @@ impl MpiTransport {
             rank,
             size,
             cmds: cmd_tx,
-            inbox: in_rx,
-            early: VecDeque::new(),
+            inbox: Inbox::new(in_rx),
             timeout,
             thread: Some(thread),
         })
@@ -109,37 +106,10 @@ impl MpiTransport {
         tag: Tag,
         deadline: Option<Instant>,
     ) -> Result<Vec<u8>, DistError> {
-        if let Some(i) = self
-            .early
-            .iter()
-            .position(|(f, t, _)| *f == from && *t == tag)
-        {
-            return Ok(self.early.remove(i).map(|e| e.2).unwrap_or_default());
-        }
-        loop {
-            let got = match deadline {
-                Some(d) => self
-                    .inbox
-                    .recv_timeout(d.saturating_duration_since(Instant::now())),
-                None => self
-                    .inbox
-                    .recv()
-                    .map_err(|_| RecvTimeoutError::Disconnected),
-            };
-            match got {
-                Ok((f, t, b)) if f == from && t == tag => return Ok(b),
-                Ok(e) => self.early.push_back(e),
-                Err(RecvTimeoutError::Timeout) => {
-                    return Err(DistError::Timeout {
-                        peer: from,
-                        secs: self.timeout.as_secs_f64(),
-                    })
-                }
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(DistError::Transport("the MPI thread has ended".into()))
-                }
-            }
-        }
+        self.inbox
+            .recv_until(from, tag, deadline, self.timeout, || {
+                DistError::Transport("the MPI thread has ended".into())
+            })
     }
 }
 
