@@ -270,6 +270,20 @@ fn check_engine(model: impl Fn() -> Model, what: &str) {
             st.generated_tokens
         })
         .collect();
+    // A follow-up turn: prompt 4, its answer, then prompt 1's tokens.
+    let follow: Vec<u32> = [&ps[4][..], &want[4][..], &ps[1][..]].concat();
+    let want_follow = {
+        let mut s = Session::new(&m, &run_opts).unwrap();
+        let opts = GenOptions {
+            n_predict: Some(n),
+            sampler: greedy,
+            stop_strings: Vec::new(),
+            record_top: false,
+        };
+        generate(&mut s, None, &follow, &opts, &mut |_| {})
+            .unwrap()
+            .generated_tokens
+    };
     drop(m);
     let engine = EngineHandle::start(
         model(),
@@ -300,6 +314,26 @@ fn check_engine(model: impl Fn() -> Model, what: &str) {
     for (j, s) in streams.into_iter().enumerate() {
         assert_eq!(collect(s).0, want[j], "{what}: prompt {j} beside 7 others");
     }
+    // The second round found every prompt in the prefix cache (all but
+    // each one's last token); the follow-up turn finds prompt 4 and the
+    // answer's tokens that were fed, and answers as if computed afresh.
+    let cached = engine.stats().tokens_prompt_cached_total;
+    let fed_before: usize = ps.iter().map(|p| p.len() - 1).sum();
+    assert!(
+        cached >= fed_before as u64,
+        "{what}: {cached} cached prompt tokens"
+    );
+    assert_eq!(
+        collect(engine.submit(request(follow.clone(), n, greedy)).unwrap()).0,
+        want_follow,
+        "{what}: a follow-up turn over a cached prefix"
+    );
+    let reused = engine.stats().tokens_prompt_cached_total - cached;
+    assert_eq!(
+        reused as usize,
+        ps[4].len() + n - 1,
+        "{what}: the follow-up reused prompt 4 and the answer's fed tokens"
+    );
     // Seeded sampling: the same tokens alone and beside the others.
     let sampled = SamplerConfig {
         temperature: 0.9,

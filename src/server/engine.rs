@@ -102,6 +102,13 @@ pub struct EngineStats {
     pub kv_used: usize,
     /// KV-cache cells in all (the pool all sequences share).
     pub kv_total: usize,
+    /// KV-cache cells holding finished sequences' tokens for prompts that
+    /// start with the same ones (the prefix cache; taken back whenever
+    /// needed).
+    pub kv_cached: usize,
+    /// Prompt tokens whose KV came from the prefix cache (not computed
+    /// again).
+    pub tokens_prompt_cached_total: u64,
     /// Generated tokens per second while at least one sequence was in
     /// flight, over the most recent stretch of at least one second of such
     /// time (0 before the first such stretch).
@@ -168,6 +175,8 @@ struct Shared {
     in_flight: AtomicUsize,
     kv_used: AtomicUsize,
     kv_total: AtomicUsize,
+    kv_cached: AtomicUsize,
+    tokens_prompt_cached_total: AtomicU64,
     preemptions_total: AtomicU64,
     /// f64 bits.
     tokens_per_s: AtomicU64,
@@ -391,6 +400,8 @@ impl EngineHandle {
             in_flight: s.in_flight.load(Ordering::Relaxed),
             kv_used: s.kv_used.load(Ordering::Relaxed),
             kv_total: s.kv_total.load(Ordering::Relaxed),
+            kv_cached: s.kv_cached.load(Ordering::Relaxed),
+            tokens_prompt_cached_total: s.tokens_prompt_cached_total.load(Ordering::Relaxed),
             tokens_per_s: f64::from_bits(s.tokens_per_s.load(Ordering::Relaxed)),
             preemptions_total: s.preemptions_total.load(Ordering::Relaxed),
         }
@@ -577,12 +588,20 @@ fn engine_loop(session: &mut Session, parallel: usize, shared: &Shared) {
                 retire(&mut sched, &mut live, id, Ok(f), shared);
             }
         }
-        shared.kv_used.store(sched.kv_used(), Ordering::Relaxed);
+        publish_kv(&sched, shared);
         shared
             .preemptions_total
             .store(sched.preemptions(), Ordering::Relaxed);
         rate.add(sampled.len() as u64, t0.elapsed(), &shared.tokens_per_s);
     }
+}
+
+fn publish_kv(sched: &Scheduler, shared: &Shared) {
+    shared.kv_used.store(sched.kv_used(), Ordering::Relaxed);
+    shared.kv_cached.store(sched.kv_cached(), Ordering::Relaxed);
+    shared
+        .tokens_prompt_cached_total
+        .store(sched.reused_tokens(), Ordering::Relaxed);
 }
 
 /// Ends a sequence: its KV blocks go back to the pool, it leaves the
@@ -596,8 +615,14 @@ fn retire(
     end: Result<Finish, String>,
     shared: &Shared,
 ) {
-    sched.remove(id);
-    shared.kv_used.store(sched.kv_used(), Ordering::Relaxed);
+    // A sequence that ended normally (or whose client left) keeps its KV
+    // for a later prompt with the same prefix; after an error it is freed.
+    if end.is_ok() {
+        sched.finish(id);
+    } else {
+        sched.remove(id);
+    }
+    publish_kv(sched, shared);
     let Some(l) = live.remove(&id) else {
         return;
     };

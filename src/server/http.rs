@@ -313,6 +313,18 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Result<Response, ApiError> {
         st.kv_total.to_string(),
     );
     metric(
+        "kv_cells_cached",
+        "gauge",
+        "KV-cache cells holding finished sequences' tokens for prompts with the same prefix (freed when needed).",
+        st.kv_cached.to_string(),
+    );
+    metric(
+        "prompt_tokens_cached_total",
+        "counter",
+        "Prompt tokens whose KV came from the prefix cache.",
+        st.tokens_prompt_cached_total.to_string(),
+    );
+    metric(
         "preemptions_total",
         "counter",
         "Sequences preempted because the KV pool ran short (fed again later).",

@@ -26,6 +26,19 @@
 //! context can never run and is refused when it is added; one that does
 //! fit always runs eventually, since the oldest running sequence is never
 //! preempted and the pool holds a whole context.
+//!
+//! **Prefix cache.** A sequence that ends normally ([`Scheduler::finish`])
+//! keeps its KV blocks as a cache entry: the tokens whose positions it fed
+//! and the blocks holding them. A new sequence whose prompt starts with the
+//! same tokens takes over the entry with the longest common prefix and is
+//! fed from the first differing token (at least its last prompt token is
+//! always fed, for its logits), as llama-server's slots reuse their cached
+//! prompt. Entries are evicted, oldest first, whenever the pool needs their
+//! blocks (admission, decode growth, readmission) and beyond `parallel` of
+//! them; they never cause a preemption or a refusal. Since every kernel
+//! computes a sequence's rows independently of the batch and of how its
+//! tokens were chunked, a reused position holds exactly the values feeding
+//! it again would write, so the generated tokens do not change.
 
 use crate::exec::{Batch, KvPool};
 use std::collections::VecDeque;
@@ -65,6 +78,15 @@ pub struct Slot {
     pub samples: bool,
 }
 
+/// A finished sequence's KV, kept for a later prompt with the same prefix.
+#[derive(Debug)]
+struct Cached {
+    /// The tokens whose positions `blocks` hold (a prefix of the finished
+    /// sequence's tokens: those it fed).
+    tokens: Vec<u32>,
+    blocks: Vec<u32>,
+}
+
 #[derive(Debug)]
 struct Seq {
     id: SeqId,
@@ -91,6 +113,12 @@ pub struct Scheduler {
     plan: Vec<Slot>,
     /// Sequences preempted so far (for statistics and tests).
     preemptions: u64,
+    /// Finished sequences' KV, oldest first (see the module documentation).
+    cache: VecDeque<Cached>,
+    /// Blocks held by `cache`.
+    cached_blocks: usize,
+    /// Prompt positions whose KV came from the cache (statistics, tests).
+    reused: u64,
 }
 
 impl Scheduler {
@@ -105,9 +133,12 @@ impl Scheduler {
             running: Vec::with_capacity(cfg.parallel),
             preempted: VecDeque::with_capacity(cfg.parallel),
             plan: Vec::with_capacity(cfg.parallel),
+            cache: VecDeque::with_capacity(cfg.parallel + 1),
             cfg,
             pool,
             preemptions: 0,
+            cached_blocks: 0,
+            reused: 0,
         }
     }
 
@@ -141,7 +172,12 @@ impl Scheduler {
     pub fn can_admit(&self, prompt: usize) -> bool {
         self.running.len() < self.cfg.parallel
             && self.preempted.is_empty()
-            && self.pool.free_blocks() >= self.pool.blocks_for(prompt) + self.running.len()
+            && self.available_blocks() >= self.pool.blocks_for(prompt) + self.running.len()
+    }
+
+    /// Free blocks plus the blocks the prefix cache would give back.
+    fn available_blocks(&self) -> usize {
+        self.pool.free_blocks() + self.cached_blocks
     }
 
     /// Starts a sequence (call [`Self::can_admit`] first; [`Self::check`]
@@ -161,11 +197,80 @@ impl Scheduler {
             blocks: Vec::with_capacity(self.pool.blocks_for(prompt.len() + max_tokens)),
             max_len: prompt.len() + max_tokens,
         };
-        if !self.pool.reserve(&mut seq.blocks, prompt.len()) {
+        // The cache entry sharing the longest prefix with the prompt (its
+        // last token is fed in any case, for the logits).
+        let best = self
+            .cache
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (common_prefix(&c.tokens, prompt).min(prompt.len() - 1), i))
+            .max_by_key(|&(n, i)| (n, i));
+        if let Some((n, i)) = best.filter(|&(n, _)| n > 0) {
+            let mut c = self.cache.remove(i).expect("found above");
+            self.cached_blocks -= c.blocks.len();
+            self.pool.truncate(&mut c.blocks, n);
+            seq.blocks.extend_from_slice(&c.blocks);
+            seq.fed = n;
+            self.reused += n as u64;
+        }
+        if !self.reserve(&mut seq.blocks, prompt.len()) {
+            self.pool.release(&mut seq.blocks);
             return false;
         }
         self.running.push(seq);
         true
+    }
+
+    /// Ends a sequence that finished (or whose client left): its fed
+    /// positions stay in the prefix cache for a later prompt that starts
+    /// with the same tokens. False if it is unknown.
+    pub fn finish(&mut self, id: SeqId) -> bool {
+        let Some(i) = self.running.iter().position(|s| s.id == id) else {
+            return self.remove(id);
+        };
+        let mut s = self.running.remove(i);
+        s.tokens.truncate(s.fed);
+        self.pool.truncate(&mut s.blocks, s.fed);
+        if s.fed == 0 {
+            return true;
+        }
+        self.cached_blocks += s.blocks.len();
+        self.cache.push_back(Cached {
+            tokens: s.tokens,
+            blocks: s.blocks,
+        });
+        while self.cache.len() > self.cfg.parallel {
+            self.evict_oldest();
+        }
+        true
+    }
+
+    /// Empties the prefix cache (its blocks go back to the pool).
+    pub fn clear_cache(&mut self) {
+        while self.evict_oldest() {}
+    }
+
+    fn evict_oldest(&mut self) -> bool {
+        match self.cache.pop_front() {
+            Some(mut c) => {
+                self.cached_blocks -= c.blocks.len();
+                self.pool.release(&mut c.blocks);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Grows `blocks` to hold `positions` positions, evicting cache entries
+    /// (oldest first) while the pool is short. False, taking nothing more,
+    /// if even an empty cache leaves too few blocks.
+    fn reserve(&mut self, blocks: &mut Vec<u32>, positions: usize) -> bool {
+        let need = self.pool.blocks_for(positions).saturating_sub(blocks.len());
+        if need > self.available_blocks() {
+            return false;
+        }
+        while self.pool.free_blocks() < need && self.evict_oldest() {}
+        self.pool.reserve(blocks, positions)
     }
 
     /// Removes a sequence wherever it is and returns its KV blocks to the
@@ -272,9 +377,20 @@ impl Scheduler {
     pub fn is_idle(&self) -> bool {
         self.running.is_empty() && self.preempted.is_empty()
     }
-    /// Positions held by sequences (whole blocks).
+    /// Positions held by sequences in flight (whole blocks; the prefix
+    /// cache not counted).
     pub fn kv_used(&self) -> usize {
-        (self.pool.total_blocks() - self.pool.free_blocks()) * self.pool.block_size()
+        (self.pool.total_blocks() - self.pool.free_blocks() - self.cached_blocks)
+            * self.pool.block_size()
+    }
+    /// Positions held by the prefix cache (whole blocks), free for the
+    /// taking.
+    pub fn kv_cached(&self) -> usize {
+        self.cached_blocks * self.pool.block_size()
+    }
+    /// Prompt positions whose KV came from the prefix cache so far.
+    pub fn reused_tokens(&self) -> u64 {
+        self.reused
     }
     /// Positions the pool holds.
     pub fn kv_total(&self) -> usize {
@@ -293,11 +409,13 @@ impl Scheduler {
     fn readmit(&mut self) {
         while let Some(s) = self.preempted.front() {
             let need = self.pool.blocks_for(s.tokens.len()) + self.running.len();
-            if self.running.len() >= self.cfg.parallel || self.pool.free_blocks() < need {
+            if self.running.len() >= self.cfg.parallel || self.available_blocks() < need {
                 break;
             }
             let mut s = self.preempted.pop_front().expect("checked above");
-            let ok = self.pool.reserve(&mut s.blocks, s.tokens.len());
+            let mut blocks = std::mem::take(&mut s.blocks);
+            let ok = self.reserve(&mut blocks, s.tokens.len());
+            s.blocks = blocks;
             debug_assert!(ok, "counted above");
             self.running.push(s);
         }
@@ -309,9 +427,12 @@ impl Scheduler {
     /// itself if it is the youngest).
     fn grow(&mut self, i: usize, want: usize, may_preempt: bool) -> Grow {
         loop {
+            let target = self.running[i].fed + want;
+            let mut blocks = std::mem::take(&mut self.running[i].blocks);
+            let ok = self.reserve(&mut blocks, target);
             let s = &mut self.running[i];
-            let target = s.fed + want;
-            if self.pool.reserve(&mut s.blocks, target) {
+            s.blocks = blocks;
+            if ok {
                 return Grow::Fits(want);
             }
             // Feed what the blocks already held allow (a prompt admitted
@@ -338,6 +459,11 @@ impl Scheduler {
         self.preemptions += 1;
         self.preempted.push_back(s);
     }
+}
+
+/// How many leading tokens `a` and `b` share.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 enum Grow {
@@ -484,6 +610,51 @@ mod tests {
         assert_eq!(s.kv_used(), 0);
         assert!(s.is_idle());
         assert!(s.schedule(&mut b).is_empty() && b.is_empty());
+    }
+
+    #[test]
+    fn a_finished_prefix_is_reused_and_evicted_when_the_pool_needs_it() {
+        let mut s = sched(4, 64, 8);
+        let mut b = Batch::default();
+        assert!(s.admit(1, &[1, 2, 3, 4, 5, 6], 3));
+        step(&mut s, &mut b); // the prompt; samples 101
+        step(&mut s, &mut b); // feeds 101; samples 101 again
+        assert!(s.finish(1));
+        // Fed: the 6 prompt tokens and 101, in 2 blocks, now cached.
+        assert_eq!((s.kv_used(), s.kv_cached()), (0, 8));
+        // A prompt sharing 5 tokens reuses them and is fed from the 6th.
+        assert!(s.admit(2, &[1, 2, 3, 4, 5, 9, 9], 3));
+        assert_eq!(s.reused_tokens(), 5);
+        assert_eq!(s.kv_cached(), 0);
+        let p = step(&mut s, &mut b);
+        assert_eq!(p[0].tokens, 2);
+        assert_eq!(&b.seq_table()[..3], &[0, 2, 5]);
+        assert_eq!(b.tokens(), &[9, 9]);
+        assert!(s.finish(2));
+        // The same prompt again: only its last token is fed.
+        assert!(s.admit(3, &[1, 2, 3, 4, 5, 9, 9], 3));
+        assert_eq!(s.reused_tokens(), 5 + 6);
+        let p = step(&mut s, &mut b);
+        assert_eq!((p[0].tokens, p[0].samples), (1, true));
+        assert_eq!(&b.seq_table()[..3], &[0, 1, 6]);
+        assert!(s.remove(3), "removed, not cached");
+        assert_eq!((s.kv_used(), s.kv_cached()), (0, 0));
+        // Cached blocks are taken back for a prompt that needs the pool:
+        // two cached sequences of 2 blocks each, then a 28-token prompt
+        // (7 of the 8 blocks) with nothing in common.
+        for id in [4, 5] {
+            assert!(s.admit(id, &[id as u32; 5], 2));
+        }
+        step(&mut s, &mut b);
+        assert!(s.finish(4) && s.finish(5));
+        assert_eq!(s.kv_cached(), 16);
+        assert!(s.can_admit(28));
+        assert!(s.admit(6, &[7; 28], 4));
+        assert_eq!(s.kv_used(), 28);
+        assert!(s.kv_cached() <= 4);
+        assert!(s.remove(6));
+        s.clear_cache();
+        assert_eq!((s.kv_used(), s.kv_cached()), (0, 0));
     }
 
     #[test]
