@@ -434,26 +434,16 @@ fn llama_cpp_runs_our_k_quants() {
 fn convert_refuses_clearly() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("x.gguf");
-    let e = convert(
-        &tmp.path().join("missing"),
-        &out,
-        OutType::F32,
-        |_, _, _| {},
-    )
-    .err()
-    .unwrap()
-    .to_string();
+    let refusal = |src: &Path| {
+        convert(src, &out, OutType::F32, |_, _, _| {})
+            .err()
+            .expect("convert must refuse")
+            .to_string()
+    };
+    let e = refusal(&tmp.path().join("missing"));
     assert!(e.contains("cannot open"), "{e}");
     // A Meta checkpoint without tokenizer.model: llama.cpp needs a tokenizer.
-    let e = convert(
-        &common::root().join("tests/fixtures/hf/xformat/meta"),
-        &out,
-        OutType::F32,
-        |_, _, _| {},
-    )
-    .err()
-    .unwrap()
-    .to_string();
+    let e = refusal(&common::root().join("tests/fixtures/hf/xformat/meta"));
     assert!(e.contains("no tokenizer"), "{e}");
     assert!(!out.exists());
     let e = OutType::parse("q3_k_m").err().unwrap();

@@ -851,51 +851,38 @@ mod tests {
             q6_layers(mix(32, false)),
             vec![0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
         );
-        let t = |name: &str, shape: &[usize], m| target_type(OutType::Q4_K_M, name, shape, m);
-        // 70B-shaped: the other attn_v are Q5_K, ffn_down unchanged.
         let m70 = mix(80, true);
-        assert_eq!(
-            t("layers.40.attention.wv.weight", &[1024, 8192], m70),
-            DType::Q5_K
-        );
-        assert_eq!(
-            t("layers.12.attention.wv.weight", &[1024, 8192], m70),
-            DType::Q6_K
-        );
-        assert_eq!(
-            t("layers.40.feed_forward.w2.weight", &[8192, 28672], m70),
-            DType::Q4_K
-        );
-        // Fallbacks by row length.
         let m = mix(8, false);
-        assert_eq!(
-            t("layers.4.attention.wq.weight", &[576, 576], m),
-            DType::Q5_0
-        );
-        assert_eq!(
-            t("layers.0.feed_forward.w2.weight", &[576, 1536], m),
-            DType::Q6_K
-        );
-        assert_eq!(
-            t("layers.0.feed_forward.w2.weight", &[576, 704], m),
-            DType::Q8_0
-        );
-        assert_eq!(t("layers.4.attention.wq.weight", &[48, 48], m), DType::F16);
-        assert_eq!(t("output.weight", &[800, 576], m), DType::Q8_0);
-        assert_eq!(t("output.weight", &[800, 512], m), DType::Q6_K);
-        assert_eq!(t("norm.weight", &[512], m), DType::F32);
-        // The tied embedding is the head.
         let tied = MixInfo { tied: true, ..m };
-        assert_eq!(t("tok_embeddings.weight", &[800, 512], tied), DType::Q6_K);
-        assert_eq!(t("tok_embeddings.weight", &[800, 512], m), DType::Q4_K);
-        // Q8_0 keeps its head; F16 files are F16.
-        assert_eq!(
-            target_type(OutType::Q8_0, "output.weight", &[800, 512], m),
-            DType::Q8_0
-        );
-        assert_eq!(
-            target_type(OutType::F16, "output.weight", &[800, 512], m),
-            DType::F16
-        );
+        use DType::*;
+        const Q4_K_M: OutType = OutType::Q4_K_M;
+        #[rustfmt::skip]
+        let cases: &[(OutType, &str, &[usize], MixInfo, DType)] = &[
+            // 70B-shaped: the other attn_v are Q5_K, ffn_down unchanged.
+            (Q4_K_M, "layers.40.attention.wv.weight", &[1024, 8192], m70, Q5_K),
+            (Q4_K_M, "layers.12.attention.wv.weight", &[1024, 8192], m70, Q6_K),
+            (Q4_K_M, "layers.40.feed_forward.w2.weight", &[8192, 28672], m70, Q4_K),
+            // Fallbacks by row length.
+            (Q4_K_M, "layers.4.attention.wq.weight", &[576, 576], m, Q5_0),
+            (Q4_K_M, "layers.0.feed_forward.w2.weight", &[576, 1536], m, Q6_K),
+            (Q4_K_M, "layers.0.feed_forward.w2.weight", &[576, 704], m, Q8_0),
+            (Q4_K_M, "layers.4.attention.wq.weight", &[48, 48], m, F16),
+            (Q4_K_M, "output.weight", &[800, 576], m, Q8_0),
+            (Q4_K_M, "output.weight", &[800, 512], m, Q6_K),
+            (Q4_K_M, "norm.weight", &[512], m, F32),
+            // The tied embedding is the head.
+            (Q4_K_M, "tok_embeddings.weight", &[800, 512], tied, Q6_K),
+            (Q4_K_M, "tok_embeddings.weight", &[800, 512], m, Q4_K),
+            // Q8_0 keeps its head; F16 files are F16.
+            (OutType::Q8_0, "output.weight", &[800, 512], m, Q8_0),
+            (OutType::F16, "output.weight", &[800, 512], m, F16),
+        ];
+        for &(file, name, shape, info, want) in cases {
+            assert_eq!(
+                target_type(file, name, shape, info),
+                want,
+                "{file:?} {name} {shape:?}"
+            );
+        }
     }
 }

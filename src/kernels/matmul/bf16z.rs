@@ -732,19 +732,29 @@ mod avx2 {
         t
     };
 
-    /// A block's bf16 words from its broadcast `f`, its nibble bytes in
-    /// both lanes and its low bytes: weights 0-7 and 16-23, then 8-15 and
-    /// 24-31 (see [`dot`]).
+    /// The bf16 words of the block at `q`: weights 0-7 and 16-23, then 8-15
+    /// and 24-31 (see [`dot`]).
+    ///
+    /// # Safety
+    /// `q` points to [`BLOCK_BYTES`] readable bytes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn words(
-        f: __m256i,
-        nib: __m256i,
-        low: __m256i,
+    unsafe fn words(
+        q: *const u8,
         table: __m256i,
         halves: __m256i,
         lo4: __m256i,
     ) -> (__m256i, __m256i) {
+        // SAFETY: the block's bytes (caller); unaligned loads. Byte 0 is the
+        // broadcast high bits, 1..17 the nibbles (in both lanes), 17.. the
+        // low bytes.
+        let (f, nib, low) = unsafe {
+            (
+                _mm256_set1_epi8(*q as i8),
+                _mm256_broadcastsi128_si256(_mm_loadu_si128(q.add(1) as *const __m128i)),
+                _mm256_loadu_si256(q.add(17) as *const __m256i),
+            )
+        };
         let nibs = _mm256_and_si256(_mm256_srlv_epi32(nib, halves), lo4);
         let hi = _mm256_add_epi8(_mm256_shuffle_epi8(table, nibs), f);
         (_mm256_unpacklo_epi8(low, hi), _mm256_unpackhi_epi8(low, hi))
@@ -778,14 +788,7 @@ mod avx2 {
             // bytes). Unaligned loads and stores.
             unsafe {
                 let q = p.add(b * BLOCK_BYTES);
-                let (wa, wb) = words(
-                    _mm256_set1_epi8(*q as i8),
-                    _mm256_broadcastsi128_si256(_mm_loadu_si128(q.add(1) as *const __m128i)),
-                    _mm256_loadu_si256(q.add(17) as *const __m256i),
-                    table,
-                    halves,
-                    lo4,
-                );
+                let (wa, wb) = words(q, table, halves, lo4);
                 let d = o.as_mut_ptr() as *mut __m256i;
                 _mm256_storeu_si256(d, _mm256_permute2x128_si256::<0x20>(wa, wb));
                 _mm256_storeu_si256(d.add(1), _mm256_permute2x128_si256::<0x31>(wa, wb));
@@ -821,14 +824,7 @@ mod avx2 {
                 // SAFETY: block b < nb of a row checked to hold nb blocks.
                 let (wa, wb) = unsafe {
                     let q = p[r].add(b * BLOCK_BYTES);
-                    words(
-                        _mm256_set1_epi8(*q as i8),
-                        _mm256_broadcastsi128_si256(_mm_loadu_si128(q.add(1) as *const __m128i)),
-                        _mm256_loadu_si256(q.add(17) as *const __m256i),
-                        table,
-                        halves,
-                        lo4,
-                    )
+                    words(q, table, halves, lo4)
                 };
                 let e0 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wa));
                 let o0 = _mm256_castsi256_ps(_mm256_and_si256(wa, odd));
@@ -867,14 +863,7 @@ mod avx2 {
             // bytes). Unaligned loads and stores.
             unsafe {
                 let q = p.add(b * BLOCK_BYTES);
-                let (wa, wb) = words(
-                    _mm256_set1_epi8(*q as i8),
-                    _mm256_broadcastsi128_si256(_mm_loadu_si128(q.add(1) as *const __m128i)),
-                    _mm256_loadu_si256(q.add(17) as *const __m256i),
-                    table,
-                    halves,
-                    lo4,
-                );
+                let (wa, wb) = words(q, table, halves, lo4);
                 // wa: weights 0-7 | 16-23; as 64-bit quarters after the
                 // split: (0,2,4,6) (1,3,5,7) (16,..,22) (17,..,23); 0xD8
                 // orders them evens 0-6, evens 16-22, odds 1-7, odds 17-23.
@@ -967,12 +956,9 @@ mod avx2 {
         for (b, x) in xp.chunks_exact(BLOCK).enumerate() {
             // SAFETY: block b < nb lies within `blocks` (49 bytes from q);
             // x holds 32 f32. Unaligned loads.
-            let (f, nib, low, xv) = unsafe {
-                let q = p.add(b * BLOCK_BYTES);
+            let ((wa, wb), xv) = unsafe {
                 (
-                    _mm256_set1_epi8(*q as i8),
-                    _mm256_broadcastsi128_si256(_mm_loadu_si128(q.add(1) as *const __m128i)),
-                    _mm256_loadu_si256(q.add(17) as *const __m256i),
+                    words(p.add(b * BLOCK_BYTES), table, halves, lo4),
                     [
                         _mm256_loadu_ps(x.as_ptr()),
                         _mm256_loadu_ps(x.as_ptr().add(8)),
@@ -981,7 +967,6 @@ mod avx2 {
                     ],
                 )
             };
-            let (wa, wb) = words(f, nib, low, table, halves, lo4);
             let ws = [
                 _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wa)),
                 _mm256_castsi256_ps(_mm256_and_si256(wa, odd)),
