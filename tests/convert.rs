@@ -436,8 +436,7 @@ fn convert_refuses_clearly() {
     let out = tmp.path().join("x.gguf");
     let refusal = |src: &Path| {
         convert(src, &out, OutType::F32, |_, _, _| {})
-            .err()
-            .expect("convert must refuse")
+            .expect_err("convert must refuse")
             .to_string()
     };
     let e = refusal(&tmp.path().join("missing"));
