@@ -103,8 +103,11 @@ pub fn run(a: ServeArgs) -> super::CliResult {
         Role::Worker(t) => return Ok(super::pipeline::work(t, &a.model, &a.pipeline, &opts_for)?),
         r => r,
     };
+    // One worker thread: HTTP is a sliver of the work next to the model's
+    // steps, and a second worker is woken (and parks again) with the first
+    // on every streamed token, taking a core from the compute threads.
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(1)
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start the async runtime: {e}"))?;

@@ -615,9 +615,10 @@ fn retire(
     end: Result<Finish, String>,
     shared: &Shared,
 ) {
-    // A sequence that ended normally (or whose client left) keeps its KV
-    // for a later prompt with the same prefix; after an error it is freed.
-    if end.is_ok() {
+    // A sequence that ended normally keeps its KV for a later prompt with
+    // the same prefix; a cancelled one (its client left) or a failed one
+    // frees it at once.
+    if matches!(end, Ok(Finish::Stop | Finish::Length)) {
         sched.finish(id);
     } else {
         sched.remove(id);

@@ -221,9 +221,9 @@ impl Scheduler {
         true
     }
 
-    /// Ends a sequence that finished (or whose client left): its fed
-    /// positions stay in the prefix cache for a later prompt that starts
-    /// with the same tokens. False if it is unknown.
+    /// Ends a sequence that finished: its fed positions stay in the prefix
+    /// cache for a later prompt that starts with the same tokens. False if
+    /// it is unknown.
     pub fn finish(&mut self, id: SeqId) -> bool {
         let Some(i) = self.running.iter().position(|s| s.id == id) else {
             return self.remove(id);
