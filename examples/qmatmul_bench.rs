@@ -52,6 +52,7 @@ fn main() {
         ("down x30 17280x1536", 17280, 1536),
         // Llama-3.2-1B-shaped layers (rows a multiple of 256 for the K formats).
         ("1b in-cache 2048x2048", 2048, 2048),
+        ("1b l2 256x2048", 256, 2048),
         ("1b gate+up 16384x2048", 16384, 2048),
         ("1b down 2048x8192", 2048, 8192),
     ] {
@@ -159,8 +160,14 @@ fn main() {
             }
             let mut scratch = vec![Q8Act::default(); qfast::scratch_len(s, k).unwrap()];
             let mut times: Vec<Vec<f64>> = vec![vec![]; variants.len()];
-            let reps = if s > 1 { 3 } else { 30 };
-            for _round in 0..7 {
+            let env_n = |k: &str, d: usize| {
+                std::env::var(k)
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(d)
+            };
+            let reps = env_n("REPS", if s > 1 { 3 } else { 30 });
+            for _round in 0..env_n("ROUNDS", 7) {
                 for (vi, &(level, layout)) in variants.iter().enumerate() {
                     let wl = if layout == Layout::X8 {
                         WeightRef::new(dtype, &w8).with_layout(Layout::X8)

@@ -3,6 +3,7 @@
 
 pub mod norm;
 pub mod rope;
+pub mod silu;
 
 use crate::kernels::{check_len, KernelError};
 

@@ -2,7 +2,7 @@
 //! decoders of every weight format ([`Fmt`]), the small-S kernel
 //! ([`dot_rows`]: `maddubs`/`madd`, 4 weight rows reduced into the lanes of
 //! one register) and the packed prefill kernel ([`kern16`]: 16-bit weights
-//! times 16-bit activations with `vpmaddwd`, 8 tokens per register). Both
+//! times 16-bit activations with `vpmaddwd`, 16 tokens in two registers). Both
 //! compute every output with the shared arithmetic of `units.rs`.
 
 use super::{Q8Act, QK, RES, RES_SHIFT};
@@ -798,16 +798,18 @@ fn decode_t<F: Fmt>(w: &[u8], row_bytes: usize, out: &mut [WUnit]) {
     out[nr * nu..].fill(WUnit::default());
 }
 
-/// Tokens per packed group of the AVX2 kernel (one `i32` lane each).
-pub(super) const TG8: usize = 8;
+/// Tokens per packed group of the AVX2 kernel: two registers of 8 (one
+/// `i32` lane each).
+pub(super) const TG8: usize = 16;
 /// Weight rows per call of the AVX2 packed kernel.
 pub(super) const R8: usize = 4;
 
-/// One 32-element block of 8 tokens' activations for the AVX2 packed
-/// kernel: per pair `p` of elements, 8 lanes (lane `t` = token `t`) of the
-/// two 16-bit activations `256 qs + qr`; the tokens' scales and sums.
+/// One 32-element block of 16 tokens' activations for the AVX2 packed
+/// kernel: per pair `p` of elements, the two 16-bit activations
+/// `256 qs + qr` of token `t` at `a[p][2t..2t + 2]` (tokens 0-7 fill the
+/// first register, 8-15 the second); the tokens' scales and sums.
 /// Missing tokens are zero.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 #[repr(C, align(32))]
 pub struct Act8 {
     a: [[i16; 2 * TG8]; 16],
@@ -815,7 +817,17 @@ pub struct Act8 {
     s: [f32; TG8],
 }
 
-/// Packs up to 8 tokens' quantized rows (`acts[t]`, `nb` blocks each) into
+impl Default for Act8 {
+    fn default() -> Act8 {
+        Act8 {
+            a: [[0; 2 * TG8]; 16],
+            d: [0.0; TG8],
+            s: [0.0; TG8],
+        }
+    }
+}
+
+/// Packs up to 16 tokens' quantized rows (`acts[t]`, `nb` blocks each) into
 /// `out` (`nb` blocks).
 pub(super) fn pack8(acts: &[&[Q8Act]], nb: usize, out: &mut [Act8]) {
     assert!(acts.len() <= TG8 && out.len() == nb);
@@ -836,62 +848,75 @@ pub(super) fn pack8(acts: &[&[Q8Act]], nb: usize, out: &mut [Act8]) {
 }
 
 /// `out[r][t] = row_r · token_t` for [`R8`] decoded rows (`w`, `R8 * nu`
-/// units, row-major) and one packed group of 8 tokens (`a`, `nu` blocks):
-/// per unit (or half) the exact integer by `vpmaddwd` pairs, then the
-/// shared f32 step.
+/// units, row-major) and the first `8 NG` tokens of one packed group (`a`,
+/// `nu` blocks): per unit (or half) the exact integer by `vpmaddwd` pairs,
+/// then the shared f32 step. Each broadcast weight pair meets `NG`
+/// registers of tokens; a token's lane sees the same operations whatever
+/// `NG` is.
 ///
 /// # Safety
 /// The CPU must support avx2/fma/f16c.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn kern16<const SPLIT: bool, const MIN: bool>(
+pub(super) unsafe fn kern16<const SPLIT: bool, const MIN: bool, const NG: usize>(
     w: &[WUnit],
     nu: usize,
     a: &[Act8],
     out: &mut [[f32; TG8]; R8],
 ) {
-    assert!(w.len() == R8 * nu && a.len() == nu);
+    assert!(w.len() == R8 * nu && a.len() == nu && (1..=2).contains(&NG));
     let wp = w.as_ptr();
-    let mut f = [_mm256_setzero_ps(); R8];
+    let mut f = [[_mm256_setzero_ps(); NG]; R8];
     for (u, ab) in a.iter().enumerate() {
         // SAFETY (every access below): d, s and every a[p] are 32-byte
         // aligned (repr(align(32)), sizes multiples of 32); r * nu + u < R8 * nu.
-        let da = unsafe { _mm256_load_ps(ab.d.as_ptr()) };
+        let da: [__m256; NG] =
+            std::array::from_fn(|g| unsafe { _mm256_load_ps(ab.d.as_ptr().add(8 * g)) });
         let halves: &[(usize, usize)] = if SPLIT {
             &[(0, 8), (8, 16)]
         } else {
             &[(0, 16)]
         };
         for (h, &(p0, p1)) in halves.iter().enumerate() {
-            let mut acc = [_mm256_setzero_si256(); R8];
+            let mut acc = [[_mm256_setzero_si256(); NG]; R8];
             for p in p0..p1 {
-                let av = unsafe { _mm256_load_si256(ab.a[p].as_ptr() as *const __m256i) };
+                let av: [__m256i; NG] = std::array::from_fn(|g| unsafe {
+                    _mm256_load_si256(ab.a[p].as_ptr().add(16 * g) as *const __m256i)
+                });
                 for r in 0..R8 {
-                    let wq = unsafe {
+                    let wq = _mm256_set1_epi32(unsafe {
                         let wu = &*wp.add(r * nu + u);
                         std::ptr::read_unaligned(wu.q.as_ptr().add(2 * p) as *const i32)
-                    };
-                    acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(av, _mm256_set1_epi32(wq)));
+                    });
+                    for g in 0..NG {
+                        acc[r][g] = _mm256_add_epi32(acc[r][g], _mm256_madd_epi16(av[g], wq));
+                    }
                 }
             }
             for r in 0..R8 {
-                let dw = unsafe { (*wp.add(r * nu + u)).d[h] };
-                f[r] = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(acc[r]),
-                    _mm256_mul_ps(da, _mm256_set1_ps(dw)),
-                    f[r],
-                );
+                let dw = _mm256_set1_ps(unsafe { (*wp.add(r * nu + u)).d[h] });
+                for g in 0..NG {
+                    f[r][g] = _mm256_fmadd_ps(
+                        _mm256_cvtepi32_ps(acc[r][g]),
+                        _mm256_mul_ps(da[g], dw),
+                        f[r][g],
+                    );
+                }
             }
         }
         if MIN {
-            let sv = unsafe { _mm256_load_ps(ab.s.as_ptr()) };
-            for r in 0..R8 {
-                let m = unsafe { (*wp.add(r * nu + u)).m };
-                f[r] = _mm256_fmadd_ps(_mm256_set1_ps(m), sv, f[r]);
+            for g in 0..NG {
+                let sv = unsafe { _mm256_load_ps(ab.s.as_ptr().add(8 * g)) };
+                for r in 0..R8 {
+                    let m = _mm256_set1_ps(unsafe { (*wp.add(r * nu + u)).m });
+                    f[r][g] = _mm256_fmadd_ps(m, sv, f[r][g]);
+                }
             }
         }
     }
     for r in 0..R8 {
-        // SAFETY: out[r] is 8 f32; unaligned store.
-        unsafe { _mm256_storeu_ps(out[r].as_mut_ptr(), f[r]) };
+        for g in 0..NG {
+            // SAFETY: out[r] is 16 f32, g < 2; unaligned store.
+            unsafe { _mm256_storeu_ps(out[r].as_mut_ptr().add(8 * g), f[r][g]) };
+        }
     }
 }

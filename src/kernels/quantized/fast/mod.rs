@@ -50,9 +50,11 @@
 //! reference bit for bit, and one activation row's outputs are the same
 //! bits whatever the number of rows in the call and the row's place among
 //! them (batch invariance: a server runs several sequences' tokens in one
-//! step). The SwiGLU epilogue is the scalar `silu_f32` at every level but
-//! AVX-512 VNNI, where all kernels use one vector formula. Checked for
-//! every type and level by `quantized::invariance` and the tests below.
+//! step). The SwiGLU epilogue is the scalar `silu_f32` at the scalar level;
+//! at the SIMD levels all kernels use one vector formula
+//! ([`crate::kernels::elementwise::silu`], the same bits at AVX2 and
+//! AVX-512). Checked for every type and level by `quantized::invariance`
+//! and the tests below.
 
 // Block kernels index several arrays with one loop counter, as in ggml's reference code.
 #![allow(clippy::needless_range_loop)]
@@ -436,11 +438,11 @@ pub fn qmatmul_fast_with(
     };
     let col_chunks = n_out.div_ceil(rows_per_chunk);
     let tok_chunks = s.div_ceil(TOKENS_PER_CHUNK);
-    // The SwiGLU of the VNNI level's packed kernels, so that a token's
+    // The SwiGLU of the SIMD levels' packed kernels, so that a token's
     // outputs are the same whichever kernel ran it.
     let vector_swiglu = matches!(epilogue, Epilogue::SwiGlu)
         && cfg!(target_arch = "x86_64")
-        && level == Level::Avx512Vnni;
+        && level != Level::Scalar;
     pool.run(col_chunks * tok_chunks, &|c| {
         let (cc, tc) = (c % col_chunks, c / col_chunks);
         let (jc0, jc1) = (cc * rows_per_chunk, ((cc + 1) * rows_per_chunk).min(n_out));
@@ -482,7 +484,16 @@ pub fn qmatmul_fast_with(
                 #[cfg(target_arch = "x86_64")]
                 if vector_swiglu {
                     // SAFETY: the level was checked by the caller.
-                    unsafe { avx512::swiglu_slice(&mut v[..nr * nt], &up[..nr * nt]) };
+                    unsafe {
+                        if level == Level::Avx512Vnni {
+                            avx512::swiglu_slice(&mut v[..nr * nt], &up[..nr * nt])
+                        } else {
+                            crate::kernels::elementwise::silu::swiglu_slice_avx2(
+                                &mut v[..nr * nt],
+                                &up[..nr * nt],
+                            )
+                        }
+                    };
                 }
                 for i in 0..nt {
                     let t = ta + i;
@@ -555,6 +566,9 @@ mod packed {
         /// The CPU must support the level.
         unsafe fn decode(dtype: DType, w: &[u8], row_bytes: usize, out: &mut [Self::W]);
         fn pack(acts: &[&[Q8Act]], nb: usize, out: &mut [Self::A]);
+        /// `out[r][t]` for the first `nt` tokens of the group `a` (lanes
+        /// past them may hold anything).
+        ///
         /// # Safety
         /// The CPU must support the level.
         unsafe fn kern(
@@ -562,6 +576,7 @@ mod packed {
             w: &[Self::W],
             nu: usize,
             a: &[Self::A],
+            nt: usize,
             out: &mut [[f32; TG_MAX]; R_MAX],
         );
         /// `g = silu(g) * u` with this level's formula.
@@ -616,20 +631,36 @@ mod packed {
             w: &[WUnit],
             nu: usize,
             a: &[Act8],
+            nt: usize,
             out: &mut [[f32; TG_MAX]; R_MAX],
         ) {
             let mut o = [[0f32; avx2::TG8]; avx2::R8];
             // SAFETY: as the caller's.
-            unsafe { by_format!(avx2::kern16, dtype, (w, nu, a, &mut o)) };
+            unsafe {
+                match (units::split_scales(dtype), units::has_min(dtype), nt <= 8) {
+                    (false, false, true) => avx2::kern16::<false, false, 1>(w, nu, a, &mut o),
+                    (false, true, true) => avx2::kern16::<false, true, 1>(w, nu, a, &mut o),
+                    (true, false, true) => avx2::kern16::<true, false, 1>(w, nu, a, &mut o),
+                    (true, true, true) => avx2::kern16::<true, true, 1>(w, nu, a, &mut o),
+                    (false, false, false) => avx2::kern16::<false, false, 2>(w, nu, a, &mut o),
+                    (false, true, false) => avx2::kern16::<false, true, 2>(w, nu, a, &mut o),
+                    (true, false, false) => avx2::kern16::<true, false, 2>(w, nu, a, &mut o),
+                    (true, true, false) => avx2::kern16::<true, true, 2>(w, nu, a, &mut o),
+                }
+            };
             for r in 0..avx2::R8 {
                 out[r][..avx2::TG8].copy_from_slice(&o[r]);
             }
         }
         fn swiglu(g: &mut [[f32; TG_MAX]; R_MAX], u: &[[f32; TG_MAX]; R_MAX]) {
             for (gr, ur) in g.iter_mut().zip(u) {
-                for (gv, uv) in gr.iter_mut().zip(ur) {
-                    *gv = crate::kernels::elementwise::silu_f32(*gv) * uv;
-                }
+                // SAFETY: this level runs only where the CPU supports avx2/fma.
+                unsafe {
+                    crate::kernels::elementwise::silu::swiglu_slice_avx2(
+                        &mut gr[..avx2::TG8],
+                        &ur[..avx2::TG8],
+                    )
+                };
             }
         }
     }
@@ -657,6 +688,7 @@ mod packed {
             w: &[WUnit8],
             nu: usize,
             a: &[Act16],
+            _nt: usize,
             out: &mut [[f32; TG_MAX]; R_MAX],
         ) {
             // SAFETY: as the caller's.
@@ -781,9 +813,16 @@ mod packed {
                             let nr = (j1 - j0 - r0).min(rk);
                             // SAFETY: as above.
                             unsafe {
-                                K::kern(dtype, &gate[r0 * nu..(r0 + rk) * nu], nu, pg, &mut vg);
+                                K::kern(dtype, &gate[r0 * nu..(r0 + rk) * nu], nu, pg, nt, &mut vg);
                                 if swiglu {
-                                    K::kern(dtype, &up[r0 * nu..(r0 + rk) * nu], nu, pg, &mut vu);
+                                    K::kern(
+                                        dtype,
+                                        &up[r0 * nu..(r0 + rk) * nu],
+                                        nu,
+                                        pg,
+                                        nt,
+                                        &mut vu,
+                                    );
                                 }
                             }
                             if swiglu {
@@ -1055,7 +1094,7 @@ mod tests {
                             let (gv, uv) = (want[t * n + j], want[t * n + j + n / 2]);
                             let w = crate::kernels::elementwise::silu_f32(gv) * uv;
                             let got = g[t * n / 2 + j];
-                            if Level::of(level) == Level::Avx512Vnni {
+                            if Level::of(level) != Level::Scalar {
                                 // The vector SwiGLU: within a few ulp of libm's expf (and
                                 // tiny where libm's saturates to zero).
                                 assert!(
@@ -1099,7 +1138,7 @@ mod tests {
                             let (gv, uv) = (want[t * n + j], want[t * n + j + n8 / 2]);
                             let w = crate::kernels::elementwise::silu_f32(gv) * uv;
                             let got = g[t * n8 / 2 + j];
-                            if Level::of(level) == Level::Avx512Vnni {
+                            if Level::of(level) != Level::Scalar {
                                 assert!(
                                     (got - w).abs() <= 1e-6 * w.abs() + 1e-25,
                                     "{ctx} x8 swiglu {got} vs {w}"
