@@ -209,7 +209,9 @@ pub(crate) mod x86 {
             let mut e = 0;
             let pf = PREFETCH_ROWS * k * es;
             while e < k8 {
-                if (e * es).is_multiple_of(64) {
+                // Single-token products only: several tokens read the
+                // tile from cache (or a widened copy).
+                if T == 1 && (e * es).is_multiple_of(64) {
                     for i in 0..R {
                         // A prefetch past the weights never faults.
                         _mm_prefetch::<_MM_HINT_T0>(w[i].wrapping_add(e * es + pf) as *const i8);
