@@ -800,9 +800,9 @@ fn decode_t<F: Fmt>(w: &[u8], row_bytes: usize, out: &mut [WUnit]) {
 
 /// Tokens per packed group of the AVX2 kernel: two registers of 8 (one
 /// `i32` lane each).
-pub(super) const TG8: usize = 16;
+pub(super) const TG_I16: usize = 16;
 /// Weight rows per call of the AVX2 packed kernel.
-pub(super) const R8: usize = 4;
+pub(super) const R_I16: usize = 4;
 
 /// One 32-element block of 16 tokens' activations for the AVX2 packed
 /// kernel: per pair `p` of elements, the two 16-bit activations
@@ -811,28 +811,28 @@ pub(super) const R8: usize = 4;
 /// Missing tokens are zero.
 #[derive(Clone, Copy, Debug)]
 #[repr(C, align(32))]
-pub struct Act8 {
-    a: [[i16; 2 * TG8]; 16],
-    d: [f32; TG8],
-    s: [f32; TG8],
+pub struct ActI16 {
+    a: [[i16; 2 * TG_I16]; 16],
+    d: [f32; TG_I16],
+    s: [f32; TG_I16],
 }
 
-impl Default for Act8 {
-    fn default() -> Act8 {
-        Act8 {
-            a: [[0; 2 * TG8]; 16],
-            d: [0.0; TG8],
-            s: [0.0; TG8],
+impl Default for ActI16 {
+    fn default() -> ActI16 {
+        ActI16 {
+            a: [[0; 2 * TG_I16]; 16],
+            d: [0.0; TG_I16],
+            s: [0.0; TG_I16],
         }
     }
 }
 
 /// Packs up to 16 tokens' quantized rows (`acts[t]`, `nb` blocks each) into
 /// `out` (`nb` blocks).
-pub(super) fn pack8(acts: &[&[Q8Act]], nb: usize, out: &mut [Act8]) {
-    assert!(acts.len() <= TG8 && out.len() == nb);
+pub(super) fn pack_i16(acts: &[&[Q8Act]], nb: usize, out: &mut [ActI16]) {
+    assert!(acts.len() <= TG_I16 && out.len() == nb);
     for (b, o) in out.iter_mut().enumerate() {
-        *o = Act8::default();
+        *o = ActI16::default();
         for (t, row) in acts.iter().enumerate() {
             let ab = &row[b];
             for p in 0..16 {
@@ -847,7 +847,7 @@ pub(super) fn pack8(acts: &[&[Q8Act]], nb: usize, out: &mut [Act8]) {
     }
 }
 
-/// `out[r][t] = row_r · token_t` for [`R8`] decoded rows (`w`, `R8 * nu`
+/// `out[r][t] = row_r · token_t` for [`R_I16`] decoded rows (`w`, `R_I16 * nu`
 /// units, row-major) and the first `8 NG` tokens of one packed group (`a`,
 /// `nu` blocks): per unit (or half) the exact integer by `vpmaddwd` pairs,
 /// then the shared f32 step. Each broadcast weight pair meets `NG`
@@ -860,15 +860,15 @@ pub(super) fn pack8(acts: &[&[Q8Act]], nb: usize, out: &mut [Act8]) {
 pub(super) unsafe fn kern16<const SPLIT: bool, const MIN: bool, const NG: usize>(
     w: &[WUnit],
     nu: usize,
-    a: &[Act8],
-    out: &mut [[f32; TG8]; R8],
+    a: &[ActI16],
+    out: &mut [[f32; TG_I16]; R_I16],
 ) {
-    assert!(w.len() == R8 * nu && a.len() == nu && (1..=2).contains(&NG));
+    assert!(w.len() == R_I16 * nu && a.len() == nu && (1..=2).contains(&NG));
     let wp = w.as_ptr();
-    let mut f = [[_mm256_setzero_ps(); NG]; R8];
+    let mut f = [[_mm256_setzero_ps(); NG]; R_I16];
     for (u, ab) in a.iter().enumerate() {
         // SAFETY (every access below): d, s and every a[p] are 32-byte
-        // aligned (repr(align(32)), sizes multiples of 32); r * nu + u < R8 * nu.
+        // aligned (repr(align(32)), sizes multiples of 32); r * nu + u < R_I16 * nu.
         let da: [__m256; NG] =
             std::array::from_fn(|g| unsafe { _mm256_load_ps(ab.d.as_ptr().add(8 * g)) });
         let halves: &[(usize, usize)] = if SPLIT {
@@ -877,12 +877,12 @@ pub(super) unsafe fn kern16<const SPLIT: bool, const MIN: bool, const NG: usize>
             &[(0, 16)]
         };
         for (h, &(p0, p1)) in halves.iter().enumerate() {
-            let mut acc = [[_mm256_setzero_si256(); NG]; R8];
+            let mut acc = [[_mm256_setzero_si256(); NG]; R_I16];
             for p in p0..p1 {
                 let av: [__m256i; NG] = std::array::from_fn(|g| unsafe {
                     _mm256_load_si256(ab.a[p].as_ptr().add(16 * g) as *const __m256i)
                 });
-                for r in 0..R8 {
+                for r in 0..R_I16 {
                     let wq = _mm256_set1_epi32(unsafe {
                         let wu = &*wp.add(r * nu + u);
                         std::ptr::read_unaligned(wu.q.as_ptr().add(2 * p) as *const i32)
@@ -892,7 +892,7 @@ pub(super) unsafe fn kern16<const SPLIT: bool, const MIN: bool, const NG: usize>
                     }
                 }
             }
-            for r in 0..R8 {
+            for r in 0..R_I16 {
                 let dw = _mm256_set1_ps(unsafe { (*wp.add(r * nu + u)).d[h] });
                 for g in 0..NG {
                     f[r][g] = _mm256_fmadd_ps(
@@ -906,14 +906,14 @@ pub(super) unsafe fn kern16<const SPLIT: bool, const MIN: bool, const NG: usize>
         if MIN {
             for g in 0..NG {
                 let sv = unsafe { _mm256_load_ps(ab.s.as_ptr().add(8 * g)) };
-                for r in 0..R8 {
+                for r in 0..R_I16 {
                     let m = _mm256_set1_ps(unsafe { (*wp.add(r * nu + u)).m });
                     f[r][g] = _mm256_fmadd_ps(m, sv, f[r][g]);
                 }
             }
         }
     }
-    for r in 0..R8 {
+    for r in 0..R_I16 {
         for g in 0..NG {
             // SAFETY: out[r] is 16 f32, g < 2; unaligned store.
             unsafe { _mm256_storeu_ps(out[r].as_mut_ptr().add(8 * g), f[r][g]) };

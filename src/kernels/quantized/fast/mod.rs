@@ -543,7 +543,7 @@ fn apply_epilogue(
 /// The packed (prefill) driver for both SIMD levels.
 #[cfg(target_arch = "x86_64")]
 mod packed {
-    use super::avx2::{self, Act8, WUnit};
+    use super::avx2::{self, ActI16, WUnit};
     use super::avx512::{self, Act16, WUnit8};
     use super::*;
     use std::cell::RefCell;
@@ -584,8 +584,8 @@ mod packed {
     }
 
     thread_local! {
-        static ACTS8: RefCell<Vec<Act8>> = const { RefCell::new(Vec::new()) };
-        static WDEC8: RefCell<Vec<WUnit>> = const { RefCell::new(Vec::new()) };
+        static ACTS_I16: RefCell<Vec<ActI16>> = const { RefCell::new(Vec::new()) };
+        static WDEC_I16: RefCell<Vec<WUnit>> = const { RefCell::new(Vec::new()) };
         static ACTS16: RefCell<Vec<Act16>> = const { RefCell::new(Vec::new()) };
         static WDEC16: RefCell<Vec<WUnit8>> = const { RefCell::new(Vec::new()) };
         /// One group of tokens' quantized rows before packing (per worker).
@@ -610,31 +610,31 @@ mod packed {
 
     impl Kernels for Avx2K {
         type W = WUnit;
-        type A = Act8;
-        const TG: usize = avx2::TG8;
-        const R: usize = avx2::R8;
-        fn acts() -> &'static LocalKey<RefCell<Vec<Act8>>> {
-            &ACTS8
+        type A = ActI16;
+        const TG: usize = avx2::TG_I16;
+        const R: usize = avx2::R_I16;
+        fn acts() -> &'static LocalKey<RefCell<Vec<ActI16>>> {
+            &ACTS_I16
         }
         fn wdec() -> &'static LocalKey<RefCell<Vec<WUnit>>> {
-            &WDEC8
+            &WDEC_I16
         }
         unsafe fn decode(dtype: DType, w: &[u8], row_bytes: usize, out: &mut [WUnit]) {
             // SAFETY: as the caller's.
             unsafe { avx2::decode(dtype, w, row_bytes, out) }
         }
-        fn pack(acts: &[&[Q8Act]], nb: usize, out: &mut [Act8]) {
-            avx2::pack8(acts, nb, out)
+        fn pack(acts: &[&[Q8Act]], nb: usize, out: &mut [ActI16]) {
+            avx2::pack_i16(acts, nb, out)
         }
         unsafe fn kern(
             dtype: DType,
             w: &[WUnit],
             nu: usize,
-            a: &[Act8],
+            a: &[ActI16],
             nt: usize,
             out: &mut [[f32; TG_MAX]; R_MAX],
         ) {
-            let mut o = [[0f32; avx2::TG8]; avx2::R8];
+            let mut o = [[0f32; avx2::TG_I16]; avx2::R_I16];
             // SAFETY: as the caller's.
             unsafe {
                 match (units::split_scales(dtype), units::has_min(dtype), nt <= 8) {
@@ -648,8 +648,8 @@ mod packed {
                     (true, true, false) => avx2::kern16::<true, true, 2>(w, nu, a, &mut o),
                 }
             };
-            for r in 0..avx2::R8 {
-                out[r][..avx2::TG8].copy_from_slice(&o[r]);
+            for r in 0..avx2::R_I16 {
+                out[r][..avx2::TG_I16].copy_from_slice(&o[r]);
             }
         }
         fn swiglu(g: &mut [[f32; TG_MAX]; R_MAX], u: &[[f32; TG_MAX]; R_MAX]) {
@@ -657,8 +657,8 @@ mod packed {
                 // SAFETY: this level runs only where the CPU supports avx2/fma.
                 unsafe {
                     crate::kernels::elementwise::silu::swiglu_slice_avx2(
-                        &mut gr[..avx2::TG8],
-                        &ur[..avx2::TG8],
+                        &mut gr[..avx2::TG_I16],
+                        &ur[..avx2::TG_I16],
                     )
                 };
             }
