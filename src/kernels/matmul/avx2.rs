@@ -16,6 +16,15 @@ pub(crate) struct Avx2;
 impl Tiles for Avx2 {
     const TT: usize = 3;
 
+    /// Half the bytes of a widened row tile, and the conversion costs less
+    /// than the traffic: F16 GEMMs of the 1B-shaped layers at S = 128 on one
+    /// Zen 3 core (`examples/fgemm_bench`, three interleaved runs) went
+    /// from 55/53/59 GFLOP/s widened to 69/68/66 converted in registers
+    /// (QKV 3072×2048, gate+up 16384×2048, down 2048×8192; the down
+    /// projection, too long to widen, was at 41 before [`x86::tile`]'s
+    /// F16 full tile was written out in assembly).
+    const WIDEN_F16: bool = false;
+
     unsafe fn tile(
         dt: u8,
         r: usize,
@@ -208,6 +217,12 @@ pub(crate) mod x86 {
             let k8 = k & !7;
             let mut e = 0;
             let pf = PREFETCH_ROWS * k * es;
+            if DT == F16 && R == 4 && T == 3 && k8 > 0 {
+                // SAFETY: R = 4, T = 3: the same array type.
+                let a = &mut *acc.as_mut_ptr().cast::<[[__m256; 3]; 4]>();
+                f16_steps_4x3(x, k, w, k8, a);
+                e = k8;
+            }
             while e < k8 {
                 // Single-token products only: several tokens read the
                 // tile from cache (or a widened copy).
@@ -249,6 +264,91 @@ pub(crate) mod x86 {
                 _mm_storeu_ps(out[j].as_mut_ptr(), v);
             }
         }
+    }
+
+    /// The full-tile steps of [`tile`] for F16 weights converted in
+    /// registers: elements `0..n8` (`n8 > 0`, a multiple of 8), each
+    /// accumulator updated by the same fused multiply-adds in the same
+    /// order as the intrinsics loop. Written out because LLVM, given the
+    /// 12 accumulators, 3 activation vectors and the converted weights,
+    /// spilled one accumulator to the stack, and the store-load on every
+    /// step held the loop to about 11 cycles.
+    ///
+    /// # Safety
+    /// As [`tile`] with `R = 4`, `T = 3`, `DT = F16`, rows of `stride`
+    /// floats in `x`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn f16_steps_4x3(
+        x: *const f32,
+        stride: usize,
+        w: &[*const u8; RT],
+        n8: usize,
+        acc: &mut [[__m256; 3]; 4],
+    ) {
+        let [[mut a00, mut a01, mut a02], [mut a10, mut a11, mut a12], [mut a20, mut a21, mut a22], [mut a30, mut a31, mut a32]] =
+            *acc;
+        // SAFETY: the caller guarantees 3 rows of n8 floats at x (stride
+        // `stride`) and n8 halves at each w[i]; the loop reads only those.
+        unsafe {
+            std::arch::asm!(
+                "2:",
+                "vmovups ymm12, ymmword ptr [{x0} + 4*{e}]",
+                "vmovups ymm13, ymmword ptr [{x1} + 4*{e}]",
+                "vmovups ymm14, ymmword ptr [{x2} + 4*{e}]",
+                "vcvtph2ps ymm15, xmmword ptr [{w0} + 2*{e}]",
+                "vfmadd231ps {a00}, ymm15, ymm12",
+                "vfmadd231ps {a01}, ymm15, ymm13",
+                "vfmadd231ps {a02}, ymm15, ymm14",
+                "vcvtph2ps ymm15, xmmword ptr [{w1} + 2*{e}]",
+                "vfmadd231ps {a10}, ymm15, ymm12",
+                "vfmadd231ps {a11}, ymm15, ymm13",
+                "vfmadd231ps {a12}, ymm15, ymm14",
+                "vcvtph2ps ymm15, xmmword ptr [{w2} + 2*{e}]",
+                "vfmadd231ps {a20}, ymm15, ymm12",
+                "vfmadd231ps {a21}, ymm15, ymm13",
+                "vfmadd231ps {a22}, ymm15, ymm14",
+                "vcvtph2ps ymm15, xmmword ptr [{w3} + 2*{e}]",
+                "vfmadd231ps {a30}, ymm15, ymm12",
+                "vfmadd231ps {a31}, ymm15, ymm13",
+                "vfmadd231ps {a32}, ymm15, ymm14",
+                "add {e}, 8",
+                "cmp {e}, {n8}",
+                "jb 2b",
+                x0 = in(reg) x,
+                x1 = in(reg) x.add(stride),
+                x2 = in(reg) x.add(2 * stride),
+                w0 = in(reg) w[0],
+                w1 = in(reg) w[1],
+                w2 = in(reg) w[2],
+                w3 = in(reg) w[3],
+                e = inout(reg) 0usize => _,
+                n8 = in(reg) n8,
+                a00 = inout(ymm_reg) a00,
+                a01 = inout(ymm_reg) a01,
+                a02 = inout(ymm_reg) a02,
+                a10 = inout(ymm_reg) a10,
+                a11 = inout(ymm_reg) a11,
+                a12 = inout(ymm_reg) a12,
+                a20 = inout(ymm_reg) a20,
+                a21 = inout(ymm_reg) a21,
+                a22 = inout(ymm_reg) a22,
+                a30 = inout(ymm_reg) a30,
+                a31 = inout(ymm_reg) a31,
+                a32 = inout(ymm_reg) a32,
+                out("ymm12") _,
+                out("ymm13") _,
+                out("ymm14") _,
+                out("ymm15") _,
+                options(nostack, readonly),
+            );
+        }
+        *acc = [
+            [a00, a01, a02],
+            [a10, a11, a12],
+            [a20, a21, a22],
+            [a30, a31, a32],
+        ];
     }
 
     /// Converts `k` weights at `src` to f32 at `dst`.

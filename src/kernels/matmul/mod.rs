@@ -647,9 +647,10 @@ pub(crate) mod tests {
         }
         let pool1 = ThreadPool::new(1);
         check(&pool1, 49, 40, 26, 300);
-        // K above the AVX-512 path's widening buffer (F16/BF16 converted in
-        // registers instead).
+        // K above the widening buffer: F16/BF16 converted in registers, or
+        // (AVX2 F16) widened in parts: two, and three with a 19-element tail.
         check(&pool, 7, 4100, 10, 301);
+        check(&pool, 5, 2 * 4096 + 19, 6, 304);
         // More tokens than one group (144 at k = 576, 60 at k = 1536).
         check(&pool, 150, 576, 10, 302);
         check(&pool, 61, 1536, 6, 303);

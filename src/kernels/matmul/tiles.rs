@@ -86,6 +86,11 @@ pub(crate) trait Tiles {
         out: &mut Sums,
     );
 
+    /// Whether several-token products widen F16 row tiles to f32 once per
+    /// token group ([`columns`]) rather than convert them in registers
+    /// once per token tile.
+    const WIDEN_F16: bool = true;
+
     /// Converts `k` elements of dtype `dt` at `src` to f32 at `dst`.
     ///
     /// # Safety
@@ -185,7 +190,7 @@ pub(crate) unsafe fn columns<K: Tiles>(
         while t0 < s {
             let t1 = (t0 + token_group).min(s);
             // Widening pays off when a tile is reused by several tokens.
-            let widen = dt != F32 && k <= WIDEN_MAX_K && t1 - t0 > 1;
+            let widen = dt != F32 && (dt != F16 || K::WIDEN_F16) && k <= WIDEN_MAX_K && t1 - t0 > 1;
             let mut c = c0;
             while c < c1 {
                 let (p, r, nc) = match layout {
