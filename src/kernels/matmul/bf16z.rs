@@ -562,7 +562,15 @@ pub fn gemv_at(
         check_len(OP, "residual elements", n_out, r.len())?;
     }
     if !isa.min(Isa::detect()).avx2() {
-        super::gemv::run_rows(pool, n_out, epilogue, y, &|r| w.dot_scalar(r, x), None);
+        super::gemv::run_rows(
+            pool,
+            n_out,
+            epilogue,
+            y,
+            &|r| w.dot_scalar(r, x),
+            None,
+            super::gemv::swiglu_scalar,
+        );
         return Ok(());
     }
     X_PERM.with(|cell| {
@@ -586,6 +594,8 @@ pub fn gemv_at(
             // SAFETY: as for dot4, one row.
             &|r| unsafe { avx2::dot(w.row_blocks(r), xp) } + w.corrections(r, x),
             Some(&dot4 as &(dyn Fn(usize) -> [f32; 4] + Sync)),
+            // As its several-token products: the scalar SwiGLU.
+            super::gemv::swiglu_scalar,
         );
     });
     Ok(())

@@ -108,6 +108,7 @@ pub fn gemv_at(
             y,
             &|j| super::portable_dot_with(x, &mut |k0, buf| w.read_into(j * k + k0, buf)),
             None,
+            swiglu_scalar,
         ),
         Level::Avx2 => run_tiles::<super::avx2::Avx2>(pool, dt, x, &row, n_out, epilogue, y),
         Level::Avx512 => run_tiles::<super::avx512::Avx512>(pool, dt, x, &row, n_out, epilogue, y),
@@ -138,13 +139,24 @@ fn run_tiles<K: Tiles>(
             k,
         )
     };
-    run_rows(pool, n_out, epilogue, y, &dot, Some(&dot4));
+    run_rows(pool, n_out, epilogue, y, &dot, Some(&dot4), K::swiglu);
 }
+
+/// `g[i] = silu(g[i]) * u[i]` with the scalar `silu_f32`.
+pub(crate) fn swiglu_scalar(g: &mut [f32], u: &[f32]) {
+    for (o, &up) in g.iter_mut().zip(u) {
+        *o = crate::kernels::elementwise::silu_f32(*o) * up;
+    }
+}
+
+/// Up-row products [`run_rows`] gathers before applying the SwiGLU.
+const SWIGLU_BATCH: usize = 64;
 
 /// The row loop of a single-token product, shared by the weight formats:
 /// `dot(j)` is weight row `j` · x, `dot4(j)` rows `j..j + 4` at once (used
 /// when given). Rows are split over the pool in a few long contiguous ranges
-/// per thread, and `epilogue` is applied to `y` (`n_out` outputs).
+/// per thread, and `epilogue` is applied to `y` (`n_out` outputs), the
+/// SwiGLU by `swiglu` (the one the level's several-token products apply).
 pub(crate) fn run_rows(
     pool: &ThreadPool,
     n_out: usize,
@@ -152,6 +164,7 @@ pub(crate) fn run_rows(
     y: &mut [f32],
     dot: &(dyn Fn(usize) -> f32 + Sync),
     dot4: Option<&(dyn Fn(usize) -> [f32; 4] + Sync)>,
+    swiglu: fn(&mut [f32], &[f32]),
 ) {
     let yp = SyncPtr::new(y);
     // A few long contiguous row ranges per thread (see qfast: short chunks
@@ -179,12 +192,22 @@ pub(crate) fn run_rows(
         match epilogue {
             // Gate rows first, then up rows: two sequential streams rather
             // than alternating between rows n_out apart.
+            // The up products come in order j0..j1; the SwiGLU is applied
+            // to batches of them.
             Epilogue::SwiGlu => {
                 dots(0, &mut |j, g| yr[j - j0] = g);
+                let mut ups = [0f32; SWIGLU_BATCH];
+                let mut from = 0;
                 dots(n_out, &mut |j, up| {
-                    let o = &mut yr[j - j0];
-                    *o = crate::kernels::elementwise::silu_f32(*o) * up;
+                    let i = j - j0;
+                    ups[i - from] = up;
+                    if i + 1 - from == SWIGLU_BATCH {
+                        swiglu(&mut yr[from..=i], &ups);
+                        from = i + 1;
+                    }
                 });
+                let rest = j1 - j0 - from;
+                swiglu(&mut yr[from..], &ups[..rest]);
             }
             Epilogue::None => dots(0, &mut |j, v| yr[j - j0] = v),
             Epilogue::Accumulate => dots(0, &mut |j, v| yr[j - j0] += v),

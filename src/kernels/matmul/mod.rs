@@ -251,6 +251,23 @@ fn run_columns<K: Tiles>(
         let c0 = ci * cols;
         let c1 = (c0 + cols).min(n_out);
         let mut emit = |t: usize, c: usize, nc: usize, sums: &[[f32; tiles::RT]]| {
+            if let Epilogue::SwiGlu = epilogue {
+                // The group's gates (nc per token; its ups follow them in
+                // each row of sums) through the level's SwiGLU at once.
+                const MAX: usize = tiles::MAX_TOKEN_GROUP * tiles::RT / 2;
+                let (mut g, mut u) = ([0f32; MAX], [0f32; MAX]);
+                let m = sums.len() * nc;
+                for (j, v) in sums.iter().enumerate() {
+                    g[j * nc..(j + 1) * nc].copy_from_slice(&v[..nc]);
+                    u[j * nc..(j + 1) * nc].copy_from_slice(&v[nc..2 * nc]);
+                }
+                K::swiglu(&mut g[..m], &u[..m]);
+                for (j, gj) in g[..m].chunks_exact(nc).enumerate() {
+                    // SAFETY: as below.
+                    unsafe { yp.slice((t + j) * n_out + c, nc) }.copy_from_slice(gj);
+                }
+                return;
+            }
             for (j, v) in sums.iter().enumerate() {
                 let at = (t + j) * n_out + c;
                 // SAFETY: this chunk alone owns columns c0..c1 (c + nc <= c1)
@@ -266,11 +283,7 @@ fn run_columns<K: Tiles>(
                             *o = a + b;
                         }
                     }
-                    Epilogue::SwiGlu => {
-                        for (i, o) in yrow.iter_mut().enumerate() {
-                            *o = crate::kernels::elementwise::silu_f32(v[i]) * v[nc + i];
-                        }
-                    }
+                    Epilogue::SwiGlu => unreachable!("applied above"),
                 }
             }
         };

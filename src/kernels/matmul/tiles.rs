@@ -37,7 +37,8 @@ pub(crate) const MAX_TT: usize = 6;
 /// A tile's sums: `[token][row]`.
 pub(crate) type Sums = [[f32; RT]; MAX_TT];
 
-/// Receives each tile's sums: `(first token, first column, columns, sums)`.
+/// Receives the sums of a weight-row tile for a group of tokens: `(first
+/// token, first column, columns, sums)`.
 pub(crate) type Emit<'a> = dyn FnMut(usize, usize, usize, &[[f32; RT]]) + 'a;
 
 /// Weight dtype codes of the tile kernels.
@@ -85,6 +86,15 @@ pub(crate) trait Tiles {
         w: &[*const u8; RT],
         out: &mut Sums,
     );
+
+    /// `g[i] = silu(g[i]) * u[i]` elementwise, with this level's vector
+    /// formula: an element's bits depend on its own inputs alone, so
+    /// single-token and several-token products agree however they batch
+    /// their outputs.
+    ///
+    /// # Panics
+    /// If the lengths differ.
+    fn swiglu(g: &mut [f32], u: &[f32]);
 
     /// Whether several-token products widen F16 row tiles to f32 once per
     /// token group ([`columns`]) rather than convert them in registers
@@ -146,8 +156,11 @@ const TOKEN_GROUP_BYTES: usize = 384 << 10;
 /// reused from L1 by this many tokens before the next tile is loaded. As
 /// many as fit [`TOKEN_GROUP_BYTES`], 48..=144, a multiple of the tile.
 fn token_group(k: usize, tt: usize) -> usize {
-    (TOKEN_GROUP_BYTES / (k * 4) / tt * tt).clamp(48, 144)
+    (TOKEN_GROUP_BYTES / (k * 4) / tt * tt).clamp(48, MAX_TOKEN_GROUP)
 }
+
+/// Most tokens in a group.
+pub(crate) const MAX_TOKEN_GROUP: usize = 144;
 
 /// Largest K whose F16/BF16 row tiles are widened into a stack buffer
 /// (beyond it they are converted in registers, once per token tile).
@@ -155,7 +168,8 @@ const WIDEN_MAX_K: usize = 4096;
 
 /// Computes output columns `c0..c1` for all `s` tokens of `x` (`[s, k]`)
 /// against the weights at `w` (`[*, k]` of dtype `dt`, rows chosen by
-/// `layout`), calling `emit(t, c, nc, sums)` for each tile: `sums[j]` holds,
+/// `layout`), calling `emit(t, c, nc, sums)` for each weight-row tile and
+/// group of tokens: `sums[j]` holds,
 /// for token `t + j`, the dot products with the tile's weight rows — `nc`
 /// plain rows (`c..c+nc`), or for [`RowLayout::GateUp`] the `nc` gate rows
 /// followed by the `nc` up rows.
@@ -246,13 +260,19 @@ unsafe fn token_tiles<K: Tiles>(
     nc: usize,
     emit: &mut Emit<'_>,
 ) {
-    let mut out = [[0f32; RT]; MAX_TT];
+    // The sums of the whole group, emitted at once: at small K (576 in
+    // SmolLM2) a call per token tile cost as much as a tenth of the tiles.
+    let mut sums = [[0f32; RT]; MAX_TOKEN_GROUP + MAX_TT];
     let mut t = t0;
     while t < t1 {
         let nt = (t1 - t).min(K::TT);
-        // SAFETY: forwarded; tokens t..t+nt exist.
-        unsafe { K::tile(dt, r, nt, x.add(t * k), k, w, &mut out) };
-        emit(t, c, nc, &out[..nt]);
+        // SAFETY: forwarded; tokens t..t+nt exist; rows t - t0 onwards of
+        // `sums` (at most MAX_TOKEN_GROUP - 1 + MAX_TT of them) are a `Sums`.
+        unsafe {
+            let out = &mut *sums.as_mut_ptr().add(t - t0).cast::<Sums>();
+            K::tile(dt, r, nt, x.add(t * k), k, w, out);
+        }
         t += nt;
     }
+    emit(t0, c, nc, &sums[..t1 - t0]);
 }
