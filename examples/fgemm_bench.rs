@@ -13,15 +13,7 @@ use llama_graph::pool::ThreadPool;
 use std::time::Instant;
 
 fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
-    let mut out = Vec::with_capacity(v.len() * 4);
-    for &x in v {
-        match dtype {
-            DType::F32 => out.extend_from_slice(&x.to_le_bytes()),
-            DType::F16 => out.extend_from_slice(&half::f16::from_f32(x).to_le_bytes()),
-            _ => out.extend_from_slice(&half::bf16::from_f32(x).to_le_bytes()),
-        }
-    }
-    out
+    llama_graph::kernels::plain_bytes(v, dtype).expect("a plain dtype")
 }
 
 fn main() {

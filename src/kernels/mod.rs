@@ -165,6 +165,22 @@ pub(crate) fn check_linear(
     Ok((row_bytes, n_out))
 }
 
+/// `v` stored as a plain weight dtype (F32, F16, BF16: little-endian,
+/// rounded to nearest), or `None` for other dtypes. For tests, benches and
+/// weights built at run time.
+pub fn plain_bytes(v: &[f32], dtype: DType) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(v.len() * 4);
+    for &x in v {
+        match dtype {
+            DType::F32 => out.extend_from_slice(&x.to_le_bytes()),
+            DType::F16 => out.extend_from_slice(&half::f16::from_f32(x).to_le_bytes()),
+            DType::BF16 => out.extend_from_slice(&half::bf16::from_f32(x).to_le_bytes()),
+            _ => return None,
+        }
+    }
+    Some(out)
+}
+
 /// A borrowed tensor of weights in its stored dtype (F32, F16 or BF16,
 /// little-endian, no alignment requirement).
 /// Rows are stored one after another unless `layout` says otherwise

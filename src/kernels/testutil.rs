@@ -26,16 +26,7 @@ impl Rng {
 
 /// Encodes `v` as little-endian bytes of `dtype` (F32/F16/BF16, round to nearest).
 pub(crate) fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
-    let mut out = Vec::with_capacity(v.len() * 4);
-    for &x in v {
-        match dtype {
-            DType::F32 => out.extend_from_slice(&x.to_le_bytes()),
-            DType::F16 => out.extend_from_slice(&half::f16::from_f32(x).to_le_bytes()),
-            DType::BF16 => out.extend_from_slice(&half::bf16::from_f32(x).to_le_bytes()),
-            _ => panic!("unsupported test dtype"),
-        }
-    }
-    out
+    super::plain_bytes(v, dtype).expect("unsupported test dtype")
 }
 
 /// The values `encode(v, dtype)` represents, as f32.
