@@ -44,13 +44,6 @@ impl Tiles for Avx2 {
         }
     }
 
-    fn swiglu(g: &mut [f32], u: &[f32]) {
-        // SAFETY: the level's kernels run only on CPUs that have it, and
-        // every SIMD level includes AVX2 and FMA (`Isa::detect`). The AVX2
-        // SwiGLU gives the bits of the AVX-512 one (`elementwise::silu`).
-        unsafe { crate::kernels::elementwise::silu::swiglu_slice_avx2(g, u) }
-    }
-
     unsafe fn widen(dt: u8, src: *const u8, k: usize, dst: *mut f32) {
         // SAFETY: forwarded.
         unsafe {
@@ -76,9 +69,6 @@ impl Tiles for Avx2 {
         _: &mut Sums,
     ) {
         unreachable!("no AVX2 on this architecture");
-    }
-    fn swiglu(_: &mut [f32], _: &[f32]) {
-        unreachable!("no x86 SIMD on this architecture");
     }
     unsafe fn widen(_: u8, _: *const u8, _: usize, _: *mut f32) {
         unreachable!("no AVX2 on this architecture");

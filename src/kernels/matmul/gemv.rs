@@ -191,9 +191,8 @@ pub(crate) fn run_rows(
         };
         match epilogue {
             // Gate rows first, then up rows: two sequential streams rather
-            // than alternating between rows n_out apart.
-            // The up products come in order j0..j1; the SwiGLU is applied
-            // to batches of them.
+            // than alternating between rows n_out apart. The up products
+            // come in order j0..j1; the SwiGLU is applied to batches of them.
             Epilogue::SwiGlu => {
                 dots(0, &mut |j, g| yr[j - j0] = g);
                 let mut ups = [0f32; SWIGLU_BATCH];

@@ -250,12 +250,13 @@ fn run_columns<K: Tiles>(
     pool.run(n_chunks, &|ci| {
         let c0 = ci * cols;
         let c1 = (c0 + cols).min(n_out);
+        // A token group's gates and ups for the SwiGLU (nc <= RT / 2 each).
+        const MAX: usize = tiles::MAX_TOKEN_GROUP * tiles::RT / 2;
+        let (mut g, mut u) = ([0f32; MAX], [0f32; MAX]);
         let mut emit = |t: usize, c: usize, nc: usize, sums: &[[f32; tiles::RT]]| {
             if let Epilogue::SwiGlu = epilogue {
                 // The group's gates (nc per token; its ups follow them in
                 // each row of sums) through the level's SwiGLU at once.
-                const MAX: usize = tiles::MAX_TOKEN_GROUP * tiles::RT / 2;
-                let (mut g, mut u) = ([0f32; MAX], [0f32; MAX]);
                 let m = sums.len() * nc;
                 // Element by element: copies of nc <= 2 floats would be
                 // calls to memcpy (5% of a SmolLM2 F16 pp512 went there).
@@ -671,8 +672,8 @@ pub(crate) mod tests {
         }
         let pool1 = ThreadPool::new(1);
         check(&pool1, 49, 40, 26, 300);
-        // K above the widening buffer: F16/BF16 converted in registers, or
-        // (AVX2 F16) widened in parts: two, and three with a 19-element tail.
+        // K above the widening buffer (F16/BF16 converted in registers;
+        // AVX2 F16 always is), with a 19-element tail.
         check(&pool, 7, 4100, 10, 301);
         check(&pool, 5, 2 * 4096 + 19, 6, 304);
         // More tokens than one group (144 at k = 576, 60 at k = 1536).

@@ -92,9 +92,24 @@ pub(crate) trait Tiles {
     /// single-token and several-token products agree however they batch
     /// their outputs.
     ///
+    /// Every level is an x86 SIMD level, and all apply the AVX2 SwiGLU of
+    /// `elementwise::silu` (it gives the bits of the AVX-512 one).
+    ///
     /// # Panics
     /// If the lengths differ.
-    fn swiglu(g: &mut [f32], u: &[f32]);
+    fn swiglu(g: &mut [f32], u: &[f32]) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a level's kernels run only on CPUs that have it, and
+        // every SIMD level includes AVX2 and FMA (`Isa::detect`).
+        unsafe {
+            crate::kernels::elementwise::silu::swiglu_slice_avx2(g, u)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (g, u);
+            unreachable!("no x86 SIMD on this architecture");
+        }
+    }
 
     /// Whether several-token products widen F16 row tiles to f32 once per
     /// token group ([`columns`]) rather than convert them in registers
@@ -162,6 +177,11 @@ fn token_group(k: usize, tt: usize) -> usize {
 /// Most tokens in a group.
 pub(crate) const MAX_TOKEN_GROUP: usize = 144;
 
+/// The sums of one weight-row tile for a whole token group, emitted at
+/// once (at small K, 576 in SmolLM2, a call per token tile cost as much as
+/// a tenth of the tiles), with room for a last full tile past the group.
+type GroupSums = [[f32; RT]; MAX_TOKEN_GROUP + MAX_TT];
+
 /// Largest K whose F16/BF16 row tiles are widened into a stack buffer
 /// (beyond it they are converted in registers, once per token tile).
 const WIDEN_MAX_K: usize = 4096;
@@ -196,6 +216,7 @@ pub(crate) unsafe fn columns<K: Tiles>(
     // never widen pay nothing for it.
     let mut wbuf_mem = std::mem::MaybeUninit::<[f32; RT * WIDEN_MAX_K]>::uninit();
     let wbuf = wbuf_mem.as_mut_ptr().cast::<f32>();
+    let mut sums: GroupSums = [[0f32; RT]; MAX_TOKEN_GROUP + MAX_TT];
     // SAFETY: the caller guarantees rows of the layout and tokens below s
     // are in bounds; only those are addressed.
     unsafe {
@@ -231,9 +252,9 @@ pub(crate) unsafe fn columns<K: Tiles>(
                         K::widen(dt, p[i], k, dst);
                         q[i] = dst.cast::<u8>().cast_const();
                     }
-                    token_tiles::<K>(F32, r, x, k, t0, t1, &q, c, nc, emit);
+                    token_tiles::<K>(&mut sums, F32, r, x, k, t0, t1, &q, c, nc, emit);
                 } else {
-                    token_tiles::<K>(dt, r, x, k, t0, t1, &p, c, nc, emit);
+                    token_tiles::<K>(&mut sums, dt, r, x, k, t0, t1, &p, c, nc, emit);
                 }
                 c += nc;
             }
@@ -249,6 +270,7 @@ pub(crate) unsafe fn columns<K: Tiles>(
 #[allow(clippy::too_many_arguments)]
 #[inline]
 unsafe fn token_tiles<K: Tiles>(
+    sums: &mut GroupSums,
     dt: u8,
     r: usize,
     x: *const f32,
@@ -260,9 +282,6 @@ unsafe fn token_tiles<K: Tiles>(
     nc: usize,
     emit: &mut Emit<'_>,
 ) {
-    // The sums of the whole group, emitted at once: at small K (576 in
-    // SmolLM2) a call per token tile cost as much as a tenth of the tiles.
-    let mut sums = [[0f32; RT]; MAX_TOKEN_GROUP + MAX_TT];
     let mut t = t0;
     while t < t1 {
         let nt = (t1 - t).min(K::TT);
