@@ -190,14 +190,15 @@ pub(crate) mod x86 {
     }
 
     /// Rows ahead of the row being multiplied whose weights [`tile`]
-    /// prefetches: the next tile of a single-token product, whose rows
-    /// follow these in memory. Decode streams the weights from DRAM and the
-    /// hardware prefetcher alone does not keep ahead across the short rows
-    /// of small models: on the 2-vCPU AMD EPYC (Zen 3) development VM a
-    /// SmolLM2-135M F16 decode step at 2 threads (`examples/op_profile MODEL
-    /// 32 2`, two runs each, ms) went 19.0/17.4 -> 15.3/15.1 with 4 rows, 16.0/15.4
-    /// with 8, 16.0/15.6 with 16; F32 24.8/24.2 -> 21.8/24.9; the 1B-shaped
-    /// F16 file, already at the memory bandwidth, 83/105 -> 94/102 (noise).
+    /// prefetches in a single-token product. Measured when that product
+    /// read four adjacent rows at a time (this was then the next tile): on
+    /// the 2-vCPU AMD EPYC (Zen 3) development VM a SmolLM2-135M F16 decode
+    /// step at 2 threads (`examples/op_profile MODEL 32 2`, two runs each,
+    /// ms) went 19.0/17.4 -> 15.3/15.1 with 4 rows, 16.0/15.4 with 8,
+    /// 16.0/15.6 with 16; F32 24.8/24.2 -> 21.8/24.9. Since the product
+    /// reads runs of four rows ([`super::super::gemv`]), four rows on is the
+    /// row the next run reads at this position; 0, 4, 8, 16 and 32 rows
+    /// then measured the same within the host's noise.
     const PREFETCH_ROWS: usize = 4;
 
     /// `out[j][i] = dot(x[j], w[i])` for `j < T`, `i < R` (other lanes 0).

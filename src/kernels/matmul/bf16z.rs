@@ -579,8 +579,8 @@ pub fn gemv_at(
         let xp = &xp[..];
         // Four rows at a time: one accumulator per row, so four independent
         // FMA chains, and x loaded once for four rows.
-        let dot4 = |r: usize| {
-            let rows = [r, r + 1, r + 2, r + 3];
+        let dot4 = |r: usize, q: usize| {
+            let rows = [r, r + q, r + 2 * q, r + 3 * q];
             // SAFETY: avx2 checked above; each row holds k/32 blocks and xp
             // is x permuted (k elements).
             let d = unsafe { avx2::dot4(rows.map(|r| w.row_blocks(r)), xp) };
@@ -593,7 +593,7 @@ pub fn gemv_at(
             y,
             // SAFETY: as for dot4, one row.
             &|r| unsafe { avx2::dot(w.row_blocks(r), xp) } + w.corrections(r, x),
-            Some(&dot4 as &(dyn Fn(usize) -> [f32; 4] + Sync)),
+            Some(&dot4 as &(dyn Fn(usize, usize) -> [f32; 4] + Sync)),
             // As its several-token products: the scalar SwiGLU.
             super::gemv::swiglu_scalar,
         );

@@ -131,10 +131,10 @@ fn run_tiles<K: Tiles>(
     // SAFETY (both): the caller checked the level against the CPU and that
     // every row `row(j)` names (j < n, the weight's rows) holds k elements.
     let dot = |j: usize| unsafe { tiles::dot1::<K>(dt, row(j), x.as_ptr(), k) };
-    let dot4 = |j: usize| unsafe {
+    let dot4 = |j: usize, q: usize| unsafe {
         tiles::dot4::<K>(
             dt,
-            [row(j), row(j + 1), row(j + 2), row(j + 3)],
+            [row(j), row(j + q), row(j + 2 * q), row(j + 3 * q)],
             x.as_ptr(),
             k,
         )
@@ -149,21 +149,39 @@ pub(crate) fn swiglu_scalar(g: &mut [f32], u: &[f32]) {
     }
 }
 
-/// Up-row products [`run_rows`] gathers before applying the SwiGLU.
-const SWIGLU_BATCH: usize = 64;
+/// Rows of one block of a chunk, read as four runs of four rows.
+/// With two threads on the 2-vCPU AMD EPYC (Zen 3) development VM
+/// (`SHAPES=smol examples/gemv_bench 2 f16`, medians of 3 interleaved
+/// rounds, GB/s), blocks of 4 adjacent rows (the earlier order) streamed
+/// 17-19 from SmolLM2's 576-wide rows, blocks of 16 21-27, of 32 and 64
+/// about the same as 16 within this host's noise; F32 23-27 -> 26-31.
+const BLOCK: usize = 16;
+
+/// Products gathered before the epilogue is applied to them (for the
+/// SwiGLU, a vector function: about 6 ns an element on slices of 6, under 1
+/// on slices of 64): a multiple of [`BLOCK`].
+const BATCH: usize = 4 * BLOCK;
 
 /// The row loop of a single-token product, shared by the weight formats:
-/// `dot(j)` is weight row `j` · x, `dot4(j)` rows `j..j + 4` at once (used
-/// when given). Rows are split over the pool in a few long contiguous ranges
-/// per thread, and `epilogue` is applied to `y` (`n_out` outputs), the
-/// SwiGLU by `swiglu` (the one the level's several-token products apply).
+/// `dot(j)` is weight row `j` · x, `dot4(j, q)` rows `j, j + q, j + 2q,
+/// j + 3q` at once (used when given). Rows are split over the pool in a few
+/// long contiguous ranges per thread, and `epilogue` is applied to `y`
+/// (`n_out` outputs), the SwiGLU by `swiglu` (the one the level's
+/// several-token products apply).
+///
+/// Within a range, a block of `m` rows is read as four runs of `m / 4`
+/// consecutive rows, one row of each run at a time (then the rows left
+/// over one by one): four streams that each go on for several rows, where
+/// four adjacent rows at a time restarted all four streams every row (a
+/// short row, 1152 bytes of F16 in SmolLM2, is a few cache lines) and the
+/// hardware prefetcher did not keep up.
 pub(crate) fn run_rows(
     pool: &ThreadPool,
     n_out: usize,
     epilogue: Epilogue<'_>,
     y: &mut [f32],
     dot: &(dyn Fn(usize) -> f32 + Sync),
-    dot4: Option<&(dyn Fn(usize) -> [f32; 4] + Sync)>,
+    dot4: Option<&(dyn Fn(usize, usize) -> [f32; 4] + Sync)>,
     swiglu: fn(&mut [f32], &[f32]),
 ) {
     let yp = SyncPtr::new(y);
@@ -174,43 +192,58 @@ pub(crate) fn run_rows(
         let (j0, j1) = (c * rows, ((c + 1) * rows).min(n_out));
         // SAFETY: chunk c alone owns y[j0..j1].
         let yr = unsafe { yp.slice(j0, j1 - j0) };
-        // Calls f(j, row(base + j) · x) for j in j0..j1, in order.
-        let dots = |base: usize, f: &mut dyn FnMut(usize, f32)| {
-            let mut j = j0;
-            if let Some(dot4) = dot4 {
-                while j + 4 <= j1 {
-                    for (u, v) in dot4(base + j).into_iter().enumerate() {
-                        f(j + u, v);
+        // out[i] = row(base + b0 + i) · x, block by block.
+        let rows_dot = |base: usize, b0: usize, out: &mut [f32]| {
+            for (n, out) in out.chunks_mut(BLOCK).enumerate() {
+                let b0 = base + b0 + n * BLOCK;
+                let mut i = 0;
+                if let Some(dot4) = dot4 {
+                    let q = out.len() / 4;
+                    while i < q {
+                        let v = dot4(b0 + i, q);
+                        for (u, v) in v.into_iter().enumerate() {
+                            out[i + u * q] = v;
+                        }
+                        i += 1;
                     }
-                    j += 4;
+                    i = 4 * q;
+                }
+                for (i, o) in out.iter_mut().enumerate().skip(i) {
+                    *o = dot(b0 + i);
                 }
             }
-            for j in j..j1 {
-                f(j, dot(base + j));
-            }
         };
-        match epilogue {
+        let mut buf = [0f32; BATCH];
+        let mut b0 = j0;
+        if let Epilogue::SwiGlu = epilogue {
             // Gate rows first, then up rows: two sequential streams rather
-            // than alternating between rows n_out apart. The up products
-            // come in order j0..j1; the SwiGLU is applied to batches of them.
-            Epilogue::SwiGlu => {
-                dots(0, &mut |j, g| yr[j - j0] = g);
-                let mut ups = [0f32; SWIGLU_BATCH];
-                let mut from = 0;
-                dots(n_out, &mut |j, up| {
-                    let i = j - j0;
-                    ups[i - from] = up;
-                    if i + 1 - from == SWIGLU_BATCH {
-                        swiglu(&mut yr[from..=i], &ups);
-                        from = i + 1;
+            // than alternating between rows n_out apart.
+            rows_dot(0, j0, yr);
+        }
+        while b0 < j1 {
+            let b1 = (b0 + BATCH).min(j1);
+            let vals = &mut buf[..b1 - b0];
+            let yb = &mut yr[b0 - j0..b1 - j0];
+            match epilogue {
+                Epilogue::SwiGlu => {
+                    rows_dot(n_out, b0, vals);
+                    swiglu(yb, vals);
+                }
+                Epilogue::None => rows_dot(0, b0, yb),
+                Epilogue::Accumulate => {
+                    rows_dot(0, b0, vals);
+                    for (o, v) in yb.iter_mut().zip(vals.iter()) {
+                        *o += v;
                     }
-                });
-                let rest = j1 - j0 - from;
-                swiglu(&mut yr[from..], &ups[..rest]);
+                }
+                Epilogue::AddResidual(r) => {
+                    rows_dot(0, b0, vals);
+                    for ((o, v), r) in yb.iter_mut().zip(vals.iter()).zip(&r[b0..b1]) {
+                        *o = v + r;
+                    }
+                }
             }
-            Epilogue::None => dots(0, &mut |j, v| yr[j - j0] = v),
-            Epilogue::Accumulate => dots(0, &mut |j, v| yr[j - j0] += v),
-            Epilogue::AddResidual(r) => dots(0, &mut |j, v| yr[j - j0] = v + r[j]),
+            b0 = b1;
         }
     });
 }
@@ -229,8 +262,18 @@ mod tests {
         // k = 101: the 16-lane f16 kernel's main loop, two single steps and
         // a tail. k = 4107: the
         // four-row kernel (k > 4096) with its tails, and rows left over
-        // after the groups of four (n = 22: 5 + 2 per 11-row chunk).
-        for (k, n) in [(13, 6), (83, 38), (101, 10), (576, 20), (4107, 22)] {
+        // after the groups of four (n = 22: chunks of 16 and 6 rows, the
+        // second one run of four rows and two left over). n = 90: the
+        // SwiGLU's 45 outputs in chunks of 16, 16 and 13 rows, the last four
+        // runs of three rows and one left over.
+        for (k, n) in [
+            (13, 6),
+            (83, 38),
+            (101, 10),
+            (300, 90),
+            (576, 20),
+            (4107, 22),
+        ] {
             let x = rng.vec(k);
             let wf = rng.vec(n * k);
             let r = rng.vec(n);
