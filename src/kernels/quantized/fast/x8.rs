@@ -815,6 +815,34 @@ pub(super) mod simd {
         _mm256_set1_epi32(unsafe { std::ptr::read_unaligned(v.as_ptr().add(4 * j) as *const i32) })
     }
 
+    /// `qs · RES + qr` of a unit's 32 activations (exact: at most
+    /// `127 · 256 + 127` in magnitude), elements 0-15 and 16-31.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn wide16(a: &Q8Act) -> [__m256i; 2] {
+        let half = |v: &[i8; 32], i: usize| {
+            // SAFETY: 16 of the 32 bytes; unaligned load.
+            _mm256_cvtepi8_epi16(unsafe {
+                _mm_loadu_si128(v.as_ptr().add(16 * i) as *const __m128i)
+            })
+        };
+        std::array::from_fn(|i| {
+            _mm256_add_epi16(
+                _mm256_slli_epi16::<{ super::super::RES_SHIFT }>(half(&a.qs, i)),
+                half(&a.qr, i),
+            )
+        })
+    }
+
+    /// The 8 rows' totals, lane `r` = row `r`, from the pair sums of rows
+    /// 0-3 (`lo`: lanes `2r`, `2r + 1`) and rows 4-7 (`hi`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn rows8(lo: __m256i, hi: __m256i) -> __m256i {
+        // Per 128-bit half: [r0 r1 r4 r5 | r2 r3 r6 r7], then in row order.
+        _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_hadd_epi32(lo, hi))
+    }
+
     /// The shared f32 step for 8 rows (lanes) and one token: `i` the unit's
     /// (or half's) exact `Σ (q + OFF)·a` per row.
     #[inline]
@@ -888,22 +916,39 @@ pub(super) mod simd {
                 let mut s16q = [_mm256_setzero_si256(); NT];
                 let mut s16r = [_mm256_setzero_si256(); NT];
                 let mut n16 = 0;
+                // Signed formats: the activations as exact 16-bit values.
+                let mut a16 = [[_mm256_setzero_si256(); 2]; NT];
+                let mut lo = [_mm256_setzero_si256(); NT];
+                let mut hi = [_mm256_setzero_si256(); NT];
+                if signed {
+                    for t in 0..NT {
+                        a16[t] = wide16(ab[t]);
+                    }
+                }
                 for j in 0..8 {
                     let h = if F::SPLIT { j / 4 } else { 0 };
                     let wq = unsafe { F::quad(x, u, j) };
                     if signed {
+                        // The signed quants widened to 16 bits: rows 0-3
+                        // (`ql`) and 4-7 (`qh`), four elements each.
                         let q = _mm256_xor_si256(wq, _mm256_set1_epi8(-128));
-                        let aq = _mm256_abs_epi8(q);
+                        let ql = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+                        let qh = _mm256_cvtepi8_epi16(_mm256_extracti128_si256::<1>(q));
+                        let pick = _mm256_add_epi32(
+                            _mm256_setr_epi32(0, 1, 0, 1, 0, 1, 0, 1),
+                            _mm256_set1_epi32(2 * (j % 4) as i32),
+                        );
                         for t in 0..NT {
-                            let (sq, sr) = (
-                                _mm256_sign_epi8(bcast(&ab[t].qs, j), q),
-                                _mm256_sign_epi8(bcast(&ab[t].qr, j), q),
-                            );
-                            let p = _mm256_add_epi32(
-                                _mm256_madd_epi16(_mm256_maddubs_epi16(aq, sq), res),
-                                _mm256_madd_epi16(_mm256_maddubs_epi16(aq, sr), ones),
-                            );
-                            i32s[t][h] = _mm256_add_epi32(i32s[t][h], p);
+                            let a = _mm256_permutevar8x32_epi32(a16[t][j / 4], pick);
+                            lo[t] = _mm256_add_epi32(lo[t], _mm256_madd_epi16(ql, a));
+                            hi[t] = _mm256_add_epi32(hi[t], _mm256_madd_epi16(qh, a));
+                        }
+                        if j == 7 || (F::SPLIT && j == 3) {
+                            for t in 0..NT {
+                                i32s[t][h] = _mm256_add_epi32(i32s[t][h], rows8(lo[t], hi[t]));
+                                lo[t] = _mm256_setzero_si256();
+                                hi[t] = _mm256_setzero_si256();
+                            }
                         }
                     } else {
                         for t in 0..NT {
