@@ -297,7 +297,8 @@ unsafe fn transpose4(src: &[u8], out: &mut [u8], row_bytes: usize, at: usize) {
 #[cfg(target_arch = "x86_64")]
 pub(super) mod simd {
     //! The x8 small-S kernels: AVX2 (`maddubs`, 16-bit sums where they
-    //! cannot overflow) and AVX-512 VNNI (256-bit `vpdpbusd`).
+    //! cannot overflow; `vpmaddwd` on 16-bit values for signed quants) and
+    //! AVX-512 VNNI (256-bit `vpdpbusd`).
 
     use super::super::avx2::{
         FIq4Nl, FIq4Xs, Fmt, FQ3K, FQ4K, FQ4_0, FQ4_1, FQ5K, FQ5_0, FQ5_1, FQ6K, FQ8_0,
@@ -874,8 +875,10 @@ pub(super) mod simd {
 
     /// One group of 8 rows times `NT` tokens, AVX2: `maddubs` of the
     /// unsigned quants with the broadcast activation words, summed in 16
-    /// bits over as many words as cannot overflow (formats with `OFF = 128`
-    /// use `|q|` and the signs moved onto the activations, one word at a time).
+    /// bits over as many words as cannot overflow. Formats with `OFF = 128`
+    /// (signed quants) instead multiply the quants sign-extended to 16 bits
+    /// with the activations as exact 16-bit values ([`wide16`]) by
+    /// `vpmaddwd`; both give the same integer sums.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn group_avx2<F: X8Fmt, const NT: usize>(
