@@ -888,12 +888,9 @@ pub(super) mod simd {
         out: &mut [[f32; G]; 4],
     ) {
         let signed = F::OFF >= 128;
-        // Words per 16-bit sum: each maddubs lane is at most 2·UMAX·127.
-        let per16 = if signed {
-            1
-        } else {
-            (32767 / (2 * F::UMAX * 127)).clamp(1, 8) as usize
-        };
+        // Unsigned formats: words per 16-bit sum (each maddubs lane is at
+        // most 2·UMAX·127).
+        let per16 = (32767 / (2 * F::UMAX * 127)).clamp(1, 8) as usize;
         let off = if signed { 0 } else { F::OFF };
         let ones = _mm256_set1_epi16(1);
         let res = _mm256_set1_epi16(RES as i16);
