@@ -274,7 +274,8 @@ pub fn dot_q8_scalar(dtype: DType, row: &[u8], acts: &[Q8Act]) -> f32 {
 pub use crate::ir::WeightLayout as Layout;
 
 thread_local! {
-    /// GGUF rows unpacked from an x8 matrix (scalar level, prefill decode).
+    /// GGUF rows unpacked from an x8 matrix (scalar level, VNNI prefill
+    /// decode, partial groups).
     static UNPACKED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -566,6 +567,21 @@ mod packed {
         /// The CPU must support the level.
         unsafe fn decode(dtype: DType, w: &[u8], row_bytes: usize, out: &mut [Self::W]);
         fn pack(acts: &[&[Q8Act]], nb: usize, out: &mut [Self::A]);
+        /// Decodes whole x8 groups (`w`) straight into units, the same
+        /// units [`decode`](Self::decode) makes of the unpacked rows, where
+        /// the level has such a decoder; false where the caller must unpack
+        /// the rows first.
+        ///
+        /// # Safety
+        /// The CPU must support the level; `dtype` has an x8 layout.
+        unsafe fn decode_x8(
+            _dtype: DType,
+            _w: &[u8],
+            _row_bytes: usize,
+            _out: &mut [Self::W],
+        ) -> bool {
+            false
+        }
         /// `out[r][t]` for the first `nt` tokens of the group `a` (lanes
         /// past them may hold anything).
         ///
@@ -625,6 +641,11 @@ mod packed {
         }
         fn pack(acts: &[&[Q8Act]], nb: usize, out: &mut [ActI16]) {
             avx2::pack_i16(acts, nb, out)
+        }
+        unsafe fn decode_x8(dtype: DType, w: &[u8], row_bytes: usize, out: &mut [WUnit]) -> bool {
+            // SAFETY: as the caller's.
+            unsafe { x8::simd::decode_units(dtype, w, row_bytes, out) };
+            true
         }
         unsafe fn kern(
             dtype: DType,
@@ -791,17 +812,26 @@ mod packed {
                         wdec.resize(need, K::W::default());
                     }
                     let (gate, up) = wdec[..need].split_at_mut(rp * nu);
-                    let rows = |r0: usize, r1: usize| &w.bytes[r0 * row_bytes..r1 * row_bytes];
-                    // SAFETY: the caller checked the level.
-                    with_rows(layout, dtype, rows(j0, j1), row_bytes, |b| unsafe {
-                        K::decode(dtype, b, row_bytes, gate)
-                    });
-                    if swiglu {
-                        let (u0, u1) = (j0 + n_out, j1 + n_out);
-                        // SAFETY: as above.
-                        with_rows(layout, dtype, rows(u0, u1), row_bytes, |b| unsafe {
-                            K::decode(dtype, b, row_bytes, up)
+                    // Rows r0..r1 decoded into `out`: x8 groups straight
+                    // where the level can, else through the GGUF rows.
+                    let decode = |r0: usize, r1: usize, out: &mut [K::W]| {
+                        let b = &w.bytes[r0 * row_bytes..r1 * row_bytes];
+                        let whole = r0.is_multiple_of(x8::G) && (r1 - r0).is_multiple_of(x8::G);
+                        // SAFETY (both calls): the caller checked the level;
+                        // an x8 matrix's whole groups are whole x8 groups.
+                        if layout == Layout::X8
+                            && whole
+                            && unsafe { K::decode_x8(dtype, b, row_bytes, out) }
+                        {
+                            return;
+                        }
+                        with_rows(layout, dtype, b, row_bytes, |b| unsafe {
+                            K::decode(dtype, b, row_bytes, out)
                         });
+                    };
+                    decode(j0, j1, gate);
+                    if swiglu {
+                        decode(j0 + n_out, j1 + n_out, up);
                     }
                     let (gate, up): (&[K::W], &[K::W]) = (gate, up);
                     let mut vg = [[0f32; TG_MAX]; R_MAX];

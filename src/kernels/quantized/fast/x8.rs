@@ -23,7 +23,9 @@
 //! The kernels compute every output with the shared arithmetic of
 //! `units.rs` (bit for bit what the row-major kernels and the scalar
 //! reference give); [`unpack_rows`] turns a group back into GGUF rows for
-//! the scalar level and the prefill kernels' decoders.
+//! the scalar level and the AVX-512 VNNI prefill decoder. The AVX2 prefill
+//! kernels decode whole groups straight into their 16-bit units
+//! (`simd::decode_units`: the `quad`s of a unit, transposed to rows).
 
 use crate::ir::DType;
 
@@ -301,7 +303,7 @@ pub(super) mod simd {
     //! AVX-512 VNNI (256-bit `vpdpbusd`).
 
     use super::super::avx2::{
-        FIq4Nl, FIq4Xs, Fmt, FQ3K, FQ4K, FQ4_0, FQ4_1, FQ5K, FQ5_0, FQ5_1, FQ6K, FQ8_0,
+        FIq4Nl, FIq4Xs, Fmt, WUnit, FQ3K, FQ4K, FQ4_0, FQ4_1, FQ5K, FQ5_0, FQ5_1, FQ6K, FQ8_0,
     };
     use super::super::{Q8Act, RES};
     use super::{part_offset, parts, Part, G};
@@ -710,6 +712,104 @@ pub(super) mod simd {
                 _ => unreachable!("no x8 layout"),
             }
         };
+    }
+
+    /// Decodes whole x8 groups (`w`, groups of 8 rows of `row_bytes`) into
+    /// the units of the AVX2 packed kernel, row-major: the same units
+    /// `avx2::decode` makes of the GGUF rows, without unpacking them first.
+    /// Units of `out` past the rows are zeroed.
+    ///
+    /// # Safety
+    /// The CPU must support avx2/fma/f16c; `dtype` has an x8 layout.
+    pub(in super::super) unsafe fn decode_units(
+        dtype: DType,
+        w: &[u8],
+        row_bytes: usize,
+        out: &mut [WUnit],
+    ) {
+        unsafe { with_x8!(dtype, decode_units_t::<_>(w, row_bytes, out)) }
+    }
+
+    /// Rows of an 8x8 matrix of 32-bit words: `v[j]` lane `r` in, `out[r]`
+    /// lane `j` out.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn transpose8(v: [__m256i; 8]) -> [__m256i; 8] {
+        // Per 128-bit half: pairs of words, then the four words of a row.
+        let t: [__m256i; 8] = std::array::from_fn(|i| {
+            let (a, b) = (v[2 * (i / 2)], v[2 * (i / 2) + 1]);
+            if i % 2 == 0 {
+                _mm256_unpacklo_epi32(a, b)
+            } else {
+                _mm256_unpackhi_epi32(a, b)
+            }
+        });
+        // s[4h + k]: rows k and k + 4 of words 4h..4h+4 (low, high half).
+        let s: [__m256i; 8] = std::array::from_fn(|i| {
+            let (h, k) = (i / 4, i % 4);
+            let (a, b) = (t[4 * h + k / 2], t[4 * h + 2 + k / 2]);
+            if k % 2 == 0 {
+                _mm256_unpacklo_epi64(a, b)
+            } else {
+                _mm256_unpackhi_epi64(a, b)
+            }
+        });
+        std::array::from_fn(|r| {
+            let (a, b) = (s[r % 4], s[4 + r % 4]);
+            if r < 4 {
+                _mm256_permute2x128_si256::<0x20>(a, b)
+            } else {
+                _mm256_permute2x128_si256::<0x31>(a, b)
+            }
+        })
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn decode_units_t<F: X8Fmt>(w: &[u8], row_bytes: usize, out: &mut [WUnit]) {
+        let nblk = row_bytes / F::BYTES;
+        assert!(nblk * F::BYTES == row_bytes && nblk > 0);
+        let nu = nblk * F::UNITS;
+        let (gb, cb) = (G * row_bytes, G * F::BYTES);
+        let ng = w.len() / gb;
+        assert!(ng * gb == w.len() && out.len() >= ng * G * nu);
+        let off = _mm256_set1_epi16(F::OFF as i16);
+        let mut d = [[_mm256_setzero_ps(); 2]; 8];
+        let mut m = [_mm256_setzero_ps(); 8];
+        let (mut dlo, mut dhi, mut mm) = ([0f32; 8], [0f32; 8], [0f32; 8]);
+        for g in 0..ng {
+            for blk in 0..nblk {
+                let x = &w[g * gb + blk * cb..g * gb + (blk + 1) * cb];
+                // SAFETY: x holds one block column; the features are enabled here.
+                unsafe { F::scales8(x, &mut d, &mut m) };
+                for u in 0..F::UNITS {
+                    // SAFETY: as above; u < UNITS, j < 8.
+                    let rows = transpose8(std::array::from_fn(|j| unsafe { F::quad(x, u, j) }));
+                    // SAFETY: 8 f32 each; unaligned stores.
+                    unsafe {
+                        _mm256_storeu_ps(dlo.as_mut_ptr(), d[u][0]);
+                        _mm256_storeu_ps(dhi.as_mut_ptr(), d[u][1]);
+                        _mm256_storeu_ps(mm.as_mut_ptr(), m[u]);
+                    }
+                    for (r, v) in rows.into_iter().enumerate() {
+                        let o = &mut out[(g * G + r) * nu + blk * F::UNITS + u];
+                        let lo =
+                            _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(v)), off);
+                        let hi = _mm256_sub_epi16(
+                            _mm256_cvtepu8_epi16(_mm256_extracti128_si256::<1>(v)),
+                            off,
+                        );
+                        // SAFETY: o.q has 32 i16 (64 bytes); unaligned stores.
+                        unsafe {
+                            _mm256_storeu_si256(o.q.as_mut_ptr() as *mut __m256i, lo);
+                            _mm256_storeu_si256(o.q.as_mut_ptr().add(16) as *mut __m256i, hi);
+                        }
+                        o.d = [dlo[r], if F::SPLIT { dhi[r] } else { dlo[r] }];
+                        o.m = if F::HAS_MIN { mm[r] } else { 0.0 };
+                    }
+                }
+            }
+        }
+        out[ng * G * nu..].fill(WUnit::default());
     }
 
     /// `out[r * nt + t] = row_r · acts[t]` for the x8 groups in `w` (whole
