@@ -312,6 +312,8 @@ pub(super) mod simd {
 
     /// A fast-path format in the x8 layout.
     pub(in super::super) trait X8Fmt: Fmt {
+        /// The format.
+        const DTYPE: DType;
         /// `parts(dtype)`.
         const PARTS: &'static [Part];
         /// Largest `q + OFF` (bounds the 16-bit sums of the AVX2 kernel).
@@ -438,6 +440,7 @@ pub(super) mod simd {
 
     macro_rules! x8_consts {
         ($dt:expr, $umax:expr) => {
+            const DTYPE: DType = $dt;
             const PARTS: &'static [Part] = match parts($dt) {
                 Some(p) => p,
                 None => panic!("no x8 layout"),
@@ -867,9 +870,37 @@ pub(super) mod simd {
         }
     }
 
+    /// True for the formats whose AVX2 kernel takes up to 4 tokens per pass
+    /// over a group (2 for the others): those whose quads are costly to
+    /// assemble (low and high bits from two parts), so that sharing a quad
+    /// among more tokens pays for the registers the extra tokens take.
+    /// Measured (`qmatmul_bench 1 4`, 1B in-cache shape, best of 6
+    /// interleaved runs, ms, 2 vs 4 tokens per pass): Q3_K 0.879/0.694,
+    /// Q5_K 0.613/0.534, Q6_K 0.823/0.655, Q4_K 0.468/0.436; on the
+    /// 1B-shaped Q4_K_M file (`examples/batch_profile MODEL 4`, 6 rounds,
+    /// ms per 4-sequence step) Q6_K alone at 4 gave a median of 108.8
+    /// against 121, and Q4_K at 4 as well 115 (within noise of either).
+    const fn four_tokens(dtype: DType) -> bool {
+        matches!(dtype, DType::Q3_K | DType::Q5_K | DType::Q6_K)
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn rows_avx2<F: X8Fmt>(w: &[u8], row_bytes: usize, acts: &[&[Q8Act]], out: &mut [f32]) {
         let nblk = row_bytes / F::BYTES;
+        if four_tokens(F::DTYPE) {
+            tiles::<4>(w, row_bytes, nblk * F::UNITS, acts, out, |g, a, v| {
+                // SAFETY: this closure runs inside a function with these features.
+                unsafe {
+                    match a.len() {
+                        1 => group_avx2::<F, 1>(g, nblk, [a[0]], v),
+                        2 => group_avx2::<F, 2>(g, nblk, [a[0], a[1]], v),
+                        3 => group_avx2::<F, 3>(g, nblk, [a[0], a[1], a[2]], v),
+                        _ => group_avx2::<F, 4>(g, nblk, [a[0], a[1], a[2], a[3]], v),
+                    }
+                }
+            });
+            return;
+        }
         tiles::<2>(w, row_bytes, nblk * F::UNITS, acts, out, |g, a, v| {
             // SAFETY: this closure runs inside a function with these features.
             unsafe {
