@@ -877,7 +877,7 @@ pub(super) mod simd {
     /// Measured (`qmatmul_bench 1 4`, 1B in-cache shape, best of 6
     /// interleaved runs, ms, 2 vs 4 tokens per pass): Q3_K 0.879/0.694,
     /// Q5_K 0.613/0.534, Q6_K 0.823/0.655, Q4_K 0.468/0.436; on the
-    /// 1B-shaped Q4_K_M file (`examples/batch_profile MODEL 4`, 6 rounds,
+    /// 1B-shaped Q4_K_M file (`examples/op_profile MODEL 16 2 4`, 6 rounds,
     /// ms per 4-sequence step) Q6_K alone at 4 gave a median of 108.8
     /// against 121, and Q4_K at 4 as well 115 (within noise of either).
     const fn four_tokens(dtype: DType) -> bool {
