@@ -757,6 +757,27 @@ pub struct WUnit {
     pub(super) m: f32,
 }
 
+impl WUnit {
+    /// The unit of `F` whose quants are the bytes `v` (`q + OFF`, in
+    /// element order), with the scales `dlo`/`dhi` of its halves (`dhi`
+    /// read only for formats with a scale per half) and additive term `m`
+    /// (read only for formats with one).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn set<F: Fmt>(&mut self, v: __m256i, dlo: f32, dhi: f32, m: f32) {
+        let off = _mm256_set1_epi16(F::OFF as i16);
+        let lo = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(v)), off);
+        let hi = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256::<1>(v)), off);
+        // SAFETY: q has 32 i16 (64 bytes); unaligned stores.
+        unsafe {
+            _mm256_storeu_si256(self.q.as_mut_ptr() as *mut __m256i, lo);
+            _mm256_storeu_si256(self.q.as_mut_ptr().add(16) as *mut __m256i, hi);
+        }
+        self.d = [dlo, if F::SPLIT { dhi } else { dlo }];
+        self.m = if F::HAS_MIN { m } else { 0.0 };
+    }
+}
+
 /// Decodes the rows of `w` (`row_bytes` each) into `out` (the row's units
 /// one after another, row-major); units of `out` past the rows of `w` are
 /// zeroed.
@@ -775,24 +796,14 @@ fn decode_t<F: Fmt>(w: &[u8], row_bytes: usize, out: &mut [WUnit]) {
     let nu = nblk * F::UNITS;
     let nr = w.len() / row_bytes;
     assert!(nr * row_bytes == w.len() && out.len() >= nr * nu);
-    let off = _mm256_set1_epi16(F::OFF as i16);
     let (mut dlo, mut dhi, mut m) = ([0f32; 8], [0f32; 8], [0f32; 8]);
     for (bi, blk) in w.chunks_exact(F::BYTES).enumerate() {
         // SAFETY: blk holds one block; the features are enabled here.
         unsafe { F::scales(blk, &mut dlo, &mut dhi, &mut m) };
         for u in 0..F::UNITS {
-            let o = &mut out[bi * F::UNITS + u];
             // SAFETY: blk holds one block; u < UNITS.
             let v = unsafe { F::load_u(blk, u) };
-            let lo = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(v)), off);
-            let hi = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256::<1>(v)), off);
-            // SAFETY: o.q has 32 i16 (64 bytes); unaligned stores.
-            unsafe {
-                _mm256_storeu_si256(o.q.as_mut_ptr() as *mut __m256i, lo);
-                _mm256_storeu_si256(o.q.as_mut_ptr().add(16) as *mut __m256i, hi);
-            }
-            o.d = [dlo[u], if F::SPLIT { dhi[u] } else { dlo[u] }];
-            o.m = if F::HAS_MIN { m[u] } else { 0.0 };
+            out[bi * F::UNITS + u].set::<F>(v, dlo[u], dhi[u], m[u]);
         }
     }
     out[nr * nu..].fill(WUnit::default());

@@ -813,15 +813,14 @@ mod packed {
                     }
                     let (gate, up) = wdec[..need].split_at_mut(rp * nu);
                     // Rows r0..r1 decoded into `out`: x8 groups straight
-                    // where the level can, else through the GGUF rows.
+                    // where the level can, else through the GGUF rows. With
+                    // x8 weights r0 and r1 are whole groups (the entry
+                    // checks that `n_out` is; chunks start at multiples of
+                    // COLS_PER_CHUNK).
                     let decode = |r0: usize, r1: usize, out: &mut [K::W]| {
                         let b = &w.bytes[r0 * row_bytes..r1 * row_bytes];
-                        let whole = r0.is_multiple_of(x8::G) && (r1 - r0).is_multiple_of(x8::G);
-                        // SAFETY (both calls): the caller checked the level;
-                        // an x8 matrix's whole groups are whole x8 groups.
-                        if layout == Layout::X8
-                            && whole
-                            && unsafe { K::decode_x8(dtype, b, row_bytes, out) }
+                        // SAFETY (both calls): the caller checked the level.
+                        if layout == Layout::X8 && unsafe { K::decode_x8(dtype, b, row_bytes, out) }
                         {
                             return;
                         }

@@ -775,7 +775,6 @@ pub(super) mod simd {
         let (gb, cb) = (G * row_bytes, G * F::BYTES);
         let ng = w.len() / gb;
         assert!(ng * gb == w.len() && out.len() >= ng * G * nu);
-        let off = _mm256_set1_epi16(F::OFF as i16);
         let mut d = [[_mm256_setzero_ps(); 2]; 8];
         let mut m = [_mm256_setzero_ps(); 8];
         let (mut dlo, mut dhi, mut mm) = ([0f32; 8], [0f32; 8], [0f32; 8]);
@@ -794,20 +793,8 @@ pub(super) mod simd {
                         _mm256_storeu_ps(mm.as_mut_ptr(), m[u]);
                     }
                     for (r, v) in rows.into_iter().enumerate() {
-                        let o = &mut out[(g * G + r) * nu + blk * F::UNITS + u];
-                        let lo =
-                            _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(v)), off);
-                        let hi = _mm256_sub_epi16(
-                            _mm256_cvtepu8_epi16(_mm256_extracti128_si256::<1>(v)),
-                            off,
-                        );
-                        // SAFETY: o.q has 32 i16 (64 bytes); unaligned stores.
-                        unsafe {
-                            _mm256_storeu_si256(o.q.as_mut_ptr() as *mut __m256i, lo);
-                            _mm256_storeu_si256(o.q.as_mut_ptr().add(16) as *mut __m256i, hi);
-                        }
-                        o.d = [dlo[r], if F::SPLIT { dhi[r] } else { dlo[r] }];
-                        o.m = if F::HAS_MIN { mm[r] } else { 0.0 };
+                        out[(g * G + r) * nu + blk * F::UNITS + u]
+                            .set::<F>(v, dlo[r], dhi[r], mm[r]);
                     }
                 }
             }
