@@ -2,7 +2,8 @@
 //! small random Meta checkpoint: requests that do not fit the free KV wait
 //! and then run, a short KV pool preempts and recomputes sequences without
 //! changing their tokens, a cancelled sequence's KV is freed, and the
-//! engine never holds more sequences than `-np`.
+//! engine never holds more sequences than `-np`; requests that arrive
+//! together with a common prefix compute it once, with unchanged tokens.
 mod common;
 
 use llama_graph::generate::{generate, GenOptions, SamplerConfig, StopReason};
@@ -181,4 +182,36 @@ fn at_most_parallel_sequences_run_and_the_rest_queue() {
     }
     assert!(max_in_flight <= 2, "{max_in_flight}");
     assert_eq!(e.stats().requests_total, 8);
+}
+
+#[test]
+fn requests_with_a_common_prefix_compute_it_once_with_unchanged_tokens() {
+    // Six requests at once that start with the same 40 tokens (a system
+    // prompt, say) and go on differently: the first computes the common
+    // part, the other five read its first two KV blocks (32 positions) and
+    // are fed from there. Every request gets the tokens it gets alone. (The
+    // first request is the longest, so that it is still running when the
+    // others arrive; one that arrived after it finished would take the
+    // prefix cache's 40 positions instead, hence "at least".)
+    let e = engine(512, 6);
+    let n = |j: usize| if j == 0 { 48 } else { 8 };
+    let common = prompt(40, 7);
+    let prompts: Vec<Vec<u32>> = (0..6)
+        .map(|j| {
+            let mut p = common.clone();
+            p.extend(prompt(3 + 5 * j, 30 + j as u32));
+            p
+        })
+        .collect();
+    let streams: Vec<GenStream> = prompts
+        .iter()
+        .enumerate()
+        .map(|(j, p)| e.submit(request(p.clone(), n(j))).unwrap())
+        .collect();
+    for (j, (p, s)) in prompts.iter().zip(streams).enumerate() {
+        assert_eq!(collect(s).0, alone(p, n(j)), "request {j}");
+    }
+    wait_for(&e, |st| st.in_flight == 0);
+    let reused = e.stats().tokens_prompt_cached_total;
+    assert!((5 * 32..=5 * 40).contains(&reused), "{reused}");
 }

@@ -95,12 +95,20 @@ impl Batch {
 
 /// The KV pool's block allocator: every layer's cache has the same `NB`
 /// blocks of `BS` positions, and a sequence owns a list of block ids.
+///
+/// A block may be in several lists at once ([`KvPool::share`]): sequences
+/// with a common prompt prefix read the same blocks for it. Every list
+/// holding a block counts as one reference; the block is free again when
+/// the last one lets it go. Only blocks whose positions are all written
+/// are shared, so no sequence ever writes into a block another one reads.
 #[derive(Debug, Clone)]
 pub struct KvPool {
     block: usize,
     total: usize,
     /// Free block ids, taken from the end (the lowest ids first).
     free: Vec<u32>,
+    /// Block lists holding each block (0 for a free block).
+    refs: Vec<u32>,
 }
 
 impl KvPool {
@@ -110,6 +118,7 @@ impl KvPool {
             block: block.max(1),
             total: n_blocks,
             free: (0..n_blocks as u32).rev().collect(),
+            refs: vec![0; n_blocks],
         }
     }
     /// Positions per block.
@@ -138,19 +147,50 @@ impl KvPool {
             return false;
         }
         for _ in 0..need {
-            seq.push(self.free.pop().expect("counted above"));
+            let b = self.free.pop().expect("counted above");
+            self.refs[b as usize] = 1;
+            seq.push(b);
         }
         true
     }
-    /// Returns every block of `seq` to the pool.
+    /// Lets go of every block of `seq` (each returns to the pool unless
+    /// another list still holds it).
     pub fn release(&mut self, seq: &mut Vec<u32>) {
-        self.free.extend(seq.drain(..).rev());
+        self.truncate(seq, 0);
     }
-    /// Returns the blocks of `seq` past the first `positions` positions.
+    /// Lets go of the blocks of `seq` past the first `positions` positions.
     pub fn truncate(&mut self, seq: &mut Vec<u32>, positions: usize) {
         let keep = self.blocks_for(positions);
-        if seq.len() > keep {
-            self.free.extend(seq.drain(keep..).rev());
+        while seq.len() > keep {
+            let b = seq.pop().expect("longer than keep");
+            self.unref(b);
+        }
+    }
+    /// Makes `dst[i]` the block `src[i]` for every `i < src.len()` (both in
+    /// position order, `dst` at least as long), letting go of the blocks
+    /// `dst` held there: a sequence whose first positions hold the same
+    /// tokens as another's reads that sequence's blocks for them.
+    ///
+    /// # Panics
+    /// If `dst` is shorter than `src` or a block of `src` is free.
+    pub fn share(&mut self, src: &[u32], dst: &mut [u32]) {
+        for (d, &b) in dst[..src.len()].iter_mut().zip(src) {
+            assert!(self.refs[b as usize] > 0, "sharing a free block");
+            self.refs[b as usize] += 1;
+            let old = std::mem::replace(d, b);
+            self.unref(old);
+        }
+    }
+    /// Block lists holding block `b`.
+    pub fn refs(&self, b: u32) -> u32 {
+        self.refs[b as usize]
+    }
+    fn unref(&mut self, b: u32) {
+        let r = &mut self.refs[b as usize];
+        debug_assert!(*r > 0, "block {b} let go of twice");
+        *r = r.saturating_sub(1);
+        if *r == 0 {
+            self.free.push(b);
         }
     }
 }
@@ -177,6 +217,29 @@ mod tests {
         pool.truncate(&mut a, 20);
         assert_eq!(a.len(), 2);
         assert_eq!(pool.free_blocks(), 3);
+    }
+
+    #[test]
+    fn shared_blocks_are_freed_by_their_last_holder() {
+        let mut pool = KvPool::new(4, 4);
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        assert!(pool.reserve(&mut a, 8));
+        assert!(pool.reserve(&mut b, 8));
+        assert_eq!((a.as_slice(), b.as_slice()), (&[0, 1][..], &[2, 3][..]));
+        assert_eq!(pool.free_blocks(), 0);
+        // b reads a's first block for its first 4 positions; its own
+        // block 2 goes back to the pool.
+        pool.share(&a[..1], &mut b);
+        assert_eq!(b, [0, 3]);
+        assert_eq!((pool.refs(0), pool.refs(2), pool.free_blocks()), (2, 0, 1));
+        pool.release(&mut a);
+        assert_eq!(pool.free_blocks(), 2, "block 0 is still b's");
+        assert_eq!(pool.refs(0), 1);
+        pool.truncate(&mut b, 4);
+        assert_eq!(b, [0]);
+        pool.release(&mut b);
+        assert_eq!(pool.free_blocks(), 4);
+        assert!((0..4).all(|i| pool.refs(i) == 0));
     }
 
     #[test]

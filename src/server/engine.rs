@@ -106,8 +106,8 @@ pub struct EngineStats {
     /// start with the same ones (the prefix cache; taken back whenever
     /// needed).
     pub kv_cached: usize,
-    /// Prompt tokens whose KV came from the prefix cache (not computed
-    /// again).
+    /// Prompt tokens whose KV came from the prefix cache or from a
+    /// sequence in flight with the same prefix (not computed again).
     pub tokens_prompt_cached_total: u64,
     /// Generated tokens per second while at least one sequence was in
     /// flight, over the most recent stretch of at least one second of such

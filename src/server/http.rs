@@ -321,7 +321,7 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Result<Response, ApiError> {
     metric(
         "prompt_tokens_cached_total",
         "counter",
-        "Prompt tokens whose KV came from the prefix cache.",
+        "Prompt tokens whose KV came from the prefix cache or from a sequence in flight with the same prefix.",
         st.tokens_prompt_cached_total.to_string(),
     );
     metric(

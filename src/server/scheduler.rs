@@ -27,6 +27,16 @@
 //! fit always runs eventually, since the oldest running sequence is never
 //! preempted and the pool holds a whole context.
 //!
+//! **Shared prompt prefixes.** Requests that arrive together often start
+//! with the same tokens (a chat template's system prompt). A sequence that
+//! has fed nothing yet and whose prompt shares at least one whole block of
+//! tokens with an older running sequence reads that sequence's blocks for
+//! them ([`KvPool::share`]) and is fed from the first position past them;
+//! while the older one has not fed those positions yet, the younger one
+//! waits for it (a step or two) rather than compute them a second time.
+//! Only whole blocks are shared, and a sequence only writes past its fed
+//! positions, so no block is written while another sequence reads it.
+//!
 //! **Prefix cache.** A sequence that ends normally ([`Scheduler::finish`])
 //! keeps its KV blocks as a cache entry: the tokens whose positions it fed
 //! and the blocks holding them. A new sequence whose prompt starts with the
@@ -37,8 +47,9 @@
 //! blocks (admission, decode growth, readmission) and beyond `parallel` of
 //! them; they never cause a preemption or a refusal. Since every kernel
 //! computes a sequence's rows independently of the batch and of how its
-//! tokens were chunked, a reused position holds exactly the values feeding
-//! it again would write, so the generated tokens do not change.
+//! tokens were chunked, a reused or shared position holds exactly the
+//! values feeding it again would write, so the generated tokens do not
+//! change.
 
 use crate::exec::{Batch, KvPool};
 use std::collections::VecDeque;
@@ -115,9 +126,11 @@ pub struct Scheduler {
     preemptions: u64,
     /// Finished sequences' KV, oldest first (see the module documentation).
     cache: VecDeque<Cached>,
-    /// Blocks held by `cache`.
-    cached_blocks: usize,
-    /// Prompt positions whose KV came from the cache (statistics, tests).
+    /// Per block, the cache entries holding it (a block is the cache's
+    /// alone when this equals its pool references).
+    cache_refs: Vec<u32>,
+    /// Prompt positions whose KV came from the cache or from another
+    /// running sequence (statistics, tests).
     reused: u64,
 }
 
@@ -134,10 +147,10 @@ impl Scheduler {
             preempted: VecDeque::with_capacity(cfg.parallel),
             plan: Vec::with_capacity(cfg.parallel),
             cache: VecDeque::with_capacity(cfg.parallel + 1),
+            cache_refs: vec![0; pool.total_blocks()],
             cfg,
             pool,
             preemptions: 0,
-            cached_blocks: 0,
             reused: 0,
         }
     }
@@ -177,7 +190,23 @@ impl Scheduler {
 
     /// Free blocks plus the blocks the prefix cache would give back.
     fn available_blocks(&self) -> usize {
-        self.pool.free_blocks() + self.cached_blocks
+        self.pool.free_blocks() + self.cache_only_blocks()
+    }
+
+    /// Blocks held by prefix-cache entries and nothing else (evicting
+    /// every entry frees exactly these).
+    fn cache_only_blocks(&self) -> usize {
+        (0..self.cache_refs.len())
+            .filter(|&b| self.cache_refs[b] > 0 && self.cache_refs[b] == self.pool.refs(b as u32))
+            .count()
+    }
+
+    /// Counts (`hold`) or uncounts a cache entry's blocks in `cache_refs`.
+    fn cache_hold(&mut self, blocks: &[u32], hold: bool) {
+        for &b in blocks {
+            let r = &mut self.cache_refs[b as usize];
+            *r = if hold { *r + 1 } else { r.saturating_sub(1) };
+        }
     }
 
     /// Starts a sequence (call [`Self::can_admit`] first; [`Self::check`]
@@ -205,9 +234,21 @@ impl Scheduler {
             .enumerate()
             .map(|(i, c)| (common_prefix(&c.tokens, prompt).min(prompt.len() - 1), i))
             .max_by_key(|&(n, i)| (n, i));
+        // Feeding resumes at position n: the block holding it must be the
+        // new sequence's alone (a block also read by others is reused only
+        // up to its start).
+        let bs = self.pool.block_size();
+        let writable = |c: &Cached, n: usize| {
+            if n.is_multiple_of(bs) || self.pool.refs(c.blocks[n / bs]) == 1 {
+                n
+            } else {
+                n - n % bs
+            }
+        };
+        let best = best.map(|(n, i)| (writable(&self.cache[i], n), i));
         if let Some((n, i)) = best.filter(|&(n, _)| n > 0) {
             let mut c = self.cache.remove(i).expect("found above");
-            self.cached_blocks -= c.blocks.len();
+            self.cache_hold(&c.blocks, false);
             self.pool.truncate(&mut c.blocks, n);
             seq.blocks.extend_from_slice(&c.blocks);
             seq.fed = n;
@@ -234,7 +275,7 @@ impl Scheduler {
         if s.fed == 0 {
             return true;
         }
-        self.cached_blocks += s.blocks.len();
+        self.cache_hold(&s.blocks, true);
         self.cache.push_back(Cached {
             tokens: s.tokens,
             blocks: s.blocks,
@@ -253,7 +294,7 @@ impl Scheduler {
     fn evict_oldest(&mut self) -> bool {
         match self.cache.pop_front() {
             Some(mut c) => {
-                self.cached_blocks -= c.blocks.len();
+                self.cache_hold(&c.blocks, false);
                 self.pool.release(&mut c.blocks);
                 true
             }
@@ -307,6 +348,11 @@ impl Scheduler {
                     i += 1;
                     continue;
                 }
+                if !decode && self.share_prefix(i) == Share::Wait {
+                    i += 1;
+                    continue;
+                }
+                let pending = self.running[i].tokens.len() - self.running[i].fed;
                 let want = pending.min(budget);
                 // Only decode tokens may preempt: in the decode pass the
                 // younger sequences are not planned yet; prefill chunks
@@ -380,15 +426,16 @@ impl Scheduler {
     /// Positions held by sequences in flight (whole blocks; the prefix
     /// cache not counted).
     pub fn kv_used(&self) -> usize {
-        (self.pool.total_blocks() - self.pool.free_blocks() - self.cached_blocks)
+        (self.pool.total_blocks() - self.pool.free_blocks() - self.cache_only_blocks())
             * self.pool.block_size()
     }
-    /// Positions held by the prefix cache (whole blocks), free for the
-    /// taking.
+    /// Positions held by the prefix cache alone (whole blocks), free for
+    /// the taking.
     pub fn kv_cached(&self) -> usize {
-        self.cached_blocks * self.pool.block_size()
+        self.cache_only_blocks() * self.pool.block_size()
     }
-    /// Prompt positions whose KV came from the prefix cache so far.
+    /// Prompt positions whose KV came from the prefix cache or from another
+    /// running sequence so far.
     pub fn reused_tokens(&self) -> u64 {
         self.reused
     }
@@ -452,6 +499,40 @@ impl Scheduler {
         }
     }
 
+    /// For running sequence `i`, which has fed nothing yet: the older
+    /// running sequence whose tokens share the most whole blocks with its
+    /// own (its last token aside, which is fed in any case). If that
+    /// sequence has fed them, sequence `i` takes them and will be fed from
+    /// the first position past them; if not yet, it waits.
+    fn share_prefix(&mut self, i: usize) -> Share {
+        let bs = self.pool.block_size();
+        let me = &self.running[i];
+        if me.fed != 0 {
+            return Share::None;
+        }
+        let own = me.tokens.len() - 1;
+        let Some((k, j)) = self.running[..i]
+            .iter()
+            .enumerate()
+            .map(|(j, d)| (common_prefix(&d.tokens, &me.tokens).min(own) / bs, j))
+            .filter(|&(k, _)| k > 0)
+            .max_by_key(|&(k, j)| (k, std::cmp::Reverse(j)))
+        else {
+            return Share::None;
+        };
+        if self.running[j].fed < k * bs {
+            return Share::Wait;
+        }
+        // Both lists are the scheduler's; take the donor's ids out while
+        // the pool rewrites the sequence's first k.
+        let donor = std::mem::take(&mut self.running[j].blocks);
+        self.pool.share(&donor[..k], &mut self.running[i].blocks);
+        self.running[j].blocks = donor;
+        self.running[i].fed = k * bs;
+        self.reused += (k * bs) as u64;
+        Share::Shared
+    }
+
     fn preempt(&mut self, i: usize) {
         let mut s = self.running.remove(i);
         self.pool.release(&mut s.blocks);
@@ -464,6 +545,16 @@ impl Scheduler {
 /// How many leading tokens `a` and `b` share.
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Share {
+    /// No older sequence shares a whole block of tokens.
+    None,
+    /// The sequence now reads an older one's blocks for its first positions.
+    Shared,
+    /// The older sequence has yet to feed the shared positions.
+    Wait,
 }
 
 enum Grow {
@@ -653,6 +744,87 @@ mod tests {
         assert_eq!(s.kv_used(), 28);
         assert!(s.kv_cached() <= 4);
         assert!(s.remove(6));
+        s.clear_cache();
+        assert_eq!((s.kv_used(), s.kv_cached()), (0, 0));
+    }
+
+    #[test]
+    fn prompts_arriving_together_share_their_common_blocks() {
+        // Blocks of 4: sequences 2 and 3 share 10 and 9 tokens with
+        // sequence 1, so 2 whole blocks each; sequence 4 shares nothing.
+        let mut s = sched(4, 64, 16);
+        let mut b = Batch::default();
+        let p1: Vec<u32> = (1..=12).collect();
+        let mut p2 = p1[..10].to_vec();
+        p2.extend([50, 51, 52]);
+        let mut p3 = p1[..9].to_vec();
+        p3.push(60);
+        for (id, p) in [(1, &p1), (2, &p2), (3, &p3), (4, &vec![9; 5])] {
+            assert!(s.admit(id, p, 4));
+        }
+        // Step 1: sequence 1's prompt; 2 and 3 wait for its first blocks,
+        // 4 is fed as usual.
+        let plan = step(&mut s, &mut b);
+        let fed: Vec<(SeqId, usize)> = plan.iter().map(|p| (p.id, p.tokens)).collect();
+        assert_eq!(fed, [(1, 12), (4, 5)]);
+        // Step 2: 2 and 3 read sequence 1's first two blocks and are fed
+        // from position 8.
+        let plan = step(&mut s, &mut b);
+        let fed: Vec<(SeqId, usize)> = plan.iter().map(|p| (p.id, p.tokens)).collect();
+        assert_eq!(fed, [(1, 1), (4, 1), (2, 5), (3, 2)]);
+        assert_eq!(s.reused_tokens(), 16);
+        let rows: Vec<&[i32]> = b.seq_table().chunks(4).collect();
+        let blocks = |row: &[i32], n: usize| {
+            let off = row[3] as usize;
+            b.block_table()[off..off + n].to_vec()
+        };
+        assert_eq!((rows[2][2], rows[3][2]), (8, 8), "fed from position 8");
+        let one = blocks(rows[0], 2);
+        assert_eq!(blocks(rows[2], 2), one);
+        assert_eq!(blocks(rows[3], 2), one);
+        // Their own blocks past the shared ones are distinct.
+        let (b2, b3) = (blocks(rows[2], 4)[2..].to_vec(), blocks(rows[3], 3)[2]);
+        assert!(!one.contains(&b3) && !b2.contains(&b3) && !b2.iter().any(|x| one.contains(x)));
+        // 1: 4 blocks, 2: 2 own (13 + 1 tokens), 3: 1 own, 4: 2; shared
+        // blocks counted once.
+        assert_eq!(s.kv_used(), (4 + 2 + 1 + 2) * 4);
+        // Sequence 1 leaves: the shared blocks stay with 2 and 3.
+        assert!(s.remove(1));
+        assert_eq!(s.kv_used(), (2 + 2 + 1 + 2) * 4);
+        step(&mut s, &mut b);
+        for id in [2, 3, 4] {
+            assert!(s.remove(id));
+        }
+        assert_eq!((s.kv_used(), s.kv_cached()), (0, 0));
+        assert!(s.can_admit(16 * 4 - 4), "every block is free again");
+    }
+
+    #[test]
+    fn a_cached_prefix_is_not_resumed_inside_a_shared_block() {
+        let mut s = sched(4, 64, 16);
+        let mut b = Batch::default();
+        let p1: Vec<u32> = (1..=9).collect();
+        assert!(s.admit(1, &p1, 4));
+        step(&mut s, &mut b);
+        let mut p2 = p1[..8].to_vec();
+        p2.push(70);
+        assert!(s.admit(2, &p2, 4));
+        step(&mut s, &mut b); // 2 shares sequence 1's first two blocks
+        assert_eq!(s.reused_tokens(), 8);
+        assert!(s.finish(2));
+        // Sequence 2's entry holds positions 0..10 (two shared blocks and
+        // its own). A prompt sharing 6 of them would resume inside the
+        // second block, which sequence 1 still reads: it reuses 4.
+        let mut p3 = p1[..6].to_vec();
+        p3.extend([80, 81]);
+        assert!(s.admit(3, &p3, 4));
+        assert_eq!(s.reused_tokens(), 8 + 4);
+        let plan = step(&mut s, &mut b);
+        let row = plan.iter().position(|p| p.id == 3).expect("planned");
+        assert_eq!(b.seq_table()[4 * row + 2], 4, "fed from position 4");
+        for id in [1, 3] {
+            assert!(s.remove(id));
+        }
         s.clear_cache();
         assert_eq!((s.kv_used(), s.kv_cached()), (0, 0));
     }
