@@ -812,8 +812,18 @@ fn decode_t<F: Fmt>(w: &[u8], row_bytes: usize, out: &mut [WUnit]) {
 /// Tokens per packed group of the AVX2 kernel: two registers of 8 (one
 /// `i32` lane each).
 pub(super) const TG_I16: usize = 16;
-/// Weight rows per call of the AVX2 packed kernel.
-pub(super) const R_I16: usize = 4;
+/// Weight rows per call of the AVX2 packed kernel: 6 rows × 2 registers
+/// of tokens keep 12 accumulators, each activation pair loaded once for 6
+/// rows. Against 4 rows (and 16-row work chunks, now 24), `qmatmul_bench 1
+/// S` on the 1B-shaped in-cache shape, 3 interleaved runs, best-of-5 ms:
+/// Q6_K S=16 2.70-2.97 -> 1.62-2.14, S=256 26.0-27.5 -> 19.7-20.6; Q4_K
+/// S=16 1.38-2.13 -> 1.39-1.84, S=256 18.2-19.3 -> 19.0-19.3; the 2048x8192
+/// down shape Q4_K S=16 7.4-8.8 -> 6.1-6.7, Q6_K S=256 109-136 -> 88-92.
+/// In a 16-sequence step on the 1B-shaped Q4_K_M file (`examples/op_profile
+/// MODEL 6 2 16`, 4 interleaved rounds) the Q6_K output head went from 0.30
+/// to 0.235 of the (Q4_K) gate/up time, the down projections (half Q6_K)
+/// from 0.86 to 0.75; the gate/up time itself moved within noise.
+pub(super) const R_I16: usize = 6;
 
 /// One 32-element block of 16 tokens' activations for the AVX2 packed
 /// kernel: per pair `p` of elements, the two 16-bit activations

@@ -40,7 +40,8 @@
 //!   integer products summed across the vector and reduced into one lane
 //!   per row (AVX2 `maddubs`/`madd`; AVX-512 VNNI 256-bit `vpdpbusd`).
 //! * Larger S (prefill): work chunks of up to [`COLS_PER_CHUNK`] weight
-//!   rows, decoded once per chunk into 16-bit quants, times packed groups
+//!   rows (24 at AVX2, 4 calls of 6 rows), decoded once per chunk into
+//!   16-bit quants, times packed groups
 //!   of tokens' 16-bit activations (`256 qs + qr`): AVX2 `vpmaddwd` with 8
 //!   tokens per register, AVX-512 VNNI `vpdpwssd` with 16.
 //! * [`Isa::Scalar`]: the reference ([`dot_q8_scalar`]).
@@ -561,6 +562,8 @@ mod packed {
         type A: Copy + Default + Send + Sync + 'static;
         const TG: usize;
         const R: usize;
+        /// Weight rows per work chunk (a multiple of `R` and of 8).
+        const COLS: usize = COLS_PER_CHUNK;
         fn acts() -> &'static LocalKey<RefCell<Vec<Self::A>>>;
         fn wdec() -> &'static LocalKey<RefCell<Vec<Self::W>>>;
         /// # Safety
@@ -629,6 +632,7 @@ mod packed {
         type A = ActI16;
         const TG: usize = avx2::TG_I16;
         const R: usize = avx2::R_I16;
+        const COLS: usize = 4 * avx2::R_I16;
         fn acts() -> &'static LocalKey<RefCell<Vec<ActI16>>> {
             &ACTS_I16
         }
@@ -793,14 +797,14 @@ mod packed {
             }
             let packed: &[K::A] = packed;
             let yp = SyncPtr::new(y);
-            let col_chunks = n_out.div_ceil(COLS_PER_CHUNK);
+            let col_chunks = n_out.div_ceil(K::COLS);
             let tok_chunks = s.div_ceil(PACKED_TOKENS_PER_CHUNK);
             let swiglu = matches!(epilogue, Epilogue::SwiGlu);
             // Rows per chunk rounded up to whole kernel calls.
-            let rp = COLS_PER_CHUNK.div_ceil(rk) * rk;
+            let rp = K::COLS.div_ceil(rk) * rk;
             pool.run(col_chunks * tok_chunks, &|c| {
                 let (cc, tc) = (c % col_chunks, c / col_chunks);
-                let (j0, j1) = (cc * COLS_PER_CHUNK, ((cc + 1) * COLS_PER_CHUNK).min(n_out));
+                let (j0, j1) = (cc * K::COLS, ((cc + 1) * K::COLS).min(n_out));
                 let (t0, t1) = (
                     tc * PACKED_TOKENS_PER_CHUNK,
                     ((tc + 1) * PACKED_TOKENS_PER_CHUNK).min(s),
@@ -816,7 +820,7 @@ mod packed {
                     // where the level can, else through the GGUF rows. With
                     // x8 weights r0 and r1 are whole groups (the entry
                     // checks that `n_out` is; chunks start at multiples of
-                    // COLS_PER_CHUNK).
+                    // K::COLS).
                     let decode = |r0: usize, r1: usize, out: &mut [K::W]| {
                         let b = &w.bytes[r0 * row_bytes..r1 * row_bytes];
                         // SAFETY (both calls): the caller checked the level.
