@@ -118,9 +118,11 @@ impl AttnWork {
         let rp = (block_queries(n_rep).min(max_tokens.max(1)) * n_rep).next_multiple_of(16);
         let per_thread = tiled_scratch(rp, d).max(decode_scratch(decode_rows(n_rep), d));
         let max_seqs = max_seqs.max(1);
-        // Decode items: per kv head, the spans of every sequence; the
-        // sequences' blocks are disjoint, so their spans add up to at most
-        // the pool's plus one per sequence.
+        // Decode items: per kv head, the spans of every sequence. Sequences
+        // with blocks of their own have spans adding up to at most the
+        // pool's plus one per sequence; sequences that share prompt blocks
+        // can go past that, and `partials` and `items` then grow once, at
+        // the first such step, and keep that size.
         let decode_items = geom.n_kv_heads * (geom.capacity().div_ceil(SPAN) + max_seqs);
         let tiled_items = geom.n_kv_heads * (max_tokens.div_ceil(block_queries(n_rep)) + max_seqs);
         AttnWork {
