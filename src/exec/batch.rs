@@ -187,8 +187,12 @@ impl KvPool {
     }
     fn unref(&mut self, b: u32) {
         let r = &mut self.refs[b as usize];
-        debug_assert!(*r > 0, "block {b} let go of twice");
-        *r = r.saturating_sub(1);
+        if *r == 0 {
+            // Already free: letting go twice must not list it twice.
+            debug_assert!(false, "block {b} let go of twice");
+            return;
+        }
+        *r -= 1;
         if *r == 0 {
             self.free.push(b);
         }
