@@ -20,7 +20,10 @@ fn main() {
     let threads: usize = args.get(3).map(|s| s.parse().unwrap()).unwrap_or(1);
     let seqs: usize = args.get(4).map(|s| s.parse().unwrap()).unwrap_or(1);
     let model = Model::open(std::path::Path::new(path)).unwrap();
-    let (s, wall) = if seqs <= 1 {
+    let prefill: Option<usize> = std::env::var("PREFILL").ok().map(|v| v.parse().unwrap());
+    let (s, wall) = if let Some(n) = prefill {
+        prompt(&model, steps, threads, n)
+    } else if seqs <= 1 {
         single(&model, steps, threads)
     } else {
         batched(&model, steps, threads, seqs)
@@ -31,10 +34,11 @@ fn main() {
         *by_op.entry(p.op).or_default() += p.total.as_secs_f64() / steps as f64;
     }
     let total: f64 = by_op.values().sum();
+    let tokens = prefill.unwrap_or(seqs.max(1));
     println!(
         "{:.1} us per step wall ({:.1} tokens/s), {:.1} us inside ops, {} ops: executor overhead {:.3} us per op",
         wall * 1e6,
-        seqs.max(1) as f64 / wall,
+        tokens as f64 / wall,
         total * 1e6,
         prof.len(),
         (wall - total) * 1e6 / prof.len() as f64
@@ -65,6 +69,27 @@ fn single(model: &Model, steps: usize, threads: usize) -> (Session, f64) {
     let t0 = std::time::Instant::now();
     for _ in 0..steps {
         tok = argmax(s.feed(&[tok]).unwrap()) as u32;
+    }
+    (s, t0.elapsed().as_secs_f64() / steps as f64)
+}
+
+/// One `n`-token prompt per step, each on a reset session.
+fn prompt(model: &Model, steps: usize, threads: usize, n: usize) -> (Session, f64) {
+    let opts = SessionOptions {
+        context: Some(n.max(16)),
+        batch: 512,
+        threads,
+        logit_rows: LogitRows::Last,
+        ..SessionOptions::default()
+    };
+    let mut s = Session::new(model, &opts).unwrap();
+    let toks: Vec<u32> = (0..n as u32).map(|i| 100 + 7 * i).collect();
+    s.feed(&toks).unwrap();
+    s.exec.set_profiling(true);
+    let t0 = std::time::Instant::now();
+    for _ in 0..steps {
+        s.reset();
+        s.feed(&toks).unwrap();
     }
     (s, t0.elapsed().as_secs_f64() / steps as f64)
 }
