@@ -7,6 +7,7 @@ mod common;
 use llama_graph::dist::local::LocalTransport;
 use llama_graph::dist::stage::{agree, serve_stage, PipelineLink};
 use llama_graph::dist::{open_stage_model, Transport};
+use llama_graph::exec::Batch;
 use llama_graph::generate::SamplerConfig;
 use llama_graph::ir::{dot::DotOptions, DType, LogitRows, Op};
 use llama_graph::model::{build_llama, BuildOptions};
@@ -499,4 +500,59 @@ fn a_dead_stage_is_an_error_not_a_hang() {
         .unwrap();
     let e = s.feed(&[1, 2, 3]).unwrap_err().to_string();
     assert!(e.contains("rank 1"), "{e}");
+}
+
+/// A batch's KV block copies (a sequence taking another's positions inside
+/// a partial block, as the server's prefix sharing does) give the logits
+/// that feeding those positions gives, in one process and over every stage
+/// of a pipeline; without the copy they differ.
+#[test]
+fn block_copies_reach_every_stage() {
+    // 3 layers: its own checkpoint (tests run at once).
+    let path = random_meta(3);
+    let o = SessionOptions {
+        parallel: 2,
+        ..opts(32, PassList::all())
+    };
+    let vocab = Model::open(&path).unwrap().args.vocab_size.unwrap() as u32;
+    let a = prompt(20, vocab);
+    let mut b = a[..19].to_vec();
+    b.extend([5, 6]);
+    let top = |s: &mut Session, batch: &Batch| top10(s.step(batch).unwrap().row(0));
+    // Sequence A in blocks 0, 1; then B reads A's block 0, gets a copy of
+    // A's block 1 (positions 16..19 of the prompt) into its own block 3
+    // and is fed from position 19. `copy` false leaves block 3 as it was.
+    let shared = |s: &mut Session, copy: bool| {
+        let bs = s.exec.kv_geom().block;
+        assert!(
+            bs < 19 && 19 < 2 * bs,
+            "position 19 lies in the second block"
+        );
+        let mut batch = Batch::with_capacity(32, 2, 8);
+        batch.push(&a, 0, &[0, 1]);
+        top(s, &batch);
+        batch.clear();
+        if copy {
+            batch.copy_block(1, 3);
+        }
+        batch.push(&b[19..], 19, &[0, 3]);
+        top(s, &batch)
+    };
+    let alone = |s: &mut Session| {
+        let mut batch = Batch::with_capacity(32, 2, 8);
+        batch.push(&b, 0, &[4, 5]);
+        top(s, &batch)
+    };
+    let model = || Model::open(&path).unwrap();
+    let want = alone(&mut Session::new(&model(), &o).unwrap());
+    let got = shared(&mut Session::new(&model(), &o).unwrap(), true);
+    assert_same("one process", std::slice::from_ref(&want), &[got]);
+    let stale = shared(&mut Session::new(&model(), &o).unwrap(), false);
+    assert_ne!(stale, want, "without the copy, B reads stale positions");
+    let piped = with_pipeline(&path, 3, None, &o, |mut s, _| {
+        let got = shared(&mut s, true);
+        s.stop_pipeline("").unwrap();
+        got
+    });
+    assert_same("3 stages", &[want], &[piped]);
 }

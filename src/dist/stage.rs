@@ -5,7 +5,8 @@
 //! the KV pool's block allocator. Each step it sends the next rank the
 //! step's batch (its tokens, the sequence table with each sequence's first
 //! token, token count, start position and block-list offset, and the block
-//! table: see [`crate::exec::Batch`]), whether logits are wanted, and the
+//! table, and the block copies to apply first: see [`crate::exec::Batch`]),
+//! whether logits are wanted, and the
 //! `[S, dim]` hidden state, little-endian. Each middle rank runs its stage on it
 //! and sends the same header with its own output onward; the last rank
 //! sends the logits back to rank 0 when the header asks for them (the last
@@ -44,8 +45,9 @@ pub enum StageMsg {
 const KIND_STEP: u32 = 1;
 const KIND_STOP: u32 = 2;
 const KIND_ECHO: u32 = 3;
-/// kind, flags, token count, sequence-table values, block count, hidden values.
-const HEADER_WORDS: usize = 6;
+/// kind, flags, token count, sequence-table values, block count,
+/// copy-table values, hidden values.
+const HEADER_WORDS: usize = 7;
 const HEADER_BYTES: usize = 4 * HEADER_WORDS;
 
 fn put_u32(out: &mut Vec<u8>, v: u32) {
@@ -76,26 +78,41 @@ fn u32_at(b: &[u8], i: usize) -> u32 {
 }
 
 /// Bytes of a step message: the header, the batch's tables (4 bytes per
-/// token, 16 per sequence, 4 per block) and the hidden state.
-pub fn step_bytes(tokens: usize, seqs: usize, blocks: usize, hidden: usize) -> usize {
-    HEADER_BYTES + 4 * (tokens + 4 * seqs + blocks + hidden)
+/// token, 16 per sequence, 4 per block, 8 per block copy) and the hidden
+/// state.
+pub fn step_bytes(
+    tokens: usize,
+    seqs: usize,
+    blocks: usize,
+    copies: usize,
+    hidden: usize,
+) -> usize {
+    HEADER_BYTES + 4 * (tokens + 4 * seqs + blocks + 2 * copies + hidden)
 }
 
 /// Encodes a step.
 pub fn encode_step(h: &StepHeader, batch: &Batch, hidden: &[f32]) -> Vec<u8> {
     let (t, q, bl) = (batch.tokens(), batch.seq_table(), batch.block_table());
-    let mut out = Vec::with_capacity(step_bytes(t.len(), q.len() / 4, bl.len(), hidden.len()));
+    let cp = batch.copy_table();
+    let mut out = Vec::with_capacity(step_bytes(
+        t.len(),
+        q.len() / 4,
+        bl.len(),
+        cp.len() / 2,
+        hidden.len(),
+    ));
     for w in [
         KIND_STEP,
         u32::from(h.want_logits),
         t.len() as u32,
         q.len() as u32,
         bl.len() as u32,
+        cp.len() as u32,
         hidden.len() as u32,
     ] {
         put_u32(&mut out, w);
     }
-    for v in t.iter().chain(q).chain(bl) {
+    for v in t.iter().chain(q).chain(bl).chain(cp) {
         out.extend_from_slice(&v.to_le_bytes());
     }
     f32s_to_bytes(&mut out, hidden);
@@ -145,11 +162,12 @@ pub fn decode_stage(b: &[u8], peer: usize) -> Result<StageMsg, DistError> {
                 .and_then(|w| w.checked_add(HEADER_BYTES));
             if want != Some(b.len()) {
                 return Err(bad(format!(
-                    "{} tokens, {} sequence-table values, {} blocks and {} hidden values announced, {} bytes follow",
+                    "{} tokens, {} sequence-table values, {} blocks, {} copy-table values and {} hidden values announced, {} bytes follow",
                     n[0],
                     n[1],
                     n[2],
                     n[3],
+                    n[4],
                     b.len() - HEADER_BYTES
                 )));
             }
@@ -162,13 +180,14 @@ pub fn decode_stage(b: &[u8], peer: usize) -> Result<StageMsg, DistError> {
             let tokens = bytes_to_i32s(take(n[0]));
             let seqs = bytes_to_i32s(take(n[1]));
             let blocks = bytes_to_i32s(take(n[2]));
-            let hidden = bytes_to_f32s(take(n[3]));
+            let copies = bytes_to_i32s(take(n[3]));
+            let hidden = bytes_to_f32s(take(n[4]));
             let h = StepHeader {
                 want_logits: u32_at(b, 1) & 1 == 1,
             };
             Ok(StageMsg::Step(
                 h,
-                Batch::from_parts(tokens, seqs, blocks),
+                Batch::from_parts(tokens, seqs, blocks, copies),
                 hidden,
             ))
         }
@@ -406,9 +425,10 @@ mod tests {
         let mut batch = Batch::with_capacity(8, 2, 4);
         batch.push(&[5, 6], 17, &[3, 1]);
         batch.push(&[9], 4, &[0]);
+        batch.copy_block(2, 0);
         let v = [1.5f32, -0.25, 3.0, f32::MIN_POSITIVE, 0.0, 7.0];
         let b = encode_step(&h, &batch, &v);
-        assert_eq!(b.len(), step_bytes(3, 2, 3, 6));
+        assert_eq!(b.len(), step_bytes(3, 2, 3, 1, 6));
         assert_eq!(
             decode_stage(&b, 0).unwrap(),
             StageMsg::Step(h, batch, v.to_vec())

@@ -6,6 +6,16 @@
 //! position and KV slot from the batch's sequence table, checks it against
 //! the pool, and binds the graph's step inputs (`tokens`, `positions`,
 //! `kv.slots`, `kv.seqs`, `kv.blocks`) to it.
+//!
+//! A batch may also list **block copies**: before any of the step's tokens
+//! is computed, the executor copies each listed KV block, every layer's
+//! keys and values, onto another block. The scheduler uses this to give a
+//! new sequence the positions it shares with an older one inside a block
+//! that is not whole: the older sequence's block is copied into the new
+//! one's own, and the new sequence is fed from its first position past the
+//! shared tokens. Positions past those in the copy are stale; the new
+//! sequence writes them before anything reads them. Every pipeline stage
+//! applies the same copies to its own layers.
 
 use crate::ir::SEQ_TABLE_COLS;
 
@@ -16,6 +26,8 @@ pub struct Batch {
     /// `[N, 4]`: first token, token count, start position, block-list offset.
     seqs: Vec<i32>,
     blocks: Vec<i32>,
+    /// `[C, 2]`: source block, destination block.
+    copies: Vec<i32>,
 }
 
 impl Batch {
@@ -26,18 +38,25 @@ impl Batch {
             tokens: Vec::with_capacity(max_tokens),
             seqs: Vec::with_capacity(max_seqs * SEQ_TABLE_COLS),
             blocks: Vec::with_capacity(max_blocks),
+            copies: Vec::with_capacity(2 * max_seqs),
         }
     }
 
-    /// A batch from its three tables, as [`Batch::tokens`],
-    /// [`Batch::seq_table`] and [`Batch::block_table`] give them (a pipeline
-    /// stage receives them from the previous one). The executor checks a
-    /// batch before running it.
-    pub fn from_parts(tokens: Vec<i32>, seqs: Vec<i32>, blocks: Vec<i32>) -> Self {
+    /// A batch from its four tables, as [`Batch::tokens`],
+    /// [`Batch::seq_table`], [`Batch::block_table`] and
+    /// [`Batch::copy_table`] give them (a pipeline stage receives them from
+    /// the previous one). The executor checks a batch before running it.
+    pub fn from_parts(
+        tokens: Vec<i32>,
+        seqs: Vec<i32>,
+        blocks: Vec<i32>,
+        copies: Vec<i32>,
+    ) -> Self {
         Batch {
             tokens,
             seqs,
             blocks,
+            copies,
         }
     }
 
@@ -46,6 +65,15 @@ impl Batch {
         self.tokens.clear();
         self.seqs.clear();
         self.blocks.clear();
+        self.copies.clear();
+    }
+
+    /// Copies KV block `src` onto block `dst` (every layer's keys and
+    /// values) before the step's tokens are computed; copies apply in the
+    /// order they were added.
+    pub fn copy_block(&mut self, src: u32, dst: u32) {
+        let clamp = |b: u32| i32::try_from(b).unwrap_or(i32::MAX);
+        self.copies.extend([clamp(src), clamp(dst)]);
     }
 
     /// Adds the tokens of one sequence at positions `start..start +
@@ -90,6 +118,10 @@ impl Batch {
     }
     pub fn block_table(&self) -> &[i32] {
         &self.blocks
+    }
+    /// The block copies, `C` rows of (source, destination).
+    pub fn copy_table(&self) -> &[i32] {
+        &self.copies
     }
 }
 
@@ -256,7 +288,10 @@ mod tests {
         assert_eq!(b.n_seqs(), 2);
         assert_eq!(b.seq_table(), &[0, 3, 0, 0, 3, 1, 20, 1]);
         assert_eq!(b.block_table(), &[3, 0, 2]);
+        b.copy_block(3, 1);
+        assert_eq!(b.copy_table(), &[3, 1]);
         b.clear();
         assert!(b.is_empty());
+        assert!(b.copy_table().is_empty());
     }
 }

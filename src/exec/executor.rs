@@ -498,6 +498,7 @@ impl Executor {
                 context: self.context,
             });
         }
+        self.copy_blocks(batch.copy_table())?;
         seqs.fill_positions_and_slots(&mut self.positions[..s], &mut self.slots[..s]);
         let b = Bindings::new(s, n, seqs.max_keys());
         let arena = self.arena.base();
@@ -546,6 +547,46 @@ impl Executor {
         // SAFETY: the output buffer lies in the arena; no step is running.
         let data = unsafe { arena.slice(off, rows * vocab) };
         Ok(Logits { rows, vocab, data })
+    }
+
+    /// Applies a batch's block copies (see [`Batch::copy_block`]) to every
+    /// KV store this executor holds, in order, after checking them all:
+    /// (source, destination) pairs of distinct blocks inside the pool.
+    fn copy_blocks(&mut self, copies: &[i32]) -> Result<(), ExecError> {
+        if copies.is_empty() {
+            return Ok(());
+        }
+        let nb = self.geom.n_blocks;
+        let block = |v: i32| usize::try_from(v).ok().filter(|&b| b < nb);
+        if !copies.len().is_multiple_of(2) {
+            return Err(ExecError::Batch(format!(
+                "the copy table has {} values, not (source, destination) pairs",
+                copies.len()
+            )));
+        }
+        for c in copies.chunks_exact(2) {
+            match (block(c[0]), block(c[1])) {
+                (Some(a), Some(b)) if a != b => {}
+                _ => {
+                    return Err(ExecError::Batch(format!(
+                        "block copy {} -> {}: both must be distinct blocks of the pool's {nb}",
+                        c[0], c[1]
+                    )))
+                }
+            }
+        }
+        let per = self.geom.elems() / nb.max(1);
+        for c in copies.chunks_exact(2) {
+            let (src, dst) = (c[0] as usize * per, c[1] as usize * per);
+            // A pipeline stage's stores of other stages' layers are empty.
+            for store in self.caches.iter_mut().filter(|c| !c.is_empty()) {
+                match store {
+                    KvStore::F32(v) => v.copy_within(src..src + per, dst),
+                    KvStore::F16(v) => v.copy_within(src..src + per, dst),
+                }
+            }
+        }
+        Ok(())
     }
 
     fn weight(&self, loc: Loc) -> Result<WeightRef<'_>, RunError> {

@@ -29,13 +29,16 @@
 //!
 //! **Shared prompt prefixes.** Requests that arrive together often start
 //! with the same tokens (a chat template's system prompt). A sequence that
-//! has fed nothing yet and whose prompt shares at least one whole block of
-//! tokens with an older running sequence reads that sequence's blocks for
-//! them ([`KvPool::share`]) and is fed from the first position past them;
-//! while the older one has not fed those positions yet, the younger one
-//! waits for it (a step or two) rather than compute them a second time.
-//! Only whole blocks are shared, and a sequence only writes past its fed
-//! positions, so no block is written while another sequence reads it.
+//! has fed nothing yet and whose prompt starts with tokens an older
+//! running sequence has reads that sequence's whole blocks for them
+//! ([`KvPool::share`]); while the older one has not fed those positions
+//! yet, the younger one waits for it (a step or two) rather than compute
+//! them a second time. The shared tokens of a last, partial block are
+//! copied instead ([`Batch::copy_block`], at the start of the step), into
+//! the younger sequence's own block, when the older one has already fed
+//! them. The younger one is fed from the first position past the shared
+//! tokens. A sequence only writes past its fed positions, so no block is
+//! written while another sequence reads it.
 //!
 //! **Prefix cache.** A sequence that ends normally ([`Scheduler::finish`])
 //! keeps its KV blocks as a cache entry: the tokens whose positions it fed
@@ -348,7 +351,7 @@ impl Scheduler {
                     i += 1;
                     continue;
                 }
-                if !decode && self.share_prefix(i) == Share::Wait {
+                if !decode && self.share_prefix(i, batch) == Share::Wait {
                     i += 1;
                     continue;
                 }
@@ -500,36 +503,54 @@ impl Scheduler {
     }
 
     /// For running sequence `i`, which has fed nothing yet: the older
-    /// running sequence whose tokens share the most whole blocks with its
-    /// own (its last token aside, which is fed in any case). If that
-    /// sequence has fed them, sequence `i` takes them and will be fed from
-    /// the first position past them; if not yet, it waits.
-    fn share_prefix(&mut self, i: usize) -> Share {
+    /// running sequences whose tokens share a prefix with its own (its last
+    /// token aside, which is fed in any case). While one of them has yet to
+    /// feed whole blocks of shared tokens beyond what another offers now,
+    /// sequence `i` waits. Otherwise it takes the most shared positions an
+    /// older sequence has fed: that sequence's whole blocks for them and, for
+    /// the rest, a copy of its next block into sequence `i`'s own (see
+    /// [`Batch::copy_block`]); it is then fed from the first position past
+    /// them.
+    fn share_prefix(&mut self, i: usize, batch: &mut Batch) -> Share {
         let bs = self.pool.block_size();
         let me = &self.running[i];
         if me.fed != 0 {
             return Share::None;
         }
         let own = me.tokens.len() - 1;
-        let Some((k, j)) = self.running[..i]
-            .iter()
-            .enumerate()
-            .map(|(j, d)| (common_prefix(&d.tokens, &me.tokens).min(own) / bs, j))
-            .filter(|&(k, _)| k > 0)
-            .max_by_key(|&(k, j)| (k, std::cmp::Reverse(j)))
-        else {
-            return Share::None;
-        };
-        if self.running[j].fed < k * bs {
+        // Per older sequence: the shared positions in whole blocks, and
+        // those it has fed.
+        let (mut whole, mut best) = (0, None::<(usize, usize)>);
+        for (j, d) in self.running[..i].iter().enumerate() {
+            let common = common_prefix(&d.tokens, &me.tokens).min(own);
+            whole = whole.max(common / bs * bs);
+            let have = common.min(d.fed);
+            if have > best.map_or(0, |(n, _)| n) {
+                best = Some((have, j));
+            }
+        }
+        let have = best.map_or(0, |(n, _)| n);
+        if have < whole {
             return Share::Wait;
         }
+        let Some((n, j)) = best else {
+            return Share::None;
+        };
+        let k = n / bs;
         // Both lists are the scheduler's; take the donor's ids out while
         // the pool rewrites the sequence's first k.
         let donor = std::mem::take(&mut self.running[j].blocks);
         self.pool.share(&donor[..k], &mut self.running[i].blocks);
+        if n > k * bs {
+            // The donor has fed positions k·bs..n; the sequence's block k
+            // is its own (reserved with its prompt, which extends past n).
+            // Copies apply in order, so a donor whose own block k is a
+            // copy made in this step passes on its contents.
+            batch.copy_block(donor[k], self.running[i].blocks[k]);
+        }
         self.running[j].blocks = donor;
-        self.running[i].fed = k * bs;
-        self.reused += (k * bs) as u64;
+        self.running[i].fed = n;
+        self.reused += n as u64;
         Share::Shared
     }
 
@@ -549,7 +570,7 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Share {
-    /// No older sequence shares a whole block of tokens.
+    /// No older sequence shares a token the sequence can take.
     None,
     /// The sequence now reads an older one's blocks for its first positions.
     Shared,
@@ -751,7 +772,8 @@ mod tests {
     #[test]
     fn prompts_arriving_together_share_their_common_blocks() {
         // Blocks of 4: sequences 2 and 3 share 10 and 9 tokens with
-        // sequence 1, so 2 whole blocks each; sequence 4 shares nothing.
+        // sequence 1, so 2 whole blocks each and part of the third;
+        // sequence 4 shares nothing.
         let mut s = sched(4, 64, 16);
         let mut b = Batch::default();
         let p1: Vec<u32> = (1..=12).collect();
@@ -767,24 +789,31 @@ mod tests {
         let plan = step(&mut s, &mut b);
         let fed: Vec<(SeqId, usize)> = plan.iter().map(|p| (p.id, p.tokens)).collect();
         assert_eq!(fed, [(1, 12), (4, 5)]);
-        // Step 2: 2 and 3 read sequence 1's first two blocks and are fed
-        // from position 8.
+        assert!(b.copy_table().is_empty());
+        // Step 2: 2 and 3 read sequence 1's first two blocks, get its third
+        // copied into their own, and are fed from positions 10 and 9.
         let plan = step(&mut s, &mut b);
         let fed: Vec<(SeqId, usize)> = plan.iter().map(|p| (p.id, p.tokens)).collect();
-        assert_eq!(fed, [(1, 1), (4, 1), (2, 5), (3, 2)]);
-        assert_eq!(s.reused_tokens(), 16);
+        assert_eq!(fed, [(1, 1), (4, 1), (2, 3), (3, 1)]);
+        assert_eq!(s.reused_tokens(), 10 + 9);
         let rows: Vec<&[i32]> = b.seq_table().chunks(4).collect();
         let blocks = |row: &[i32], n: usize| {
             let off = row[3] as usize;
             b.block_table()[off..off + n].to_vec()
         };
-        assert_eq!((rows[2][2], rows[3][2]), (8, 8), "fed from position 8");
-        let one = blocks(rows[0], 2);
-        assert_eq!(blocks(rows[2], 2), one);
-        assert_eq!(blocks(rows[3], 2), one);
-        // Their own blocks past the shared ones are distinct.
+        assert_eq!(
+            (rows[2][2], rows[3][2]),
+            (10, 9),
+            "fed past the shared tokens"
+        );
+        let one = blocks(rows[0], 3);
+        assert_eq!(blocks(rows[2], 2), one[..2]);
+        assert_eq!(blocks(rows[3], 2), one[..2]);
+        // Their own blocks past the shared ones are distinct; the third
+        // starts as a copy of sequence 1's.
         let (b2, b3) = (blocks(rows[2], 4)[2..].to_vec(), blocks(rows[3], 3)[2]);
         assert!(!one.contains(&b3) && !b2.contains(&b3) && !b2.iter().any(|x| one.contains(x)));
+        assert_eq!(b.copy_table(), [one[2], b2[0], one[2], b3]);
         // 1: 4 blocks, 2: 2 own (13 + 1 tokens), 3: 1 own, 4: 2; shared
         // blocks counted once.
         assert_eq!(s.kv_used(), (4 + 2 + 1 + 2) * 4);
