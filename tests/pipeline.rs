@@ -556,3 +556,29 @@ fn block_copies_reach_every_stage() {
     });
     assert_same("3 stages", &[want], &[piped]);
 }
+
+/// Block copies outside the pool, onto their own source or not in pairs
+/// fail the step with a message naming them, before anything is written.
+#[test]
+fn bad_block_copies_are_refused() {
+    let path = random_meta(3);
+    let o = SessionOptions {
+        parallel: 2,
+        ..opts(32, PassList::all())
+    };
+    let mut s = Session::new(&Model::open(&path).unwrap(), &o).unwrap();
+    let nb = s.exec.kv_geom().n_blocks as u32;
+    for (src, dst) in [(1, nb), (nb + 5, 0), (2, 2)] {
+        let mut batch = Batch::default();
+        batch.copy_block(src, dst);
+        batch.push(&[1, 2, 3], 0, &[0]);
+        let e = s.step(&batch).map(|_| ()).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("block copy {src} -> {dst}")) && e.contains(&format!("{nb}")),
+            "{e}"
+        );
+    }
+    let odd = Batch::from_parts(vec![1], vec![0, 1, 0, 0], vec![0], vec![1, 2, 3]);
+    let e = s.step(&odd).map(|_| ()).unwrap_err().to_string();
+    assert!(e.contains("copy table has 3 values"), "{e}");
+}
