@@ -502,18 +502,23 @@ fn a_dead_stage_is_an_error_not_a_hang() {
     assert!(e.contains("rank 1"), "{e}");
 }
 
+/// The block-copy tests' model (3 layers: their own checkpoint, as tests
+/// run at once) and options: steps of up to 32 tokens of 2 sequences.
+fn two_sequences() -> (PathBuf, SessionOptions) {
+    let o = SessionOptions {
+        parallel: 2,
+        ..opts(32, PassList::all())
+    };
+    (random_meta(3), o)
+}
+
 /// A batch's KV block copies (a sequence taking another's positions inside
 /// a partial block, as the server's prefix sharing does) give the logits
 /// that feeding those positions gives, in one process and over every stage
 /// of a pipeline; without the copy they differ.
 #[test]
 fn block_copies_reach_every_stage() {
-    // 3 layers: its own checkpoint (tests run at once).
-    let path = random_meta(3);
-    let o = SessionOptions {
-        parallel: 2,
-        ..opts(32, PassList::all())
-    };
+    let (path, o) = two_sequences();
     let vocab = Model::open(&path).unwrap().args.vocab_size.unwrap() as u32;
     let a = prompt(20, vocab);
     let mut b = a[..19].to_vec();
@@ -561,11 +566,7 @@ fn block_copies_reach_every_stage() {
 /// fail the step with a message naming them, before anything is written.
 #[test]
 fn bad_block_copies_are_refused() {
-    let path = random_meta(3);
-    let o = SessionOptions {
-        parallel: 2,
-        ..opts(32, PassList::all())
-    };
+    let (path, o) = two_sequences();
     let mut s = Session::new(&Model::open(&path).unwrap(), &o).unwrap();
     let nb = s.exec.kv_geom().n_blocks as u32;
     for (src, dst) in [(1, nb), (nb + 5, 0), (2, 2)] {
