@@ -186,17 +186,18 @@ fn at_most_parallel_sequences_run_and_the_rest_queue() {
 
 #[test]
 fn requests_with_a_common_prefix_compute_it_once_with_unchanged_tokens() {
-    // Six requests at once that start with the same 40 tokens (a system
+    // Six requests at once that start with the same 24 tokens (a system
     // prompt, say) and go on differently: the first computes the common
-    // part, the other five read its first two KV blocks (32 positions),
-    // get a copy of its third (positions 32..40 of it) and are fed from
-    // position 40. Every request gets the tokens it gets alone. (The first
-    // request is the longest, so that it is still running when the others
-    // arrive; one that arrived after it finished would take the prefix
-    // cache's 40 positions instead: 40 reused positions each either way.)
+    // part (its whole prompt in one step of at most 32 tokens), the other
+    // five read its first KV block (16 positions), get a copy of its
+    // second (positions 16..24 of it) and are fed from position 24. Every
+    // request gets the tokens it gets alone. (The first request is the
+    // longest, so that it is still running when the others arrive; one
+    // that arrived after it finished would take the prefix cache's 24
+    // positions instead: 24 reused positions each either way.)
     let e = engine(512, 6);
     let n = |j: usize| if j == 0 { 48 } else { 8 };
-    let common = prompt(40, 7);
+    let common = prompt(24, 7);
     let prompts: Vec<Vec<u32>> = (0..6)
         .map(|j| {
             let mut p = common.clone();
@@ -214,5 +215,5 @@ fn requests_with_a_common_prefix_compute_it_once_with_unchanged_tokens() {
     }
     wait_for(&e, |st| st.in_flight == 0);
     let reused = e.stats().tokens_prompt_cached_total;
-    assert_eq!(reused, 5 * 40);
+    assert_eq!(reused, 5 * 24);
 }
