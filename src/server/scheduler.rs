@@ -29,8 +29,9 @@
 //!
 //! **Shared prompt prefixes.** Requests that arrive together often start
 //! with the same tokens (a chat template's system prompt). A sequence that
-//! has fed nothing yet and whose prompt starts with tokens an older
-//! running sequence has reads that sequence's whole blocks for them
+//! no step has fed yet and whose prompt starts with more tokens an older
+//! running sequence has than it holds (from the prefix cache, below) reads
+//! that sequence's whole blocks for them
 //! ([`KvPool::share`]); while the older one has not fed those positions
 //! yet, the younger one waits for it (a step or two) rather than compute
 //! them a second time. The shared tokens of a last, partial block are
@@ -46,7 +47,10 @@
 //! same tokens takes over the entry with the longest common prefix and is
 //! fed from the first differing token (at least its last prompt token is
 //! always fed, for its logits), as llama-server's slots reuse their cached
-//! prompt. Entries are evicted, oldest first, whenever the pool needs their
+//! prompt. Where that token lies inside a block another sequence still
+//! reads, the entry gives the positions up to the block's start, and the
+//! sequence's first step takes the rest from a running sequence as above.
+//! Entries are evicted, oldest first, whenever the pool needs their
 //! blocks (admission, decode growth, readmission) and beyond `parallel` of
 //! them; they never cause a preemption or a refusal. Since every kernel
 //! computes a sequence's rows independently of the batch and of how its
@@ -108,6 +112,9 @@ struct Seq {
     tokens: Vec<u32>,
     /// Positions in the KV cache (a prefix of `tokens`).
     fed: usize,
+    /// Whether a step has fed it since it was admitted (or readmitted after
+    /// a preemption): until then it may still take shared positions.
+    started: bool,
     blocks: Vec<u32>,
     /// `tokens.len()` never exceeds this.
     max_len: usize,
@@ -226,6 +233,7 @@ impl Scheduler {
             id,
             tokens,
             fed: 0,
+            started: false,
             blocks: Vec::with_capacity(self.pool.blocks_for(prompt.len() + max_tokens)),
             max_len: prompt.len() + max_tokens,
         };
@@ -239,7 +247,7 @@ impl Scheduler {
             .max_by_key(|&(n, i)| (n, i));
         // Feeding resumes at position n: the block holding it must be the
         // new sequence's alone (a block also read by others is reused only
-        // up to its start).
+        // up to its start; `share_prefix` may add the rest).
         let bs = self.pool.block_size();
         let writable = |c: &Cached, n: usize| {
             if n.is_multiple_of(bs) || self.pool.refs(c.blocks[n / bs]) == 1 {
@@ -362,6 +370,7 @@ impl Scheduler {
                 // already hold their blocks (a prompt is reserved whole).
                 match self.grow(i, want, decode) {
                     Grow::Fits(n) => {
+                        self.running[i].started = true;
                         let s = &self.running[i];
                         batch.push(&s.tokens[s.fed..s.fed + n], s.fed, &s.blocks);
                         self.plan.push(Slot {
@@ -502,55 +511,61 @@ impl Scheduler {
         }
     }
 
-    /// For running sequence `i`, which has fed nothing yet: the older
-    /// running sequences whose tokens share a prefix with its own (its last
-    /// token aside, which is fed in any case). While one of them has yet to
-    /// feed whole blocks of shared tokens beyond what another offers now,
-    /// sequence `i` waits. Otherwise it takes the most shared positions an
-    /// older sequence has fed: that sequence's whole blocks for them and, for
-    /// the rest, a copy of its next block into sequence `i`'s own (see
-    /// [`Batch::copy_block`]); it is then fed from the first position past
-    /// them.
+    /// For running sequence `i`, which no step has fed yet (it may hold
+    /// positions from the prefix cache): the older running sequences whose
+    /// tokens share a prefix with its own (its last token aside, which is
+    /// fed in any case). While one of them has yet to feed whole blocks of
+    /// shared tokens beyond what sequence `i` holds and another offers now,
+    /// sequence `i` waits. Otherwise, if an older sequence has fed more
+    /// shared positions than sequence `i` holds, it takes the most: that
+    /// sequence's whole blocks for them and, for the rest, a copy of its
+    /// next block into sequence `i`'s own (see [`Batch::copy_block`]); it
+    /// is then fed from the first position past them.
     fn share_prefix(&mut self, i: usize, batch: &mut Batch) -> Share {
         let bs = self.pool.block_size();
         let me = &self.running[i];
-        if me.fed != 0 {
+        if me.started {
             return Share::None;
         }
-        let own = me.tokens.len() - 1;
-        // Per older sequence: the shared positions in whole blocks, and
-        // those it has fed.
+        let (own, held) = (me.tokens.len() - 1, me.fed);
+        // The shared positions in whole blocks, and the most shared
+        // positions an older sequence has fed.
         let (mut whole, mut best) = (0, None::<(usize, usize)>);
         for (j, d) in self.running[..i].iter().enumerate() {
             let common = common_prefix(&d.tokens, &me.tokens).min(own);
             whole = whole.max(common / bs * bs);
             let have = common.min(d.fed);
-            if have > best.map_or(0, |(n, _)| n) {
+            if have > best.map_or(held, |(n, _)| n) {
                 best = Some((have, j));
             }
         }
-        let have = best.map_or(0, |(n, _)| n);
+        let have = best.map_or(held, |(n, _)| n);
         if have < whole {
             return Share::Wait;
         }
         let Some((n, j)) = best else {
             return Share::None;
         };
-        let k = n / bs;
+        // Blocks below `held / bs` already hold the right positions; the
+        // ones from there to n's whole blocks are taken from the donor (a
+        // partly held block is the sequence's own and goes back), and the
+        // block holding position n, if any, is copied into the
+        // sequence's own: a fresh block, or its own partly held one.
+        let (k0, k) = (held / bs, n / bs);
         // Both lists are the scheduler's; take the donor's ids out while
-        // the pool rewrites the sequence's first k.
+        // the pool rewrites the sequence's.
         let donor = std::mem::take(&mut self.running[j].blocks);
-        self.pool.share(&donor[..k], &mut self.running[i].blocks);
+        self.pool
+            .share(&donor[k0..k], &mut self.running[i].blocks[k0..k]);
         if n > k * bs {
-            // The donor has fed positions k·bs..n; the sequence's block k
-            // is its own (reserved with its prompt, which extends past n).
-            // Copies apply in order, so a donor whose own block k is a
-            // copy made in this step passes on its contents.
+            // The donor has fed positions k·bs..n. Copies apply in order,
+            // so a donor whose own block k is a copy made in this step
+            // passes on its contents.
             batch.copy_block(donor[k], self.running[i].blocks[k]);
         }
         self.running[j].blocks = donor;
         self.running[i].fed = n;
-        self.reused += n as u64;
+        self.reused += (n - held) as u64;
         Share::Shared
     }
 
@@ -558,6 +573,7 @@ impl Scheduler {
         let mut s = self.running.remove(i);
         self.pool.release(&mut s.blocks);
         s.fed = 0;
+        s.started = false;
         self.preemptions += 1;
         self.preempted.push_back(s);
     }
@@ -829,7 +845,7 @@ mod tests {
     }
 
     #[test]
-    fn a_cached_prefix_is_not_resumed_inside_a_shared_block() {
+    fn a_cached_prefix_inside_a_shared_block_is_completed_by_a_copy() {
         let mut s = sched(4, 64, 16);
         let mut b = Batch::default();
         let p1: Vec<u32> = (1..=9).collect();
@@ -843,14 +859,26 @@ mod tests {
         assert!(s.finish(2));
         // Sequence 2's entry holds positions 0..10 (two shared blocks and
         // its own). A prompt sharing 6 of them would resume inside the
-        // second block, which sequence 1 still reads: it reuses 4.
+        // second block, which sequence 1 still reads: the entry gives 4.
         let mut p3 = p1[..6].to_vec();
         p3.extend([80, 81]);
         assert!(s.admit(3, &p3, 4));
         assert_eq!(s.reused_tokens(), 8 + 4);
-        let plan = step(&mut s, &mut b);
-        let row = plan.iter().position(|p| p.id == 3).expect("planned");
-        assert_eq!(b.seq_table()[4 * row + 2], 4, "fed from position 4");
+        // Its first step copies sequence 1's second block into its own and
+        // feeds it from position 6.
+        let one: Vec<i32> = {
+            let plan = step(&mut s, &mut b);
+            let row = plan.iter().position(|p| p.id == 3).expect("planned");
+            assert_eq!(b.seq_table()[4 * row + 2], 6, "fed from position 6");
+            let r1 = plan.iter().position(|p| p.id == 1).expect("planned");
+            let off = |r: usize| b.seq_table()[4 * r + 3] as usize;
+            let (o1, o3) = (off(r1), off(row));
+            assert_eq!(b.block_table()[o3], b.block_table()[o1], "block 0 shared");
+            assert_ne!(b.block_table()[o3 + 1], b.block_table()[o1 + 1]);
+            vec![b.block_table()[o1 + 1], b.block_table()[o3 + 1]]
+        };
+        assert_eq!(b.copy_table(), one);
+        assert_eq!(s.reused_tokens(), 8 + 6);
         for id in [1, 3] {
             assert!(s.remove(id));
         }
