@@ -575,15 +575,10 @@ impl Executor {
                 }
             }
         }
-        let per = self.geom.elems() / nb.max(1);
         for c in copies.chunks_exact(2) {
-            let (src, dst) = (c[0] as usize * per, c[1] as usize * per);
             // A pipeline stage's stores of other stages' layers are empty.
             for store in self.caches.iter_mut().filter(|c| !c.is_empty()) {
-                match store {
-                    KvStore::F32(v) => v.copy_within(src..src + per, dst),
-                    KvStore::F16(v) => v.copy_within(src..src + per, dst),
-                }
+                store.copy_block(&self.geom, c[0] as usize, c[1] as usize);
             }
         }
         Ok(())

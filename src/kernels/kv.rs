@@ -25,7 +25,12 @@ pub struct KvGeom {
 impl KvGeom {
     /// Elements of one layer's keys (or values).
     pub fn elems(&self) -> usize {
-        self.n_blocks * self.n_kv_heads * self.head_dim * self.block
+        self.n_blocks * self.block_elems()
+    }
+    /// Elements of one block of one layer's keys (or values): a block is
+    /// the outermost axis of both layouts, so its elements are contiguous.
+    pub fn block_elems(&self) -> usize {
+        self.n_kv_heads * self.head_dim * self.block
     }
     /// Positions the pool holds.
     pub fn capacity(&self) -> usize {
@@ -73,6 +78,19 @@ impl KvStore {
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+    /// Copies block `src` onto block `dst` (blocks of `geom`, keys or
+    /// values alike).
+    ///
+    /// # Panics
+    /// If either block lies outside the store.
+    pub fn copy_block(&mut self, geom: &KvGeom, src: usize, dst: usize) {
+        let per = geom.block_elems();
+        let (s, d) = (src * per, dst * per);
+        match self {
+            KvStore::F32(v) => v.copy_within(s..s + per, d),
+            KvStore::F16(v) => v.copy_within(s..s + per, d),
+        }
     }
 }
 
