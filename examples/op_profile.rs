@@ -6,6 +6,9 @@
 //! With `seqs` > 1 each step feeds one token of each of `seqs` sequences
 //! (what `serve` runs with that many clients): every sequence is first fed
 //! a 40-token prompt of its own, then the steps run on the shared KV pool.
+//! `BATCHED=1` takes that path with one sequence too (what `serve` runs
+//! with one client), in place of the single-sequence session; `CTX` and
+//! `BATCH` set that session's context (default 4096) and step budget (512).
 use llama_graph::exec::{Batch, KvPool};
 use llama_graph::generate::sampler::argmax;
 use llama_graph::ir::LogitRows;
@@ -23,7 +26,7 @@ fn main() {
     let prefill: Option<usize> = std::env::var("PREFILL").ok().map(|v| v.parse().unwrap());
     let (s, wall) = if let Some(n) = prefill {
         prompt(&model, steps, threads, n)
-    } else if seqs <= 1 {
+    } else if seqs <= 1 && std::env::var_os("BATCHED").is_none() {
         single(&model, steps, threads)
     } else {
         batched(&model, steps, threads, seqs)
@@ -96,8 +99,10 @@ fn prompt(model: &Model, steps: usize, threads: usize, n: usize) -> (Session, f6
 
 /// `seqs` sequences, one token of each per step.
 fn batched(model: &Model, steps: usize, threads: usize, seqs: usize) -> (Session, f64) {
+    let env = |v: &str, d: usize| std::env::var(v).ok().map_or(d, |x| x.parse().unwrap());
     let opts = SessionOptions {
-        context: Some(4096),
+        context: Some(env("CTX", 4096)),
+        batch: env("BATCH", 512),
         parallel: seqs,
         threads,
         ..SessionOptions::default()

@@ -25,9 +25,12 @@ Measured per client count:
   content chunk (median and 90th percentile over the requests);
 * per-stream decode rate: (tokens - 1) / (last chunk - first chunk),
   median over requests.
-And once per round for llama-graph: `llama-graph run --chat --temp 0 -n M`
-on the first prompt (decode tokens/s from `--stats-json`), the
-single-stream reference for the 1-client row.
+And for llama-graph, right before and right after its 1-client level (the
+server started and idle): `llama-graph run --chat --temp 0 -n M` on the
+first prompt (decode tokens/s from `--stats-json`), the single-stream
+reference. The 1-client stream's decode rate over the mean of those two
+runs is one paired ratio per round; the table gives their median and each
+of them, since on a shared host the rate drifts between minutes.
 
 The HTTP client is plain asyncio sockets (stdlib only), so that the client
 costs both servers the same little CPU. Results: JSON (`--out`) and a table.
@@ -294,16 +297,32 @@ def run(args):
                 srv, lc_flags = start_server(who, path, args, lc_bin, lc_flags)
                 try:
                     for c in clients:
+                        paired = who == "lg" and c == 1
+                        if paired:
+                            before = run_single(path, args, max_tokens)
                         r = asyncio.run(level(srv.port, c, args.requests_per_client, max_tokens))
                         samples.setdefault(f"{m}|{who}|{c}", []).append(r)
+                        if paired:
+                            after = run_single(path, args, max_tokens)
+                            pair = {"stream_decode": r["stream_decode_median"],
+                                    "run_before": before["decode_tokens_per_s"],
+                                    "run_after": after["decode_tokens_per_s"]}
+                            pair["ratio"] = pair["stream_decode"] / statistics.mean(
+                                [pair["run_before"], pair["run_after"]])
+                            samples.setdefault(f"{m}|pair", []).append(pair)
+                            samples.setdefault(f"{m}|run", []).extend([before, after])
+                            log(f"round {rnd} {m} run before/after the 1-client stream: "
+                                f"{pair['run_before']:.1f} / {pair['run_after']:.1f} tok/s decode, "
+                                f"stream {pair['stream_decode']:.1f} = {pair['ratio']:.2f}")
                         log(f"round {rnd} {m} {who} {c} clients: {r['tokens_per_s']:.1f} tok/s, "
                             f"TTFT {r['ttft_median_s'] * 1000:.0f} ms, stream {r['stream_decode_median'] or 0:.1f} tok/s"
                             + (f", {r['short_answers']} short answers" if r["short_answers"] else ""))
                 finally:
                     srv.stop()
-            s = run_single(path, args, max_tokens)
-            samples.setdefault(f"{m}|run", []).append(s)
-            log(f"round {rnd} {m} run: {s['decode_tokens_per_s']:.1f} tok/s decode")
+            if "lg" in servers and 1 not in clients:
+                s = run_single(path, args, max_tokens)
+                samples.setdefault(f"{m}|run", []).append(s)
+                log(f"round {rnd} {m} run: {s['decode_tokens_per_s']:.1f} tok/s decode")
     res = {"llama_server_extra_flags": lc_flags, "rounds": args.rounds, "threads": args.threads, "parallel": args.parallel, "ctx": args.ctx,
            "requests_per_client": args.requests_per_client, "cpu": cpu_name(),
            "models": models, "clients": clients, "samples": samples}
@@ -345,6 +364,15 @@ def table(res):
             db = statistics.median(x["stream_decode_median"] for x in lc)
             print(f"| {m} | {c} | {a:.1f} / {b:.1f} = **{a / b:.2f}** | {vs1} | "
                   f"{ta:.0f} / {tb:.0f} | {da:.1f} / {db:.1f} |")
+        pairs = s.get(f"{m}|pair")
+        if pairs:
+            ratios = sorted(p["ratio"] for p in pairs)
+            r = statistics.median(statistics.mean([p["run_before"], p["run_after"]]) for p in pairs)
+            d = statistics.median(p["stream_decode"] for p in pairs)
+            print(f"| {m} | `run` | decode {r:.1f} tokens/s; 1-client stream decode {d:.1f}; "
+                  f"stream / `run` paired per round: median {statistics.median(ratios):.2f} "
+                  f"({', '.join(f'{x:.2f}' for x in ratios)}) | | | |")
+            continue
         runs = s.get(f"{m}|run")
         if runs and one:
             r = med(runs, "decode_tokens_per_s")
