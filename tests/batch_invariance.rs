@@ -264,6 +264,7 @@ fn check_engine(model: impl Fn() -> Model, what: &str) {
                 sampler: greedy,
                 stop_strings: Vec::new(),
                 record_top: false,
+                ignore_eos: false,
             };
             let st = generate(&mut s, None, p, &opts, &mut |_| {}).unwrap();
             assert_eq!(st.stop_reason, Some(StopReason::Length));
@@ -279,6 +280,7 @@ fn check_engine(model: impl Fn() -> Model, what: &str) {
             sampler: greedy,
             stop_strings: Vec::new(),
             record_top: false,
+            ignore_eos: false,
         };
         generate(&mut s, None, &follow, &opts, &mut |_| {})
             .unwrap()

@@ -68,6 +68,7 @@ fn alone(prompt: &[u32], n: usize) -> Vec<u32> {
         sampler: greedy(),
         stop_strings: Vec::new(),
         record_top: false,
+        ignore_eos: false,
     };
     let st = generate(&mut s, None, prompt, &opts, &mut |_| {}).unwrap();
     assert_eq!(st.stop_reason, Some(StopReason::Length));

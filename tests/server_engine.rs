@@ -73,6 +73,7 @@ fn reference(prompt: &[u32], n: usize, sampler: SamplerConfig) -> Vec<u32> {
         sampler,
         stop_strings: Vec::new(),
         record_top: false,
+        ignore_eos: false,
     };
     let stats = generate(&mut s, None, prompt, &opts, &mut |_| {}).unwrap();
     assert_eq!(stats.stop_reason, Some(StopReason::Length));

@@ -92,6 +92,7 @@ impl Reference {
                 sampler,
                 stop_strings: stops.iter().map(|s| s.to_string()).collect(),
                 record_top: false,
+                ignore_eos: false,
             },
             &mut |s| text.push_str(s),
         )

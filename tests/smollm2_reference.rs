@@ -155,6 +155,35 @@ fn default_model_answers_paris() {
     );
 }
 
+/// `--ignore-eos` goes past the end of the assistant's turn to `-n`: the
+/// same answer first (the tokens before the end-of-turn are those of the
+/// run that stops there), then the end-of-turn token's text and more.
+#[test]
+fn ignore_eos_generates_all_n_tokens() {
+    let dir = std::env::temp_dir().join(format!("lg-ignore-eos-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let stats = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    let (short, stderr, ok) = france(&["--stats-json", &stats("stop.json")]);
+    assert!(ok, "{stderr}");
+    let (long, stderr, ok) = france(&["--ignore-eos", "--stats-json", &stats("all.json")]);
+    assert!(ok, "{stderr}");
+    let read = |name: &str| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(dir.join(name)).unwrap()).unwrap()
+    };
+    let (stop, all) = (read("stop.json"), read("all.json"));
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(stop["stop_reason"], "eos");
+    assert!(stop["generated_tokens"].as_u64().unwrap() < 24, "{stop}");
+    assert_eq!(all["stop_reason"], "length");
+    assert_eq!(all["generated_tokens"], 24);
+    let answer = short.trim_end();
+    assert!(answer.contains("Paris"), "{short:?}");
+    assert!(
+        long.starts_with(answer) && long.trim_end().len() > answer.len(),
+        "{long:?} does not extend {short:?}"
+    );
+}
+
 /// The same prompt on the default fast path (quantized activations), at
 /// every instruction-set level this CPU supports.
 /// Its first answer token is a near tie in float32 ("The" over "L" by 0.082

@@ -26,11 +26,12 @@ Measured per client count:
 * per-stream decode rate: (tokens - 1) / (last chunk - first chunk),
   median over requests.
 And for llama-graph, right before and right after its 1-client level (the
-server started and idle): `llama-graph run --chat --temp 0 -n M` on the
-first prompt (decode tokens/s from `--stats-json`), the single-stream
-reference. The 1-client stream's decode rate over the mean of those two
-runs is one paired ratio per round; the table gives their median and each
-of them, since on a shared host the rate drifts between minutes.
+server started and idle): `llama-graph run --chat --temp 0 -n M
+--ignore-eos` on the first prompt (M tokens, like every streamed answer;
+decode tokens/s from `--stats-json`), the single-stream reference. The
+1-client stream's decode rate over the mean of those two runs is one
+paired ratio per round; the table gives their median and each of them,
+since on a shared host the rate drifts between minutes.
 
 The HTTP client is plain asyncio sockets (stdlib only), so that the client
 costs both servers the same little CPU. Results: JSON (`--out`) and a table.
@@ -249,10 +250,12 @@ async def level(port, clients, per_client, max_tokens):
 def run_single(model, args, max_tokens):
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run([str(LG), "run", "-m", str(model), "-t", str(args.threads), "-c", str(args.ctx),
-                        "--chat", "--temp", "0", "-n", str(max_tokens), "-p", PROMPTS[0],
+                        "--chat", "--temp", "0", "-n", str(max_tokens), "--ignore-eos", "-p", PROMPTS[0],
                         "--stats-json", f.name], check=True, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
         s = json.loads(Path(f.name).read_text())
+    if s["generated_tokens"] != max_tokens:
+        raise RuntimeError(f"run generated {s['generated_tokens']} tokens, not {max_tokens}")
     return {"decode_tokens_per_s": s["decode_tokens_per_s"], "generated_tokens": s["generated_tokens"]}
 
 

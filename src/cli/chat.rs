@@ -92,6 +92,7 @@ pub fn run(a: ChatArgs) -> super::CliResult {
             sampler,
             stop_strings: Vec::new(),
             record_top: false,
+            ignore_eos: false,
         };
         let stdout = std::io::stdout();
         let mut out = stdout.lock();

@@ -16,7 +16,7 @@ use std::time::Instant;
 
 #[derive(Debug, Args)]
 #[command(
-    after_help = "Sampling order (fixed): repeat penalty, then greedy if --temp 0, else top-k, top-p, min-p, temperature, draw.\nStops at the model's end-of-sequence/end-of-turn token (not printed), at -n tokens, at a --stop string, or when the context is full."
+    after_help = "Sampling order (fixed): repeat penalty, then greedy if --temp 0, else top-k, top-p, min-p, temperature, draw.\nStops at the model's end-of-sequence/end-of-turn token (not printed; --ignore-eos goes on), at -n tokens, at a --stop string, or when the context is full."
 )]
 pub struct RunArgs {
     #[command(flatten)]
@@ -62,6 +62,11 @@ pub struct RunArgs {
     /// Stop when this text appears (repeatable); it is not printed.
     #[arg(long = "stop", value_name = "TEXT")]
     pub stop: Vec<String>,
+    /// Do not stop at the model's end-of-sequence/end-of-turn tokens: they
+    /// are printed like any other token and generation goes on to -n (what
+    /// the server's `ignore_eos` does; for timing a fixed number of tokens).
+    #[arg(long = "ignore-eos")]
+    pub ignore_eos: bool,
     /// Write the statistics as JSON to this file.
     #[arg(long = "stats-json", value_name = "PATH")]
     pub stats_json: Option<PathBuf>,
@@ -235,6 +240,7 @@ pub fn run(a: RunArgs) -> super::CliResult {
         sampler,
         stop_strings: a.stop.clone(),
         record_top: a.logits_out.is_some(),
+        ignore_eos: a.ignore_eos,
     };
     let stdout = std::io::stdout();
     let mut out = stdout.lock();

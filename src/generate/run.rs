@@ -16,6 +16,10 @@ pub struct GenOptions {
     pub stop_strings: Vec<String>,
     /// Record the top-10 logits of every step (for `--logits-out`).
     pub record_top: bool,
+    /// Keep generating past end-of-sequence / end-of-turn tokens (they are
+    /// sampled and decoded like any other), as llama.cpp's `--ignore-eos`
+    /// and the server's `ignore_eos`.
+    pub ignore_eos: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -143,7 +147,7 @@ pub fn generate(
         }
         let tok = sampler.sample(logits);
         stats.generated_tokens.push(tok);
-        if tokenizer.is_some_and(|t| t.is_stop(tok)) {
+        if !opts.ignore_eos && tokenizer.is_some_and(|t| t.is_stop(tok)) {
             stats.stop_reason = Some(StopReason::Eos);
             break;
         }
