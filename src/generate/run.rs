@@ -16,9 +16,9 @@ pub struct GenOptions {
     pub stop_strings: Vec<String>,
     /// Record the top-10 logits of every step (for `--logits-out`).
     pub record_top: bool,
-    /// Keep generating past end-of-sequence / end-of-turn tokens (they are
-    /// sampled and decoded like any other), as llama.cpp's `--ignore-eos`
-    /// and the server's `ignore_eos`.
+    /// Keep generating past end-of-sequence / end-of-turn tokens: they are
+    /// sampled and decoded like any other, as the server's `ignore_eos`
+    /// does (llama.cpp's `--ignore-eos` instead never samples them).
     pub ignore_eos: bool,
 }
 
