@@ -35,11 +35,14 @@ RSS), on stdout and in the JSON: `benches/results/<cpu-class>/bench.json`
 (see `benches/harness.py`), which holds this host's latest run only.
 
 `table` prints a results JSON (default: this host's) as a markdown table.
-`table --docs FILE` rewrites the generated part of FILE (between its
-`<!-- BEGIN generated ... -->` and `<!-- END generated -->` lines, the rest is
-kept) with the latest results of every CPU class in `benches/results/`: this
+`table --docs FILE` rewrites the generated parts of FILE, keeping the rest:
+the part between its `<!-- BEGIN generated ... -->` and `<!-- END generated -->`
+lines with the latest results of every CPU class in `benches/results/` (this
 harness's table, `benches/serve/serve_bench.py`'s and `compare.py`'s, each
-with the command that produced it and the llama-graph commit it measured.
+with the command that produced it and the llama-graph commit it measured),
+and every `<!-- bench.py table ARGS -->` ... `<!-- end of table -->` block with
+what `bench.py table ARGS` prints (the README's tables:
+`table --docs README.md`).
 """
 
 import argparse
@@ -49,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import importlib.util
+import re
 import shlex
 import tempfile
 from pathlib import Path
@@ -286,16 +290,33 @@ def docs_section():
     return lines
 
 
+# A single table in a page (the README): `<!-- bench.py table ARGS -->`, the
+# table that `bench.py table ARGS` prints, then `<!-- end of table -->`.
+TABLE_BLOCK = re.compile(r"(<!-- bench\.py table (.*?) -->\n)(.*?)(<!-- end of table -->)", re.S)
+
+
+def table_block(m):
+    a = argparse.ArgumentParser()
+    a.add_argument("json")
+    a.add_argument("--threads", type=lambda x: [int(v) for v in x.split(",")])
+    args = a.parse_args(shlex.split(m.group(2)))
+    lines = table(json.loads((REPO / args.json).read_text()), args.threads)
+    return m.group(1) + "\n".join(lines) + "\n" + m.group(4)
+
+
 def write_docs(path):
+    """Rewrites the generated parts of a markdown page: the every-class
+    section between BEGIN and END (appended when the page has neither it
+    nor a table block), and every single-table block."""
     path = Path(path)
     text = path.read_text() if path.exists() else ""
-    gen = "\n".join(docs_section())
     if BEGIN in text and END in text:
         head, rest = text.split(BEGIN, 1)
         tail = rest.split(END, 1)[1]
-        text = head + gen + tail
-    else:
-        text = text + ("\n" if text and not text.endswith("\n") else "") + gen + "\n"
+        text = head + "\n".join(docs_section()) + tail
+    elif not TABLE_BLOCK.search(text):
+        text = text + ("\n" if text and not text.endswith("\n") else "") + "\n".join(docs_section()) + "\n"
+    text = TABLE_BLOCK.sub(table_block, text)
     path.write_text(text)
     print(f"wrote {path}", file=sys.stderr)
 

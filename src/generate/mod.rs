@@ -1,4 +1,5 @@
 //! Generation: sampling, stop strings, and the prefill/decode loop.
+#![warn(missing_docs)]
 pub mod chat;
 pub mod run;
 pub mod sampler;
