@@ -31,6 +31,18 @@ none for native). Each command is one process; its peak RSS is the
 `ru_maxrss` that `wait4` returns for it. Results: medians over rounds,
 ratio = llama-graph / llama.cpp (higher is better for tokens/s, lower for
 RSS), on stdout and in the JSON (`--out`).
+
+`run --depths 0,4096` measures at depth instead (llama-bench's `-d`): both
+runtimes run `-p 512 -n 128 -d DEPTHS` (the 1B files `--one-b-depths`,
+default `0,4096,16384`), so every pp512/tg128 row is also measured after
+that many tokens already in the cache. Around every round the read
+bandwidth is measured with `target/release/examples/stream` (`cargo build
+--release --examples`; a read-only sum over 256 MiB, best of 5, at the
+same thread count), and the table gives, per tg row, llama-graph's decode
+against the bandwidth bound: read GB/s over the bytes a decode step reads
+(every weight byte, plus the KV cache's bytes per position -- from
+llama-graph's `kv_bytes_per_pos` -- times the positions the steps attend on
+average, depth + (n + 1) / 2).
 """
 
 import argparse
@@ -154,12 +166,34 @@ def timed(cmd, env=None):
     return out, ru.ru_maxrss / 1024.0
 
 
+def test_name(r):
+    """llama-bench's test name of a JSON row, with its depth (`tg128@d4096`)."""
+    name = f"pp{r['n_prompt']}" if r["n_prompt"] > 0 else f"tg{r['n_gen']}"
+    d = r.get("n_depth", 0)
+    return f"{name}@d{d}" if d else name
+
+
 def rows_of(out):
     res = {}
     for r in json.loads(out):
-        name = f"pp{r['n_prompt']}" if r["n_prompt"] > 0 else f"tg{r['n_gen']}"
-        res[name] = r["avg_ts"]
+        res[test_name(r)] = r["avg_ts"]
+        for k in ("model_size", "kv_bytes_per_pos"):
+            if k in r:
+                res[k] = r[k]
     return res
+
+
+def read_bandwidth(threads):
+    """Read-only GB/s (STREAM-style sum over 256 MiB, best of 5) at `threads`,
+    or None without the examples build."""
+    exe = REPO / "target" / "release" / "examples" / "stream"
+    if not exe.exists():
+        return None
+    out = subprocess.run([str(exe), "256", str(threads)], capture_output=True, text=True)
+    for line in out.stdout.splitlines():
+        if line.startswith("{"):
+            return json.loads(line)["read_gbs"]
+    return None
 
 
 def run(args):
@@ -180,6 +214,14 @@ def run(args):
                         continue
                     flags = ["-m", str(path), "-p", "128,512", "-n", str(n), "-t", str(t), "-r", "1",
                              "-o", "json"]
+                    if args.depths:
+                        depths = args.one_b_depths if v.startswith("1b_") else args.depths
+                        flags = ["-m", str(path), "-p", "512", "-n", "128", "-d", depths, "-t", str(t),
+                                 "-r", "1", "-o", "json"]
+                        bw = read_bandwidth(t)
+                        if bw is not None:
+                            res.setdefault("read_gbs", {}).setdefault(str(t), []).append(bw)
+                            log(f"round {rnd} read bandwidth at {t} threads: {bw:.2f} GB/s")
                     env = dict(os.environ)
                     if cls == "avx2":
                         env["LLAMA_GRAPH_ISA"] = "avx2"
@@ -215,8 +257,44 @@ def cpu_name():
     return "?"
 
 
+def depth_table(res):
+    samples = res["samples"]
+    keys = sorted({k.rsplit("|", 1)[0] for k in samples}, key=lambda k: (k.split("|")[1], k))
+    print(f"CPU: {res['cpu']}; medians of {res['rounds']} interleaved rounds; "
+          "ratio = llama-graph / llama.cpp (tok/s, higher is better)")
+    bws = res.get("read_gbs", {})
+    for t, v in sorted(bws.items()):
+        print(f"read bandwidth at {t} threads (examples/stream, per round): "
+              + ", ".join(f"{x:.1f}" for x in v) + f" GB/s; median {statistics.median(v):.1f}")
+    print("| variant | class | threads | test | llama-graph | llama.cpp | ratio | decode bound | of bound |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for k in keys:
+        v, cls, t = k.split("|")
+        lg, lc = samples.get(k + "|lg"), samples.get(k + "|lc")
+        if not lg or not lc:
+            continue
+        names = [x for x in lg[0] if x.startswith(("pp", "tg"))]
+        names.sort(key=lambda x: (int(x.split("@d")[1]) if "@d" in x else 0, x[:2]))
+        for name in names:
+            if name not in lc[0]:
+                continue
+            a = statistics.median(s[name] for s in lg)
+            b = statistics.median(s[name] for s in lc)
+            bound, frac = "", ""
+            bw = bws.get(t)
+            if name.startswith("tg") and bw and "kv_bytes_per_pos" in lg[0]:
+                n = int(name[2:].split("@")[0])
+                depth = int(name.split("@d")[1]) if "@d" in name else 0
+                per_tok = lg[0]["model_size"] + lg[0]["kv_bytes_per_pos"] * (depth + (n + 1) / 2)
+                bnd = statistics.median(bw) * 1e9 / per_tok
+                bound, frac = f"{bnd:.0f}", f"{a / bnd:.0%}"
+            print(f"| {v} | {cls} | {t} | {name} | {a:.1f} | {b:.1f} | **{a / b:.2f}** | {bound} | {frac} |")
+
+
 def table(res):
     samples = res["samples"]
+    if res.get("args", {}).get("depths"):
+        return depth_table(res)
     keys = sorted({k.rsplit("|", 1)[0] for k in samples}, key=lambda k: (k.split("|")[1], k))
     print(f"CPU: {res['cpu']}; medians of {res['rounds']} interleaved rounds; "
           "ratio = llama-graph / llama.cpp (tok/s: higher is better; RSS: lower is better)")
@@ -250,6 +328,9 @@ def main():
     r.add_argument("--one-b-threads", default="2", type=lambda s: [int(x) for x in s.split(",")])
     r.add_argument("--rounds", type=int, default=3)
     r.add_argument("--variants", default=",".join(SMOL + ONE_B))
+    r.add_argument("--depths", default="",
+                   help="measure -p 512 -n 128 at these depths (llama-bench -d), e.g. 0,4096")
+    r.add_argument("--one-b-depths", default="0,4096,16384", help="the depths for the 1B files")
     r.add_argument("--out", default=str(HERE / "results-bench.json"))
     t = sub.add_parser("table")
     t.add_argument("json")
