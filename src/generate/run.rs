@@ -1,5 +1,6 @@
 //! The prefill/decode loop: feed the prompt, then sample, stream and stop.
 
+use super::constraint::{Constraint, ConstraintError};
 use super::sampler::{Sampler, SamplerConfig, SamplerError};
 use super::stop::{StopMatcher, StopStatus};
 use crate::session::{Session, SessionError};
@@ -41,6 +42,8 @@ pub enum GenError {
     Session(#[from] SessionError),
     #[error(transparent)]
     Sampler(#[from] SamplerError),
+    #[error(transparent)]
+    Constraint(#[from] ConstraintError),
     #[error("the prompt is empty")]
     EmptyPrompt,
     #[error("the prompt ({prompt} tokens) plus {requested} tokens to generate exceed the planned context of {context} tokens; use a larger --ctx-size or a smaller -n")]
@@ -61,6 +64,10 @@ pub struct GenStats {
     pub stop_reason: Option<StopReason>,
     /// Per step (step 0 = last prompt position), the ten best (id, logit).
     pub top: Vec<Vec<(u32, f32)>>,
+    /// Time spent choosing tokens under an output constraint (the mask,
+    /// the sampling among the allowed tokens, advancing the grammar), part
+    /// of `decode`.
+    pub constrained_sampling: Duration,
 }
 
 impl GenStats {
@@ -124,6 +131,19 @@ pub fn generate(
     opts: &GenOptions,
     emit: &mut dyn FnMut(&str),
 ) -> Result<GenStats, GenError> {
+    generate_constrained(session, tokenizer, prompt, opts, None, emit)
+}
+
+/// [`generate`], every token chosen among those `constraint` allows (see
+/// [`super::constraint`]).
+pub fn generate_constrained(
+    session: &mut Session,
+    tokenizer: Option<&Tokenizer>,
+    prompt: &[u32],
+    opts: &GenOptions,
+    mut constraint: Option<&mut Constraint>,
+    emit: &mut dyn FnMut(&str),
+) -> Result<GenStats, GenError> {
     let room = session.context() - session.position();
     check_fits(prompt.len(), opts.n_predict, room)?;
     let mut sampler = Sampler::new(opts.sampler, session.vocab())?;
@@ -145,7 +165,15 @@ pub fn generate(
         if opts.record_top {
             stats.top.push(top10(logits));
         }
-        let tok = sampler.sample(logits);
+        let tok = match constraint.as_deref_mut() {
+            Some(c) => {
+                let t = Instant::now();
+                let tok = c.sample(&mut sampler, logits)?;
+                stats.constrained_sampling += t.elapsed();
+                tok
+            }
+            None => sampler.sample(logits),
+        };
         stats.generated_tokens.push(tok);
         if !opts.ignore_eos && tokenizer.is_some_and(|t| t.is_stop(tok)) {
             stats.stop_reason = Some(StopReason::Eos);
