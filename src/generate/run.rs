@@ -1,5 +1,6 @@
 //! The prefill/decode loop: feed the prompt, then sample, stream and stop.
 
+use super::constraint::{Constraint, ConstraintError};
 use super::sampler::{Sampler, SamplerConfig, SamplerError};
 use super::spec::{Adapt, Drafter, SpecConfig, SpecStats};
 use super::stop::{StopMatcher, StopStatus};
@@ -51,6 +52,9 @@ pub enum GenError {
     /// A sampling parameter is out of range.
     #[error(transparent)]
     Sampler(#[from] SamplerError),
+    /// The output constraint failed (a grammar error at run time).
+    #[error(transparent)]
+    Constraint(#[from] ConstraintError),
     /// There is nothing to feed.
     #[error("the prompt is empty")]
     EmptyPrompt,
@@ -84,6 +88,10 @@ pub struct GenStats {
     pub top: Vec<Vec<(u32, f32)>>,
     /// What speculation did, when it was on.
     pub spec: Option<SpecStats>,
+    /// Time spent choosing tokens under an output constraint (the mask,
+    /// the sampling among the allowed tokens, advancing the grammar), part
+    /// of `decode`.
+    pub constrained_sampling: Duration,
 }
 
 impl GenStats {
@@ -171,19 +179,22 @@ pub fn generate(
     opts: &GenOptions,
     emit: &mut dyn FnMut(&str),
 ) -> Result<GenStats, GenError> {
-    generate_with(session, None, tokenizer, prompt, opts, emit)
+    generate_with(session, None, tokenizer, prompt, opts, None, emit)
 }
 
 /// A drafter and how to use it, for [`generate_with`].
 pub struct Speculation<'a> {
+    /// What guesses the next tokens.
     pub drafter: &'a mut Drafter,
+    /// How many guesses, and whether their number adapts.
     pub config: SpecConfig,
     /// The tokens already in the session before the prompt (a chat's
     /// earlier turns), which the drafter reads too.
     pub before: &'a [u32],
 }
 
-/// [`generate`], speculatively when `spec` is given: each step feeds the
+/// [`generate`], every token chosen among those `constraint` allows (see
+/// [`super::constraint`]) when one is given, and speculatively when `spec` is given: each step feeds the
 /// token sampled last and the drafter's guesses after it, and the tokens
 /// are sampled from the step's rows exactly as a plain run samples them
 /// (see [`super::spec`]): the output is the plain run's, token for token.
@@ -195,6 +206,7 @@ pub fn generate_with(
     tokenizer: Option<&Tokenizer>,
     prompt: &[u32],
     opts: &GenOptions,
+    mut constraint: Option<&mut Constraint>,
     emit: &mut dyn FnMut(&str),
 ) -> Result<GenStats, GenError> {
     let context = session.context();
@@ -259,7 +271,15 @@ pub fn generate_with(
             if opts.record_top {
                 stats.top.push(top10(logits));
             }
-            let tok = sampler.sample(logits);
+            let tok = match constraint.as_deref_mut() {
+                Some(c) => {
+                    let t = Instant::now();
+                    let tok = c.sample(&mut sampler, logits)?;
+                    stats.constrained_sampling += t.elapsed();
+                    tok
+                }
+                None => sampler.sample(logits),
+            };
             stats.generated_tokens.push(tok);
             if !opts.ignore_eos && tokenizer.is_some_and(|t| t.is_stop(tok)) {
                 stats.stop_reason = Some(StopReason::Eos);

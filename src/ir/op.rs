@@ -70,7 +70,10 @@ pub enum LogitRows {
     /// `[R, vocab]`. The graph is `Last`'s; only the planned `R` differs.
     /// A sequence verifying `k` drafted tokens feeds `k + 1` tokens and asks
     /// for `k + 1` rows, while the step's other sequences ask for one.
-    Tail { max: usize },
+    Tail {
+        /// The most rows one step returns.
+        max: usize,
+    },
 }
 
 impl LogitRows {
