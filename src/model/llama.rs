@@ -330,7 +330,7 @@ pub fn build_llama(args: &ModelArgs, opts: &BuildOptions) -> Result<Graph, Build
         b.g.verify()?;
         return Ok(b.g);
     }
-    if opts.logit_rows == LogitRows::Last {
+    if opts.logit_rows != LogitRows::All {
         hn = b.op("norm.last_rows".into(), Op::LastRows, &[hn, seqs], None)?;
     }
     let out_w = if args.tied_embeddings {

@@ -9,14 +9,16 @@
 //! sequence.
 
 use super::api::{
-    parse_body, ApiError, ChatRequest, Checked, CompletionRequest, DetokenizeRequest,
-    EmbeddingInput, EmbeddingRequest, Prompt, TokenizeRequest,
+    compile_constraint, output_spec, parse_body, ApiError, ChatRequest, Checked, CompletionRequest,
+    DetokenizeRequest, EmbeddingInput, EmbeddingRequest, Prompt, TokenizeRequest,
 };
 use super::engine::{
     EngineHandle, Finish, GenEvent, GenExtras, GenRequest, GenStream, SubmitError,
 };
 use super::text::TextStream;
+use super::tools::{self, CallDetector, ToolCall, ToolChoice, ToolFormat};
 use crate::generate::chat::ChatFormat;
+use crate::generate::constraint::{Constraint, GrammarSpec, Grammars};
 use crate::generate::sampler::Rng;
 use crate::generate::sampler::TokenLogprobs;
 use crate::tokenizer::{EncodeOptions, Tokenizer};
@@ -75,6 +77,8 @@ pub struct AppState {
     created: u64,
     counter: AtomicU64,
     responses: Mutex<BTreeMap<u16, u64>>,
+    /// The model's vocabulary as grammars read it, built on first use.
+    grammars: OnceLock<Result<Grammars, String>>,
 }
 
 impl AppState {
@@ -85,6 +89,7 @@ impl AppState {
             created: unix_now(),
             counter: AtomicU64::new(0),
             responses: Mutex::new(BTreeMap::new()),
+            grammars: OnceLock::new(),
         })
     }
 
@@ -105,6 +110,26 @@ impl AppState {
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(0);
         Rng::new(t ^ n.rotate_left(32)).next_u64()
+    }
+
+    /// Compiles an output constraint (`field` names the request field that
+    /// asked for it).
+    fn constraint(&self, spec: &GrammarSpec, field: &str) -> Result<Constraint, ApiError> {
+        let l = self.loaded()?;
+        let g = self
+            .grammars
+            .get_or_init(|| {
+                Grammars::new(l.tokenizer, l.engine.limits().vocab).map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(|e| {
+                ApiError::new(
+                    500,
+                    "server_error",
+                    format!("the vocabulary cannot be read for grammars: {e}"),
+                )
+            })?;
+        compile_constraint(g, spec, field)
     }
 
     fn response_id(&self, prefix: &str) -> String {
@@ -654,6 +679,13 @@ async fn chat_completions(
     let l = s.loaded()?;
     let r: ChatRequest = parse_body(&bytes)?;
     let messages = r.messages()?;
+    let tool_list = tools::parse_tools(r.tools.as_deref().unwrap_or(&[]))?;
+    let choice = tools::parse_tool_choice(r.tool_choice.as_ref(), &tool_list)?;
+    let spec = output_spec(
+        r.response_format.as_ref(),
+        r.json_schema.as_ref(),
+        r.grammar.as_deref(),
+    )?;
     let checked = r.common().check(r.max_tokens(), || s.unique())?;
     if !l.chat.available() {
         return Err(ApiError::invalid(
@@ -661,12 +693,55 @@ async fn chat_completions(
             "this model has no chat template; use /v1/completions",
         ));
     }
-    let prompt = l
-        .chat
-        .tokens(l.tokenizer, &messages)
-        .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+    let offered = if choice == ToolChoice::None {
+        &[][..]
+    } else {
+        &tool_list[..]
+    };
+    let uses_tools = !tool_list.is_empty()
+        || r.messages
+            .iter()
+            .any(|m| m.role == "tool" || m.tool_calls.as_ref().is_some_and(|c| !c.is_empty()));
+    let mut output = Output::default();
+    let prompt = if uses_tools {
+        let Some(source) = l.chat.template_source() else {
+            return Err(ApiError::invalid(
+                "tools",
+                "tool calling needs the model's Jinja chat template; this model has none",
+            ));
+        };
+        let format = ToolFormat::of(Some(source));
+        let msgs = format.messages(&r.messages_json()?, offered);
+        let listed = (format.template_renders_tools() && !offered.is_empty())
+            .then(|| Value::Array(r.tools.clone().unwrap_or_default()));
+        let prompt = l
+            .chat
+            .tokens_json(l.tokenizer, &Value::Array(msgs), listed.as_ref())
+            .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+        if !offered.is_empty() {
+            output.tools = Some(format);
+            let parallel = r.parallel_tool_calls.unwrap_or(true);
+            if let Some(g) = format.grammar(&tool_list, &choice, parallel) {
+                if let Some((_, field)) = &spec {
+                    return Err(ApiError::invalid(
+                        field,
+                        format!("`{field}` cannot be combined with `tools` (give `tool_choice: \"none\"` to answer in the given format)"),
+                    ));
+                }
+                output.constraint = Some(s.constraint(&g, "tools")?);
+            }
+        }
+        prompt
+    } else {
+        l.chat
+            .tokens(l.tokenizer, &messages)
+            .map_err(|e| ApiError::invalid("messages", e.to_string()))?
+    };
+    if let Some((g, field)) = &spec {
+        output.constraint = Some(s.constraint(g, field)?);
+    }
     let field = r.max_tokens().map(|(_, f)| f).unwrap_or("max_tokens");
-    start(&s, l, Endpoint::Chat, prompt, checked, field).await
+    start(&s, l, Endpoint::Chat, prompt, checked, field, output).await
 }
 
 async fn completions(State(s): State<Arc<AppState>>, req: Request) -> Result<Response, ApiError> {
@@ -674,6 +749,11 @@ async fn completions(State(s): State<Arc<AppState>>, req: Request) -> Result<Res
     let l = s.loaded()?;
     let r: CompletionRequest = parse_body(&bytes)?;
     r.check_extras()?;
+    let spec = output_spec(
+        r.response_format.as_ref(),
+        r.json_schema.as_ref(),
+        r.grammar.as_deref(),
+    )?;
     let checked = r
         .common()
         .check(r.max_tokens.map(|n| (n, "max_tokens")), || s.unique())?;
@@ -692,7 +772,28 @@ async fn completions(State(s): State<Arc<AppState>>, req: Request) -> Result<Res
     if prompt.is_empty() {
         return Err(ApiError::invalid("prompt", "the prompt is empty"));
     }
-    start(&s, l, Endpoint::Completion, prompt, checked, "max_tokens").await
+    let mut output = Output::default();
+    if let Some((g, field)) = &spec {
+        output.constraint = Some(s.constraint(g, field)?);
+    }
+    start(
+        &s,
+        l,
+        Endpoint::Completion,
+        prompt,
+        checked,
+        "max_tokens",
+        output,
+    )
+    .await
+}
+
+/// What a request asks of its output beyond text: a constraint on the
+/// tokens, and tool calls to parse out of the answer.
+#[derive(Debug, Default)]
+struct Output {
+    constraint: Option<Constraint>,
+    tools: Option<ToolFormat>,
 }
 
 /// Submits the request (its `n` choices together) and answers, streamed or
@@ -704,6 +805,7 @@ async fn start(
     prompt: Vec<u32>,
     c: Checked,
     max_field: &str,
+    output: Output,
 ) -> Result<Response, ApiError> {
     let lim = l.engine.limits();
     let context = lim.context;
@@ -750,6 +852,7 @@ async fn start(
             let extras = GenExtras {
                 penalties: c.penalties.clone(),
                 logprobs: c.logprobs,
+                constraint: output.constraint.clone(),
             };
             (req, extras)
         })
@@ -774,6 +877,8 @@ async fn start(
         model: l.model_id.clone(),
         prompt_tokens,
         tokenizer: l.tokenizer,
+        tools: output.tools,
+        call_ids: s.unique(),
     };
     let choices: Vec<Choice> = gens
         .into_iter()
@@ -789,6 +894,7 @@ async fn start(
             completion_tokens: 0,
             finish: None,
             sent_role: false,
+            calls: output.tools.map(CallDetector::new),
         })
         .collect();
     if c.stream {
@@ -811,6 +917,10 @@ struct Reply {
     model: String,
     prompt_tokens: usize,
     tokenizer: &'static Tokenizer,
+    /// Tool calls are parsed out of the answer in this format.
+    tools: Option<ToolFormat>,
+    /// Makes the calls' ids unique.
+    call_ids: u64,
 }
 
 fn finish_name(f: Finish) -> &'static str {
@@ -838,6 +948,8 @@ struct Choice {
     completion_tokens: usize,
     finish: Option<&'static str>,
     sent_role: bool,
+    /// With tools offered: holds back an answer that may be a call.
+    calls: Option<CallDetector>,
 }
 
 /// What one event of a choice's stream gave.
@@ -985,7 +1097,74 @@ impl Reply {
         })
     }
 
+    fn call_id(&self, choice: usize, i: usize) -> String {
+        format!("call_{:016x}{i}", self.call_ids.wrapping_add(choice as u64))
+    }
+
+    /// The SSE events of choice `choice`'s streamed tool calls: per call
+    /// its id and name, then its arguments in pieces (the client joins
+    /// them).
+    fn call_chunks(&self, choice: usize, calls: &[ToolCall], usage_null: bool) -> String {
+        let mut out = String::new();
+        let mut event = |delta: Value| {
+            let mut v = json!({
+                "id": self.id,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.model,
+                "choices": [{"index": choice, "delta": delta, "finish_reason": null, "logprobs": null}],
+            });
+            if usage_null {
+                v["usage"] = Value::Null;
+            }
+            out.push_str(&format!("data: {v}\n\n"));
+        };
+        for (i, c) in calls.iter().enumerate() {
+            event(json!({"tool_calls": [{
+                "index": i,
+                "id": self.call_id(choice, i),
+                "type": "function",
+                "function": {"name": c.name, "arguments": ""},
+            }]}));
+            let args: Vec<char> = c.arguments.chars().collect();
+            for piece in args.chunks(16) {
+                let piece: String = piece.iter().collect();
+                event(json!({"tool_calls": [{"index": i, "function": {"arguments": piece}}]}));
+            }
+        }
+        out
+    }
+
+    /// A whole choice: text, or tool calls when the request offered tools
+    /// and the answer is a complete call (even when `max_tokens` ended it).
     fn whole_choice(&self, c: &mut Choice, text: String) -> Value {
+        if let (Endpoint::Chat, Some(f)) = (self.endpoint, self.tools) {
+            if let Some((content, calls)) = f.parse(&text) {
+                let calls: Vec<Value> = calls
+                    .iter()
+                    .enumerate()
+                    .map(|(i, call)| {
+                        json!({
+                            "id": self.call_id(c.index, i),
+                            "type": "function",
+                            "function": {"name": call.name, "arguments": call.arguments},
+                        })
+                    })
+                    .collect();
+                let content = if content.is_empty() {
+                    Value::Null
+                } else {
+                    Value::String(content)
+                };
+                let logprobs = self.choice_logprobs(c);
+                return json!({
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": content, "tool_calls": calls},
+                    "finish_reason": "tool_calls",
+                    "logprobs": logprobs,
+                });
+            }
+        }
         let logprobs = self.choice_logprobs(c);
         match self.endpoint {
             Endpoint::Chat => json!({
@@ -1195,16 +1374,37 @@ impl Streamer {
             let reply = &self.reply;
             let c = &mut self.choices[i];
             match step {
-                Step::Text(t) if t.is_empty() => continue,
                 Step::Text(t) => {
+                    let t = match c.calls.as_mut() {
+                        Some(d) => d.push(&t),
+                        None => t,
+                    };
+                    if t.is_empty() {
+                        continue;
+                    }
                     return Some(Bytes::from(reply.chunk(c, Some(&t), None, usage_null)));
                 }
                 Step::End(rest) => {
                     c.gen = None;
                     let mut out = String::new();
+                    let mut rest = rest;
+                    let mut calls = String::new();
+                    if let Some(mut d) = c.calls.take() {
+                        let mut text = d.push(&rest);
+                        match d.finish() {
+                            Ok((content, found)) => {
+                                text.push_str(&content);
+                                calls = reply.call_chunks(c.index, &found, usage_null);
+                                c.finish = Some("tool_calls");
+                            }
+                            Err(held) => text.push_str(&held),
+                        }
+                        rest = text;
+                    }
                     if !rest.is_empty() {
                         out.push_str(&reply.chunk(c, Some(&rest), None, usage_null));
                     }
+                    out.push_str(&calls);
                     let finish = c.finish;
                     out.push_str(&reply.chunk(c, None, finish, usage_null));
                     if self.choices.iter().all(|c| c.finish.is_some()) {
