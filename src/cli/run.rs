@@ -1,13 +1,13 @@
 //! `llama-graph run`: generate text.
 
-use super::flags::{n_predict, RuntimeFlags, SamplingFlags};
+use super::flags::{n_predict, RuntimeFlags, SamplingFlags, SpecFlags};
 use super::model::ModelArg;
 use super::pipeline::{PipelineFlags, Role};
 use clap::Args;
 use llama_graph::generate::chat::{conversation_tokens, Message};
 use llama_graph::generate::constraint::{Constraint, GrammarSpec, Grammars};
 use llama_graph::generate::SamplerConfig;
-use llama_graph::generate::{generate_constrained, GenOptions, GenStats};
+use llama_graph::generate::{generate_constrained, GenOptions, GenStats, Speculation};
 use llama_graph::session::{Model, Session};
 use llama_graph::tokenizer::EncodeOptions;
 use serde_json::json;
@@ -60,6 +60,8 @@ pub struct RunArgs {
     pub sampling: SamplingFlags,
     #[command(flatten)]
     pub pipeline: PipelineFlags,
+    #[command(flatten)]
+    pub spec: SpecFlags,
     /// Stop when this text appears (repeatable); it is not printed.
     #[arg(long = "stop", value_name = "TEXT")]
     pub stop: Vec<String>,
@@ -197,11 +199,16 @@ pub fn run(a: RunArgs) -> super::CliResult {
     let role = Role::start(&a.pipeline)?;
     // Validate everything that does not need the model first.
     let n_predict = n_predict(a.n_predict)?;
-    let spec = output_spec(&a)?;
+    let output = output_spec(&a)?;
     let threads = a.runtime.threads()?;
+    let spec = a.spec.config()?;
+    if spec.is_some() && !matches!(role, Role::Single) {
+        return Err("--draft-model and --spec-ngram do not run with --pipeline yet".into());
+    }
     let opts_for = |m: &Model| {
         let context = m.args.plan_context(a.runtime.ctx_size);
-        a.runtime.session_options(context, threads)
+        a.spec
+            .session_options(a.runtime.session_options(context, threads)?)
     };
     if let Role::Worker(t) = role {
         return Ok(super::pipeline::work(t, &a.model, &a.pipeline, &opts_for)?);
@@ -233,6 +240,7 @@ pub fn run(a: RunArgs) -> super::CliResult {
             (model, session, prep)
         }
     };
+    let mut drafter = a.spec.drafter(&model, &opts_for(&model)?)?;
     if a.verbose || a.debug {
         eprintln!("{}", isa_line());
     }
@@ -256,7 +264,7 @@ pub fn run(a: RunArgs) -> super::CliResult {
             .set_trace(Some(Box::new(std::io::BufWriter::new(f))));
         eprintln!("debug: writing every op to debug.log");
     }
-    let mut constraint: Option<Constraint> = match &spec {
+    let mut constraint: Option<Constraint> = match &output {
         None => None,
         Some(spec) => {
             let flag = if a.json_schema.is_some() {
@@ -303,12 +311,21 @@ pub fn run(a: RunArgs) -> super::CliResult {
         let _ = out.write_all(s.as_bytes());
         let _ = out.flush();
     };
+    let speculation = match (drafter.as_mut(), spec) {
+        (Some(d), Some(config)) => Some(Speculation {
+            drafter: d,
+            config,
+            before: &[],
+        }),
+        _ => None,
+    };
     let stats = match generate_constrained(
         &mut session,
+        speculation,
+        constraint.as_mut(),
         model.tokenizer.as_ref(),
         &prompt,
         &gen_opts,
-        constraint.as_mut(),
         &mut emit,
     ) {
         Ok(s) => s,
@@ -368,6 +385,17 @@ pub fn report(stats: &GenStats, load_s: f64, json_path: Option<&PathBuf>) -> sup
                 / stats.decode.as_secs_f64().max(1e-9),
         );
     }
+    if let Some(sp) = &stats.spec {
+        eprintln!(
+            "speculation: {} drafted, {} accepted ({:.0}%), {} verifying steps, {} one-token steps, {:.2} s drafting",
+            sp.drafted,
+            sp.accepted,
+            100.0 * sp.acceptance(),
+            sp.verify_steps,
+            sp.plain_steps,
+            sp.draft_time.as_secs_f64()
+        );
+    }
     if let Some(p) = json_path {
         let v = json!({
             "load_s": load_s,
@@ -377,7 +405,15 @@ pub fn report(stats: &GenStats, load_s: f64, json_path: Option<&PathBuf>) -> sup
             "decode_tokens_per_s": stats.decode_tokens_per_s(),
             "stop_reason": reason,
             "constrained_sampling_s": stats.constrained_sampling.as_secs_f64(),
+            "generated": stats.generated_tokens,
             "decode_s": stats.decode.as_secs_f64(),
+            "spec": stats.spec.as_ref().map(|sp| json!({
+                "drafted": sp.drafted,
+                "accepted": sp.accepted,
+                "verify_steps": sp.verify_steps,
+                "plain_steps": sp.plain_steps,
+                "draft_s": sp.draft_time.as_secs_f64(),
+            })),
         });
         std::fs::write(p, serde_json::to_string_pretty(&v)?)
             .map_err(|e| format!("{}: {e}", p.display()))?;

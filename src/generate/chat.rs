@@ -13,13 +13,17 @@ use crate::tokenizer::{EncodeOptions, Tokenizer};
 use serde::Serialize;
 use thiserror::Error;
 
+/// One message of a conversation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Message {
+    /// `system`, `user`, `assistant` (or `tool`, as the template knows it).
     pub role: String,
+    /// The message's text.
     pub content: String,
 }
 
 impl Message {
+    /// A message from `role` saying `content`.
     pub fn new(role: &str, content: &str) -> Self {
         Message {
             role: role.to_string(),
@@ -28,14 +32,20 @@ impl Message {
     }
 }
 
+/// Why a conversation could not be put into the model's chat format.
 #[derive(Debug, Error)]
 pub enum ChatError {
+    /// The Llama 3 format needs this special token and the vocabulary
+    /// lacks it.
     #[error("the tokenizer has no `{0}` token, which the Llama 3 chat format needs")]
     MissingSpecial(&'static str),
+    /// The Jinja template failed to render (or ran out of its fuel).
     #[error("chat template: {0}")]
     Template(String),
+    /// The model (named) has no tokenizer.
     #[error("{0} has no tokenizer, which a chat needs")]
     NoTokenizer(String),
+    /// The model has no chat template and is not a Meta checkpoint.
     #[error("this model has no chat template (GGUF tokenizer.chat_template, or tokenizer_config.json's chat_template); run without --chat")]
     NoTemplate,
 }
@@ -177,6 +187,7 @@ pub fn llama3_dialog_tokens(
 /// A model's own Jinja chat template.
 #[derive(Debug, Clone)]
 pub struct ChatTemplate {
+    /// The template's Jinja source.
     pub source: String,
 }
 
@@ -185,6 +196,7 @@ pub struct ChatTemplate {
 const TEMPLATE_FUEL: u64 = 5_000_000;
 
 impl ChatTemplate {
+    /// A template from its Jinja source (checked when rendered).
     pub fn new(source: impl Into<String>) -> Self {
         ChatTemplate {
             source: source.into(),
