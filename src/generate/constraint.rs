@@ -36,7 +36,7 @@ use std::sync::Arc;
 use thiserror::Error;
 use toktrie::{ApproximateTokEnv, SimpleVob, TokRxInfo, TokTrie};
 
-/// Why an output constraint cannot be built or followed.
+/// Why a grammar cannot be used, or stopped working.
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum ConstraintError {
     /// The grammar or schema cannot be compiled (the message says why,
