@@ -178,6 +178,16 @@ def run(args):
     ids = {k: prompt_ids(v) for k, v in prompts.items()}
     results = []
     env_isa = os.environ.get("LLAMA_GRAPH_ISA")
+    out = Path(args.out or harness.result_path("speculative"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        # After every run, so that an interrupted run keeps what it measured.
+        meta = {"n": N, "draft_max": DRAFT_MAX, "rounds": args.rounds, "isa": env_isa,
+                "cpu_class": harness.cpu_class(), "rev": harness.git_rev(),
+                "load_now": os.getloadavg()}
+        json.dump({"meta": meta, "results": results}, open(out, "w"), indent=1)
+
     for rnd in range(args.rounds):
         for th, (pk, text), tname in itertools.product(threads, prompts.items(), args.targets.split(",")):
             target = variant(tname)
@@ -193,6 +203,7 @@ def run(args):
                     res = run_cpp(kind, [*extra, "-p", template(text)], th)
                 res.update(round=rnd, threads=th, prompt=pk, target=tname, config=name)
                 results.append(res)
+                save()
                 log(f"round {rnd} t{th} {pk:6} {tname} {name:15} {res['tps']:7.1f} t/s"
                     + (f"  accepted {res['accepted']}/{res['drafted']}" if res.get("drafted") else ""))
             lg_runs = [x for x in results if x["round"] == rnd and x["threads"] == th
@@ -202,12 +213,6 @@ def run(args):
                 if x["tokens"] != plain_tokens:
                     raise SystemExit(f"{x['config']} printed other tokens than lg-plain "
                                      f"({pk}, {tname}, {th} threads)")
-    meta = {"n": N, "draft_max": DRAFT_MAX, "rounds": args.rounds, "isa": env_isa,
-            "cpu_class": harness.cpu_class(), "rev": harness.git_rev(),
-            "load_after": os.getloadavg()}
-    out = Path(args.out or harness.result_path("speculative"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    json.dump({"meta": meta, "results": results}, open(out, "w"), indent=1)
     table_of(results)
 
 
