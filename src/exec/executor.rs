@@ -1,7 +1,7 @@
 //! The executor: runs a compiled plan one step at a time.
 //!
 //! Construction does all the work that does not depend on the step: the
-//! schedule is resolved into a flat list of [`Step`]s whose inputs and
+//! schedule is resolved into a flat list of `Step`s whose inputs and
 //! output are concrete locations (arena offsets, weight indices, cache
 //! slots, step inputs), the arena and the KV pool are allocated, vector
 //! weights are widened to f32. [`Executor::step`] then checks the step's
@@ -481,7 +481,7 @@ impl Executor {
     }
 
     /// Runs one step of a pipeline stage's graph (see
-    /// [`crate::passes::partition`]): the first stage embeds the batch's
+    /// [`crate::passes::partition`](mod@crate::passes::partition)): the first stage embeds the batch's
     /// tokens, the others read `hidden`, the `[S, E]` values their `Recv`
     /// node stands for (what the previous stage sent for this batch).
     /// Returns the graph's output: the logits on the last stage, the hidden

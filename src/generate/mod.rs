@@ -1,5 +1,7 @@
 //! Generation: sampling, stop strings, and the prefill/decode loop.
+#![warn(missing_docs)]
 pub mod chat;
+pub mod constraint;
 pub mod run;
 pub mod sampler;
 pub mod spec;

@@ -1,5 +1,6 @@
 //! The prefill/decode loop: feed the prompt, then sample, stream and stop.
 
+use super::constraint::{Constraint, ConstraintError};
 use super::sampler::{Sampler, SamplerConfig, SamplerError};
 use super::spec::{Adapt, Drafter, SpecConfig, SpecStats};
 use super::stop::{StopMatcher, StopStatus};
@@ -10,11 +11,15 @@ use serde::Serialize;
 use std::time::{Duration, Instant};
 use thiserror::Error;
 
+/// What [`generate`] does.
 #[derive(Debug, Clone)]
 pub struct GenOptions {
     /// Tokens to generate at most; `None` = until the context is full.
     pub n_predict: Option<usize>,
+    /// How to pick each token.
     pub sampler: SamplerConfig,
+    /// Strings that end the generation when they appear in the text (the
+    /// text before them is emitted, they are not).
     pub stop_strings: Vec<String>,
     /// Record the top-10 logits of every step (for `--logits-out`).
     pub record_top: bool,
@@ -24,6 +29,7 @@ pub struct GenOptions {
     pub ignore_eos: bool,
 }
 
+/// Why a generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum StopReason {
@@ -37,18 +43,30 @@ pub enum StopReason {
     ContextFull,
 }
 
+/// Why a generation could not run.
 #[derive(Debug, Error)]
 pub enum GenError {
+    /// The session failed a step.
     #[error(transparent)]
     Session(#[from] SessionError),
+    /// A sampling parameter is out of range.
     #[error(transparent)]
     Sampler(#[from] SamplerError),
+    /// The output constraint failed (a grammar error at run time).
+    #[error(transparent)]
+    Constraint(#[from] ConstraintError),
+    /// There is nothing to feed.
     #[error("the prompt is empty")]
     EmptyPrompt,
+    /// The prompt and the tokens asked for do not fit what is left of the
+    /// context; refused before any work.
     #[error("the prompt ({prompt} tokens) plus {requested} tokens to generate exceed the planned context of {context} tokens; use a larger --ctx-size or a smaller -n")]
     ContextOverflow {
+        /// Prompt tokens.
         prompt: usize,
+        /// Tokens to generate.
         requested: usize,
+        /// Positions left in the session's context.
         context: usize,
     },
 }
@@ -56,18 +74,28 @@ pub enum GenError {
 /// What a generation did, with timings.
 #[derive(Debug, Clone, Default)]
 pub struct GenStats {
+    /// The prompt as fed.
     pub prompt_tokens: Vec<u32>,
+    /// Every sampled token, a final end-of-sequence token included.
     pub generated_tokens: Vec<u32>,
+    /// Time to feed the prompt (up to the first logits).
     pub prefill: Duration,
+    /// Time from the first sampled token to the end.
     pub decode: Duration,
+    /// Why it ended (`None` only while it runs).
     pub stop_reason: Option<StopReason>,
     /// Per step (step 0 = last prompt position), the ten best (id, logit).
     pub top: Vec<Vec<(u32, f32)>>,
     /// What speculation did, when it was on.
     pub spec: Option<SpecStats>,
+    /// Time spent choosing tokens under an output constraint (the mask,
+    /// the sampling among the allowed tokens, advancing the grammar), part
+    /// of `decode`.
+    pub constrained_sampling: Duration,
 }
 
 impl GenStats {
+    /// Prompt tokens per second of prefill.
     pub fn prefill_tokens_per_s(&self) -> f64 {
         self.prompt_tokens.len() as f64 / self.prefill.as_secs_f64().max(1e-9)
     }
@@ -121,7 +149,29 @@ pub fn check_fits(
 /// Runs one generation from the session's current position: feeds
 /// `prompt`, then samples until a stop condition, calling `emit` with each
 /// piece of text as soon as it is complete (never a broken UTF-8 character,
-/// never part of a stop string).
+/// never part of a stop string). Without a tokenizer, `emit` gets the ids
+/// as text (" 42").
+///
+/// ```no_run
+/// use llama_graph::generate::{generate, GenOptions, SamplerConfig};
+/// use llama_graph::session::{Model, Session, SessionOptions};
+/// use llama_graph::tokenizer::EncodeOptions;
+///
+/// let model = Model::open("model.gguf".as_ref())?;
+/// let tok = model.tokenizer.as_ref().expect("a GGUF file has one");
+/// let mut session = Session::new(&model, &SessionOptions::default())?;
+/// let prompt = tok.encode("Once upon a time", EncodeOptions { add_bos: true, parse_special: false });
+/// let opts = GenOptions {
+///     n_predict: Some(32),
+///     sampler: SamplerConfig { temperature: 0.0, ..Default::default() },
+///     stop_strings: vec!["\n\n".into()],
+///     record_top: false,
+///     ignore_eos: false,
+/// };
+/// let stats = generate(&mut session, Some(tok), &prompt, &opts, &mut |piece| print!("{piece}"))?;
+/// eprintln!("{:.1} tokens/s, {:?}", stats.decode_tokens_per_s(), stats.stop_reason);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub fn generate(
     session: &mut Session,
     tokenizer: Option<&Tokenizer>,
@@ -129,19 +179,22 @@ pub fn generate(
     opts: &GenOptions,
     emit: &mut dyn FnMut(&str),
 ) -> Result<GenStats, GenError> {
-    generate_with(session, None, tokenizer, prompt, opts, emit)
+    generate_with(session, None, tokenizer, prompt, opts, None, emit)
 }
 
 /// A drafter and how to use it, for [`generate_with`].
 pub struct Speculation<'a> {
+    /// What guesses the next tokens.
     pub drafter: &'a mut Drafter,
+    /// How many guesses, and whether their number adapts.
     pub config: SpecConfig,
     /// The tokens already in the session before the prompt (a chat's
     /// earlier turns), which the drafter reads too.
     pub before: &'a [u32],
 }
 
-/// [`generate`], speculatively when `spec` is given: each step feeds the
+/// [`generate`], every token chosen among those `constraint` allows (see
+/// [`super::constraint`]) when one is given, and speculatively when `spec` is given: each step feeds the
 /// token sampled last and the drafter's guesses after it, and the tokens
 /// are sampled from the step's rows exactly as a plain run samples them
 /// (see [`super::spec`]): the output is the plain run's, token for token.
@@ -153,6 +206,7 @@ pub fn generate_with(
     tokenizer: Option<&Tokenizer>,
     prompt: &[u32],
     opts: &GenOptions,
+    mut constraint: Option<&mut Constraint>,
     emit: &mut dyn FnMut(&str),
 ) -> Result<GenStats, GenError> {
     let context = session.context();
@@ -217,7 +271,15 @@ pub fn generate_with(
             if opts.record_top {
                 stats.top.push(top10(logits));
             }
-            let tok = sampler.sample(logits);
+            let tok = match constraint.as_deref_mut() {
+                Some(c) => {
+                    let t = Instant::now();
+                    let tok = c.sample(&mut sampler, logits)?;
+                    stats.constrained_sampling += t.elapsed();
+                    tok
+                }
+                None => sampler.sample(logits),
+            };
             stats.generated_tokens.push(tok);
             if !opts.ignore_eos && tokenizer.is_some_and(|t| t.is_stop(tok)) {
                 stats.stop_reason = Some(StopReason::Eos);

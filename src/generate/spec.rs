@@ -104,11 +104,18 @@ pub enum Drafter {
     /// Prompt lookup: the tokens that followed the latest earlier
     /// occurrence of the sequence's last `n` tokens, `n` from `max` down to
     /// `min`.
-    Ngram { min: usize, max: usize },
+    Ngram {
+        /// The shortest n-gram looked up.
+        min: usize,
+        /// The longest n-gram looked up.
+        max: usize,
+    },
     /// A smaller model with the target's vocabulary, decoded greedily on
     /// its own session; `fed` are the tokens in its KV cache.
     Model {
+        /// The draft model's own session.
         session: Box<Session>,
+        /// The tokens in the draft session's KV cache.
         fed: Vec<u32>,
     },
 }

@@ -16,15 +16,23 @@ pub enum RopeScaling {
     /// divided by `factor`, shorter than `original_context / high_freq_factor`
     /// are kept, and those in between are interpolated smoothly.
     Llama3 {
+        /// How much long wavelengths are stretched.
         factor: f64,
+        /// Wavelengths above `original_context / low_freq_factor` are
+        /// divided by `factor`.
         low_freq_factor: f64,
+        /// Wavelengths below `original_context / high_freq_factor` are kept.
         high_freq_factor: f64,
+        /// The context the model was trained with.
         original_context: usize,
     },
     /// Linear position interpolation (Hugging Face's "linear" rope type,
     /// GGUF `rope.scaling.type = linear`): every frequency is divided by
     /// `factor`, i.e. positions are compressed by it.
-    Linear { factor: f64 },
+    Linear {
+        /// How much positions are compressed.
+        factor: f64,
+    },
 }
 
 impl RopeScaling {
@@ -40,8 +48,11 @@ impl RopeScaling {
 /// Parameters of rotary position embeddings.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct RopeParams {
+    /// The attention head's dimension `D` (pairs rotate in `D / 2` planes).
     pub head_dim: usize,
+    /// The base of the frequencies `1 / theta^(2i/D)`.
     pub theta: f64,
+    /// How the frequencies are rescaled, if at all.
     pub scaling: Option<RopeScaling>,
 }
 
@@ -59,7 +70,10 @@ pub enum LogitRows {
     /// `[R, vocab]`. The graph is `Last`'s; only the planned `R` differs.
     /// A sequence verifying `k` drafted tokens feeds `k + 1` tokens and asks
     /// for `k + 1` rows, while the step's other sequences ask for one.
-    Tail { max: usize },
+    Tail {
+        /// The most rows one step returns.
+        max: usize,
+    },
 }
 
 impl LogitRows {
@@ -77,7 +91,9 @@ impl LogitRows {
 /// Which half of a layer's KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum CacheKind {
+    /// The keys.
     K,
+    /// The values.
     V,
 }
 
@@ -85,10 +101,15 @@ pub enum CacheKind {
 /// sequence table, the block table) or derives from it (positions, KV slots).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum StepInput {
+    /// [`Op::Tokens`].
     Tokens,
+    /// [`Op::Positions`].
     Positions,
+    /// [`Op::KvSlots`].
     KvSlots,
+    /// [`Op::SeqTable`].
     SeqTable,
+    /// [`Op::BlockTable`].
     BlockTable,
 }
 
@@ -127,17 +148,31 @@ pub enum Op {
 
     // ---- other sources ----
     /// A weight tensor, bound by its checkpoint name to the loaded model.
-    Weight { tensor: String },
+    Weight {
+        /// The checkpoint tensor's name (Meta's names), or a packed
+        /// weight's (see [`crate::ir::PackedWeight`]).
+        tensor: String,
+    },
     /// Persistent KV state of one layer, shared by all sequences: `NB`
     /// blocks of `BS` positions, f32 or f16. Keys are stored dims-major
     /// within a block, `[NB, Hkv, D, BS]` (a head's keys at one dim are
     /// contiguous), values `[NB, Hkv, BS, D]`. It outlives the step; the
     /// executor keeps it across calls.
-    KvCache { layer: usize, kind: CacheKind },
+    KvCache {
+        /// The transformer layer.
+        layer: usize,
+        /// Keys or values.
+        kind: CacheKind,
+    },
     /// Constant-folded RoPE angles for every position `0..max_pos`:
     /// `f32[max_pos, head_dim/2, 2]` (cos, sin), computed once when the
     /// executor is prepared (pass `fold_rope_table`).
-    RopeTable { params: RopeParams, max_pos: usize },
+    RopeTable {
+        /// The rotation's parameters.
+        params: RopeParams,
+        /// Positions in the table (the KV pool's positions).
+        max_pos: usize,
+    },
 
     // ---- compute ----
     /// Rotation angles of each token's position: (`positions i32[S]`) ->
@@ -151,7 +186,10 @@ pub enum Op {
     Embedding,
     /// Root-mean-square normalisation over the last axis, without weight:
     /// `x * rsqrt(mean(x²) + eps)`. (`x[.., E]`) -> same.
-    RmsNorm { eps: f64 },
+    RmsNorm {
+        /// Added to the mean square before the root.
+        eps: f64,
+    },
     /// Linear layer: (`x[S, K]`, `w[N, K]`) -> `f32[S, N]`, i.e. `x · wᵀ`.
     MatMul,
     /// Reinterpret the shape; the element count must not change.
@@ -166,12 +204,20 @@ pub enum Op {
     /// 4]`, `blocks i32[NB]`) -> `[H, S, T]`, scaled by `scale`; query head
     /// `h` reads KV head `h / n_rep`; entry `t` is the query's own
     /// sequence's position `t`; positions after the query's own are `-inf`.
-    AttnScores { n_rep: usize, scale: f64 },
+    AttnScores {
+        /// Query heads per KV head.
+        n_rep: usize,
+        /// Factor on every score (`1/sqrt(D)`).
+        scale: f64,
+    },
     /// Softmax over the last axis, in f32.
     Softmax,
     /// Attention-weighted values: (`probs[H, S, T]`, `v` cache, `seqs`,
     /// `blocks`) -> `[S, H, D]`.
-    AttnValues { n_rep: usize },
+    AttnValues {
+        /// Query heads per KV head.
+        n_rep: usize,
+    },
     /// `x * sigmoid(x)`, elementwise.
     Silu,
     /// Elementwise product; the second input may also be a vector matching
@@ -190,9 +236,17 @@ pub enum Op {
     // ---- fused ops (created by `crate::passes`) ----
     /// RMSNorm with its weight multiply folded in:
     /// (`x[.., E]`, `w[E]`) -> same as x.
-    RmsNormScaled { eps: f64 },
+    RmsNormScaled {
+        /// Added to the mean square before the root.
+        eps: f64,
+    },
     /// Columns `start..start+len` of a matrix: (`x[S, N]`) -> `f32[S, len]`.
-    SliceCols { start: usize, len: usize },
+    SliceCols {
+        /// The first column.
+        start: usize,
+        /// How many columns.
+        len: usize,
+    },
     /// Linear layer with the residual add in its epilogue:
     /// (`r[S, N]`, `x[S, K]`, `w[N, K]`) -> `f32[S, N]` = `r + x · wᵀ`.
     /// The residual is input 0 so its buffer can be accumulated in place.
@@ -208,15 +262,23 @@ pub enum Op {
     /// caches at each token's slot before the output is available, so
     /// readers of q may read the caches.
     QkvRopeCache {
+        /// Query heads `H`.
         n_heads: usize,
+        /// Key/value heads `Hkv`.
         n_kv_heads: usize,
+        /// Head dimension `D`.
         head_dim: usize,
     },
     /// Fused causal GQA attention with a streaming softmax (never
     /// materialises `[H, S, T]`): (`q[S, H, D]`, `k` cache, `v` cache,
     /// `seqs i32[N, 5]`, `blocks i32[NB]`) -> `[S, H, D]`; each query reads
     /// its own sequence's positions up to its own.
-    Attention { n_rep: usize, scale: f64 },
+    Attention {
+        /// Query heads per KV head.
+        n_rep: usize,
+        /// Factor on every score (`1/sqrt(D)`).
+        scale: f64,
+    },
 
     // ---- pipeline stage boundary (created by `crate::passes::partition`) ----
     /// The value a pipeline stage receives from stage `from`: a source of
@@ -225,11 +287,17 @@ pub enum Op {
     /// what stage `from` sent, which arrives with the step's description
     /// (its tokens' sequences and positions) so that this stage binds the
     /// same step.
-    Recv { from: usize },
+    Recv {
+        /// The stage that sends it.
+        from: usize,
+    },
     /// The value a pipeline stage hands to stage `to`: (`x[S, E]`) -> the
     /// same tensor, a view of `x`. It is the stage graph's output; its
     /// caller sends it.
-    Send { to: usize },
+    Send {
+        /// The stage it goes to.
+        to: usize,
+    },
 }
 
 impl Op {

@@ -38,7 +38,9 @@ pub enum Sym {
 /// One dimension: a constant or a symbol.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Dim {
+    /// A size known when the graph is built.
     Const(usize),
+    /// A size bound per step.
     Sym(Sym),
 }
 
@@ -74,6 +76,7 @@ impl Bindings {
             r: 1,
         }
     }
+    /// The value of `sym`.
     pub fn get(&self, sym: Sym) -> usize {
         match sym {
             Sym::S => self.s,
@@ -85,17 +88,23 @@ impl Bindings {
 }
 
 impl Dim {
+    /// The step's token count.
     pub const S: Dim = Dim::Sym(Sym::S);
+    /// The step's sequence count.
     pub const N: Dim = Dim::Sym(Sym::N);
+    /// The step's longest key span.
     pub const T: Dim = Dim::Sym(Sym::T);
+    /// The step's logit-row count.
     pub const R: Dim = Dim::Sym(Sym::R);
 
+    /// The size under `b`.
     pub fn eval(self, b: &Bindings) -> usize {
         match self {
             Dim::Const(c) => c,
             Dim::Sym(s) => b.get(s),
         }
     }
+    /// The size, if it is a constant.
     pub fn as_const(self) -> Option<usize> {
         match self {
             Dim::Const(c) => Some(c),
@@ -124,18 +133,23 @@ impl fmt::Display for Dim {
 pub struct Shape(pub Vec<Dim>);
 
 impl Shape {
+    /// A shape of these dimensions.
     pub fn new(dims: impl IntoIterator<Item = Dim>) -> Self {
         Shape(dims.into_iter().collect())
     }
+    /// A shape of constant dimensions.
     pub fn constant(dims: &[usize]) -> Self {
         Shape(dims.iter().map(|&d| Dim::Const(d)).collect())
     }
+    /// The number of dimensions.
     pub fn rank(&self) -> usize {
         self.0.len()
     }
+    /// The dimensions, outermost first.
     pub fn dims(&self) -> &[Dim] {
         &self.0
     }
+    /// The innermost dimension, if any.
     pub fn last(&self) -> Option<Dim> {
         self.0.last().copied()
     }
@@ -164,6 +178,7 @@ impl Shape {
         syms.sort();
         (c, syms)
     }
+    /// The sizes under `b`.
     pub fn eval(&self, b: &Bindings) -> Vec<usize> {
         self.0.iter().map(|d| d.eval(b)).collect()
     }
