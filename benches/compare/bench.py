@@ -222,7 +222,6 @@ def run(args):
     print("\n".join(table(res)))
 
 
-
 def table(res, threads=None):
     """The markdown table of one results JSON, as lines (only the rows of
     `threads`, a list of thread counts, when given)."""
@@ -349,8 +348,7 @@ def main():
     elif a.docs:
         write_docs(a.docs)
     else:
-        path = Path(a.json) if a.json else harness.result_path("bench")
-        print("\n".join(table(json.loads(path.read_text()), a.threads)))
+        print("\n".join(table(harness.load("bench", a.json), a.threads)))
 
 
 if __name__ == "__main__":

@@ -351,8 +351,7 @@ def cmd_run(args):
 
 def cmd_table(args):
     """Prints a results JSON (default: this host's) as a markdown table."""
-    path = Path(args.results) if args.results else harness.result_path("compare")
-    print("\n".join(table(json.loads(path.read_text()))))
+    print("\n".join(table(harness.load("compare", args.results))))
 
 
 def table(doc):
