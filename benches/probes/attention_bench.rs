@@ -4,7 +4,7 @@
 //! AVX-512F, interleaved on the same data, medians. A row `S=1 x 8` is a
 //! decode step of eight sequences at that position.
 //!
-//! `cargo bench --bench attention_bench -- [reps]`
+//! `cargo run --release --example attention_bench -- [reps]`
 //! (run it under `flock /tmp/llama-graph-bench.lock` on a shared machine).
 use llama_graph::kernels::{attention_paged, AttnWork, Isa, KvGeom, KvStore, StepSeqs};
 use llama_graph::pool::ThreadPool;

@@ -2,7 +2,7 @@
 //! of MODEL is rounded to bf16 (exactly as is, for BF16) and encoded; prints
 //! the size against bf16 and the share of weights stored as exceptions.
 //!
-//! `cargo bench --bench bf16z_stats -- MODEL`
+//! `cargo run --release --example bf16z_stats -- MODEL`
 
 use llama_graph::ir::DType;
 use llama_graph::kernels::matmul::bf16z;

@@ -1,6 +1,6 @@
 //! Print dtype, shape, data offset and the first values of tensors of a
 //! `.pth` file, for spot checks against torch:
-//!   cargo bench --bench pth_peek -- FILE [NAME...]
+//!   cargo run --release --example pth_peek -- FILE [NAME...]
 use llama_graph::ir::DType;
 use llama_graph::weights::pth::open_pth;
 use llama_graph::weights::TensorBytes;
