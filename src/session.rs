@@ -689,7 +689,7 @@ impl Session {
         let unused_weights = bind_weights(&stage_graph(&graph)?, &model.weights)?.unused;
         let mut passes = match opts.logit_rows {
             LogitRows::All => opts.passes.clone().without("last_logits"),
-            LogitRows::Last => opts.passes.clone(),
+            LogitRows::Last | LogitRows::Tail { .. } => opts.passes.clone(),
         };
         if opts.exact {
             // The exact kernels read rows one after another.
@@ -703,6 +703,7 @@ impl Session {
             max_tokens: opts.batch,
             max_seqs: opts.parallel,
             context,
+            max_logit_rows: opts.logit_rows.max_rows(opts.batch, opts.parallel),
         };
         let plan = compile(&graph, &limits)?;
         plan.buffers.check().map_err(SessionError::Invalid)?;
@@ -968,6 +969,36 @@ impl Session {
         Ok(self.exec.step(&self.batch)?)
     }
 
+    /// Feeds `tokens` (at most the batch size) as one step that asks for
+    /// the logits of its last `rows` tokens (1 to `tokens.len()`), as
+    /// verifying drafted tokens does: the step is an ordinary step of the
+    /// graph whose `LastRows` returns `rows` rows for this sequence. The
+    /// session must be compiled with `LogitRows::Tail { max }`, `max >=
+    /// rows` (with `All` every token's row comes back). Returns the rows,
+    /// in position order.
+    pub fn feed_rows(&mut self, tokens: &[u32], rows: usize) -> Result<Logits<'_>, SessionError> {
+        if tokens.len() > self.exec.max_chunk() {
+            return Err(ExecError::StepSize {
+                got: tokens.len(),
+                max: self.exec.max_chunk(),
+            }
+            .into());
+        }
+        self.check_and_reserve(tokens)?;
+        self.batch.clear();
+        self.batch.push_rows(tokens, self.pos, &self.blocks, rows);
+        self.pos += tokens.len();
+        run_step(
+            &mut self.exec,
+            self.link.as_mut(),
+            &mut self.remote_logits,
+            self.vocab,
+            &self.batch,
+            true,
+        )?
+        .ok_or_else(|| SessionError::Pipeline("no logits came back".into()))
+    }
+
     /// Checks that `tokens` fit after the current position and are in the
     /// vocabulary, and takes the KV blocks they need.
     fn check_and_reserve(&mut self, tokens: &[u32]) -> Result<(), SessionError> {
@@ -1044,12 +1075,13 @@ fn run_step<'a>(
         return Ok(None);
     }
     let l = link.recv_logits().map_err(perr)?;
-    if l.width != vocab || l.rows == 0 || l.rows > batch.n_seqs() {
+    if l.width != vocab || l.rows == 0 || l.rows > batch.n_tokens() {
         return Err(SessionError::Pipeline(format!(
-            "the last stage sent {} x {} logits for a step of {} sequences, expected rows of {}",
+            "the last stage sent {} x {} logits for a step of {} sequences and {} tokens, expected rows of {}",
             l.rows,
             l.width,
             batch.n_seqs(),
+            batch.n_tokens(),
             vocab
         )));
     }

@@ -43,6 +43,19 @@ with the command that produced it and the llama-graph commit it measured),
 and every `<!-- bench.py table ARGS -->` ... `<!-- end of table -->` block with
 what `bench.py table ARGS` prints (the README's tables:
 `table --docs README.md`).
+
+`run --depths 0,4096` measures at depth instead (llama-bench's `-d`): both
+runtimes run `-p 512 -n 128 -d DEPTHS` (the 1B files `--one-b-depths`,
+default `0,4096,16384`), so every pp512/tg128 row is also measured after
+that many tokens already in the cache; the JSON is
+`benches/results/<cpu-class>/bench-depth.json`. Around every round the read
+bandwidth is measured with the `stream` probe (`cargo run --release --example stream`,
+benches/probes/stream.rs: a read-only sum over 256 MiB, best of 5, at the
+same thread count), and the table gives, per tg row, llama-graph's decode
+against the bandwidth bound: read GB/s over the bytes a decode step reads
+(every weight byte, plus the KV cache's bytes per position -- from
+llama-graph's `kv_bytes_per_pos` -- times the positions the steps attend on
+average, depth + (n + 1) / 2).
 """
 
 import argparse
@@ -171,12 +184,33 @@ def timed(cmd, env=None):
     return out, ru.ru_maxrss / 1024.0
 
 
+def test_name(r):
+    """llama-bench's test name of a JSON row, with its depth (`tg128@d4096`)."""
+    name = f"pp{r['n_prompt']}" if r["n_prompt"] > 0 else f"tg{r['n_gen']}"
+    d = r.get("n_depth", 0)
+    return f"{name}@d{d}" if d else name
+
+
 def rows_of(out):
     res = {}
     for r in json.loads(out):
-        name = f"pp{r['n_prompt']}" if r["n_prompt"] > 0 else f"tg{r['n_gen']}"
-        res[name] = r["avg_ts"]
+        res[test_name(r)] = r["avg_ts"]
+        for k in ("model_size", "kv_bytes_per_pos"):
+            if k in r:
+                res[k] = r[k]
     return res
+
+
+def read_bandwidth(threads):
+    """Read-only GB/s (STREAM-style sum over 256 MiB, best of 5) at `threads`,
+    from the `stream` probe (benches/probes/stream.rs), or None when it cannot
+    run."""
+    out = subprocess.run(["cargo", "run", "-q", "--release", "--example", "stream", "--", "256", str(threads)],
+                         cwd=REPO, capture_output=True, text=True)
+    for line in out.stdout.splitlines():
+        if line.startswith("{"):
+            return json.loads(line)["read_gbs"]
+    return None
 
 
 def run(args):
@@ -185,7 +219,7 @@ def run(args):
     classes = args.classes.split(",")
     bins = {c: llamacpp_bin(c, "llama-bench") for c in classes}
     samples = {}
-    out = Path(args.out) if args.out else harness.result_path("bench")
+    out = Path(args.out) if args.out else harness.result_path("bench-depth" if args.depths else "bench")
     out.parent.mkdir(parents=True, exist_ok=True)
     res = {"rounds": args.rounds, "cpu": harness.cpu_name(), "cpu_class": harness.cpu_class(),
            "samples": samples, "llama_graph": harness.git_rev(),
@@ -200,6 +234,14 @@ def run(args):
                         continue
                     flags = ["-m", str(path), "-p", "128,512", "-n", str(n), "-t", str(t), "-r", "1",
                              "-o", "json"]
+                    if args.depths:
+                        depths = args.one_b_depths if v.startswith("1b_") else args.depths
+                        flags = ["-m", str(path), "-p", "512", "-n", "128", "-d", depths, "-t", str(t),
+                                 "-r", "1", "-o", "json"]
+                        bw = read_bandwidth(t)
+                        if bw is not None:
+                            res.setdefault("read_gbs", {}).setdefault(str(t), []).append(bw)
+                            log(f"round {rnd} read bandwidth at {t} threads: {bw:.2f} GB/s")
                     env = dict(os.environ)
                     if cls == "avx2":
                         env["LLAMA_GRAPH_ISA"] = "avx2"
@@ -222,10 +264,48 @@ def run(args):
     print("\n".join(table(res)))
 
 
+def depth_table(res):
+    """The table of a `run --depths` JSON, as lines."""
+    samples = res["samples"]
+    keys = sorted({k.rsplit("|", 1)[0] for k in samples}, key=lambda k: (k.split("|")[1], k))
+    lines = [f"CPU: {res['cpu']}; medians of {res['rounds']} interleaved rounds; tokens/s, "
+             "ratio = llama-graph / llama.cpp (higher is better)", ""]
+    bws = res.get("read_gbs", {})
+    for t, v in sorted(bws.items()):
+        lines += [f"read bandwidth at {t} threads (benches/probes/stream.rs, one per round): "
+                  + ", ".join(f"{x:.1f}" for x in v) + f" GB/s; median {statistics.median(v):.1f}", ""]
+    lines += ["| variant | class | threads | test | llama-graph | llama.cpp | ratio | decode bound | of bound |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for k in keys:
+        v, cls, t = k.split("|")
+        lg, lc = samples.get(k + "|lg"), samples.get(k + "|lc")
+        if not lg or not lc:
+            continue
+        names = [x for x in lg[0] if x.startswith(("pp", "tg"))]
+        names.sort(key=lambda x: (int(x.split("@d")[1]) if "@d" in x else 0, x[:2]))
+        for name in names:
+            if name not in lc[0]:
+                continue
+            a = statistics.median(s[name] for s in lg)
+            b = statistics.median(s[name] for s in lc)
+            bound, frac = "", ""
+            bw = bws.get(t)
+            if name.startswith("tg") and bw and "kv_bytes_per_pos" in lg[0]:
+                n = int(name[2:].split("@")[0])
+                depth = int(name.split("@d")[1]) if "@d" in name else 0
+                per_tok = lg[0]["model_size"] + lg[0]["kv_bytes_per_pos"] * (depth + (n + 1) / 2)
+                bnd = statistics.median(bw) * 1e9 / per_tok
+                bound, frac = f"{bnd:.0f}", f"{a / bnd:.0%}"
+            lines.append(f"| {v} | {cls} | {t} | {name} | {a:.1f} | {b:.1f} | **{a / b:.2f}** | {bound} | {frac} |")
+    return lines
+
+
 def table(res, threads=None):
     """The markdown table of one results JSON, as lines (only the rows of
     `threads`, a list of thread counts, when given)."""
     samples = res["samples"]
+    if res.get("args", {}).get("depths"):
+        return depth_table(res)
     keys = sorted({k.rsplit("|", 1)[0] for k in samples}, key=lambda k: (k.split("|")[1], k))
     if threads:
         keys = [k for k in keys if int(k.split("|")[2]) in threads]
@@ -266,6 +346,8 @@ def docs_section():
     compare = load_script(HERE / "compare.py", "compare")
     harnesses = [
         ("bench", "Against llama.cpp's `llama-bench`", table, "python3 benches/compare/bench.py table"),
+        ("bench-depth", "At depth: `llama-bench -d` and `llama-graph bench -d`", table,
+         "python3 benches/compare/bench.py table"),
         ("serve", "Serving: `llama-graph serve` against `llama-server`", serve.table,
          "python3 benches/serve/serve_bench.py table"),
         ("compare", "Against llama-cpp-python 0.3.36 (the older harness)", compare.table,
@@ -333,8 +415,12 @@ def main():
     r.add_argument("--one-b-threads", default="2", type=lambda s: [int(x) for x in s.split(",")])
     r.add_argument("--rounds", type=int, default=3)
     r.add_argument("--variants", default=",".join(SMOL + ONE_B))
+    r.add_argument("--depths", default="",
+                   help="measure -p 512 -n 128 at these depths (llama-bench -d), e.g. 0,4096")
+    r.add_argument("--one-b-depths", default="0,4096,16384", help="the depths for the 1B files")
     r.add_argument("--out", default="",
-                   help="results JSON (default: benches/results/<this host's CPU class>/bench.json)")
+                   help="results JSON (default: benches/results/<this host's CPU class>/bench.json, "
+                        "bench-depth.json with --depths)")
     t = sub.add_parser("table", help="print a results JSON as a markdown table, or write the docs' tables")
     t.add_argument("json", nargs="?", help="default: benches/results/<this host's CPU class>/bench.json")
     t.add_argument("--docs", help="rewrite the generated part of this markdown file with every class's tables")

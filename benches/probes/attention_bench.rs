@@ -17,7 +17,6 @@ fn median(v: &mut [f64]) -> f64 {
 
 fn main() {
     let reps: usize = std::env::args()
-        .filter(|a| a != "--bench")
         .nth(1)
         .map(|s| s.parse().expect("reps"))
         .unwrap_or(30);

@@ -6,10 +6,7 @@ use llama_graph::weights::pth::open_pth;
 use llama_graph::weights::TensorBytes;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<String> = std::env::args()
-        .filter(|a| a != "--bench")
-        .skip(1)
-        .collect();
+    let args: Vec<String> = std::env::args().skip(1).collect();
     let path = args.first().ok_or("usage: pth_peek FILE [NAME...]")?;
     let store = open_pth(std::path::Path::new(path))?;
     let names: Vec<&String> = if args.len() > 1 {

@@ -85,6 +85,44 @@ impl ChatFormat {
         self.template.is_some() || self.format == ModelFormat::MetaDir
     }
 
+    /// The Jinja template's source, if the format is one.
+    pub fn template_source(&self) -> Option<&str> {
+        self.template.as_ref().map(|t| t.source.as_str())
+    }
+
+    /// The conversation as tokens through the Jinja template, messages as
+    /// JSON (OpenAI's shape: `tool_calls`, `tool` messages) and `tools`
+    /// given to the template when it reads them.
+    pub fn tokens_json(
+        &self,
+        tok: &Tokenizer,
+        messages: &serde_json::Value,
+        tools: Option<&serde_json::Value>,
+    ) -> Result<Vec<u32>, ChatError> {
+        let Some(t) = &self.template else {
+            return Err(ChatError::NoTemplate);
+        };
+        let piece = |id: Option<u32>| {
+            id.and_then(|i| tok.token_bytes(i))
+                .map(|b| String::from_utf8_lossy(b).into_owned())
+                .unwrap_or_default()
+        };
+        let rendered = t.render_json(
+            messages,
+            tools,
+            true,
+            &piece(tok.bos_id()),
+            &piece(tok.eos_id()),
+        )?;
+        Ok(tok.encode(
+            &rendered,
+            EncodeOptions {
+                add_bos: false,
+                parse_special: true,
+            },
+        ))
+    }
+
     /// The conversation as tokens, ending with the assistant's header.
     pub fn tokens(&self, tok: &Tokenizer, messages: &[Message]) -> Result<Vec<u32>, ChatError> {
         match (&self.template, self.format) {
@@ -173,6 +211,21 @@ impl ChatTemplate {
         bos_token: &str,
         eos_token: &str,
     ) -> Result<String, ChatError> {
+        let messages =
+            serde_json::to_value(messages).map_err(|e| ChatError::Template(e.to_string()))?;
+        self.render_json(&messages, None, add_generation_prompt, bos_token, eos_token)
+    }
+
+    /// [`ChatTemplate::render`] with messages as JSON, and `tools` (a list
+    /// of OpenAI tool objects) for templates that read it.
+    pub fn render_json(
+        &self,
+        messages: &serde_json::Value,
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+        bos_token: &str,
+        eos_token: &str,
+    ) -> Result<String, ChatError> {
         let mut env = minijinja::Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
@@ -193,6 +246,7 @@ impl ChatTemplate {
             .map_err(|e| ChatError::Template(e.to_string()))?;
         t.render(minijinja::context! {
             messages => minijinja::Value::from(minijinja::value::Serde(messages)),
+            tools => tools.map(|t| minijinja::Value::from(minijinja::value::Serde(t))),
             add_generation_prompt => add_generation_prompt,
             bos_token => bos_token,
             eos_token => eos_token,

@@ -61,9 +61,31 @@ pub struct RopeParams {
 pub enum LogitRows {
     /// Every token of the step: `[S, vocab]`.
     All,
-    /// The last token of each sequence in the step, which is all generation
-    /// needs: `[N, vocab]` (a `LastRows` before the output head).
+    /// The last token of each sequence in the step, which is all plain
+    /// generation needs: `[R, vocab]` (a `LastRows` before the output head)
+    /// with one row per sequence, `R = N`.
     Last,
+    /// The last tokens of each sequence, as many as its row of the step's
+    /// sequence table asks (at least one), at most `max` rows in a step:
+    /// `[R, vocab]`. The graph is `Last`'s; only the planned `R` differs.
+    /// A sequence verifying `k` drafted tokens feeds `k + 1` tokens and asks
+    /// for `k + 1` rows, while the step's other sequences ask for one.
+    Tail {
+        /// The most rows one step returns.
+        max: usize,
+    },
+}
+
+impl LogitRows {
+    /// The most logit rows (`R`) a step of at most `max_tokens` tokens of
+    /// at most `max_seqs` sequences returns.
+    pub fn max_rows(self, max_tokens: usize, max_seqs: usize) -> usize {
+        match self {
+            LogitRows::All => max_tokens,
+            LogitRows::Last => max_seqs,
+            LogitRows::Tail { max } => max.max(max_seqs).min(max_tokens.max(1)),
+        }
+    }
 }
 
 /// Which half of a layer's KV cache.
@@ -92,7 +114,7 @@ pub enum StepInput {
 }
 
 /// Columns of a [`Op::SeqTable`] row.
-pub const SEQ_TABLE_COLS: usize = 4;
+pub const SEQ_TABLE_COLS: usize = 5;
 
 /// An operation. Inputs are the node's incoming edges, in slot order; the
 /// comment on each variant lists them with their shapes (`S` tokens in the
@@ -114,8 +136,10 @@ pub enum Op {
     /// (`block · BS + position % BS`): `i32[S]`.
     KvSlots,
     /// One row per sequence of the step: (first token of the step, token
-    /// count, start position, offset of its block list in the block table):
-    /// `i32[N, 4]`. Its queries attend positions `0..=start + i`.
+    /// count, start position, offset of its block list in the block table,
+    /// logit rows): `i32[N, 5]`. Its queries attend positions
+    /// `0..=start + i`; its last `logit rows` tokens (1 to count) get
+    /// logits where the graph reads [`Op::LastRows`].
     SeqTable,
     /// The sequences' KV blocks, each sequence's list contiguous and in
     /// position order (block `i` of a list holds positions `i·BS..`):
@@ -203,8 +227,10 @@ pub enum Op {
     Add,
     /// The output head: (`x[R, E]`, `w[V, E]`) -> `f32[R, V]`.
     OutputHead,
-    /// The last token's row of each sequence: (`x[S, E]`, `seqs i32[N, 4]`)
-    /// -> `f32[N, E]`.
+    /// The rows of each sequence's last tokens, as many as its sequence
+    /// table row's `logit rows` (one when it decodes plainly; `k + 1` when
+    /// it verifies `k` drafted tokens), in step order: (`x[S, E]`,
+    /// `seqs i32[N, 5]`) -> `f32[R, E]`.
     LastRows,
 
     // ---- fused ops (created by `crate::passes`) ----
@@ -245,7 +271,7 @@ pub enum Op {
     },
     /// Fused causal GQA attention with a streaming softmax (never
     /// materialises `[H, S, T]`): (`q[S, H, D]`, `k` cache, `v` cache,
-    /// `seqs i32[N, 4]`, `blocks i32[NB]`) -> `[S, H, D]`; each query reads
+    /// `seqs i32[N, 5]`, `blocks i32[NB]`) -> `[S, H, D]`; each query reads
     /// its own sequence's positions up to its own.
     Attention {
         /// Query heads per KV head.

@@ -9,7 +9,10 @@
 //!   chunk, one decode token per sequence, or a mix);
 //! * `N`: the number of sequences with tokens in this step (`1 <= N <= S`);
 //! * `T`: the longest key span of the step: the largest `start + tokens` over
-//!   its sequences, i.e. the most cached positions any query attends over.
+//!   its sequences, i.e. the most cached positions any query attends over;
+//! * `R`: the logit rows of the step: the sum over its sequences of the
+//!   last tokens each asks logits for (one for plain decoding, `k + 1` for a
+//!   sequence verifying `k` drafted tokens; `N <= R <= S`).
 //!
 //! Everything else is a constant fixed when the graph is built, including the
 //! KV pool that all sequences share.
@@ -27,6 +30,9 @@ pub enum Sym {
     /// The longest key span of the step (`max(start + tokens)` over its
     /// sequences).
     T,
+    /// Logit rows of the step: the last tokens of each sequence that want
+    /// logits, summed over its sequences.
+    R,
 }
 
 /// One dimension: a constant or a symbol.
@@ -47,12 +53,19 @@ pub struct Bindings {
     pub n: usize,
     /// The longest key span (`T`).
     pub t: usize,
+    /// Logit rows (`R`).
+    pub r: usize,
 }
 
 impl Bindings {
-    /// `S`, `N` and `T` as given.
+    /// A step whose sequences each want the logits of their last token
+    /// (`R = N`).
     pub fn new(s: usize, n: usize, t: usize) -> Self {
-        Bindings { s, n, t }
+        Bindings { s, n, t, r: n }
+    }
+    /// The same step with `r` logit rows.
+    pub fn with_rows(self, r: usize) -> Self {
+        Bindings { r, ..self }
     }
     /// One sequence: `s` tokens at positions `pos..pos + s`.
     pub fn one_sequence(s: usize, pos: usize) -> Self {
@@ -60,6 +73,7 @@ impl Bindings {
             s,
             n: 1,
             t: pos + s,
+            r: 1,
         }
     }
     /// The value of `sym`.
@@ -68,6 +82,7 @@ impl Bindings {
             Sym::S => self.s,
             Sym::N => self.n,
             Sym::T => self.t,
+            Sym::R => self.r,
         }
     }
 }
@@ -79,6 +94,8 @@ impl Dim {
     pub const N: Dim = Dim::Sym(Sym::N);
     /// The step's longest key span.
     pub const T: Dim = Dim::Sym(Sym::T);
+    /// The step's logit-row count.
+    pub const R: Dim = Dim::Sym(Sym::R);
 
     /// The size under `b`.
     pub fn eval(self, b: &Bindings) -> usize {

@@ -22,6 +22,7 @@
 
 use super::scheduler::{Scheduler, SchedulerConfig, SeqId};
 use crate::exec::{Batch, KvPool};
+use crate::generate::constraint::Constraint;
 use crate::generate::sampler::{Sampler, SamplerConfig};
 use crate::session::{Model, Session, SessionError, SessionOptions};
 use std::collections::{HashMap, VecDeque};
@@ -179,6 +180,7 @@ pub enum EngineError {
 
 struct Job {
     req: GenRequest,
+    constraint: Option<Constraint>,
     tx: mpsc::UnboundedSender<GenEvent>,
 }
 
@@ -389,6 +391,16 @@ impl EngineHandle {
     /// Checks `req` and queues it. Refuses at once, without waiting, when
     /// the queue is full.
     pub fn submit(&self, req: GenRequest) -> Result<GenStream, SubmitError> {
+        self.submit_constrained(req, None)
+    }
+
+    /// [`EngineHandle::submit`], every token sampled among those
+    /// `constraint` allows (structured output).
+    pub fn submit_constrained(
+        &self,
+        req: GenRequest,
+        constraint: Option<Constraint>,
+    ) -> Result<GenStream, SubmitError> {
         let l = self.limits;
         if req.prompt.is_empty() {
             return Err(SubmitError::Invalid("the prompt is empty".into()));
@@ -426,7 +438,11 @@ impl EngineHandle {
                     capacity: l.queue_capacity,
                 });
             }
-            q.jobs.push_back(Job { req, tx });
+            q.jobs.push_back(Job {
+                req,
+                constraint,
+                tx,
+            });
         }
         shared.requests_total.fetch_add(1, Ordering::Relaxed);
         shared.ready.notify_one();
@@ -486,6 +502,8 @@ impl Throughput {
 struct Live {
     tx: mpsc::UnboundedSender<GenEvent>,
     sampler: Sampler,
+    /// The grammar the tokens must follow, if any.
+    constraint: Option<Constraint>,
     prompt_tokens: usize,
     max_tokens: usize,
     stop_tokens: Vec<u32>,
@@ -514,6 +532,7 @@ fn engine_loop(session: &mut Session, parallel: usize, shared: &Shared) {
     let mut plan = Vec::with_capacity(parallel);
     let mut sampled: Vec<(SeqId, u32)> = Vec::with_capacity(parallel);
     let mut gone: Vec<SeqId> = Vec::with_capacity(parallel);
+    let mut failed: Vec<(SeqId, String)> = Vec::new();
     let mut rate = Throughput {
         tokens: 0,
         busy: Duration::ZERO,
@@ -553,6 +572,7 @@ fn engine_loop(session: &mut Session, parallel: usize, shared: &Shared) {
                                 Live {
                                     tx: job.tx,
                                     sampler,
+                                    constraint: job.constraint,
                                     prompt_tokens: job.req.prompt.len(),
                                     max_tokens: job.req.max_tokens,
                                     stop_tokens: job.req.stop_tokens,
@@ -598,7 +618,14 @@ fn engine_loop(session: &mut Session, parallel: usize, shared: &Shared) {
         let stepped = session.step(&batch).map(|logits| {
             for (j, slot) in plan.iter().enumerate() {
                 if let (true, Some(l)) = (slot.samples, live.get_mut(&slot.id)) {
-                    sampled.push((slot.id, l.sampler.sample(logits.row(j))));
+                    let row = logits.row(j);
+                    match l.constraint.as_mut() {
+                        None => sampled.push((slot.id, l.sampler.sample(row))),
+                        Some(c) => match c.sample(&mut l.sampler, row) {
+                            Ok(t) => sampled.push((slot.id, t)),
+                            Err(e) => failed.push((slot.id, e.to_string())),
+                        },
+                    }
                 }
             }
         });
@@ -617,6 +644,9 @@ fn engine_loop(session: &mut Session, parallel: usize, shared: &Shared) {
             continue;
         }
         sched.advance();
+        for (id, msg) in failed.drain(..) {
+            retire(&mut sched, &mut live, id, Err(msg), shared);
+        }
         for &(id, tok) in &sampled {
             let Some(l) = live.get_mut(&id) else {
                 continue;
