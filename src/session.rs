@@ -112,6 +112,41 @@ pub enum SessionError {
     Pipeline(String),
 }
 
+/// The graph variant of a GGUF's architecture (llama.cpp's `llm_build_*` for
+/// it): Qwen2's Q/K/V biases, the Q/K norm of Qwen3 and Gemma 3, Gemma 3's
+/// embedding scale, post-norms, GELU-tanh gate and local layers (a window on
+/// five of every six layers, RoPE base 10000 there: llama.cpp's
+/// `set_swa_pattern(6)` and `rope_freq_base_train_swa`), and the sliding
+/// window the file states.
+fn gguf_variant(
+    m: &crate::weights::gguf::LlamaGgufMeta,
+    has_qkv_bias: bool,
+    has_qk_norm: bool,
+) -> crate::model::Variant {
+    use crate::model::{Family, GateAct, Variant};
+    let mut v = Variant {
+        family: m.family,
+        head_dim: (m.head_dim * m.n_heads != m.dim).then_some(m.head_dim),
+        qkv_bias: has_qkv_bias,
+        qk_norm: has_qk_norm,
+        sliding_window: m.sliding_window,
+        ..Variant::default()
+    };
+    if m.family == Family::Llama && m.sliding_window.is_some() {
+        v.family = Family::Mistral;
+    }
+    if m.family == Family::Gemma3 {
+        v.post_norms = true;
+        v.embed_scale = true;
+        v.gate_act = GateAct::GeluTanh;
+        if m.sliding_window.is_some() {
+            v.global_every = Some(m.swa_pattern.unwrap_or(6));
+            v.local_rope_theta = Some(shortest_f64(m.rope_freq_base_swa.unwrap_or(10000.0)));
+        }
+    }
+    v
+}
+
 /// Chooses the checkpoint tensors to load from the model's arguments and
 /// the dtypes of all its tensors (see [`Model::open_only`]).
 pub type TensorSelector<'a> =
@@ -220,11 +255,28 @@ impl Model {
             path: path.display().to_string(),
             message,
         };
-        if m.head_dim * m.n_heads != m.dim || m.rope_dim != m.head_dim {
+        if m.rope_dim != m.head_dim {
             return Err(perr(format!(
-                "unsupported geometry: head_dim {} x {} heads != dim {} or RoPE over {} of {} dims",
-                m.head_dim, m.n_heads, m.dim, m.rope_dim, m.head_dim
+                "partial rotary embeddings (RoPE over {} of {} dims) are not supported",
+                m.rope_dim, m.head_dim
             )));
+        }
+        if m.head_dim * m.n_heads != m.dim && m.family == crate::model::Family::Llama {
+            return Err(perr(format!(
+                "unsupported geometry: head_dim {} x {} heads != dim {}",
+                m.head_dim, m.n_heads, m.dim
+            )));
+        }
+        let has = |suffix: &str| g.store.tensors.contains_key(&format!("layers.0.{suffix}"));
+        if g.store
+            .tensors
+            .keys()
+            .any(|k| k.starts_with("rope_factors"))
+        {
+            return Err(perr(
+                "per-frequency RoPE factors (rope_factors_long/short: Phi-3 LongRoPE) are not supported"
+                    .into(),
+            ));
         }
         let rope_scaling = match (&m.rope_scaling, m.has_rope_freqs) {
             (None, false) => None,
@@ -293,6 +345,7 @@ impl Model {
             rope_scaling,
             max_context: Some(m.context_length).filter(|&c| c > 0),
             tied_embeddings: g.tied_output,
+            variant: gguf_variant(m, has("attention.wq.bias"), has("attention.q_norm.weight")),
         };
         args.validate().map_err(|e| perr(e.to_string()))?;
         let t = &g.tokenizer;

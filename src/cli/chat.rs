@@ -120,7 +120,6 @@ pub fn run(a: ChatArgs) -> super::CliResult {
             Some(tok),
             &full[keep..],
             &gen,
-            None,
             &mut emit,
         ) {
             Ok(s) => s,

@@ -193,8 +193,7 @@ pub struct Speculation<'a> {
     pub before: &'a [u32],
 }
 
-/// [`generate`], every token chosen among those `constraint` allows (see
-/// [`super::constraint`]) when one is given, and speculatively when `spec` is given: each step feeds the
+/// [`generate`], speculatively when `spec` is given: each step feeds the
 /// token sampled last and the drafter's guesses after it, and the tokens
 /// are sampled from the step's rows exactly as a plain run samples them
 /// (see [`super::spec`]): the output is the plain run's, token for token.
@@ -222,7 +221,6 @@ pub fn generate_constrained(
     tokenizer: Option<&Tokenizer>,
     prompt: &[u32],
     opts: &GenOptions,
-    mut constraint: Option<&mut Constraint>,
     emit: &mut dyn FnMut(&str),
 ) -> Result<GenStats, GenError> {
     let context = session.context();

@@ -291,10 +291,17 @@ pub fn infer(
             check_per_token("slots (input 2)", slots)?;
             Ok(cache.clone())
         }
-        Op::AttnScores { n_rep, scale } => {
+        Op::AttnScores {
+            n_rep,
+            scale,
+            window,
+        } => {
             let (q, k, seqs, blocks) = (inputs[0], inputs[1], inputs[2], inputs[3]);
             if !(*scale > 0.0 && scale.is_finite()) {
                 return Err(format!("scale must be positive, got {scale}"));
+            }
+            if *window == Some(0) {
+                return Err("a sliding window must hold at least one position".into());
             }
             let (nb, hkv, d, _) = cache_geometry("k (input 1)", k, CacheKind::K)?;
             let h = check_q("q (input 0)", q, hkv, d, *n_rep)?;
@@ -302,7 +309,14 @@ pub fn infer(
             check_blocks("blocks (input 3)", blocks, nb)?;
             f32m(Shape::new([Dim::Const(h), Dim::S, Dim::T]))
         }
-        Op::Softmax | Op::Silu => {
+        Op::Scale { factor } => {
+            if !factor.is_finite() {
+                return Err(format!("scale factor must be finite, got {factor}"));
+            }
+            expect_f32("x (input 0)", inputs[0])?;
+            f32m(inputs[0].shape.clone())
+        }
+        Op::Softmax | Op::Silu | Op::GeluTanh => {
             expect_f32("x (input 0)", inputs[0])?;
             f32m(inputs[0].shape.clone())
         }
@@ -401,7 +415,42 @@ pub fn infer(
             n_heads,
             n_kv_heads,
             head_dim,
+            bias,
+            qk_norm,
         } => {
+            let vec_of = |what: String, t: &TensorMeta, n: usize| -> Result<(), String> {
+                if t.shape != Shape::constant(&[n]) {
+                    return Err(format!("{what}: expected shape [{n}], got {}", t.shape));
+                }
+                Ok(())
+            };
+            let mut extra = 6;
+            if *bias {
+                for (i, (name, heads)) in [("bq", n_heads), ("bk", n_kv_heads), ("bv", n_kv_heads)]
+                    .into_iter()
+                    .enumerate()
+                {
+                    vec_of(
+                        format!("{name} (input {})", extra + i),
+                        inputs[extra + i],
+                        heads.saturating_mul(*head_dim),
+                    )?;
+                }
+                extra += 3;
+            }
+            if let Some(eps) = qk_norm {
+                if !(eps.is_finite() && *eps >= 0.0) {
+                    return Err(format!(
+                        "qk_norm eps must be a non-negative number, got {eps}"
+                    ));
+                }
+                vec_of(format!("q_norm (input {extra})"), inputs[extra], *head_dim)?;
+                vec_of(
+                    format!("k_norm (input {})", extra + 1),
+                    inputs[extra + 1],
+                    *head_dim,
+                )?;
+            }
             let (x, w, f, ck, cv, slots) = (
                 inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5],
             );
@@ -474,9 +523,14 @@ pub fn infer(
         Op::Add => {
             let (a, b) = (inputs[0], inputs[1]);
             expect_f32("a (input 0)", a)?;
-            expect_f32("b (input 1)", b)?;
-            if a.shape != b.shape {
-                return Err(mismatch("b (input 1)", &a.shape, &b.shape));
+            // A bias: a vector of the last axis (a weight of any float dtype).
+            let vector_of_last =
+                b.shape.rank() == 1 && a.shape.rank() > 1 && Some(b.shape.0[0]) == a.shape.last();
+            if !vector_of_last {
+                expect_f32("b (input 1)", b)?;
+                if a.shape != b.shape {
+                    return Err(mismatch("b (input 1)", &a.shape, &b.shape));
+                }
             }
             f32m(a.shape.clone())
         }
