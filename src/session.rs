@@ -18,7 +18,7 @@ use crate::exec::{
     bind_weights, materialize_packed, store_dtypes, Batch, BindError, ExecError, Executor, KvPool,
     Logits,
 };
-use crate::ir::{DType, Graph, GraphError, LogitRows};
+use crate::ir::{DType, Graph, GraphError, LogitRows, Pooling};
 use crate::model::llama::BuildError;
 use crate::model::{build_llama, BuildOptions, ModelArgs, ParamsError};
 use crate::passes::{partition, run_pipeline, PassError, PassList, PipelineReport, StagePlan};
@@ -682,7 +682,19 @@ impl Session {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn new(model: &Model, opts: &SessionOptions) -> Result<Session, SessionError> {
-        Session::build(model, opts, None)
+        Session::build(model, opts, None, None)
+    }
+
+    /// A session whose steps give one embedding per sequence (the final
+    /// norm's rows pooled by `pooling`, `[N, E]`) instead of logits; every
+    /// sequence of a step must be fed whole (from position 0) in that step.
+    /// Read the rows with [`Executor::step`] on a batch of whole sequences.
+    pub fn new_embedding(
+        model: &Model,
+        opts: &SessionOptions,
+        pooling: Pooling,
+    ) -> Result<Session, SessionError> {
+        Session::build(model, opts, None, Some(pooling))
     }
 
     /// A session for stage `stage` of `plan`: the compiled graph is
@@ -702,13 +714,14 @@ impl Session {
                 plan.n_stages()
             )));
         }
-        Session::build(model, opts, Some((plan, stage)))
+        Session::build(model, opts, Some((plan, stage)), None)
     }
 
     fn build(
         model: &Model,
         opts: &SessionOptions,
         stage: Option<(&StagePlan, usize)>,
+        pooling: Option<Pooling>,
     ) -> Result<Session, SessionError> {
         if opts.batch == 0 {
             return Err(SessionError::Invalid(
@@ -729,6 +742,7 @@ impl Session {
         let mut bo = BuildOptions::new(context);
         bo.weight_dtypes = store_dtypes(&model.weights);
         bo.logit_rows = opts.logit_rows;
+        bo.pooling = pooling;
         bo.kv_dtype = if opts.exact { DType::F32 } else { DType::F16 };
         let mut graph = build_llama(&model.args, &bo)?;
         let stage_graph = |g: &Graph| -> Result<Graph, SessionError> {

@@ -82,8 +82,9 @@ pub struct RunArgs {
     /// Write the statistics as JSON to this file.
     #[arg(long = "stats-json", value_name = "PATH")]
     pub stats_json: Option<PathBuf>,
-    /// Write prompt tokens, generated tokens and the top-10 logits of every
-    /// step as JSON to this file.
+    /// Write prompt tokens, generated tokens and, for every step, the top-10
+    /// logits and their log-sum-exp (a logit minus it is the token's
+    /// log-probability) as JSON to this file.
     #[arg(long = "logits-out", value_name = "PATH")]
     pub logits_out: Option<PathBuf>,
     /// Write debug.log naming every op as it runs, with its shapes.
@@ -349,7 +350,10 @@ pub fn run(a: RunArgs) -> super::CliResult {
         let steps: Vec<_> = stats
             .top
             .iter()
-            .map(|t| json!({"top": t.iter().map(|(i, l)| json!([i, l])).collect::<Vec<_>>()}))
+            .zip(&stats.logsumexp)
+            .map(|(t, lse)| {
+                json!({"top": t.iter().map(|(i, l)| json!([i, l])).collect::<Vec<_>>(), "logsumexp": lse})
+            })
             .collect();
         let v = json!({"prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens, "steps": steps});
         std::fs::write(p, serde_json::to_string(&v)?)

@@ -14,7 +14,7 @@ use super::arena::{Arena, ArenaPtr};
 use super::batch::Batch;
 use super::bind::BoundWeights;
 use crate::ir::{
-    Bindings, CacheKind, DType, Graph, Op, RopeParams, Shape, StepInput, WeightLayout,
+    Bindings, CacheKind, DType, Graph, Op, Pooling, RopeParams, Shape, StepInput, WeightLayout,
 };
 use crate::kernels::{
     self, AttnWork, Epilogue, KernelError, KvGeom, KvHalf, KvStore, MatmulMode, StepSeqs, WeightRef,
@@ -806,6 +806,36 @@ impl Executor {
                     let end = sq.first + sq.count;
                     for (o, t) in rows.by_ref().zip(end - sq.rows..end) {
                         o.copy_from_slice(&x[t * e..(t + 1) * e]);
+                    }
+                }
+            }
+            Op::PoolRows { pooling } => {
+                let e = dim(&st.ins[0].1, 1);
+                let x = input(0)?;
+                let out = out_fresh()?;
+                for (sq, o) in seqs.iter().zip(out.chunks_exact_mut(e)) {
+                    if sq.start != 0 {
+                        return Err(RunError::Unsupported(format!(
+                            "pooling needs a whole sequence in one step; this one starts at position {}",
+                            sq.start
+                        )));
+                    }
+                    let rows = &x[sq.first * e..(sq.first + sq.count) * e];
+                    match pooling {
+                        Pooling::Cls => o.copy_from_slice(&rows[..e]),
+                        Pooling::Last => o.copy_from_slice(&rows[rows.len() - e..]),
+                        Pooling::Mean => {
+                            // Rows summed in position order, then scaled:
+                            // the same bits whatever else the step holds.
+                            o.fill(0.0);
+                            for r in rows.chunks_exact(e) {
+                                for (a, &v) in o.iter_mut().zip(r) {
+                                    *a += v;
+                                }
+                            }
+                            let inv = 1.0 / sq.count as f32;
+                            o.iter_mut().for_each(|a| *a *= inv);
+                        }
                     }
                 }
             }

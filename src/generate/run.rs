@@ -21,7 +21,8 @@ pub struct GenOptions {
     /// Strings that end the generation when they appear in the text (the
     /// text before them is emitted, they are not).
     pub stop_strings: Vec<String>,
-    /// Record the top-10 logits of every step (for `--logits-out`).
+    /// Record the top-10 logits of every step and their log-sum-exp (for
+    /// `--logits-out`).
     pub record_top: bool,
     /// Keep generating past end-of-sequence / end-of-turn tokens: they are
     /// sampled and decoded like any other, as the server's `ignore_eos`
@@ -86,6 +87,9 @@ pub struct GenStats {
     pub stop_reason: Option<StopReason>,
     /// Per step (step 0 = last prompt position), the ten best (id, logit).
     pub top: Vec<Vec<(u32, f32)>>,
+    /// Per step, `log(sum(exp(logits)))`: a logit minus it is the token's
+    /// log-probability (what the server's `logprobs` report).
+    pub logsumexp: Vec<f32>,
     /// What speculation did, when it was on.
     pub spec: Option<SpecStats>,
     /// Time spent choosing tokens under an output constraint (the mask,
@@ -284,6 +288,7 @@ pub fn generate_constrained(
             let logits = rows.row(i);
             if opts.record_top {
                 stats.top.push(top10(logits));
+                stats.logsumexp.push(super::sampler::log_sum_exp(logits));
             }
             let tok = match constraint.as_deref_mut() {
                 Some(c) => {

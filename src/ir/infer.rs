@@ -512,7 +512,7 @@ pub fn infer(
             let x = inputs[0];
             infer(&Op::Recv { from: 0 }, &[], Some(x)).map_err(|e| format!("x (input 0): {e}"))
         }
-        Op::LastRows => {
+        Op::LastRows | Op::PoolRows { .. } => {
             let (x, seqs) = (inputs[0], inputs[1]);
             expect_f32("x (input 0)", x)?;
             expect_rank("x (input 0)", x, 2)?;

@@ -11,5 +11,7 @@ pub mod shape;
 
 pub use dtype::DType;
 pub use graph::{Edge, Graph, GraphError, Node, NodeId, PackedWeight, TensorMeta, WeightLayout};
-pub use op::{CacheKind, LogitRows, Op, RopeParams, RopeScaling, StepInput, SEQ_TABLE_COLS};
+pub use op::{
+    CacheKind, LogitRows, Op, Pooling, RopeParams, RopeScaling, StepInput, SEQ_TABLE_COLS,
+};
 pub use shape::{Bindings, Dim, Shape, Sym};

@@ -88,6 +88,29 @@ impl LogitRows {
     }
 }
 
+/// How a sequence's rows of the final hidden state become one embedding
+/// (llama-server's `--pooling`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Pooling {
+    /// The mean of every token's row.
+    Mean,
+    /// The first token's row (the `[CLS]` position of BERT-style models).
+    Cls,
+    /// The last token's row.
+    Last,
+}
+
+impl Pooling {
+    /// The name `--pooling` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Pooling::Mean => "mean",
+            Pooling::Cls => "cls",
+            Pooling::Last => "last",
+        }
+    }
+}
+
 /// Which half of a layer's KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum CacheKind {
@@ -249,6 +272,14 @@ pub enum Op {
     /// it verifies `k` drafted tokens), in step order: (`x[S, E]`,
     /// `seqs i32[N, 5]`) -> `f32[R, E]`.
     LastRows,
+    /// One embedding per sequence, pooled from its rows of the step:
+    /// (`x[S, E]`, `seqs i32[N, 4]`) -> `f32[N, E]`. A sequence's rows are
+    /// pooled in position order, so its embedding does not depend on the
+    /// other sequences of the step; the whole sequence must be in the step.
+    PoolRows {
+        /// How the rows become one.
+        pooling: Pooling,
+    },
 
     // ---- fused ops (created by `crate::passes`) ----
     /// RMSNorm with its weight multiply folded in:
@@ -355,6 +386,7 @@ impl Op {
             Op::Add => "Add",
             Op::OutputHead => "OutputHead",
             Op::LastRows => "LastRows",
+            Op::PoolRows { .. } => "PoolRows",
             Op::RopeTable { .. } => "RopeTable",
             Op::RmsNormScaled { .. } => "RmsNormScaled",
             Op::SliceCols { .. } => "SliceCols",
@@ -396,7 +428,8 @@ impl Op {
             | Op::Mul
             | Op::Add
             | Op::OutputHead
-            | Op::LastRows => 2,
+            | Op::LastRows
+            | Op::PoolRows { .. } => 2,
         }
     }
 
@@ -492,6 +525,7 @@ impl Op {
             } => format!("n_rep={n_rep}, scale={scale:.6}, causal, window={w}"),
             Op::Scale { factor } => format!("factor={factor}"),
             Op::AttnValues { n_rep } => format!("n_rep={n_rep}"),
+            Op::PoolRows { pooling } => format!("pooling={}", pooling.name()),
             Op::Recv { from } => format!("from=stage {from}"),
             Op::Send { to } => format!("to=stage {to}"),
             _ => String::new(),

@@ -26,8 +26,8 @@
 
 use super::{GateAct, ModelArgs};
 use crate::ir::{
-    CacheKind, DType, Dim, Graph, GraphError, LogitRows, NodeId, Op, RopeParams, Shape, TensorMeta,
-    SEQ_TABLE_COLS,
+    CacheKind, DType, Dim, Graph, GraphError, LogitRows, NodeId, Op, Pooling, RopeParams, Shape,
+    TensorMeta, SEQ_TABLE_COLS,
 };
 use std::collections::BTreeMap;
 use thiserror::Error;
@@ -76,6 +76,10 @@ pub struct BuildOptions {
     pub weight_dtypes: BTreeMap<String, DType>,
     /// Which positions get logits.
     pub logit_rows: LogitRows,
+    /// When set, the graph's output is one pooled embedding per sequence
+    /// (`PoolRows` of the final norm, `[N, E]`) instead of logits; every
+    /// sequence must then be fed whole in one step.
+    pub pooling: Option<Pooling>,
 }
 
 impl BuildOptions {
@@ -87,6 +91,7 @@ impl BuildOptions {
             default_weight_dtype: DType::BF16,
             weight_dtypes: BTreeMap::new(),
             logit_rows: LogitRows::All,
+            pooling: None,
         }
     }
 }
@@ -183,7 +188,8 @@ impl Builder<'_> {
 }
 
 /// Builds the forward graph of a Llama model. The graph's single output is
-/// `output` (the logits).
+/// `output` (the logits), or `pooled` (one embedding per sequence) when
+/// `opts.pooling` is set.
 pub fn build_llama(args: &ModelArgs, opts: &BuildOptions) -> Result<Graph, BuildError> {
     let vocab = args.vocab_size.ok_or(BuildError::VocabUnknown)?;
     if opts.context == 0 {
@@ -380,6 +386,12 @@ pub fn build_llama(args: &ModelArgs, opts: &BuildOptions) -> Result<Graph, Build
     }
 
     let mut hn = b.rms_norm("norm", h, dim, eps, None)?;
+    if let Some(pooling) = opts.pooling {
+        let pooled = b.op("pooled".into(), Op::PoolRows { pooling }, &[hn, seqs], None)?;
+        b.g.mark_output(pooled);
+        b.g.verify()?;
+        return Ok(b.g);
+    }
     if opts.logit_rows != LogitRows::All {
         hn = b.op("norm.last_rows".into(), Op::LastRows, &[hn, seqs], None)?;
     }

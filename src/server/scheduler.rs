@@ -118,6 +118,9 @@ struct Seq {
     blocks: Vec<u32>,
     /// `tokens.len()` never exceeds this.
     max_len: usize,
+    /// Prompt positions it took from the prefix cache or another sequence
+    /// since it was (re)admitted.
+    reused: usize,
 }
 
 /// The continuous-batching scheduler (see the module documentation).
@@ -236,6 +239,7 @@ impl Scheduler {
             started: false,
             blocks: Vec::with_capacity(self.pool.blocks_for(prompt.len() + max_tokens)),
             max_len: prompt.len() + max_tokens,
+            reused: 0,
         };
         // The cache entry sharing the longest prefix with the prompt (its
         // last token is fed in any case, for the logits).
@@ -263,6 +267,7 @@ impl Scheduler {
             self.pool.truncate(&mut c.blocks, n);
             seq.blocks.extend_from_slice(&c.blocks);
             seq.fed = n;
+            seq.reused = n;
             self.reused += n as u64;
         }
         if !self.reserve(&mut seq.blocks, prompt.len()) {
@@ -451,6 +456,15 @@ impl Scheduler {
     pub fn reused_tokens(&self) -> u64 {
         self.reused
     }
+    /// Prompt positions sequence `id` took from the prefix cache or from
+    /// another running sequence instead of computing them (0 if unknown).
+    pub fn reused_of(&self, id: SeqId) -> usize {
+        self.running
+            .iter()
+            .chain(&self.preempted)
+            .find(|s| s.id == id)
+            .map_or(0, |s| s.reused)
+    }
     /// Positions the pool holds.
     pub fn kv_total(&self) -> usize {
         self.pool.capacity()
@@ -565,6 +579,7 @@ impl Scheduler {
         }
         self.running[j].blocks = donor;
         self.running[i].fed = n;
+        self.running[i].reused += n - held;
         self.reused += (n - held) as u64;
         Share::Shared
     }
@@ -574,6 +589,7 @@ impl Scheduler {
         self.pool.release(&mut s.blocks);
         s.fed = 0;
         s.started = false;
+        s.reused = 0;
         self.preemptions += 1;
         self.preempted.push_back(s);
     }
