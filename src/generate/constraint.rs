@@ -602,7 +602,8 @@ mod tests {
             ("root ::= \"a", "unterminated string"),
             ("root ::= [a-", "unterminated character class"),
             ("root ::= (\"a\"", "unbalanced `(`"),
-            ("root = \"a\"", "expected `::=`"),
+            ("root := \"a\"", "expected `::=`"),
+            ("root = \"a\"", "unexpected character '='"),
             ("root ::= \"\\q\"", "unknown escape"),
             ("root ::= \"a\"{x}", "a repetition is"),
         ] {
