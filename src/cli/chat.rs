@@ -48,6 +48,7 @@ pub fn run(a: ChatArgs) -> super::CliResult {
     let context = model.args.plan_context(a.runtime.ctx_size);
     let opts = a.runtime.session_options(context, threads)?;
     let mut session = Session::new(&model, &opts)?;
+    eprintln!("{}", session.kv_summary());
     let interactive = std::io::stdin().is_terminal();
     if interactive {
         eprintln!(

@@ -4,7 +4,7 @@ use clap::Args;
 use llama_graph::generate::SamplerConfig;
 use llama_graph::ir::LogitRows;
 use llama_graph::passes::PassList;
-use llama_graph::session::SessionOptions;
+use llama_graph::session::{CacheType, SessionOptions};
 
 /// Context, batching and threads.
 #[derive(Debug, Args, Clone)]
@@ -40,6 +40,28 @@ pub struct RuntimeFlags {
     /// f32 with it, f16 without.
     #[arg(long = "exact")]
     pub exact: bool,
+    #[command(flatten)]
+    pub cache: CacheTypeFlags,
+}
+
+/// `-ctk`/`-ctv`: how the KV cache stores keys and values.
+#[derive(Debug, Args, Clone, Default)]
+pub struct CacheTypeFlags {
+    /// KV cache type of the keys (also -ctk): f32, f16, bf16, q8_0 or q4_0
+    /// (llama.cpp's names). Default f16 (f32 with --exact). q8_0 takes 34/64
+    /// of f16's memory and q4_0 18/64 (8-bit or 4-bit values with one f16
+    /// scale per 32, as llama.cpp quantizes them); both need a head dim that
+    /// is a multiple of 32. The cache's size is printed at start.
+    #[arg(long = "cache-type-k", value_name = "TYPE", value_parser = parse_cache_type)]
+    pub cache_type_k: Option<CacheType>,
+    /// KV cache type of the values (also -ctv): as for --cache-type-k.
+    #[arg(long = "cache-type-v", value_name = "TYPE", value_parser = parse_cache_type)]
+    pub cache_type_v: Option<CacheType>,
+}
+
+/// Parses a KV cache type by llama.cpp's name.
+pub fn parse_cache_type(s: &str) -> Result<CacheType, String> {
+    s.parse()
 }
 
 /// Validates `--passes`.
@@ -62,6 +84,8 @@ impl RuntimeFlags {
             logit_rows: LogitRows::Last,
             passes: PassList::parse(&self.passes)?,
             exact: self.exact,
+            cache_type_k: self.cache.cache_type_k,
+            cache_type_v: self.cache.cache_type_v,
         })
     }
 

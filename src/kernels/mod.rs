@@ -39,7 +39,7 @@ pub use elementwise::rope::{rope_reference, RopeScaling, RopeTable};
 pub use elementwise::{add, add_inplace, argmax, mul, mul_broadcast_rows, silu, swiglu};
 pub use embedding::embedding_rows;
 pub use isa::Isa;
-pub use kv::{kv_write_rows, KvGeom, KvHalf, KvStore, KvView, SeqSpan, StepSeqs};
+pub use kv::{kv_write_rows, CacheType, KvGeom, KvHalf, KvStore, KvView, SeqSpan, StepSeqs};
 pub use matmul::{gemv, matmul, matmul_with, Epilogue};
 pub use quantized::dequantize_row;
 

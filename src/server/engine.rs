@@ -22,7 +22,7 @@
 use super::scheduler::{Scheduler, SchedulerConfig, SeqId};
 use crate::exec::{Batch, KvPool};
 use crate::generate::sampler::{Sampler, SamplerConfig};
-use crate::session::{Model, Session, SessionError, SessionOptions};
+use crate::session::{CacheType, Model, Session, SessionError, SessionOptions};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -129,6 +129,10 @@ pub struct EngineLimits {
     pub queue_capacity: usize,
     /// Token ids are below this.
     pub vocab: usize,
+    /// Bytes the KV pool takes (every layer's keys and values on this rank).
+    pub kv_bytes: usize,
+    /// The KV pool's key and value types.
+    pub kv_types: Option<(CacheType, CacheType)>,
 }
 
 /// How to start an engine.
@@ -303,7 +307,12 @@ impl EngineHandle {
                         return;
                     }
                 };
-                let _ = ready_tx.send(Ok((session.context(), session.vocab())));
+                let _ = ready_tx.send(Ok((
+                    session.context(),
+                    session.vocab(),
+                    session.exec.kv_bytes(),
+                    session.exec.kv_types(),
+                )));
                 engine_loop(&mut session, parallel, &thread_shared);
                 if session.pipeline().is_some() {
                     if let Err(e) = session.stop_pipeline("") {
@@ -314,7 +323,7 @@ impl EngineHandle {
                 drop(keep);
             })
             .map_err(|e| EngineError::Thread(e.to_string()))?;
-        let (context, vocab) = ready_rx
+        let (context, vocab, kv_bytes, kv_types) = ready_rx
             .recv()
             .map_err(|_| EngineError::Thread("the engine thread ended while loading".into()))??;
         Ok(EngineHandle {
@@ -327,6 +336,8 @@ impl EngineHandle {
                 parallel: cfg.parallel,
                 queue_capacity: cfg.queue_capacity,
                 vocab,
+                kv_bytes,
+                kv_types,
             },
         })
     }
