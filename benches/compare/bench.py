@@ -35,19 +35,22 @@ RSS), on stdout and in the JSON: `benches/results/<cpu-class>/bench.json`
 (see `benches/harness.py`), which holds this host's latest run only.
 
 `table` prints a results JSON (default: this host's) as a markdown table.
-`table --docs FILE` rewrites the generated part of FILE (between its
-`<!-- BEGIN generated ... -->` and `<!-- END generated -->` lines, the rest is
-kept) with the latest results of every CPU class in `benches/results/`: this
+`table --docs FILE` rewrites the generated parts of FILE, keeping the rest:
+the part between its `<!-- BEGIN generated ... -->` and `<!-- END generated -->`
+lines with the latest results of every CPU class in `benches/results/` (this
 harness's table, `benches/serve/serve_bench.py`'s and `compare.py`'s, each
-with the command that produced it and the llama-graph commit it measured.
+with the command that produced it and the llama-graph commit it measured),
+and every `<!-- bench.py table ARGS -->` ... `<!-- end of table -->` block with
+what `bench.py table ARGS` prints (the README's tables:
+`table --docs README.md`).
 
 `run --depths 0,4096` measures at depth instead (llama-bench's `-d`): both
 runtimes run `-p 512 -n 128 -d DEPTHS` (the 1B files `--one-b-depths`,
 default `0,4096,16384`), so every pp512/tg128 row is also measured after
 that many tokens already in the cache; the JSON is
 `benches/results/<cpu-class>/bench-depth.json`. Around every round the read
-bandwidth is measured with `target/release/examples/stream` (`cargo build
---release --examples`; a read-only sum over 256 MiB, best of 5, at the
+bandwidth is measured with the `stream` probe (`cargo bench --bench stream`,
+benches/probes/stream.rs: a read-only sum over 256 MiB, best of 5, at the
 same thread count), and the table gives, per tg row, llama-graph's decode
 against the bandwidth bound: read GB/s over the bytes a decode step reads
 (every weight byte, plus the KV cache's bytes per position -- from
@@ -62,6 +65,7 @@ import statistics
 import subprocess
 import sys
 import importlib.util
+import re
 import shlex
 import tempfile
 from pathlib import Path
@@ -199,11 +203,10 @@ def rows_of(out):
 
 def read_bandwidth(threads):
     """Read-only GB/s (STREAM-style sum over 256 MiB, best of 5) at `threads`,
-    or None without the examples build."""
-    exe = REPO / "target" / "release" / "examples" / "stream"
-    if not exe.exists():
-        return None
-    out = subprocess.run([str(exe), "256", str(threads)], capture_output=True, text=True)
+    from the `stream` probe (benches/probes/stream.rs), or None when it cannot
+    run."""
+    out = subprocess.run(["cargo", "bench", "-q", "--bench", "stream", "--", "256", str(threads)],
+                         cwd=REPO, capture_output=True, text=True)
     for line in out.stdout.splitlines():
         if line.startswith("{"):
             return json.loads(line)["read_gbs"]
@@ -270,7 +273,7 @@ def depth_table(res):
              "ratio = llama-graph / llama.cpp (higher is better)", ""]
     bws = res.get("read_gbs", {})
     for t, v in sorted(bws.items()):
-        lines += [f"read bandwidth at {t} threads (examples/stream, one per round): "
+        lines += [f"read bandwidth at {t} threads (benches/probes/stream.rs, one per round): "
                   + ", ".join(f"{x:.1f}" for x in v) + f" GB/s; median {statistics.median(v):.1f}", ""]
     lines += ["| variant | class | threads | test | llama-graph | llama.cpp | ratio | decode bound | of bound |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -369,16 +372,33 @@ def docs_section():
     return lines
 
 
+# A single table in a page (the README): `<!-- bench.py table ARGS -->`, the
+# table that `bench.py table ARGS` prints, then `<!-- end of table -->`.
+TABLE_BLOCK = re.compile(r"(<!-- bench\.py table (.*?) -->\n)(.*?)(<!-- end of table -->)", re.S)
+
+
+def table_block(m):
+    a = argparse.ArgumentParser()
+    a.add_argument("json")
+    a.add_argument("--threads", type=lambda x: [int(v) for v in x.split(",")])
+    args = a.parse_args(shlex.split(m.group(2)))
+    lines = table(json.loads((REPO / args.json).read_text()), args.threads)
+    return m.group(1) + "\n".join(lines) + "\n" + m.group(4)
+
+
 def write_docs(path):
+    """Rewrites the generated parts of a markdown page: the every-class
+    section between BEGIN and END (appended when the page has neither it
+    nor a table block), and every single-table block."""
     path = Path(path)
     text = path.read_text() if path.exists() else ""
-    gen = "\n".join(docs_section())
     if BEGIN in text and END in text:
         head, rest = text.split(BEGIN, 1)
         tail = rest.split(END, 1)[1]
-        text = head + gen + tail
-    else:
-        text = text + ("\n" if text and not text.endswith("\n") else "") + gen + "\n"
+        text = head + "\n".join(docs_section()) + tail
+    elif not TABLE_BLOCK.search(text):
+        text = text + ("\n" if text and not text.endswith("\n") else "") + "\n".join(docs_section()) + "\n"
+    text = TABLE_BLOCK.sub(table_block, text)
     path.write_text(text)
     print(f"wrote {path}", file=sys.stderr)
 

@@ -29,7 +29,7 @@ pub enum Command {
     Graph(graph::GraphArgs),
     /// Generate text from a prompt. Generated text goes to stdout as it
     /// streams; the statistics go to stderr.
-    Run(run::RunArgs),
+    Run(Box<run::RunArgs>),
     /// Measure prompt-processing (ppN) and generation (tgN) throughput with llama-bench's flags and rows.
     Bench(bench::BenchArgs),
     /// Serve an OpenAI-compatible HTTP API (chat and text completions,
@@ -75,7 +75,7 @@ pub fn run(cli: Cli) -> CliResult {
     llama_graph::kernels::Isa::from_env()?;
     match cli.command {
         Command::Graph(a) => graph::run(a),
-        Command::Run(a) => run::run(a),
+        Command::Run(a) => run::run(*a),
         Command::Bench(a) => bench::run(a),
         Command::Chat(a) => chat::run(a),
         Command::Serve(a) => serve::run(a),

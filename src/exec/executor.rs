@@ -1,7 +1,7 @@
 //! The executor: runs a compiled plan one step at a time.
 //!
 //! Construction does all the work that does not depend on the step: the
-//! schedule is resolved into a flat list of [`Step`]s whose inputs and
+//! schedule is resolved into a flat list of `Step`s whose inputs and
 //! output are concrete locations (arena offsets, weight indices, cache
 //! slots, step inputs), the arena and the KV pool are allocated, vector
 //! weights are widened to f32. [`Executor::step`] then checks the step's
@@ -48,6 +48,8 @@ pub enum ExecError {
     StepSize { got: usize, max: usize },
     #[error("a step holds 1 to {max} sequences, got {got}")]
     StepSeqs { got: usize, max: usize },
+    #[error("a step returns at most {max} logit rows, {got} were asked for (compile the session with more: LogitRows::Tail)")]
+    StepRows { got: usize, max: usize },
     #[error("bad step batch: {0}")]
     Batch(String),
     #[error("the graph has no output")]
@@ -86,8 +88,9 @@ pub struct OpProfile {
     pub total: Duration,
 }
 
-/// The logits a step produced: `rows` rows of `vocab` values (one per
-/// sequence of the step, in batch order, or one per token with
+/// The logits a step produced: `rows` rows of `vocab` values (each
+/// sequence's last tokens, as many as the batch asks for it, in batch
+/// order: see [`Batch::logit_rows_of`]; or one per token with
 /// `LogitRows::All`).
 pub struct Logits<'a> {
     pub rows: usize,
@@ -153,6 +156,8 @@ pub struct Executor {
     context: usize,
     max_chunk: usize,
     max_seqs: usize,
+    /// The most logit rows (`R`) a step may ask for.
+    max_rows: usize,
     output: (Loc, Shape),
     trace: Option<Box<dyn Write + Send>>,
     profile: Option<Vec<OpProfile>>,
@@ -177,6 +182,7 @@ impl Executor {
         let context = plan.max.t;
         let max_chunk = plan.max.s;
         let max_seqs = plan.max.n;
+        let max_rows = plan.max.r;
         let names: Vec<String> = weights.tensors.keys().cloned().collect();
         let windex: HashMap<&str, usize> = names
             .iter()
@@ -384,6 +390,7 @@ impl Executor {
             context,
             max_chunk,
             max_seqs,
+            max_rows,
             output,
             trace: None,
             profile: None,
@@ -444,6 +451,11 @@ impl Executor {
         self.max_seqs
     }
 
+    /// The most logit rows a step may ask for (see [`Batch::push_rows`]).
+    pub fn max_logit_rows(&self) -> usize {
+        self.max_rows
+    }
+
     /// The KV pool's geometry (blocks, heads, head dim, block size).
     pub fn kv_geom(&self) -> KvGeom {
         self.geom
@@ -482,7 +494,7 @@ impl Executor {
     }
 
     /// Runs one step of a pipeline stage's graph (see
-    /// [`crate::passes::partition`]): the first stage embeds the batch's
+    /// [`crate::passes::partition`](mod@crate::passes::partition)): the first stage embeds the batch's
     /// tokens, the others read `hidden`, the `[S, E]` values their `Recv`
     /// node stands for (what the previous stage sent for this batch).
     /// Returns the graph's output: the logits on the last stage, the hidden
@@ -511,9 +523,16 @@ impl Executor {
                 context: self.context,
             });
         }
+        let r = seqs.logit_rows();
+        if r > self.max_rows {
+            return Err(ExecError::StepRows {
+                got: r,
+                max: self.max_rows,
+            });
+        }
         self.copy_blocks(batch.copy_table())?;
         seqs.fill_positions_and_slots(&mut self.positions[..s], &mut self.slots[..s]);
-        let b = Bindings::new(s, n, seqs.max_keys());
+        let b = Bindings::new(s, n, seqs.max_keys()).with_rows(r);
         let arena = self.arena.base();
         for i in 0..self.steps.len() {
             let t0 = self.profile.as_ref().map(|_| Instant::now());
@@ -794,9 +813,12 @@ impl Executor {
                 let e = dim(&st.ins[0].1, 1);
                 let x = input(0)?;
                 let out = out_fresh()?;
-                for (sq, o) in seqs.iter().zip(out.chunks_exact_mut(e)) {
-                    let last = sq.first + sq.count - 1;
-                    o.copy_from_slice(&x[last * e..(last + 1) * e]);
+                let mut rows = out.chunks_exact_mut(e);
+                for sq in seqs.iter() {
+                    let end = sq.first + sq.count;
+                    for (o, t) in rows.by_ref().zip(end - sq.rows..end) {
+                        o.copy_from_slice(&x[t * e..(t + 1) * e]);
+                    }
                 }
             }
             Op::RmsNormScaled { eps } => {

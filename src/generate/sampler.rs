@@ -14,14 +14,24 @@
 
 use std::fmt;
 
+/// The sampling parameters (llama.cpp's names and defaults; see the module
+/// docs for the order they apply in).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SamplerConfig {
+    /// 0 = greedy; otherwise the softmax temperature (default 0.8).
     pub temperature: f32,
+    /// Keep the k most likely tokens; 0 = off (default 40).
     pub top_k: usize,
+    /// Keep the smallest set whose probability reaches p; 1 = off (default 0.95).
     pub top_p: f32,
+    /// Drop tokens below `min_p` × the best one's probability; 0 = off
+    /// (default 0.05).
     pub min_p: f32,
+    /// Penalty on the recent tokens' logits; 1 = off (the default).
     pub repeat_penalty: f32,
+    /// How many recent tokens the penalty looks at (default 64).
     pub repeat_last_n: usize,
+    /// The random generator's seed.
     pub seed: u64,
 }
 
@@ -39,6 +49,7 @@ impl Default for SamplerConfig {
     }
 }
 
+/// A sampling parameter out of range; the message names the flag.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplerError(pub String);
 
@@ -80,9 +91,11 @@ impl SamplerConfig {
 pub struct Rng(u64);
 
 impl Rng {
+    /// A generator starting from `seed`.
     pub fn new(seed: u64) -> Self {
         Rng(seed)
     }
+    /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E3779B97F4A7C15);
         let mut z = self.0;
@@ -122,6 +135,18 @@ pub fn argmax(x: &[f32]) -> usize {
     x.iter().position(|&v| v == max).unwrap_or(0)
 }
 
+/// Picks tokens from logits with one [`SamplerConfig`], remembering the
+/// recent tokens for the repeat penalty.
+///
+/// ```
+/// use llama_graph::generate::{Sampler, SamplerConfig};
+///
+/// let greedy = SamplerConfig { temperature: 0.0, ..Default::default() };
+/// let mut sampler = Sampler::new(greedy, 4)?;
+/// assert_eq!(sampler.sample(&[0.1, 2.5, -1.0, 2.0]), 1);
+/// assert!(Sampler::new(SamplerConfig { top_p: 0.0, ..greedy }, 4).is_err());
+/// # Ok::<(), llama_graph::generate::sampler::SamplerError>(())
+/// ```
 pub struct Sampler {
     cfg: SamplerConfig,
     rng: Rng,
@@ -132,6 +157,8 @@ pub struct Sampler {
 }
 
 impl Sampler {
+    /// A sampler for logits rows of `vocab` entries; fails when a
+    /// parameter is out of range.
     pub fn new(cfg: SamplerConfig, vocab: usize) -> Result<Sampler, SamplerError> {
         cfg.validate()?;
         Ok(Sampler {
@@ -144,6 +171,7 @@ impl Sampler {
         })
     }
 
+    /// The parameters it samples with.
     pub fn config(&self) -> &SamplerConfig {
         &self.cfg
     }

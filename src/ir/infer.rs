@@ -54,7 +54,7 @@ fn check_per_token(what: &str, m: &TensorMeta) -> Result<(), String> {
     Ok(())
 }
 
-/// The sequence table `i32[N, 4]`.
+/// The sequence table `i32[N, 5]`.
 fn check_seqs(what: &str, m: &TensorMeta) -> Result<(), String> {
     let want = Shape(vec![Dim::N, Dim::Const(SEQ_TABLE_COLS)]);
     if m.dtype != DType::I32 || m.shape != want {
@@ -178,7 +178,7 @@ pub fn infer(
                 };
             if !ok {
                 let want = match op {
-                    Op::SeqTable => "i32[N, 4]",
+                    Op::SeqTable => "i32[N, 5]",
                     Op::BlockTable => "i32[NB] (a constant)",
                     _ => "i32[S]",
                 };
@@ -483,7 +483,7 @@ pub fn infer(
             expect_rank("x (input 0)", x, 2)?;
             expect_dim("x (input 0) axis 0", x.shape.0[0], Dim::S, &x.shape)?;
             check_seqs("seqs (input 1)", seqs)?;
-            f32m(Shape::new([Dim::N, x.shape.0[1]]))
+            f32m(Shape::new([Dim::R, x.shape.0[1]]))
         }
         Op::Add => {
             let (a, b) = (inputs[0], inputs[1]);

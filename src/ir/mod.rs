@@ -1,5 +1,6 @@
 //! The intermediate representation every stage speaks: a static graph of
 //! typed ops with symbolic shapes.
+#![warn(missing_docs)]
 pub mod dot;
 pub mod dtype;
 pub mod graph;

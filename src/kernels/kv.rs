@@ -23,6 +23,7 @@
 
 use super::{check_len, KernelError};
 use crate::ir::DType;
+use crate::ir::SEQ_TABLE_COLS as COLS;
 use half::{bf16, f16};
 use std::fmt;
 use std::str::FromStr;
@@ -342,6 +343,8 @@ pub struct SeqSpan<'a> {
     pub start: usize,
     /// Its blocks, in position order (at least enough for `start + count`).
     pub blocks: &'a [i32],
+    /// Its last tokens that want logits (1 to `count`).
+    pub rows: usize,
 }
 
 impl SeqSpan<'_> {
@@ -356,10 +359,10 @@ impl SeqSpan<'_> {
     }
 }
 
-/// The step's sequences: the sequence table `i32[N, 4]` (first token,
-/// count, start position, offset of the block list) over the block table,
-/// checked once against the pool so kernels can index without further
-/// checks.
+/// The step's sequences: the sequence table `i32[N, 5]` (first token,
+/// count, start position, offset of the block list, logit rows) over the
+/// block table, checked once against the pool so kernels can index without
+/// further checks.
 #[derive(Debug, Clone, Copy)]
 pub struct StepSeqs<'a> {
     seqs: &'a [i32],
@@ -380,17 +383,20 @@ impl<'a> StepSeqs<'a> {
     ) -> Result<Self, KernelError> {
         const OP: &str = "kv sequences";
         let bad = |what| Err(KernelError::Invalid { op: OP, what });
-        if seqs.is_empty() || !seqs.len().is_multiple_of(4) {
-            return bad("the sequence table needs 4 columns and at least one row");
+        if seqs.is_empty() || !seqs.len().is_multiple_of(COLS) {
+            return bad("the sequence table needs 5 columns and at least one row");
         }
         if geom.block == 0 {
             return bad("the block size is 0");
         }
         let mut next = 0usize;
-        for row in seqs.chunks_exact(4) {
-            let [first, count, start, off] = [row[0], row[1], row[2], row[3]];
+        for row in seqs.chunks_exact(COLS) {
+            let [first, count, start, off, rows] = [row[0], row[1], row[2], row[3], row[4]];
             if first < 0 || count < 1 || start < 0 || off < 0 {
                 return bad("a sequence row has a negative entry or no tokens");
+            }
+            if rows < 1 || rows > count {
+                return bad("a sequence asks logits for none of its tokens or more than it has");
             }
             let (first, count, start, off) =
                 (first as usize, count as usize, start as usize, off as usize);
@@ -416,14 +422,14 @@ impl<'a> StepSeqs<'a> {
 
     /// Sequences in the step.
     pub fn len(&self) -> usize {
-        self.seqs.len() / 4
+        self.seqs.len() / COLS
     }
     pub fn is_empty(&self) -> bool {
         self.seqs.is_empty()
     }
     /// Sequence `j`.
     pub fn get(&self, j: usize) -> SeqSpan<'a> {
-        let r = &self.seqs[4 * j..4 * j + 4];
+        let r = &self.seqs[COLS * j..COLS * (j + 1)];
         let (start, count) = (r[2] as usize, r[1] as usize);
         let off = r[3] as usize;
         let need = (start + count).div_ceil(self.block);
@@ -432,10 +438,15 @@ impl<'a> StepSeqs<'a> {
             count,
             start,
             blocks: &self.blocks[off..off + need],
+            rows: r[4] as usize,
         }
     }
     pub fn iter(&self) -> impl Iterator<Item = SeqSpan<'a>> + '_ {
         (0..self.len()).map(|j| self.get(j))
+    }
+    /// Logit rows of the step (`R`): every sequence's `rows`, summed.
+    pub fn logit_rows(&self) -> usize {
+        self.iter().map(|s| s.rows).sum()
     }
     /// The longest key span (`T`).
     pub fn max_keys(&self) -> usize {
@@ -718,10 +729,11 @@ mod tests {
     fn sequence_table_is_checked() {
         // Two sequences: 3 tokens at 0..3 (block 2), 1 token at position 5
         // (blocks 0, 1).
-        let seqs = [0, 3, 0, 0, 3, 1, 5, 1];
+        let seqs = [0, 3, 0, 0, 2, 3, 1, 5, 1, 1];
         let blocks = [2, 0, 1];
         let s = StepSeqs::new(&seqs, &blocks, 4, &GEOM).unwrap();
         assert_eq!(s.len(), 2);
+        assert_eq!((s.get(0).rows, s.logit_rows()), (2, 3));
         assert_eq!(s.max_keys(), 6);
         assert_eq!(s.get(1).blocks, &[0, 1]);
         let (mut pos, mut slots) = ([0; 4], [0; 4]);
@@ -730,10 +742,15 @@ mod tests {
         assert_eq!(slots, [8, 9, 10, 5]);
         // Wrong token count, a gap, a short block list, a block outside.
         assert!(StepSeqs::new(&seqs, &blocks, 5, &GEOM).is_err());
-        assert!(StepSeqs::new(&[0, 3, 0, 0, 4, 1, 5, 1], &blocks, 5, &GEOM).is_err());
-        assert!(StepSeqs::new(&[0, 3, 0, 0, 3, 1, 8, 1], &blocks, 4, &GEOM).is_err());
+        assert!(StepSeqs::new(&[0, 3, 0, 0, 1, 4, 1, 5, 1, 1], &blocks, 5, &GEOM).is_err());
+        assert!(StepSeqs::new(&[0, 3, 0, 0, 1, 3, 1, 8, 1, 1], &blocks, 4, &GEOM).is_err());
         assert!(StepSeqs::new(&seqs, &[2, 0, 3], 4, &GEOM).is_err());
-        assert!(StepSeqs::new(&[0, 0, 0, 0], &blocks, 0, &GEOM).is_err());
+        assert!(StepSeqs::new(&[0, 0, 0, 0, 0], &blocks, 0, &GEOM).is_err());
+        // Logit rows: none, or more than the sequence's tokens.
+        assert!(StepSeqs::new(&[0, 3, 0, 0, 0, 3, 1, 5, 1, 1], &blocks, 4, &GEOM).is_err());
+        assert!(StepSeqs::new(&[0, 3, 0, 0, 4, 3, 1, 5, 1, 1], &blocks, 4, &GEOM).is_err());
+        // Four columns are not a sequence table any more.
+        assert!(StepSeqs::new(&[0, 3, 0, 0, 3, 1, 5, 1], &blocks, 4, &GEOM).is_err());
         assert!(StepSeqs::new(&[], &blocks, 0, &GEOM).is_err());
     }
 }

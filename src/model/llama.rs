@@ -333,7 +333,7 @@ pub fn build_llama(args: &ModelArgs, opts: &BuildOptions) -> Result<Graph, Build
     }
 
     let mut hn = b.rms_norm("norm", h, dim, eps, None)?;
-    if opts.logit_rows == LogitRows::Last {
+    if opts.logit_rows != LogitRows::All {
         hn = b.op("norm.last_rows".into(), Op::LastRows, &[hn, seqs], None)?;
     }
     let out_w = if args.tied_embeddings {

@@ -3,9 +3,10 @@
 //!
 //! Unknown fields are ignored, as OpenAI-compatible servers do (clients
 //! send many optional ones); fields this server cannot honour with a
-//! non-default value (`n` > 1, `logprobs`, `tools`, `echo`, `suffix`) are
+//! non-default value (`n` > 1, `logprobs`, `echo`, `suffix`) are
 //! refused by name rather than ignored.
 
+use crate::generate::constraint::{Constraint, GrammarSpec, Grammars};
 use crate::generate::sampler::SamplerConfig;
 use serde::Deserialize;
 
@@ -119,6 +120,14 @@ pub struct ChatMessage {
     pub role: String,
     #[serde(default)]
     pub content: Option<Content>,
+    /// An assistant message's tool calls (OpenAI's shape).
+    #[serde(default)]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A `tool` message: the call it answers.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    #[serde(default)]
+    pub name: Option<String>,
 }
 
 /// `stop`: one string or a list.
@@ -231,6 +240,16 @@ request! {
         max_completion_tokens: Option<i64>,
         #[serde(default)]
         tools: Option<Vec<serde_json::Value>>,
+        #[serde(default)]
+        tool_choice: Option<serde_json::Value>,
+        #[serde(default)]
+        parallel_tool_calls: Option<bool>,
+        #[serde(default)]
+        response_format: Option<ResponseFormat>,
+        #[serde(default)]
+        json_schema: Option<serde_json::Value>,
+        #[serde(default)]
+        grammar: Option<String>,
     }
 }
 
@@ -254,7 +273,116 @@ request! {
         echo: Option<bool>,
         #[serde(default)]
         suffix: Option<String>,
+        #[serde(default)]
+        response_format: Option<ResponseFormat>,
+        #[serde(default)]
+        json_schema: Option<serde_json::Value>,
+        #[serde(default)]
+        grammar: Option<String>,
     }
+}
+
+/// `response_format`: `{"type": "text" | "json_object" | "json_schema"}`;
+/// a `json_schema` carries `{"name", "schema", "strict"}` (llama-server
+/// also reads a `schema` beside `type`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct ResponseFormat {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub json_schema: Option<JsonSchemaFormat>,
+    #[serde(default)]
+    pub schema: Option<serde_json::Value>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct JsonSchemaFormat {
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub schema: Option<serde_json::Value>,
+    #[serde(default)]
+    pub strict: Option<bool>,
+}
+
+/// What the output must follow, from `response_format` or llama-server's
+/// top-level `json_schema` / `grammar` (at most one of them), with the
+/// field that asked for it (for errors).
+pub fn output_spec(
+    response_format: Option<&ResponseFormat>,
+    json_schema: Option<&serde_json::Value>,
+    grammar: Option<&str>,
+) -> Result<Option<(GrammarSpec, &'static str)>, ApiError> {
+    let mut specs: Vec<(GrammarSpec, &'static str)> = Vec::new();
+    if let Some(rf) = response_format {
+        match rf.kind.as_str() {
+            "text" => {}
+            "json_object" => specs.push(match &rf.schema {
+                Some(s) => (GrammarSpec::JsonSchema(s.clone()), "response_format.schema"),
+                None => (GrammarSpec::JsonObject, "response_format"),
+            }),
+            "json_schema" => {
+                let schema = rf
+                    .json_schema
+                    .as_ref()
+                    .and_then(|j| j.schema.clone())
+                    .or_else(|| rf.schema.clone());
+                match schema {
+                    Some(s) => specs.push((
+                        GrammarSpec::JsonSchema(s),
+                        "response_format.json_schema.schema",
+                    )),
+                    None => {
+                        return Err(ApiError::invalid(
+                            "response_format.json_schema",
+                            "`response_format.json_schema.schema` is missing",
+                        ))
+                    }
+                }
+            }
+            other => {
+                return Err(ApiError::invalid(
+                    "response_format.type",
+                    format!(
+                        "`response_format.type` must be `text`, `json_object` or `json_schema`, got `{other}`"
+                    ),
+                ))
+            }
+        }
+    }
+    if let Some(s) = json_schema {
+        specs.push((GrammarSpec::JsonSchema(s.clone()), "json_schema"));
+    }
+    if let Some(g) = grammar {
+        specs.push((GrammarSpec::from_grammar_text(g), "grammar"));
+    }
+    if specs.len() > 1 {
+        let names: Vec<&str> = specs.iter().map(|s| s.1).collect();
+        return Err(ApiError::invalid(
+            specs[1].1,
+            format!(
+                "give one output constraint, not several: {}",
+                names.join(", ")
+            ),
+        ));
+    }
+    Ok(specs.pop())
+}
+
+/// Compiles the output constraint; a schema or grammar llguidance refuses
+/// is a 400 naming `field` and what it refused.
+pub fn compile_constraint(
+    grammars: &Grammars,
+    spec: &GrammarSpec,
+    field: &str,
+) -> Result<Constraint, ApiError> {
+    grammars.compile(spec).map_err(|e| {
+        let what = match spec {
+            GrammarSpec::JsonObject | GrammarSpec::JsonSchema(_) => "the JSON schema",
+            GrammarSpec::Lark(_) | GrammarSpec::Gbnf(_) => "the grammar",
+        };
+        ApiError::invalid(field, format!("`{field}`: {what} cannot be used: {e}"))
+    })
 }
 
 /// Most stop strings a request may give.
@@ -405,9 +533,6 @@ impl ChatRequest {
         if self.messages.is_empty() {
             return Err(ApiError::invalid("messages", "`messages` is empty"));
         }
-        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-            return Err(ApiError::invalid("tools", "tools are not supported"));
-        }
         self.messages
             .iter()
             .enumerate()
@@ -440,6 +565,60 @@ impl ChatRequest {
                 })
             })
             .collect()
+    }
+}
+
+impl ChatRequest {
+    /// The messages as JSON for a template that reads tool calls: text
+    /// content, and each call's `arguments` (JSON text on the wire) as the
+    /// JSON value it spells.
+    pub fn messages_json(&self) -> Result<Vec<serde_json::Value>, ApiError> {
+        let texts = self.messages()?;
+        let mut out = Vec::with_capacity(texts.len());
+        for (i, (m, t)) in self.messages.iter().zip(texts).enumerate() {
+            let mut v = serde_json::json!({"role": t.role, "content": t.content});
+            if let Some(calls) = &m.tool_calls {
+                let mut parsed = Vec::with_capacity(calls.len());
+                for (j, c) in calls.iter().enumerate() {
+                    let at = format!("messages[{i}].tool_calls[{j}].function");
+                    let f = c
+                        .get("function")
+                        .ok_or_else(|| ApiError::invalid(&at, format!("`{at}` is missing")))?;
+                    let name = f.get("name").and_then(|n| n.as_str()).ok_or_else(|| {
+                        ApiError::invalid(
+                            &format!("{at}.name"),
+                            format!("`{at}.name` must be a string"),
+                        )
+                    })?;
+                    let args = match f.get("arguments") {
+                        None | Some(serde_json::Value::Null) => serde_json::json!({}),
+                        Some(serde_json::Value::String(s)) => {
+                            serde_json::from_str(s).map_err(|e| {
+                                ApiError::invalid(
+                                    &format!("{at}.arguments"),
+                                    format!("`{at}.arguments` is not JSON: {e}"),
+                                )
+                            })?
+                        }
+                        Some(other) => other.clone(),
+                    };
+                    parsed.push(serde_json::json!({
+                        "id": c.get("id").cloned().unwrap_or(serde_json::Value::Null),
+                        "type": "function",
+                        "function": {"name": name, "arguments": args},
+                    }));
+                }
+                v["tool_calls"] = serde_json::Value::Array(parsed);
+            }
+            if let Some(id) = &m.tool_call_id {
+                v["tool_call_id"] = serde_json::json!(id);
+            }
+            if let Some(n) = &m.name {
+                v["name"] = serde_json::json!(n);
+            }
+            out.push(v);
+        }
+        Ok(out)
     }
 }
 

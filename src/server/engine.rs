@@ -18,9 +18,11 @@
 //! order. Every kernel computes a sequence's rows independently of the rest
 //! of the batch, so a greedy request's tokens do not depend on what else is
 //! running.
+#![warn(missing_docs)]
 
 use super::scheduler::{Scheduler, SchedulerConfig, SeqId};
 use crate::exec::{Batch, KvPool};
+use crate::generate::constraint::Constraint;
 use crate::generate::sampler::{Sampler, SamplerConfig};
 use crate::session::{CacheType, Model, Session, SessionError, SessionOptions};
 use std::collections::{HashMap, VecDeque};
@@ -35,9 +37,11 @@ use tokio::sync::mpsc;
 /// most, how to sample them and which sampled ids end it.
 #[derive(Debug, Clone)]
 pub struct GenRequest {
+    /// The prompt's token ids (a chat already rendered by its template).
     pub prompt: Vec<u32>,
     /// At least 1; `prompt.len() + max_tokens` must fit the context.
     pub max_tokens: usize,
+    /// How to pick each token.
     pub sampling: SamplerConfig,
     /// Sampled ids that end the sequence (usually the tokenizer's
     /// end-of-sequence and end-of-turn ids). Such a token is counted in
@@ -60,27 +64,43 @@ pub enum Finish {
 /// exactly one `Done` or `Error`, then nothing.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GenEvent {
+    /// The next generated token (stop tokens are not sent).
     Token(u32),
+    /// The sequence ended.
     Done {
+        /// Why.
         finish: Finish,
+        /// Tokens of the prompt.
         prompt_tokens: usize,
         /// Tokens sampled, including a final stop token.
         completion_tokens: usize,
     },
+    /// The step failed; the message says why. Nothing follows.
     Error(String),
 }
 
 /// Why a request was not accepted.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum SubmitError {
+    /// The queue holds `capacity` waiting requests already.
     #[error("the server is busy: {capacity} requests are already waiting; retry later")]
-    QueueFull { capacity: usize },
+    QueueFull {
+        /// The queue's capacity.
+        capacity: usize,
+    },
+    /// The prompt plus `max_tokens` would not fit the context.
     #[error("the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceed the context of {context} tokens")]
     TooLong {
+        /// Tokens of the prompt.
         prompt_tokens: usize,
+        /// Tokens asked for.
         max_tokens: usize,
+        /// The most one sequence may hold.
         context: usize,
     },
+    /// Something else about the request is wrong (an empty prompt, an id
+    /// outside the vocabulary, `max_tokens` 0, a bad sampling parameter);
+    /// the message says what.
     #[error("{0}")]
     Invalid(String),
 }
@@ -148,18 +168,23 @@ pub struct EngineConfig {
     pub queue_capacity: usize,
 }
 
+/// Why an engine could not start.
 #[derive(Debug, Error)]
 pub enum EngineError {
+    /// The session did not compile.
     #[error(transparent)]
     Session(#[from] SessionError),
+    /// The configuration is inconsistent; the message says how.
     #[error("{0}")]
     Invalid(String),
+    /// The operating system refused the engine thread.
     #[error("the engine thread could not start: {0}")]
     Thread(String),
 }
 
 struct Job {
     req: GenRequest,
+    constraint: Option<Constraint>,
     tx: mpsc::UnboundedSender<GenEvent>,
 }
 
@@ -240,6 +265,8 @@ impl GenStream {
         self.rx.blocking_recv()
     }
 
+    /// Polls for the next event (for a `Stream` adapter); `Ready(None)`
+    /// after the final `Done`/`Error`.
     pub fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<GenEvent>> {
         self.rx.poll_recv(cx)
     }
@@ -248,6 +275,30 @@ impl GenStream {
 impl EngineHandle {
     /// Compiles a session for `model` on a new engine thread and starts
     /// serving. Returns once the session is ready (or failed to compile).
+    ///
+    /// ```no_run
+    /// use llama_graph::generate::SamplerConfig;
+    /// use llama_graph::server::engine::{EngineConfig, EngineHandle, GenEvent, GenRequest};
+    /// use llama_graph::session::{Model, SessionOptions};
+    ///
+    /// let model = Model::open("model.gguf".as_ref())?;
+    /// let cfg = EngineConfig { session: SessionOptions::default(), parallel: 4, queue_capacity: 64 };
+    /// let engine = EngineHandle::start(model, cfg)?;
+    /// let mut stream = engine.submit(GenRequest {
+    ///     prompt: vec![1, 415, 5565],
+    ///     max_tokens: 16,
+    ///     sampling: SamplerConfig { temperature: 0.0, ..Default::default() },
+    ///     stop_tokens: vec![2],
+    /// })?;
+    /// while let Some(event) = stream.blocking_next() {
+    ///     match event {
+    ///         GenEvent::Token(id) => print!(" {id}"),
+    ///         GenEvent::Done { finish, .. } => println!(" ({finish:?})"),
+    ///         GenEvent::Error(e) => eprintln!("{e}"),
+    ///     }
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn start(model: Model, cfg: EngineConfig) -> Result<EngineHandle, EngineError> {
         let mut session_opts = cfg.session.clone();
         session_opts.parallel = cfg.parallel;
@@ -342,6 +393,8 @@ impl EngineHandle {
         })
     }
 
+    /// The engine's fixed limits (context, parallel sequences, queue,
+    /// vocabulary).
     pub fn limits(&self) -> EngineLimits {
         self.limits
     }
@@ -349,6 +402,16 @@ impl EngineHandle {
     /// Checks `req` and queues it. Refuses at once, without waiting, when
     /// the queue is full.
     pub fn submit(&self, req: GenRequest) -> Result<GenStream, SubmitError> {
+        self.submit_constrained(req, None)
+    }
+
+    /// [`EngineHandle::submit`], every token sampled among those
+    /// `constraint` allows (structured output).
+    pub fn submit_constrained(
+        &self,
+        req: GenRequest,
+        constraint: Option<Constraint>,
+    ) -> Result<GenStream, SubmitError> {
         let l = self.limits;
         if req.prompt.is_empty() {
             return Err(SubmitError::Invalid("the prompt is empty".into()));
@@ -386,13 +449,18 @@ impl EngineHandle {
                     capacity: l.queue_capacity,
                 });
             }
-            q.jobs.push_back(Job { req, tx });
+            q.jobs.push_back(Job {
+                req,
+                constraint,
+                tx,
+            });
         }
         shared.requests_total.fetch_add(1, Ordering::Relaxed);
         shared.ready.notify_one();
         Ok(GenStream { rx })
     }
 
+    /// The counters and gauges `/metrics` reports, as of now.
     pub fn stats(&self) -> EngineStats {
         let s = &self.owner.shared;
         let queue_depth = s
@@ -445,6 +513,8 @@ impl Throughput {
 struct Live {
     tx: mpsc::UnboundedSender<GenEvent>,
     sampler: Sampler,
+    /// The grammar the tokens must follow, if any.
+    constraint: Option<Constraint>,
     prompt_tokens: usize,
     max_tokens: usize,
     stop_tokens: Vec<u32>,
@@ -473,6 +543,7 @@ fn engine_loop(session: &mut Session, parallel: usize, shared: &Shared) {
     let mut plan = Vec::with_capacity(parallel);
     let mut sampled: Vec<(SeqId, u32)> = Vec::with_capacity(parallel);
     let mut gone: Vec<SeqId> = Vec::with_capacity(parallel);
+    let mut failed: Vec<(SeqId, String)> = Vec::new();
     let mut rate = Throughput {
         tokens: 0,
         busy: Duration::ZERO,
@@ -512,6 +583,7 @@ fn engine_loop(session: &mut Session, parallel: usize, shared: &Shared) {
                                 Live {
                                     tx: job.tx,
                                     sampler,
+                                    constraint: job.constraint,
                                     prompt_tokens: job.req.prompt.len(),
                                     max_tokens: job.req.max_tokens,
                                     stop_tokens: job.req.stop_tokens,
@@ -557,7 +629,14 @@ fn engine_loop(session: &mut Session, parallel: usize, shared: &Shared) {
         let stepped = session.step(&batch).map(|logits| {
             for (j, slot) in plan.iter().enumerate() {
                 if let (true, Some(l)) = (slot.samples, live.get_mut(&slot.id)) {
-                    sampled.push((slot.id, l.sampler.sample(logits.row(j))));
+                    let row = logits.row(j);
+                    match l.constraint.as_mut() {
+                        None => sampled.push((slot.id, l.sampler.sample(row))),
+                        Some(c) => match c.sample(&mut l.sampler, row) {
+                            Ok(t) => sampled.push((slot.id, t)),
+                            Err(e) => failed.push((slot.id, e.to_string())),
+                        },
+                    }
                 }
             }
         });
@@ -576,6 +655,9 @@ fn engine_loop(session: &mut Session, parallel: usize, shared: &Shared) {
             continue;
         }
         sched.advance();
+        for (id, msg) in failed.drain(..) {
+            retire(&mut sched, &mut live, id, Err(msg), shared);
+        }
         for &(id, tok) in &sampled {
             let Some(l) = live.get_mut(&id) else {
                 continue;

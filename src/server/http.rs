@@ -8,10 +8,15 @@
 //! hyper drops the response body, which drops the stream and cancels the
 //! sequence.
 
-use super::api::{parse_body, ApiError, ChatRequest, Checked, CompletionRequest, Prompt};
+use super::api::{
+    compile_constraint, output_spec, parse_body, ApiError, ChatRequest, Checked, CompletionRequest,
+    Prompt,
+};
 use super::engine::{EngineHandle, Finish, GenEvent, GenRequest, GenStream, SubmitError};
 use super::text::TextStream;
+use super::tools::{self, CallDetector, ToolCall, ToolChoice, ToolFormat};
 use crate::generate::chat::ChatFormat;
+use crate::generate::constraint::{Constraint, GrammarSpec, Grammars};
 use crate::generate::sampler::Rng;
 use crate::tokenizer::{EncodeOptions, Tokenizer};
 use axum::body::{Body, Bytes};
@@ -63,6 +68,8 @@ pub struct AppState {
     created: u64,
     counter: AtomicU64,
     responses: Mutex<BTreeMap<u16, u64>>,
+    /// The model's vocabulary as grammars read it, built on first use.
+    grammars: OnceLock<Result<Grammars, String>>,
 }
 
 impl AppState {
@@ -73,6 +80,7 @@ impl AppState {
             created: unix_now(),
             counter: AtomicU64::new(0),
             responses: Mutex::new(BTreeMap::new()),
+            grammars: OnceLock::new(),
         })
     }
 
@@ -93,6 +101,26 @@ impl AppState {
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(0);
         Rng::new(t ^ n.rotate_left(32)).next_u64()
+    }
+
+    /// Compiles an output constraint (`field` names the request field that
+    /// asked for it).
+    fn constraint(&self, spec: &GrammarSpec, field: &str) -> Result<Constraint, ApiError> {
+        let l = self.loaded()?;
+        let g = self
+            .grammars
+            .get_or_init(|| {
+                Grammars::new(l.tokenizer, l.engine.limits().vocab).map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(|e| {
+                ApiError::new(
+                    500,
+                    "server_error",
+                    format!("the vocabulary cannot be read for grammars: {e}"),
+                )
+            })?;
+        compile_constraint(g, spec, field)
     }
 
     fn response_id(&self, prefix: &str) -> String {
@@ -425,6 +453,13 @@ async fn chat_completions(
     let l = s.loaded()?;
     let r: ChatRequest = parse_body(&bytes)?;
     let messages = r.messages()?;
+    let tool_list = tools::parse_tools(r.tools.as_deref().unwrap_or(&[]))?;
+    let choice = tools::parse_tool_choice(r.tool_choice.as_ref(), &tool_list)?;
+    let spec = output_spec(
+        r.response_format.as_ref(),
+        r.json_schema.as_ref(),
+        r.grammar.as_deref(),
+    )?;
     let checked = r.common().check(r.max_tokens(), || s.unique())?;
     if !l.chat.available() {
         return Err(ApiError::invalid(
@@ -432,12 +467,55 @@ async fn chat_completions(
             "this model has no chat template; use /v1/completions",
         ));
     }
-    let prompt = l
-        .chat
-        .tokens(l.tokenizer, &messages)
-        .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+    let offered = if choice == ToolChoice::None {
+        &[][..]
+    } else {
+        &tool_list[..]
+    };
+    let uses_tools = !tool_list.is_empty()
+        || r.messages
+            .iter()
+            .any(|m| m.role == "tool" || m.tool_calls.as_ref().is_some_and(|c| !c.is_empty()));
+    let mut output = Output::default();
+    let prompt = if uses_tools {
+        let Some(source) = l.chat.template_source() else {
+            return Err(ApiError::invalid(
+                "tools",
+                "tool calling needs the model's Jinja chat template; this model has none",
+            ));
+        };
+        let format = ToolFormat::of(Some(source));
+        let msgs = format.messages(&r.messages_json()?, offered);
+        let listed = (format.template_renders_tools() && !offered.is_empty())
+            .then(|| Value::Array(r.tools.clone().unwrap_or_default()));
+        let prompt = l
+            .chat
+            .tokens_json(l.tokenizer, &Value::Array(msgs), listed.as_ref())
+            .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+        if !offered.is_empty() {
+            output.tools = Some(format);
+            let parallel = r.parallel_tool_calls.unwrap_or(true);
+            if let Some(g) = format.grammar(&tool_list, &choice, parallel) {
+                if let Some((_, field)) = &spec {
+                    return Err(ApiError::invalid(
+                        field,
+                        format!("`{field}` cannot be combined with `tools` (give `tool_choice: \"none\"` to answer in the given format)"),
+                    ));
+                }
+                output.constraint = Some(s.constraint(&g, "tools")?);
+            }
+        }
+        prompt
+    } else {
+        l.chat
+            .tokens(l.tokenizer, &messages)
+            .map_err(|e| ApiError::invalid("messages", e.to_string()))?
+    };
+    if let Some((g, field)) = &spec {
+        output.constraint = Some(s.constraint(g, field)?);
+    }
     let field = r.max_tokens().map(|(_, f)| f).unwrap_or("max_tokens");
-    start(&s, l, Endpoint::Chat, prompt, checked, field).await
+    start(&s, l, Endpoint::Chat, prompt, checked, field, output).await
 }
 
 async fn completions(State(s): State<Arc<AppState>>, req: Request) -> Result<Response, ApiError> {
@@ -445,6 +523,11 @@ async fn completions(State(s): State<Arc<AppState>>, req: Request) -> Result<Res
     let l = s.loaded()?;
     let r: CompletionRequest = parse_body(&bytes)?;
     r.check_extras()?;
+    let spec = output_spec(
+        r.response_format.as_ref(),
+        r.json_schema.as_ref(),
+        r.grammar.as_deref(),
+    )?;
     let checked = r
         .common()
         .check(r.max_tokens.map(|n| (n, "max_tokens")), || s.unique())?;
@@ -471,7 +554,28 @@ async fn completions(State(s): State<Arc<AppState>>, req: Request) -> Result<Res
     if prompt.is_empty() {
         return Err(ApiError::invalid("prompt", "the prompt is empty"));
     }
-    start(&s, l, Endpoint::Completion, prompt, checked, "max_tokens").await
+    let mut output = Output::default();
+    if let Some((g, field)) = &spec {
+        output.constraint = Some(s.constraint(g, field)?);
+    }
+    start(
+        &s,
+        l,
+        Endpoint::Completion,
+        prompt,
+        checked,
+        "max_tokens",
+        output,
+    )
+    .await
+}
+
+/// What a request asks of its output beyond text: a constraint on the
+/// tokens, and tool calls to parse out of the answer.
+#[derive(Debug, Default)]
+struct Output {
+    constraint: Option<Constraint>,
+    tools: Option<ToolFormat>,
 }
 
 /// Submits the request and answers, streamed or whole.
@@ -482,6 +586,7 @@ async fn start(
     prompt: Vec<u32>,
     c: Checked,
     max_field: &str,
+    output: Output,
 ) -> Result<Response, ApiError> {
     let context = l.engine.limits().context;
     let prompt_tokens = prompt.len();
@@ -508,16 +613,19 @@ async fn start(
             l.tokenizer.stop_ids().to_vec()
         },
     };
-    let gen = l.engine.submit(req).map_err(|e| match e {
-        SubmitError::QueueFull { .. } => ApiError {
-            retry_after: Some(1),
-            ..ApiError::new(503, "unavailable_error", e.to_string()).with_code("queue_full")
-        },
-        SubmitError::TooLong { .. } => {
-            ApiError::invalid(max_field, e.to_string()).with_code("context_length_exceeded")
-        }
-        SubmitError::Invalid(m) => ApiError::new(400, "invalid_request_error", m),
-    })?;
+    let gen = l
+        .engine
+        .submit_constrained(req, output.constraint)
+        .map_err(|e| match e {
+            SubmitError::QueueFull { .. } => ApiError {
+                retry_after: Some(1),
+                ..ApiError::new(503, "unavailable_error", e.to_string()).with_code("queue_full")
+            },
+            SubmitError::TooLong { .. } => {
+                ApiError::invalid(max_field, e.to_string()).with_code("context_length_exceeded")
+            }
+            SubmitError::Invalid(m) => ApiError::new(400, "invalid_request_error", m),
+        })?;
     let reply = Reply {
         endpoint,
         id: s.response_id(match endpoint {
@@ -527,6 +635,8 @@ async fn start(
         created: unix_now(),
         model: l.model_id.clone(),
         prompt_tokens,
+        tools: output.tools,
+        call_ids: s.unique(),
     };
     let text = TextStream::new(l.tokenizer, c.stop);
     if c.stream {
@@ -543,6 +653,10 @@ struct Reply {
     created: u64,
     model: String,
     prompt_tokens: usize,
+    /// Tool calls are parsed out of the answer in this format.
+    tools: Option<ToolFormat>,
+    /// Makes the calls' ids unique.
+    call_ids: u64,
 }
 
 fn finish_name(f: Finish) -> &'static str {
@@ -560,6 +674,88 @@ impl Reply {
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
         })
+    }
+
+    fn call_id(&self, i: usize) -> String {
+        format!("call_{:016x}{i}", self.call_ids)
+    }
+
+    /// A whole chat answer that is tool calls.
+    fn whole_calls(&self, content: String, calls: &[ToolCall], completion: usize) -> Value {
+        let calls: Vec<Value> = calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                json!({
+                    "id": self.call_id(i),
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                })
+            })
+            .collect();
+        let content = if content.is_empty() {
+            Value::Null
+        } else {
+            Value::String(content)
+        };
+        json!({
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": content, "tool_calls": calls},
+                "finish_reason": "tool_calls",
+                "logprobs": null,
+            }],
+            "usage": self.usage(completion),
+        })
+    }
+
+    /// The whole answer: text, or tool calls when the request offered
+    /// tools and the answer is a complete call.
+    /// (A complete call counts even when `max_tokens` ended the answer.)
+    fn whole_or_calls(&self, text: String, finish: &str, completion: usize) -> Value {
+        if let Some(f) = self.tools {
+            if let Some((content, calls)) = f.parse(&text) {
+                return self.whole_calls(content, &calls, completion);
+            }
+        }
+        self.whole(text, finish, completion)
+    }
+
+    /// The SSE events of streamed tool calls: per call its id and name,
+    /// then its arguments in pieces (the client joins them).
+    fn call_chunks(&self, calls: &[ToolCall], usage_null: bool) -> String {
+        let mut out = String::new();
+        let mut event = |delta: Value| {
+            let mut v = json!({
+                "id": self.id,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": null, "logprobs": null}],
+            });
+            if usage_null {
+                v["usage"] = Value::Null;
+            }
+            out.push_str(&format!("data: {v}\n\n"));
+        };
+        for (i, c) in calls.iter().enumerate() {
+            event(json!({"tool_calls": [{
+                "index": i,
+                "id": self.call_id(i),
+                "type": "function",
+                "function": {"name": c.name, "arguments": ""},
+            }]}));
+            let args: Vec<char> = c.arguments.chars().collect();
+            for piece in args.chunks(16) {
+                let piece: String = piece.iter().collect();
+                event(json!({"tool_calls": [{"index": i, "function": {"arguments": piece}}]}));
+            }
+        }
+        out
     }
 
     fn whole(&self, text: String, finish: &str, completion: usize) -> Value {
@@ -671,7 +867,7 @@ async fn whole_response(
                 if stopped {
                     // Cancels the rest of the sequence.
                     drop(gen);
-                    let v = reply.whole(out, "stop", received);
+                    let v = reply.whole_or_calls(out, "stop", received);
                     return Ok(axum::Json(v).into_response());
                 }
             }
@@ -683,7 +879,7 @@ async fn whole_response(
                 let (rest, stopped) = text.finish();
                 out.push_str(&rest);
                 let reason = if stopped { "stop" } else { finish_name(finish) };
-                let v = reply.whole(out, reason, completion_tokens);
+                let v = reply.whole_or_calls(out, reason, completion_tokens);
                 return Ok(axum::Json(v).into_response());
             }
             Some(GenEvent::Done { .. }) => {
@@ -704,6 +900,8 @@ struct Streamer {
     include_usage: bool,
     received: usize,
     sent_role: bool,
+    /// With tools offered: holds back an answer that may be a call.
+    calls: Option<CallDetector>,
 }
 
 impl Streamer {
@@ -713,8 +911,22 @@ impl Streamer {
         self.gen = None;
         let r = &self.reply;
         let mut out = String::new();
+        let mut finish = finish;
+        let mut rest = rest.to_string();
+        if let Some(d) = self.calls.as_mut() {
+            let mut text = d.push(&rest);
+            match d.finish() {
+                Ok((content, calls)) => {
+                    text.push_str(&content);
+                    out.push_str(&r.call_chunks(&calls, self.include_usage));
+                    finish = "tool_calls";
+                }
+                Err(held) => text.push_str(&held),
+            }
+            rest = text;
+        }
         if !rest.is_empty() {
-            out.push_str(&r.chunk(false, Some(rest), None, self.include_usage));
+            out.insert_str(0, &r.chunk(false, Some(&rest), None, self.include_usage));
         }
         out.push_str(&r.chunk(false, None, Some(finish), self.include_usage));
         if self.include_usage {
@@ -751,6 +963,10 @@ impl Streamer {
                         let n = self.received;
                         return Some(self.closing(&piece, "stop", n));
                     }
+                    let piece = match self.calls.as_mut() {
+                        Some(d) => d.push(&piece),
+                        None => piece,
+                    };
                     if !piece.is_empty() {
                         return Some(Bytes::from(self.reply.chunk(
                             false,
@@ -785,7 +1001,9 @@ fn stream_response(
     text: TextStream<'static>,
     include_usage: bool,
 ) -> Response {
+    let calls = reply.tools.map(CallDetector::new);
     let st = Streamer {
+        calls,
         reply,
         gen: Some(gen),
         text,

@@ -697,7 +697,10 @@ mod tests {
             }
         );
         // The batch's sequence table: tokens contiguous, start positions.
-        assert_eq!(b.seq_table()[..12], [0, 1, 10, 0, 1, 1, 6, 3, 2, 6, 0, 5]);
+        assert_eq!(
+            b.seq_table()[..15],
+            [0, 1, 10, 0, 1, 1, 1, 6, 3, 1, 2, 6, 0, 5, 1]
+        );
     }
 
     #[test]
@@ -812,7 +815,7 @@ mod tests {
         let fed: Vec<(SeqId, usize)> = plan.iter().map(|p| (p.id, p.tokens)).collect();
         assert_eq!(fed, [(1, 1), (4, 1), (2, 3), (3, 1)]);
         assert_eq!(s.reused_tokens(), 10 + 9);
-        let rows: Vec<&[i32]> = b.seq_table().chunks(4).collect();
+        let rows: Vec<&[i32]> = b.seq_table().chunks(5).collect();
         let blocks = |row: &[i32], n: usize| {
             let off = row[3] as usize;
             b.block_table()[off..off + n].to_vec()
@@ -869,9 +872,9 @@ mod tests {
         let one: Vec<i32> = {
             let plan = step(&mut s, &mut b);
             let row = plan.iter().position(|p| p.id == 3).expect("planned");
-            assert_eq!(b.seq_table()[4 * row + 2], 6, "fed from position 6");
+            assert_eq!(b.seq_table()[5 * row + 2], 6, "fed from position 6");
             let r1 = plan.iter().position(|p| p.id == 1).expect("planned");
-            let off = |r: usize| b.seq_table()[4 * r + 3] as usize;
+            let off = |r: usize| b.seq_table()[5 * r + 3] as usize;
             let (o1, o3) = (off(r1), off(row));
             assert_eq!(b.block_table()[o3], b.block_table()[o1], "block 0 shared");
             assert_ne!(b.block_table()[o3 + 1], b.block_table()[o1 + 1]);
@@ -908,7 +911,7 @@ mod tests {
             assert_eq!(ids.len(), b.block_table().len(), "blocks are never shared");
             s.advance();
             for (j, p) in plan.iter().enumerate() {
-                let row = &b.seq_table()[4 * j..4 * j + 4];
+                let row = &b.seq_table()[5 * j..5 * j + 5];
                 fed.push((p.id, row[2] as usize, p.tokens));
                 if p.samples && !s.push_token(p.id, 7) {
                     done.push(p.id);

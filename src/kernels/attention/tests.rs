@@ -77,6 +77,7 @@ fn step(seqs: &[Seq], parts: &[(usize, usize, usize)]) -> Step {
             count as i32,
             start as i32,
             blocks.len() as i32,
+            1,
         ]);
         blocks.extend(&seqs[j].blocks);
         first += count;

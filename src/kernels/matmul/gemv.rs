@@ -1,6 +1,6 @@
 //! Single-token (`s == 1`, decode) matrix-vector products over plain
 //! F32/F16/BF16 weights: memory-bound, so each weight row is streamed once.
-//! The SIMD levels run the register tiles of [`super::tiles`] with one
+//! The SIMD levels run the register tiles of `tiles` with one
 //! token: four rows at a time, one accumulator each (four independent FMA
 //! chains, one load of x for four rows), weights widened in registers. The
 //! arithmetic per row is exactly that of the multi-token product

@@ -53,7 +53,7 @@
 //! them (batch invariance: a server runs several sequences' tokens in one
 //! step). The SwiGLU epilogue is the scalar `silu_f32` at the scalar level;
 //! at the SIMD levels all kernels use one vector formula
-//! ([`crate::kernels::elementwise::silu`], the same bits at AVX2 and
+//! ([`crate::kernels::elementwise::silu`](fn@crate::kernels::elementwise::silu), the same bits at AVX2 and
 //! AVX-512). Checked for every type and level by `quantized::invariance`
 //! and the tests below.
 
