@@ -19,6 +19,7 @@ use crate::exec::{
     Logits,
 };
 use crate::ir::{DType, Graph, GraphError, LogitRows, Pooling};
+pub use crate::kernels::kv::CacheType;
 use crate::model::llama::BuildError;
 use crate::model::{build_llama, BuildOptions, ModelArgs, ParamsError};
 use crate::passes::{partition, run_pipeline, PassError, PassList, PipelineReport, StagePlan};
@@ -617,6 +618,26 @@ pub struct SessionOptions {
     /// when false, kernels may use faster approximate activations where
     /// they have them and the KV pool stores f16.
     pub exact: bool,
+    /// How the KV pool stores keys (`-ctk`); `None`: f16, or f32 with
+    /// `exact`.
+    pub cache_type_k: Option<CacheType>,
+    /// How the KV pool stores values (`-ctv`); `None` as for keys.
+    pub cache_type_v: Option<CacheType>,
+}
+
+impl SessionOptions {
+    /// The KV pool's (key, value) types these options ask for.
+    pub fn kv_types(&self) -> (CacheType, CacheType) {
+        let default = if self.exact {
+            CacheType::F32
+        } else {
+            CacheType::F16
+        };
+        (
+            self.cache_type_k.unwrap_or(default),
+            self.cache_type_v.unwrap_or(default),
+        )
+    }
 }
 
 impl Default for SessionOptions {
@@ -631,6 +652,8 @@ impl Default for SessionOptions {
             logit_rows: LogitRows::Last,
             passes: PassList::all(),
             exact: false,
+            cache_type_k: None,
+            cache_type_v: None,
         }
     }
 }
@@ -743,7 +766,9 @@ impl Session {
         bo.weight_dtypes = store_dtypes(&model.weights);
         bo.logit_rows = opts.logit_rows;
         bo.pooling = pooling;
-        bo.kv_dtype = if opts.exact { DType::F32 } else { DType::F16 };
+        let (kt, vt) = opts.kv_types();
+        bo.kv_dtype = kt.dtype();
+        bo.kv_v_dtype = vt.dtype();
         let mut graph = build_llama(&model.args, &bo)?;
         let stage_graph = |g: &Graph| -> Result<Graph, SessionError> {
             match stage {
@@ -998,6 +1023,28 @@ impl Session {
     /// The planned context: the most tokens the session's sequence holds.
     pub fn context(&self) -> usize {
         self.exec.context()
+    }
+
+    /// The KV cache's size and types, as `run`, `chat`, `bench` and `serve`
+    /// print it at start: `KV cache: 2048 positions, keys f16, values f16,
+    /// 45.0 MiB`.
+    pub fn kv_summary(&self) -> String {
+        let (k, v) = self
+            .exec
+            .kv_types()
+            .map_or(("-".into(), "-".into()), |(k, v)| {
+                (k.to_string(), v.to_string())
+            });
+        format!(
+            "KV cache: {} positions, keys {k}, values {v}, {:.2} MiB{}",
+            self.exec.kv_geom().capacity(),
+            self.exec.kv_bytes() as f64 / 1048576.0,
+            if self.stage.is_some() {
+                " (this stage's layers)"
+            } else {
+                ""
+            }
+        )
     }
 
     /// The vocabulary size: the length of a logits row.

@@ -298,6 +298,7 @@ pub fn run(a: RunArgs) -> super::CliResult {
         "prompt: {} tokens, context {context}, {threads} threads",
         prompt.len()
     );
+    eprintln!("{}", session.kv_summary());
 
     let gen_opts = GenOptions {
         n_predict,

@@ -17,7 +17,8 @@ use crate::ir::{
     Bindings, CacheKind, DType, Graph, Op, Pooling, RopeParams, Shape, StepInput, WeightLayout,
 };
 use crate::kernels::{
-    self, AttnWork, Epilogue, KernelError, KvGeom, KvHalf, KvStore, MatmulMode, StepSeqs, WeightRef,
+    self, AttnWork, CacheType, Epilogue, KernelError, KvGeom, KvHalf, KvStore, MatmulMode,
+    StepSeqs, WeightRef,
 };
 use crate::plan::{ExecPlan, Value};
 use crate::pool::ThreadPool;
@@ -288,7 +289,16 @@ impl Executor {
                     let Loc::Cache(c) = out else {
                         unreachable!("a cache value is a cache")
                     };
-                    caches[c] = KvStore::zeroed(node.meta.dtype == DType::F16, geom.elems());
+                    let ty = CacheType::of_dtype(node.meta.dtype).ok_or_else(|| {
+                        unsupported(format!(
+                            "a KV cache of {} is not supported",
+                            node.meta.dtype
+                        ))
+                    })?;
+                    // Keys: two dims of one key are BS elements apart.
+                    let run = if *kind == CacheKind::K { geom.block } else { 1 };
+                    caches[c] = KvStore::new(ty, geom.elems(), run)
+                        .map_err(|e| unsupported(e.to_string()))?;
                     continue;
                 }
                 Op::Weight { .. } => {
@@ -454,13 +464,16 @@ impl Executor {
 
     /// Bytes the KV pool takes (every layer's keys and values).
     pub fn kv_bytes(&self) -> usize {
+        self.caches.iter().map(KvStore::bytes).sum()
+    }
+
+    /// The types of the KV pool's keys and values (of the first layer this
+    /// executor holds; every layer has the same), or `None` without a cache.
+    pub fn kv_types(&self) -> Option<(CacheType, CacheType)> {
         self.caches
-            .iter()
-            .map(|c| match c {
-                KvStore::F32(v) => v.len() * 4,
-                KvStore::F16(v) => v.len() * 2,
-            })
-            .sum()
+            .chunks_exact(2)
+            .find(|c| !c[0].is_empty())
+            .map(|c| (c[0].cache_type(), c[1].cache_type()))
     }
 
     pub fn threads(&self) -> usize {
