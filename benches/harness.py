@@ -59,6 +59,20 @@ def result_path(harness, cls=None):
     return RESULTS / (cls or cpu_class()) / f"{harness}.json"
 
 
+def load(harness, path=None):
+    """A results JSON: `path`, or this host's latest run of `harness`. Exits
+    with a message naming the file and the command to make it when it is
+    missing."""
+    import json
+    import sys
+    p = Path(path) if path else result_path(harness)
+    if not p.exists():
+        sys.exit(f"{p} does not exist: no {harness} run on this CPU class ({cpu_class()}) yet; "
+                 f"pass a results file (one of {', '.join(str(x.relative_to(REPO)) for x in sorted(RESULTS.glob('*/' + harness + '.json'))) or 'none'}) "
+                 "or make a run with the harness's `run` command")
+    return json.loads(p.read_text())
+
+
 def git_rev():
     r = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

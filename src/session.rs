@@ -19,6 +19,7 @@ use crate::exec::{
     Logits,
 };
 use crate::ir::{DType, Graph, GraphError, LogitRows, Pooling};
+pub use crate::kernels::kv::CacheType;
 use crate::model::llama::BuildError;
 use crate::model::{build_llama, BuildOptions, ModelArgs, ParamsError};
 use crate::passes::{partition, run_pipeline, PassError, PassList, PipelineReport, StagePlan};
@@ -110,6 +111,41 @@ pub enum SessionError {
     /// A pipeline stage or its link failed.
     #[error("pipeline: {0}")]
     Pipeline(String),
+}
+
+/// The graph variant of a GGUF's architecture (llama.cpp's `llm_build_*` for
+/// it): Qwen2's Q/K/V biases, the Q/K norm of Qwen3 and Gemma 3, Gemma 3's
+/// embedding scale, post-norms, GELU-tanh gate and local layers (a window on
+/// five of every six layers, RoPE base 10000 there: llama.cpp's
+/// `set_swa_pattern(6)` and `rope_freq_base_train_swa`), and the sliding
+/// window the file states.
+fn gguf_variant(
+    m: &crate::weights::gguf::LlamaGgufMeta,
+    has_qkv_bias: bool,
+    has_qk_norm: bool,
+) -> crate::model::Variant {
+    use crate::model::{Family, GateAct, Variant};
+    let mut v = Variant {
+        family: m.family,
+        head_dim: (m.head_dim * m.n_heads != m.dim).then_some(m.head_dim),
+        qkv_bias: has_qkv_bias,
+        qk_norm: has_qk_norm,
+        sliding_window: m.sliding_window,
+        ..Variant::default()
+    };
+    if m.family == Family::Llama && m.sliding_window.is_some() {
+        v.family = Family::Mistral;
+    }
+    if m.family == Family::Gemma3 {
+        v.post_norms = true;
+        v.embed_scale = true;
+        v.gate_act = GateAct::GeluTanh;
+        if m.sliding_window.is_some() {
+            v.global_every = Some(m.swa_pattern.unwrap_or(6));
+            v.local_rope_theta = Some(shortest_f64(m.rope_freq_base_swa.unwrap_or(10000.0)));
+        }
+    }
+    v
 }
 
 /// Chooses the checkpoint tensors to load from the model's arguments and
@@ -220,11 +256,28 @@ impl Model {
             path: path.display().to_string(),
             message,
         };
-        if m.head_dim * m.n_heads != m.dim || m.rope_dim != m.head_dim {
+        if m.rope_dim != m.head_dim {
             return Err(perr(format!(
-                "unsupported geometry: head_dim {} x {} heads != dim {} or RoPE over {} of {} dims",
-                m.head_dim, m.n_heads, m.dim, m.rope_dim, m.head_dim
+                "partial rotary embeddings (RoPE over {} of {} dims) are not supported",
+                m.rope_dim, m.head_dim
             )));
+        }
+        if m.head_dim * m.n_heads != m.dim && m.family == crate::model::Family::Llama {
+            return Err(perr(format!(
+                "unsupported geometry: head_dim {} x {} heads != dim {}",
+                m.head_dim, m.n_heads, m.dim
+            )));
+        }
+        let has = |suffix: &str| g.store.tensors.contains_key(&format!("layers.0.{suffix}"));
+        if g.store
+            .tensors
+            .keys()
+            .any(|k| k.starts_with("rope_factors"))
+        {
+            return Err(perr(
+                "per-frequency RoPE factors (rope_factors_long/short: Phi-3 LongRoPE) are not supported"
+                    .into(),
+            ));
         }
         let rope_scaling = match (&m.rope_scaling, m.has_rope_freqs) {
             (None, false) => None,
@@ -293,6 +346,7 @@ impl Model {
             rope_scaling,
             max_context: Some(m.context_length).filter(|&c| c > 0),
             tied_embeddings: g.tied_output,
+            variant: gguf_variant(m, has("attention.wq.bias"), has("attention.q_norm.weight")),
         };
         args.validate().map_err(|e| perr(e.to_string()))?;
         let t = &g.tokenizer;
@@ -564,6 +618,26 @@ pub struct SessionOptions {
     /// when false, kernels may use faster approximate activations where
     /// they have them and the KV pool stores f16.
     pub exact: bool,
+    /// How the KV pool stores keys (`-ctk`); `None`: f16, or f32 with
+    /// `exact`.
+    pub cache_type_k: Option<CacheType>,
+    /// How the KV pool stores values (`-ctv`); `None` as for keys.
+    pub cache_type_v: Option<CacheType>,
+}
+
+impl SessionOptions {
+    /// The KV pool's (key, value) types these options ask for.
+    pub fn kv_types(&self) -> (CacheType, CacheType) {
+        let default = if self.exact {
+            CacheType::F32
+        } else {
+            CacheType::F16
+        };
+        (
+            self.cache_type_k.unwrap_or(default),
+            self.cache_type_v.unwrap_or(default),
+        )
+    }
 }
 
 impl Default for SessionOptions {
@@ -578,6 +652,8 @@ impl Default for SessionOptions {
             logit_rows: LogitRows::Last,
             passes: PassList::all(),
             exact: false,
+            cache_type_k: None,
+            cache_type_v: None,
         }
     }
 }
@@ -690,7 +766,9 @@ impl Session {
         bo.weight_dtypes = store_dtypes(&model.weights);
         bo.logit_rows = opts.logit_rows;
         bo.pooling = pooling;
-        bo.kv_dtype = if opts.exact { DType::F32 } else { DType::F16 };
+        let (kt, vt) = opts.kv_types();
+        bo.kv_dtype = kt.dtype();
+        bo.kv_v_dtype = vt.dtype();
         let mut graph = build_llama(&model.args, &bo)?;
         let stage_graph = |g: &Graph| -> Result<Graph, SessionError> {
             match stage {
@@ -945,6 +1023,28 @@ impl Session {
     /// The planned context: the most tokens the session's sequence holds.
     pub fn context(&self) -> usize {
         self.exec.context()
+    }
+
+    /// The KV cache's size and types, as `run`, `chat`, `bench` and `serve`
+    /// print it at start: `KV cache: 2048 positions, keys f16, values f16,
+    /// 45.0 MiB`.
+    pub fn kv_summary(&self) -> String {
+        let (k, v) = self
+            .exec
+            .kv_types()
+            .map_or(("-".into(), "-".into()), |(k, v)| {
+                (k.to_string(), v.to_string())
+            });
+        format!(
+            "KV cache: {} positions, keys {k}, values {v}, {:.2} MiB{}",
+            self.exec.kv_geom().capacity(),
+            self.exec.kv_bytes() as f64 / 1048576.0,
+            if self.stage.is_some() {
+                " (this stage's layers)"
+            } else {
+                ""
+            }
+        )
     }
 
     /// The vocabulary size: the length of a logits row.

@@ -250,6 +250,7 @@ fn opts(batch: usize, passes: PassList) -> SessionOptions {
         logit_rows: LogitRows::Last,
         passes,
         exact: true,
+        ..SessionOptions::default()
     }
 }
 

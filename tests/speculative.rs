@@ -110,7 +110,7 @@ fn speculative(
         },
         before: &[],
     };
-    let st = generate_with(&mut s, Some(sp), tok, prompt, g, None, &mut |_| {}).unwrap();
+    let st = generate_with(&mut s, Some(sp), tok, prompt, g, &mut |_| {}).unwrap();
     // The cache holds what a plain run's would: every token but the last.
     assert_eq!(
         s.position(),

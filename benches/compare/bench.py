@@ -49,7 +49,7 @@ runtimes run `-p 512 -n 128 -d DEPTHS` (the 1B files `--one-b-depths`,
 default `0,4096,16384`), so every pp512/tg128 row is also measured after
 that many tokens already in the cache; the JSON is
 `benches/results/<cpu-class>/bench-depth.json`. Around every round the read
-bandwidth is measured with the `stream` probe (`cargo bench --bench stream`,
+bandwidth is measured with the `stream` probe (`cargo run --release --example stream`,
 benches/probes/stream.rs: a read-only sum over 256 MiB, best of 5, at the
 same thread count), and the table gives, per tg row, llama-graph's decode
 against the bandwidth bound: read GB/s over the bytes a decode step reads
@@ -205,7 +205,7 @@ def read_bandwidth(threads):
     """Read-only GB/s (STREAM-style sum over 256 MiB, best of 5) at `threads`,
     from the `stream` probe (benches/probes/stream.rs), or None when it cannot
     run."""
-    out = subprocess.run(["cargo", "bench", "-q", "--bench", "stream", "--", "256", str(threads)],
+    out = subprocess.run(["cargo", "run", "-q", "--release", "--example", "stream", "--", "256", str(threads)],
                          cwd=REPO, capture_output=True, text=True)
     for line in out.stdout.splitlines():
         if line.startswith("{"):
@@ -262,7 +262,6 @@ def run(args):
                         res["samples"] = samples
                         out.write_text(json.dumps(res, indent=1, default=str))
     print("\n".join(table(res)))
-
 
 
 def depth_table(res):
@@ -435,8 +434,7 @@ def main():
     elif a.docs:
         write_docs(a.docs)
     else:
-        path = Path(a.json) if a.json else harness.result_path("bench")
-        print("\n".join(table(json.loads(path.read_text()), a.threads)))
+        print("\n".join(table(harness.load("bench", a.json), a.threads)))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ Run with the venv that setup.sh creates (it has llama-cpp-python, pinned):
 
     bash benches/compare/setup.sh                      # once: builds llama.cpp
     PY=~/.cache/llama-graph/compare/venv/bin/python
-    cargo build --release && cargo bench --no-run --bench stream
+    cargo build --release && cargo build --release --example stream
     $PY benches/compare/compare.py prepare             # model variants
     $PY benches/compare/compare.py run --reps 5 --threads 1,2
 
@@ -197,7 +197,7 @@ def cmd_llamacpp_logits(args):
     reference (tests/fixtures/smollm2/expected.json), teacher-forced on the
     reference tokens: top-1 agreement and the largest |logit difference| over
     the reference's top-10 tokens of every step. Compare with
-    `cargo bench --bench fast_vs_exact`."""
+    `cargo run --release --example fast_vs_exact`."""
     import ctypes
 
     import llama_cpp as lc
@@ -275,7 +275,7 @@ def run_llama_cpp(model, threads):
 
 
 def stream_bandwidth(threads):
-    r = subprocess.run(["cargo", "bench", "-q", "--bench", "stream", "--", "256", ",".join(map(str, threads))],
+    r = subprocess.run(["cargo", "run", "-q", "--release", "--example", "stream", "--", "256", ",".join(map(str, threads))],
                        cwd=REPO, capture_output=True, text=True)
     if r.returncode != 0:
         return None
@@ -351,8 +351,7 @@ def cmd_run(args):
 
 def cmd_table(args):
     """Prints a results JSON (default: this host's) as a markdown table."""
-    path = Path(args.results) if args.results else harness.result_path("compare")
-    print("\n".join(table(json.loads(path.read_text()))))
+    print("\n".join(table(harness.load("compare", args.results))))
 
 
 def table(doc):

@@ -4,7 +4,7 @@
 //! AVX-512F, interleaved on the same data, medians. A row `S=1 x 8` is a
 //! decode step of eight sequences at that position.
 //!
-//! `cargo bench --bench attention_bench -- [reps]`
+//! `cargo run --release --example attention_bench -- [reps]`
 //! (run it under `flock /tmp/llama-graph-bench.lock` on a shared machine).
 use llama_graph::kernels::{attention_paged, AttnWork, Isa, KvGeom, KvStore, StepSeqs};
 use llama_graph::pool::ThreadPool;
@@ -17,7 +17,6 @@ fn median(v: &mut [f64]) -> f64 {
 
 fn main() {
     let reps: usize = std::env::args()
-        .filter(|a| a != "--bench")
         .nth(1)
         .map(|s| s.parse().expect("reps"))
         .unwrap_or(30);

@@ -3,7 +3,7 @@
 //! (the same weights, losslessly in 49/64 of the bytes), alternated, with a
 //! plain read of the bf16 bytes as the bandwidth yardstick.
 //!
-//! `cargo bench --bench bf16z_seq -- [threads, default 2] [reps, default 8]`
+//! `cargo run --release --example bf16z_seq -- [threads, default 2] [reps, default 8]`
 
 use llama_graph::ir::DType;
 use llama_graph::kernels::matmul::bf16z::{self, Bf16z};
@@ -17,7 +17,7 @@ mod decode_step;
 use decode_step::{huge, median, n_out};
 
 fn main() {
-    let args: Vec<String> = std::env::args().filter(|a| a != "--bench").collect();
+    let args: Vec<String> = std::env::args().collect();
     let threads: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(2);
     let reps: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(8);
     let pool = ThreadPool::new(threads);

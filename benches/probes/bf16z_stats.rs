@@ -2,17 +2,14 @@
 //! of MODEL is rounded to bf16 (exactly as is, for BF16) and encoded; prints
 //! the size against bf16 and the share of weights stored as exceptions.
 //!
-//! `cargo bench --bench bf16z_stats -- MODEL`
+//! `cargo run --release --example bf16z_stats -- MODEL`
 
 use llama_graph::ir::DType;
 use llama_graph::kernels::matmul::bf16z;
 use llama_graph::session::Model;
 
 fn main() {
-    let path = std::env::args()
-        .filter(|a| a != "--bench")
-        .nth(1)
-        .expect("usage: bf16z_stats MODEL");
+    let path = std::env::args().nth(1).expect("usage: bf16z_stats MODEL");
     let model = Model::open(std::path::Path::new(&path)).expect("open model");
     let (mut plain, mut packed, mut weights, mut exceptions) = (0usize, 0usize, 0usize, 0usize);
     for (name, t) in &model.weights.tensors {

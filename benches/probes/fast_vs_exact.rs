@@ -3,7 +3,7 @@
 //! prompts (tests/fixtures/smollm2/expected.json, made by
 //! tests/reference/smollm2_reference.py with transformers in float32).
 //!
-//! `cargo bench --bench fast_vs_exact -- [MODEL.gguf] [threads]`
+//! `cargo run --release --example fast_vs_exact -- [MODEL.gguf] [threads]`
 //! (default model: ~/.cache/llama-graph/SmolLM2-135M-Instruct.Q4_1.gguf).
 //!
 //! For each case both modes are teacher-forced on the reference's tokens
@@ -38,7 +38,7 @@ fn run(
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().filter(|a| a != "--bench").collect();
+    let args: Vec<String> = std::env::args().collect();
     let home = std::env::var("HOME").unwrap_or_default();
     let path = args.get(1).map(PathBuf::from).unwrap_or_else(|| {
         PathBuf::from(home).join(".cache/llama-graph/SmolLM2-135M-Instruct.Q4_1.gguf")

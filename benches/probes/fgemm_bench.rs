@@ -1,7 +1,7 @@
 //! Float-weight GEMM throughput (the prefill matmuls of F32/F16/BF16 files)
 //! on Llama-3.2-1B-like shapes, GFLOP/s per call, medians of interleaved rounds.
 //!
-//! `cargo bench --bench fgemm_bench -- [threads, default 1] [s, default 128]`
+//! `cargo run --release --example fgemm_bench -- [threads, default 1] [s, default 128]`
 //!
 //! `DTYPES=f16,f32` picks the weight types, `SHAPES=qkv,ffn` the matrices by
 //! a part of their names, `ROUNDS` (default 5) the rounds.
@@ -17,7 +17,7 @@ fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().filter(|a| a != "--bench").collect();
+    let args: Vec<String> = std::env::args().collect();
     let threads: usize = args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1);
     let s: usize = args.get(2).and_then(|v| v.parse().ok()).unwrap_or(128);
     let rounds: usize = std::env::var("ROUNDS")

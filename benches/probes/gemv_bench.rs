@@ -1,7 +1,7 @@
 //! Bandwidth of the single-token GEMV over bf16/f16/f32 weights held in
 //! huge-page memory (as the weight arena holds them) or in 4 KiB pages.
 //!
-//! `cargo bench --bench gemv_bench -- [threads] [dtype] [reps]`
+//! `cargo run --release --example gemv_bench -- [threads] [dtype] [reps]`
 //! prints GB/s of weight bytes for the decode shapes of Llama 3.2 1B
 //! (wqkv, wo, w13 with SwiGLU, w2, the output head), or of SmolLM2-135M
 //! with `SHAPES=smol`, or 8 MiB of F32 (4 of F16) at row lengths from 256
@@ -21,7 +21,7 @@ use std::time::Instant;
 const STREAM_BYTES: usize = 256 << 20;
 
 fn main() {
-    let args: Vec<String> = std::env::args().filter(|a| a != "--bench").collect();
+    let args: Vec<String> = std::env::args().collect();
     let threads: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(1);
     let dtype = match args.get(2).map(String::as_str).unwrap_or("bf16") {
         "f32" => DType::F32,

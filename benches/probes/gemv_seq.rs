@@ -7,7 +7,7 @@
 //! millisecond, as it does in decode; the plain read is the bound no kernel
 //! over these bytes can beat.
 //!
-//! `cargo bench --bench gemv_seq -- [threads, default 2] [reps, default 10] [bf16|f16|f32]`
+//! `cargo run --release --example gemv_seq -- [threads, default 2] [reps, default 10] [bf16|f16|f32]`
 
 use llama_graph::ir::DType;
 use llama_graph::kernels::{gemv, Isa, WeightRef};
@@ -19,7 +19,7 @@ mod decode_step;
 use decode_step::{median, n_out};
 
 fn main() {
-    let args: Vec<String> = std::env::args().filter(|a| a != "--bench").collect();
+    let args: Vec<String> = std::env::args().collect();
     let threads: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(2);
     let reps: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(10);
     let dtype = match args.get(3).map(String::as_str).unwrap_or("bf16") {

@@ -3,7 +3,7 @@
 //! step (30 layers: wqkv, wo + residual, w13 + SwiGLU, w2 + residual, and
 //! the output head) over random weights, `s` tokens per step.
 //!
-//! `cargo bench --bench matmul_count -- ISA DTYPE S [STEPS] [THREADS]`
+//! `cargo run --release --example matmul_count -- ISA DTYPE S [STEPS] [THREADS]`
 //! (ISA: scalar|avx2|avx512; DTYPE: f32|f16|bf16; `GEMV=1` sends single
 //! tokens through `gemv::gemv_at`, the fast path's entry).
 
@@ -13,7 +13,7 @@ use llama_graph::kernels::{Isa, WeightRef};
 use llama_graph::pool::ThreadPool;
 
 fn main() {
-    let a: Vec<String> = std::env::args().filter(|a| a != "--bench").collect();
+    let a: Vec<String> = std::env::args().collect();
     let isa = Isa::from_name(a.get(1).map_or("avx2", |s| s)).expect("isa");
     let dtype = match a.get(2).map_or("f16", |s| s) {
         "f32" => DType::F32,

@@ -1,5 +1,5 @@
 //! Where a decode step goes:
-//! `cargo bench --bench op_profile -- MODEL [steps] [threads] [seqs]`.
+//! `cargo run --release --example op_profile -- MODEL [steps] [threads] [seqs]`.
 //! Prints time per op kind, and the executor's own overhead per op (wall
 //! time of the step minus the time inside the kernels, per kernel call).
 //!
@@ -15,7 +15,7 @@ use llama_graph::ir::LogitRows;
 use llama_graph::session::{Model, Session, SessionOptions};
 
 fn main() {
-    let args: Vec<String> = std::env::args().filter(|a| a != "--bench").collect();
+    let args: Vec<String> = std::env::args().collect();
     let path = args
         .get(1)
         .expect("usage: op_profile MODEL [steps] [threads] [seqs]");

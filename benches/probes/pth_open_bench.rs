@@ -2,7 +2,7 @@
 //! directory + local headers + pickle + tensor views; no weight bytes read)
 //! and how much resident memory it adds.
 //!
-//!   cargo bench --bench pth_open_bench -- [DIR] [--repeat N]
+//!   cargo run --release --example pth_open_bench -- [DIR] [--repeat N]
 //!
 //! DIR defaults to /work/tmp-ckpt/llama-3.2-1b-random. When DIR has no
 //! consolidated.00.pth, a Llama-3.2-1B-shaped random bf16 checkpoint
@@ -41,7 +41,7 @@ fn rss() -> (u64, u64, u64) {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let mut args = std::env::args().filter(|a| a != "--bench").skip(1);
+    let mut args = std::env::args().skip(1);
     let mut dir = PathBuf::from("/work/tmp-ckpt/llama-3.2-1b-random");
     let mut repeat = 5usize;
     let mut params = LLAMA_3_2_1B;

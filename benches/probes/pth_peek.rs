@@ -1,15 +1,12 @@
 //! Print dtype, shape, data offset and the first values of tensors of a
 //! `.pth` file, for spot checks against torch:
-//!   cargo bench --bench pth_peek -- FILE [NAME...]
+//!   cargo run --release --example pth_peek -- FILE [NAME...]
 use llama_graph::ir::DType;
 use llama_graph::weights::pth::open_pth;
 use llama_graph::weights::TensorBytes;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<String> = std::env::args()
-        .filter(|a| a != "--bench")
-        .skip(1)
-        .collect();
+    let args: Vec<String> = std::env::args().skip(1).collect();
     let path = args.first().ok_or("usage: pth_peek FILE [NAME...]")?;
     let store = open_pth(std::path::Path::new(path))?;
     let names: Vec<&String> = if args.len() > 1 {

@@ -1,7 +1,7 @@
 //! Throughput of the quantized matmul kernels on synthetic weights
 //! (exact vs fast path), in GB/s of weights streamed and GFLOP/s.
 //!
-//! `cargo bench --bench qmatmul_bench -- [threads, default 1] [s, default 1]`
+//! `cargo run --release --example qmatmul_bench -- [threads, default 1] [s, default 1]`
 //!
 //! `DTYPES=q8_0,q4_1` restricts the weight types, `SHAPES=head,1b` the
 //! matrices (by a part of their names). For Q8_0/Q4_0/Q4_1 the fast
@@ -29,7 +29,7 @@ fn thread_cpu_s() -> f64 {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().filter(|a| a != "--bench").collect();
+    let args: Vec<String> = std::env::args().collect();
     let threads: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(1);
     let s: usize = args.get(2).and_then(|v| v.parse().ok()).unwrap_or(1);
     let pool = ThreadPool::new(threads);

@@ -1,6 +1,6 @@
 //! Single-stream decode step time, the `run` path against the server's
 //! engine, in one process, interleaved:
-//! `cargo bench --bench serve_step -- MODEL [tokens] [threads] [rounds] [parallel]`.
+//! `cargo run --release --example serve_step -- MODEL [tokens] [threads] [rounds] [parallel]`.
 //!
 //! * `run`: a session compiled for one sequence, `Session::feed` one token
 //!   per step (what `llama-graph run` does);
@@ -17,7 +17,7 @@ use llama_graph::session::{Model, Session, SessionOptions};
 use std::time::Instant;
 
 fn main() {
-    let args: Vec<String> = std::env::args().filter(|a| a != "--bench").collect();
+    let args: Vec<String> = std::env::args().collect();
     let path = args
         .get(1)
         .expect("usage: serve_step MODEL [tokens] [threads] [rounds] [parallel]");

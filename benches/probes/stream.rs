@@ -2,7 +2,7 @@
 //! triad, plus a read-only sum, which is what a decode step does with the
 //! weights), single- and multi-threaded.
 //!
-//! `cargo bench --bench stream -- [MiB per array, default 256] [threads, default 1,2]`
+//! `cargo run --release --example stream -- [MiB per array, default 256] [threads, default 1,2]`
 //!
 //! Prints one JSON object per thread count on stdout: best-of-N GB/s per
 //! kernel (10^9 bytes/s, counting bytes read + bytes written, as STREAM does).
@@ -48,7 +48,7 @@ impl P {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().filter(|a| a != "--bench").collect();
+    let args: Vec<String> = std::env::args().collect();
     let mib: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(256);
     let threads: Vec<usize> = args
         .get(2)

@@ -413,8 +413,7 @@ def main():
     if a.cmd == "run":
         run(a)
     else:
-        path = Path(a.json) if a.json else harness.result_path("serve")
-        print("\n".join(table(json.loads(path.read_text()))))
+        print("\n".join(table(harness.load("serve", a.json))))
 
 
 if __name__ == "__main__":

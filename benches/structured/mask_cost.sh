@@ -31,17 +31,17 @@ run() {
   "$BIN" run -m "$MODEL" -t "$THREADS" --temp 0 --chat -p "$PROMPT" -n "$N" --ignore-eos \
     --stats-json "$TMP/stats.json" "$@" > "$TMP/out.txt" 2> "$TMP/err.txt" ||
     { cat "$TMP/err.txt" >&2; exit 1; }
-  python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); print(s["decode_tokens_per_s"], s["generated_tokens"], s["constrained_sampling_s"] / s["decode_s"])' "$TMP/stats.json"
+  python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); print(s["decode_tokens_per_s"], s["generated_tokens"], s["constrained_sampling_s"] / s["decode_s"], 1e3 * s["constrained_sampling_s"] / s["generated_tokens"])' "$TMP/stats.json"
 }
 ratios=()
 shares=()
 for r in $(seq 1 "$ROUNDS"); do
-  read -r plain np _ < <(run)
-  read -r schema ns share < <(run --json-schema "$TMP/schema.json")
+  read -r plain np _ _ < <(run)
+  read -r schema ns share ms < <(run --json-schema "$TMP/schema.json")
   ratio=$(python3 -c "print(f'{$schema / $plain:.3f}')")
   ratios+=("$ratio")
   shares+=("$share")
-  echo "round $r: plain $plain tok/s ($np tokens), schema $schema tok/s ($ns tokens), ratio $ratio; constrained sampling $(python3 -c "print(f'{100 * $share:.1f}')")% of the schema run's decode time"
+  echo "round $r: plain $plain tok/s ($np tokens), schema $schema tok/s ($ns tokens), ratio $ratio; constrained sampling $(python3 -c "print(f'{100 * $share:.1f}')")% of the schema run's decode time ($(python3 -c "print(f'{$ms:.3f}')") ms per token)"
 done
 echo "last schema answer: $(head -c 300 "$TMP/out.txt")..."
 python3 -c "import statistics,sys; r=sorted(map(float,sys.argv[1:])); print(f'median ratio schema/plain over {len(r)} rounds: {statistics.median(r):.3f} (min {r[0]:.3f}, max {r[-1]:.3f})')" "${ratios[@]}"

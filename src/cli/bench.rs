@@ -84,6 +84,8 @@ pub struct BenchArgs {
     /// remainder, integer dot products; every quantized type but Q2_K).
     #[arg(long = "exact")]
     pub exact: bool,
+    #[command(flatten)]
+    pub cache: super::flags::CacheTypeFlags,
     /// Optimisation passes: `all`, `none` or a comma-separated list of pass
     /// names (see `llama-graph graph --help`), as for `run`.
     #[arg(long = "passes", value_name = "LIST", default_value = "all", value_parser = super::flags::parse_passes)]
@@ -134,6 +136,9 @@ pub struct BenchRow {
     /// Bytes the KV cache takes per position, all layers' keys and values
     /// (not in llama-bench; with --pipeline, rank 0's layers only).
     pub kv_bytes_per_pos: u64,
+    /// The KV cache's key and value types (llama-bench's type_k, type_v).
+    pub type_k: String,
+    pub type_v: String,
 }
 
 /// Mean and sample standard deviation (0 for fewer than two samples).
@@ -249,6 +254,8 @@ pub fn run(a: BenchArgs) -> super::CliResult {
             threads,
             exact: a.exact,
             passes: PassList::parse(&a.passes)?,
+            cache_type_k: a.cache.cache_type_k,
+            cache_type_v: a.cache.cache_type_v,
             ..SessionOptions::default()
         })
     };
@@ -295,6 +302,11 @@ pub fn run(a: BenchArgs) -> super::CliResult {
             None => Session::new(&model, &opts_for_threads(threads)?)?,
         };
         let stages = session.pipeline().map_or(1, |l| l.n_stages());
+        eprintln!("{}", session.kv_summary());
+        let kv_types = session
+            .exec
+            .kv_types()
+            .unwrap_or(opts_for_threads(threads)?.kv_types());
         let load_s = open_s + t0.elapsed().as_secs_f64();
         for (&depth, test) in depths
             .iter()
@@ -361,6 +373,8 @@ pub fn run(a: BenchArgs) -> super::CliResult {
                 } else {
                     1
                 },
+                type_k: kv_types.0.to_string(),
+                type_v: kv_types.1.to_string(),
                 kv_bytes_per_pos: (session.exec.kv_bytes()
                     / session.exec.kv_geom().capacity().max(1))
                     as u64,

@@ -53,6 +53,7 @@ pub fn run(a: ChatArgs) -> super::CliResult {
         .spec
         .session_options(a.runtime.session_options(context, threads)?)?;
     let mut session = Session::new(&model, &opts)?;
+    eprintln!("{}", session.kv_summary());
     let mut drafter = a.spec.drafter(&model, &opts)?;
     let interactive = std::io::stdin().is_terminal();
     if interactive {
@@ -120,7 +121,6 @@ pub fn run(a: ChatArgs) -> super::CliResult {
             Some(tok),
             &full[keep..],
             &gen,
-            None,
             &mut emit,
         ) {
             Ok(s) => s,

@@ -5,7 +5,7 @@ use llama_graph::generate::spec::{check_vocab, Drafter, SpecConfig};
 use llama_graph::generate::SamplerConfig;
 use llama_graph::ir::LogitRows;
 use llama_graph::passes::PassList;
-use llama_graph::session::{Model, Session, SessionOptions};
+use llama_graph::session::{CacheType, Model, Session, SessionOptions};
 use std::path::PathBuf;
 
 /// Context, batching and threads.
@@ -42,6 +42,28 @@ pub struct RuntimeFlags {
     /// f32 with it, f16 without.
     #[arg(long = "exact")]
     pub exact: bool,
+    #[command(flatten)]
+    pub cache: CacheTypeFlags,
+}
+
+/// `-ctk`/`-ctv`: how the KV cache stores keys and values.
+#[derive(Debug, Args, Clone, Default)]
+pub struct CacheTypeFlags {
+    /// KV cache type of the keys (also -ctk): f32, f16, bf16, q8_0 or q4_0
+    /// (llama.cpp's names). Default f16 (f32 with --exact). q8_0 takes 34/64
+    /// of f16's memory and q4_0 18/64 (8-bit or 4-bit values with one f16
+    /// scale per 32, as llama.cpp quantizes them); both need a head dim that
+    /// is a multiple of 32. The cache's size is printed at start.
+    #[arg(long = "cache-type-k", value_name = "TYPE", value_parser = parse_cache_type)]
+    pub cache_type_k: Option<CacheType>,
+    /// KV cache type of the values (also -ctv): as for --cache-type-k.
+    #[arg(long = "cache-type-v", value_name = "TYPE", value_parser = parse_cache_type)]
+    pub cache_type_v: Option<CacheType>,
+}
+
+/// Parses a KV cache type by llama.cpp's name.
+pub fn parse_cache_type(s: &str) -> Result<CacheType, String> {
+    s.parse()
 }
 
 /// Validates `--passes`.
@@ -64,6 +86,8 @@ impl RuntimeFlags {
             logit_rows: LogitRows::Last,
             passes: PassList::parse(&self.passes)?,
             exact: self.exact,
+            cache_type_k: self.cache.cache_type_k,
+            cache_type_v: self.cache.cache_type_v,
         })
     }
 

@@ -51,13 +51,20 @@ pub enum Command {
     Convert(convert::ConvertArgs),
 }
 
-/// llama-server's two-letter short flag `-np` (clap's short flags are one
-/// letter) becomes `--parallel`; everything else is left as it is.
+/// llama.cpp's multi-letter short flags (clap's short flags are one
+/// letter) become their long forms: `-np` → `--parallel`, `-ctk` →
+/// `--cache-type-k`, `-ctv` → `--cache-type-v`; everything else is left as
+/// it is.
 pub fn normalize_args(
     args: impl IntoIterator<Item = std::ffi::OsString>,
 ) -> Vec<std::ffi::OsString> {
     args.into_iter()
-        .map(|a| if a == "-np" { "--parallel".into() } else { a })
+        .map(|a| match a.to_str() {
+            Some("-np") => "--parallel".into(),
+            Some("-ctk") => "--cache-type-k".into(),
+            Some("-ctv") => "--cache-type-v".into(),
+            _ => a,
+        })
         .collect()
 }
 

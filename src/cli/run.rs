@@ -7,7 +7,7 @@ use clap::Args;
 use llama_graph::generate::chat::{conversation_tokens, Message};
 use llama_graph::generate::constraint::{Constraint, GrammarSpec, Grammars};
 use llama_graph::generate::SamplerConfig;
-use llama_graph::generate::{generate_with, GenOptions, GenStats, Speculation};
+use llama_graph::generate::{generate_constrained, GenOptions, GenStats, Speculation};
 use llama_graph::session::{Model, Session};
 use llama_graph::tokenizer::EncodeOptions;
 use serde_json::json;
@@ -298,6 +298,7 @@ pub fn run(a: RunArgs) -> super::CliResult {
         "prompt: {} tokens, context {context}, {threads} threads",
         prompt.len()
     );
+    eprintln!("{}", session.kv_summary());
 
     let gen_opts = GenOptions {
         n_predict,
@@ -320,13 +321,13 @@ pub fn run(a: RunArgs) -> super::CliResult {
         }),
         _ => None,
     };
-    let stats = match generate_with(
+    let stats = match generate_constrained(
         &mut session,
         speculation,
+        constraint.as_mut(),
         model.tokenizer.as_ref(),
         &prompt,
         &gen_opts,
-        constraint.as_mut(),
         &mut emit,
     ) {
         Ok(s) => s,
@@ -380,6 +381,15 @@ pub fn report(stats: &GenStats, load_s: f64, json_path: Option<&PathBuf>) -> sup
         stats.generated_tokens.len(),
         stats.decode_tokens_per_s(),
     );
+    if !stats.constrained_sampling.is_zero() {
+        eprintln!(
+            "constrained sampling (mask, sample, grammar step): {:.3} ms per token, {:.1}% of the decode time",
+            stats.constrained_sampling.as_secs_f64() * 1e3
+                / stats.generated_tokens.len().max(1) as f64,
+            100.0 * stats.constrained_sampling.as_secs_f64()
+                / stats.decode.as_secs_f64().max(1e-9),
+        );
+    }
     if let Some(sp) = &stats.spec {
         eprintln!(
             "speculation: {} drafted, {} accepted ({:.0}%), {} verifying steps, {} one-token steps, {:.2} s drafting",
@@ -391,15 +401,6 @@ pub fn report(stats: &GenStats, load_s: f64, json_path: Option<&PathBuf>) -> sup
             sp.draft_time.as_secs_f64()
         );
     }
-    if !stats.constrained_sampling.is_zero() {
-        eprintln!(
-            "constrained sampling (mask, sample, grammar step): {:.3} ms per token, {:.1}% of the decode time",
-            stats.constrained_sampling.as_secs_f64() * 1e3
-                / stats.generated_tokens.len().max(1) as f64,
-            100.0 * stats.constrained_sampling.as_secs_f64()
-                / stats.decode.as_secs_f64().max(1e-9),
-        );
-    }
     if let Some(p) = json_path {
         let v = json!({
             "load_s": load_s,
@@ -408,6 +409,7 @@ pub fn report(stats: &GenStats, load_s: f64, json_path: Option<&PathBuf>) -> sup
             "generated_tokens": stats.generated_tokens.len(),
             "decode_tokens_per_s": stats.decode_tokens_per_s(),
             "stop_reason": reason,
+            "constrained_sampling_s": stats.constrained_sampling.as_secs_f64(),
             "generated": stats.generated_tokens,
             "decode_s": stats.decode.as_secs_f64(),
             "spec": stats.spec.as_ref().map(|sp| json!({
@@ -417,7 +419,6 @@ pub fn report(stats: &GenStats, load_s: f64, json_path: Option<&PathBuf>) -> sup
                 "plain_steps": sp.plain_steps,
                 "draft_s": sp.draft_time.as_secs_f64(),
             })),
-            "constrained_sampling_s": stats.constrained_sampling.as_secs_f64(),
         });
         std::fs::write(p, serde_json::to_string_pretty(&v)?)
             .map_err(|e| format!("{}: {e}", p.display()))?;

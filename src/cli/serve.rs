@@ -189,6 +189,13 @@ pub fn run(a: ServeArgs) -> super::CliResult {
         lim.queue_capacity,
         if a.api_key.is_some() { ", API key required" } else { "" }
     );
+    if let Some((k, v)) = lim.kv_types {
+        eprintln!(
+            "KV cache: {} positions, keys {k}, values {v}, {:.2} MiB",
+            lim.context,
+            lim.kv_bytes as f64 / 1048576.0
+        );
+    }
     state.set_loaded(loaded);
     match runtime.block_on(server) {
         Ok(r) => r?,

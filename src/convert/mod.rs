@@ -673,6 +673,27 @@ pub fn convert(
             src.display()
         )));
     }
+    // The writer speaks llama.cpp's `llama` architecture only (a Mistral
+    // checkpoint is written as llama.cpp's own converter writes it, without
+    // its window); the other families' layouts are not written yet.
+    let plain = crate::model::Variant {
+        family: args.variant.family,
+        sliding_window: args.variant.sliding_window,
+        ..Default::default()
+    };
+    if !matches!(
+        args.variant.family,
+        crate::model::Family::Llama | crate::model::Family::Mistral
+    ) || args.variant != plain
+    {
+        return Err(src_err(
+            src,
+            format!(
+                "is a {} model; convert writes Llama-architecture GGUF only (llama.cpp's convert_hf_to_gguf.py converts this family)",
+                args.variant.family.name()
+            ),
+        ));
+    }
     kvs = hyper_kvs(&args, &dir_name, ty);
     kvs.extend(tok_kvs);
     if let Some(t) = template {

@@ -17,7 +17,8 @@ use crate::ir::{
     Bindings, CacheKind, DType, Graph, Op, Pooling, RopeParams, Shape, StepInput, WeightLayout,
 };
 use crate::kernels::{
-    self, AttnWork, Epilogue, KernelError, KvGeom, KvHalf, KvStore, MatmulMode, StepSeqs, WeightRef,
+    self, AttnWork, CacheType, Epilogue, KernelError, KvGeom, KvHalf, KvStore, MatmulMode,
+    StepSeqs, WeightRef,
 };
 use crate::plan::{ExecPlan, Value};
 use crate::pool::ThreadPool;
@@ -288,7 +289,16 @@ impl Executor {
                     let Loc::Cache(c) = out else {
                         unreachable!("a cache value is a cache")
                     };
-                    caches[c] = KvStore::zeroed(node.meta.dtype == DType::F16, geom.elems());
+                    let ty = CacheType::of_dtype(node.meta.dtype).ok_or_else(|| {
+                        unsupported(format!(
+                            "a KV cache of {} is not supported",
+                            node.meta.dtype
+                        ))
+                    })?;
+                    // Keys: two dims of one key are BS elements apart.
+                    let run = if *kind == CacheKind::K { geom.block } else { 1 };
+                    caches[c] = KvStore::new(ty, geom.elems(), run)
+                        .map_err(|e| unsupported(e.to_string()))?;
                     continue;
                 }
                 Op::Weight { .. } => {
@@ -345,6 +355,7 @@ impl Executor {
                     n_heads,
                     n_kv_heads,
                     head_dim,
+                    ..
                 } => {
                     qkv_len = qkv_len
                         .max(max_chunk.min(QKV_BLOCK) * (n_heads + 2 * n_kv_heads) * head_dim);
@@ -453,13 +464,16 @@ impl Executor {
 
     /// Bytes the KV pool takes (every layer's keys and values).
     pub fn kv_bytes(&self) -> usize {
+        self.caches.iter().map(KvStore::bytes).sum()
+    }
+
+    /// The types of the KV pool's keys and values (of the first layer this
+    /// executor holds; every layer has the same), or `None` without a cache.
+    pub fn kv_types(&self) -> Option<(CacheType, CacheType)> {
         self.caches
-            .iter()
-            .map(|c| match c {
-                KvStore::F32(v) => v.len() * 4,
-                KvStore::F16(v) => v.len() * 2,
-            })
-            .sum()
+            .chunks_exact(2)
+            .find(|c| !c[0].is_empty())
+            .map(|c| (c[0].cache_type(), c[1].cache_type()))
     }
 
     pub fn threads(&self) -> usize {
@@ -895,8 +909,31 @@ impl Executor {
                 n_heads,
                 n_kv_heads,
                 head_dim,
+                bias,
+                qk_norm,
             } => {
                 let (h, hkv, d) = (*n_heads, *n_kv_heads, *head_dim);
+                let vector = |k: usize| -> Result<&[f32], RunError> {
+                    let Loc::Weight(w) = st.ins[k].0 else {
+                        return Err(RunError::Unsupported("expected a weight vector".into()));
+                    };
+                    self.vectors
+                        .get(&w)
+                        .map(Vec::as_slice)
+                        .ok_or_else(|| RunError::Unsupported("not a vector weight".into()))
+                };
+                // The biases of q, k, v (one vector each), then the q and k
+                // norm weights.
+                let biases = if *bias {
+                    Some([vector(6)?, vector(7)?, vector(8)?])
+                } else {
+                    None
+                };
+                let nb = if *bias { 9 } else { 6 };
+                let norms = match qk_norm {
+                    Some(eps) => Some((vector(nb)?, vector(nb + 1)?, *eps as f32)),
+                    None => None,
+                };
                 let (xs, ws) = (&st.ins[0].1, &st.ins[1].1);
                 let (s, k, n) = (dim(xs, 0), dim(xs, 1), dim(ws, 0));
                 let Loc::Arena(xo) = st.ins[0].0 else {
@@ -946,14 +983,28 @@ impl Executor {
                     for (i, row) in y.chunks_exact_mut(n).enumerate() {
                         let t = t0 + i;
                         let f = &freqs[t * d..(t + 1) * d];
+                        if let Some([bq, bk, bv]) = biases {
+                            // The same f32 adds as the unfused `Add`s.
+                            let (rq, rest) = row.split_at_mut(qn);
+                            let (rk, rv) = rest.split_at_mut(kn);
+                            kernels::add_inplace(rq, bq)?;
+                            kernels::add_inplace(rk, bk)?;
+                            kernels::add_inplace(&mut rv[..kn], bv)?;
+                        }
                         q_out[t * qn..(t + 1) * qn].copy_from_slice(&row[..qn]);
                         let krow = &mut row[qn..qn + kn];
+                        if let Some((_, kw, eps)) = norms {
+                            rms_norm_heads(krow, d, kw, eps)?;
+                        }
                         kernels::dispatch::rope_apply_freqs(krow, 1, hkv, d, f)?;
                         let slot = slots[t] as usize;
                         kernels::kv::kv_write_row(kc, KvHalf::K, &self.geom, slot, krow)?;
                         let vrow = &row[qn + kn..qn + 2 * kn];
                         kernels::kv::kv_write_row(vc, KvHalf::V, &self.geom, slot, vrow)?;
                     }
+                }
+                if let Some((qw, _, eps)) = norms {
+                    rms_norm_heads(q_out, d, qw, eps)?;
                 }
                 kernels::dispatch::rope_apply_freqs(q_out, s, h, d, freqs)?;
             }
@@ -975,7 +1026,7 @@ impl Executor {
                 let slots = ints(2)?;
                 kernels::kv_write_rows(&mut self.caches[c], half, &self.geom, slots, x)?;
             }
-            Op::AttnScores { n_rep, .. } | Op::AttnValues { n_rep } => {
+            Op::AttnScores { n_rep, window, .. } => {
                 let Loc::Cache(c) = st.ins[1].0 else {
                     return Err(RunError::Unsupported("attention reads a cache".into()));
                 };
@@ -983,21 +1034,47 @@ impl Executor {
                 let (geom, t) = (&self.geom, b.t);
                 let x = input(0)?;
                 let out = out_fresh()?;
-                if matches!(st.op, Op::AttnScores { .. }) {
-                    kernels::attn_scores(pool, x, cache, geom, *n_rep, seqs, t, out)?;
-                } else {
-                    kernels::attn_values(pool, x, cache, geom, *n_rep, seqs, t, out)?;
-                }
+                kernels::attn_scores_windowed(pool, x, cache, geom, *n_rep, seqs, t, *window, out)?;
+            }
+            Op::AttnValues { n_rep } => {
+                let Loc::Cache(c) = st.ins[1].0 else {
+                    return Err(RunError::Unsupported("attention reads a cache".into()));
+                };
+                let cache = self.caches[c].view();
+                let (geom, t) = (&self.geom, b.t);
+                let x = input(0)?;
+                let out = out_fresh()?;
+                kernels::attn_values(pool, x, cache, geom, *n_rep, seqs, t, out)?;
             }
             Op::Softmax => {
                 let row = dim(&st.shape, st.shape.rank() - 1);
                 kernels::softmax_rows(pool, out_from_input0()?, row)?;
             }
             Op::Silu => kernels::dispatch::silu_inplace(out_from_input0()?),
-            Op::Add => {
-                let bsl = input(1)?;
-                kernels::add_inplace(out_from_input0()?, bsl)?;
-            }
+            Op::GeluTanh => kernels::gelu_tanh_inplace(out_from_input0()?),
+            Op::Scale { factor } => kernels::scale_inplace(out_from_input0()?, *factor as f32),
+            Op::Add => match st.ins[1].0 {
+                Loc::Weight(w) => {
+                    // A bias, broadcast over rows.
+                    let v = self
+                        .vectors
+                        .get(&w)
+                        .ok_or_else(|| RunError::Unsupported("Add of a matrix weight".into()))?;
+                    let out = out_from_input0()?;
+                    if v.is_empty() || !out.len().is_multiple_of(v.len()) {
+                        return Err(RunError::Unsupported(
+                            "bias length does not divide the rows".into(),
+                        ));
+                    }
+                    for row in out.chunks_exact_mut(v.len()) {
+                        kernels::add_inplace(row, v)?;
+                    }
+                }
+                _ => {
+                    let bsl = input(1)?;
+                    kernels::add_inplace(out_from_input0()?, bsl)?;
+                }
+            },
             Op::Mul => match st.ins[1].0 {
                 Loc::Weight(w) => {
                     let v = self
@@ -1036,6 +1113,25 @@ impl Executor {
         }
         Ok(())
     }
+}
+
+/// RMS-normalises each `d`-sized head of `x` in place, times `w` (`[d]`):
+/// the same kernel (and so the same bits) as the unfused `RmsNorm` + `Mul`
+/// pair folded into `RmsNormScaled`.
+fn rms_norm_heads(x: &mut [f32], d: usize, w: &[f32], eps: f32) -> Result<(), KernelError> {
+    let mut head = [0f32; 512];
+    if d > head.len() {
+        return Err(KernelError::Invalid {
+            op: "qk_norm",
+            what: "head_dim above 512",
+        });
+    }
+    let wr = kernels::WeightRef::from_f32(w);
+    for hx in x.chunks_exact_mut(d) {
+        head[..d].copy_from_slice(hx);
+        kernels::rmsnorm(&head[..d], d, Some(wr), eps, hx)?;
+    }
+    Ok(())
 }
 
 enum RunError {

@@ -36,7 +36,7 @@ use std::sync::Arc;
 use thiserror::Error;
 use toktrie::{ApproximateTokEnv, SimpleVob, TokRxInfo, TokTrie};
 
-/// Why an output constraint cannot be built or followed.
+/// Why a grammar cannot be used, or stopped working.
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum ConstraintError {
     /// The grammar or schema cannot be compiled (the message says why,
@@ -602,7 +602,8 @@ mod tests {
             ("root ::= \"a", "unterminated string"),
             ("root ::= [a-", "unterminated character class"),
             ("root ::= (\"a\"", "unbalanced `(`"),
-            ("root = \"a\"", "expected `::=`"),
+            ("root := \"a\"", "expected `::=`"),
+            ("root = \"a\"", "unexpected character '='"),
             ("root ::= \"\\q\"", "unknown escape"),
             ("root ::= \"a\"{x}", "a repetition is"),
         ] {

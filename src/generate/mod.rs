@@ -7,7 +7,10 @@ pub mod sampler;
 pub mod spec;
 pub mod stop;
 
-pub use run::{generate, generate_with, GenError, GenOptions, GenStats, Speculation, StopReason};
+pub use run::{
+    generate, generate_constrained, generate_with, GenError, GenOptions, GenStats, Speculation,
+    StopReason,
+};
 pub use sampler::{Sampler, SamplerConfig};
 pub use spec::{Drafter, SpecConfig, SpecStats};
 pub use stop::{StopMatcher, StopStatus};

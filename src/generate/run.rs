@@ -53,7 +53,7 @@ pub enum GenError {
     /// A sampling parameter is out of range.
     #[error(transparent)]
     Sampler(#[from] SamplerError),
-    /// The output constraint failed (a grammar error at run time).
+    /// The output constraint failed (see [`super::constraint`]).
     #[error(transparent)]
     Constraint(#[from] ConstraintError),
     /// There is nothing to feed.
@@ -183,7 +183,7 @@ pub fn generate(
     opts: &GenOptions,
     emit: &mut dyn FnMut(&str),
 ) -> Result<GenStats, GenError> {
-    generate_with(session, None, tokenizer, prompt, opts, None, emit)
+    generate_with(session, None, tokenizer, prompt, opts, emit)
 }
 
 /// A drafter and how to use it, for [`generate_with`].
@@ -197,8 +197,7 @@ pub struct Speculation<'a> {
     pub before: &'a [u32],
 }
 
-/// [`generate`], every token chosen among those `constraint` allows (see
-/// [`super::constraint`]) when one is given, and speculatively when `spec` is given: each step feeds the
+/// [`generate`], speculatively when `spec` is given: each step feeds the
 /// token sampled last and the drafter's guesses after it, and the tokens
 /// are sampled from the step's rows exactly as a plain run samples them
 /// (see [`super::spec`]): the output is the plain run's, token for token.
@@ -206,11 +205,26 @@ pub struct Speculation<'a> {
 /// `max - 1` guesses per step) for any guess to be verified.
 pub fn generate_with(
     session: &mut Session,
-    mut spec: Option<Speculation<'_>>,
+    spec: Option<Speculation<'_>>,
     tokenizer: Option<&Tokenizer>,
     prompt: &[u32],
     opts: &GenOptions,
+    emit: &mut dyn FnMut(&str),
+) -> Result<GenStats, GenError> {
+    generate_constrained(session, spec, None, tokenizer, prompt, opts, emit)
+}
+
+/// [`generate_with`], every token chosen among those `constraint` allows
+/// (structured output; see [`super::constraint`]). Each sampled token
+/// advances the grammar; with speculation, only sampled tokens do (a
+/// guess is verified against the token sampled under the mask).
+pub fn generate_constrained(
+    session: &mut Session,
+    mut spec: Option<Speculation<'_>>,
     mut constraint: Option<&mut Constraint>,
+    tokenizer: Option<&Tokenizer>,
+    prompt: &[u32],
+    opts: &GenOptions,
     emit: &mut dyn FnMut(&str),
 ) -> Result<GenStats, GenError> {
     let context = session.context();

@@ -276,9 +276,11 @@ pub struct Adapt {
     per_token: Ema,
     /// Seconds per drafted token.
     draft: Ema,
-    /// Probability that a drafted token is confirmed, given the ones before
-    /// it were.
-    accept: Ema,
+    /// Guesses confirmed and guesses tested (a guess is tested when the
+    /// ones before it were confirmed), both decayed as new ones come, so
+    /// the estimate follows the text; see [`Adapt::acceptance`].
+    confirmed: f64,
+    tested: f64,
     /// Plain steps since the last verifying one.
     since_verify: usize,
 }
@@ -314,13 +316,17 @@ impl Adapt {
     /// were confirmed (so `accepted + 1` were tested unless all passed).
     pub fn verified(&mut self, drafted: usize, accepted: usize) {
         let tested = (accepted + 1).min(drafted);
-        if tested > 0 {
-            // One sample per tested guess keeps the average per token.
-            for i in 0..tested {
-                self.accept
-                    .push(if i < accepted { 1.0 } else { 0.0 }, ALPHA / 2.0);
-            }
-        }
+        let keep = (1.0 - ALPHA / 2.0).powi(tested as i32);
+        self.confirmed = self.confirmed * keep + accepted as f64;
+        self.tested = self.tested * keep + tested as f64;
+    }
+
+    /// The probability that a guess is confirmed given the ones before it
+    /// were: confirmed over tested with one confirmed guess of two as the
+    /// prior, so that a first failure does not read as "never" (and one
+    /// success as "always"); `None` before any verification.
+    pub fn acceptance(&self) -> Option<f64> {
+        (self.tested > 0.0).then(|| (self.confirmed + 1.0) / (self.tested + 2.0))
     }
 
     /// Expected tokens per second with `k` guesses (0: a plain step).
@@ -328,7 +334,7 @@ impl Adapt {
         if k == 0 {
             return 1.0 / t1;
         }
-        let p = self.accept.0.unwrap_or(0.5).clamp(0.0, 0.999);
+        let p = self.acceptance().unwrap_or(0.5).clamp(0.0, 0.999);
         let tokens = (1.0 - p.powi(k as i32 + 1)) / (1.0 - p);
         let per = self.per_token.0.unwrap_or(0.3 * t1);
         let draft = self.draft.0.unwrap_or(0.0);
@@ -349,7 +355,7 @@ impl Adapt {
             // Measure a plain step first.
             return 0;
         };
-        if self.accept.0.is_none() {
+        if self.acceptance().is_none() {
             return max;
         }
         let best = (min..=max)

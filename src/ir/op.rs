@@ -226,12 +226,17 @@ pub enum Op {
     /// Causal GQA attention scores: (`q[S, H, D]`, `k` cache, `seqs i32[N,
     /// 4]`, `blocks i32[NB]`) -> `[H, S, T]`, scaled by `scale`; query head
     /// `h` reads KV head `h / n_rep`; entry `t` is the query's own
-    /// sequence's position `t`; positions after the query's own are `-inf`.
+    /// sequence's position `t`; positions after the query's own are `-inf`,
+    /// and with a sliding `window` so are positions `t <= p - window` (a
+    /// query at `p` sees `window` positions, its own included).
     AttnScores {
         /// Query heads per KV head.
         n_rep: usize,
         /// Factor on every score (`1/sqrt(D)`).
         scale: f64,
+        /// The sliding attention window, if any.
+        #[serde(default)]
+        window: Option<usize>,
     },
     /// Softmax over the last axis, in f32.
     Softmax,
@@ -243,10 +248,22 @@ pub enum Op {
     },
     /// `x * sigmoid(x)`, elementwise.
     Silu,
+    /// GELU with the tanh approximation (PyTorch's `gelu(x,
+    /// approximate="tanh")`): `0.5·x·(1 + tanh(sqrt(2/π)·(x + 0.044715·x³)))`,
+    /// elementwise.
+    GeluTanh,
+    /// `x * factor`, elementwise (Gemma 3's embedding scale `sqrt(dim)`,
+    /// rounded to f32).
+    Scale {
+        /// The factor.
+        factor: f64,
+    },
     /// Elementwise product; the second input may also be a vector matching
     /// the last axis of the first (broadcast over rows).
     Mul,
-    /// Elementwise sum of two tensors of one shape.
+    /// Elementwise sum of two tensors of one shape; the second input may
+    /// also be a vector matching the last axis of the first (a bias,
+    /// broadcast over rows).
     Add,
     /// The output head: (`x[R, E]`, `w[V, E]`) -> `f32[R, V]`.
     OutputHead,
@@ -291,7 +308,10 @@ pub enum Op {
     /// `cache_k`, `cache_v`, `slots i32[S]`) -> rotated `q[S, H, D]`. As a
     /// side effect the rotated keys and the values are written to the
     /// caches at each token's slot before the output is available, so
-    /// readers of q may read the caches.
+    /// readers of q may read the caches. With `bias`, three more inputs
+    /// (`bq[H·D]`, `bk[Hkv·D]`, `bv[Hkv·D]`) are added to the product; with
+    /// `qk_norm` (its eps), two more (`q_norm[D]`, `k_norm[D]`) RMS-normalise
+    /// each q and k head before RoPE.
     QkvRopeCache {
         /// Query heads `H`.
         n_heads: usize,
@@ -299,6 +319,12 @@ pub enum Op {
         n_kv_heads: usize,
         /// Head dimension `D`.
         head_dim: usize,
+        /// Whether the three bias inputs follow.
+        #[serde(default)]
+        bias: bool,
+        /// The eps of the per-head Q/K RMSNorm, when the two norm weights follow.
+        #[serde(default)]
+        qk_norm: Option<f64>,
     },
     /// Fused causal GQA attention with a streaming softmax (never
     /// materialises `[H, S, T]`): (`q[S, H, D]`, `k` cache, `v` cache,
@@ -354,6 +380,8 @@ impl Op {
             Op::Softmax => "Softmax",
             Op::AttnValues { .. } => "AttnValues",
             Op::Silu => "Silu",
+            Op::GeluTanh => "GeluTanh",
+            Op::Scale { .. } => "Scale",
             Op::Mul => "Mul",
             Op::Add => "Add",
             Op::OutputHead => "OutputHead",
@@ -384,12 +412,15 @@ impl Op {
             | Op::RopeTable { .. }
             | Op::Recv { .. } => 0,
             Op::RmsNorm { .. } | Op::Reshape | Op::Softmax | Op::Silu | Op::RopeFreqs(_) => 1,
+            Op::GeluTanh | Op::Scale { .. } => 1,
             Op::SliceCols { .. } | Op::Send { .. } => 1,
             Op::RmsNormScaled { .. } | Op::MatMulSwiGlu => 2,
             Op::MatMulAdd | Op::KvWrite => 3,
             Op::AttnScores { .. } | Op::AttnValues { .. } => 4,
             Op::Attention { .. } => 5,
-            Op::QkvRopeCache { .. } => 6,
+            Op::QkvRopeCache { bias, qk_norm, .. } => {
+                6 + if *bias { 3 } else { 0 } + if qk_norm.is_some() { 2 } else { 0 }
+            }
             Op::Embedding
             | Op::GatherRows
             | Op::MatMul
@@ -464,14 +495,35 @@ impl Op {
                 n_heads,
                 n_kv_heads,
                 head_dim,
-            } => format!(
-                "heads={n_heads}, kv_heads={n_kv_heads}, head_dim={head_dim}, epilogue=rope+cache_write"
-            ),
+                bias,
+                qk_norm,
+            } => {
+                let mut e = String::new();
+                if *bias {
+                    e.push_str("bias+");
+                }
+                if let Some(eps) = qk_norm {
+                    e.push_str(&format!("qk_norm(eps={eps:e})+"));
+                }
+                format!(
+                    "heads={n_heads}, kv_heads={n_kv_heads}, head_dim={head_dim}, epilogue={e}rope+cache_write"
+                )
+            }
             Op::Attention { n_rep, scale } => {
                 format!("n_rep={n_rep}, scale={scale:.6}, causal, online_softmax")
             }
             Op::RmsNorm { eps } => format!("eps={eps:e}"),
-            Op::AttnScores { n_rep, scale } => format!("n_rep={n_rep}, scale={scale:.6}, causal"),
+            Op::AttnScores {
+                n_rep,
+                scale,
+                window: None,
+            } => format!("n_rep={n_rep}, scale={scale:.6}, causal"),
+            Op::AttnScores {
+                n_rep,
+                scale,
+                window: Some(w),
+            } => format!("n_rep={n_rep}, scale={scale:.6}, causal, window={w}"),
+            Op::Scale { factor } => format!("factor={factor}"),
             Op::AttnValues { n_rep } => format!("n_rep={n_rep}"),
             Op::PoolRows { pooling } => format!("pooling={}", pooling.name()),
             Op::Recv { from } => format!("from=stage {from}"),

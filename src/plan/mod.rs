@@ -104,7 +104,14 @@ pub struct ExecPlan {
 fn in_place_ok(op: &Op) -> bool {
     matches!(
         op,
-        Op::Add | Op::Mul | Op::Silu | Op::Softmax | Op::Rope | Op::MatMulAdd
+        Op::Add
+            | Op::Mul
+            | Op::Silu
+            | Op::GeluTanh
+            | Op::Scale { .. }
+            | Op::Softmax
+            | Op::Rope
+            | Op::MatMulAdd
     )
 }
 

@@ -25,7 +25,7 @@ use crate::exec::{Batch, KvPool};
 use crate::generate::constraint::Constraint;
 use crate::generate::sampler::{Penalties, Sampler, SamplerConfig, TokenLogprobs};
 use crate::ir::Pooling;
-use crate::session::{Model, Session, SessionError, SessionOptions};
+use crate::session::{CacheType, Model, Session, SessionError, SessionOptions};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -165,6 +165,10 @@ pub struct EngineLimits {
     /// With embeddings ([`EngineHandle::start_with_embeddings`]): the most
     /// tokens one input may have, and the embedding's width.
     pub embedding: Option<(usize, usize)>,
+    /// Bytes the KV pool takes (every layer's keys and values on this rank).
+    pub kv_bytes: usize,
+    /// The KV pool's key and value types.
+    pub kv_types: Option<(CacheType, CacheType)>,
 }
 
 /// How to start an engine.
@@ -447,7 +451,13 @@ impl EngineHandle {
                     });
                     (e.exec.max_chunk().min(e.context()), width)
                 });
-                let _ = ready_tx.send(Ok((session.context(), session.vocab(), embedding)));
+                let _ = ready_tx.send(Ok((
+                    session.context(),
+                    session.vocab(),
+                    embedding,
+                    session.exec.kv_bytes(),
+                    session.exec.kv_types(),
+                )));
                 engine_loop(&mut session, embed.as_mut(), parallel, &thread_shared);
                 if session.pipeline().is_some() {
                     if let Err(e) = session.stop_pipeline("") {
@@ -459,7 +469,7 @@ impl EngineHandle {
                 drop(keep);
             })
             .map_err(|e| EngineError::Thread(e.to_string()))?;
-        let (context, vocab, embedding) = ready_rx
+        let (context, vocab, embedding, kv_bytes, kv_types) = ready_rx
             .recv()
             .map_err(|_| EngineError::Thread("the engine thread ended while loading".into()))??;
         Ok(EngineHandle {
@@ -473,6 +483,8 @@ impl EngineHandle {
                 queue_capacity: cfg.queue_capacity,
                 vocab,
                 embedding,
+                kv_bytes,
+                kv_types,
             },
         })
     }

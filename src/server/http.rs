@@ -576,6 +576,16 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Result<Response, ApiError> {
         "KV-cache cells in all.",
         st.kv_total.to_string(),
     );
+    let lim = l.engine.limits();
+    metric(
+        "kv_cache_bytes",
+        "gauge",
+        &match lim.kv_types {
+            Some((k, v)) => format!("Bytes the KV cache takes (keys {k}, values {v})."),
+            None => "Bytes the KV cache takes.".into(),
+        },
+        lim.kv_bytes.to_string(),
+    );
     metric(
         "kv_cells_cached",
         "gauge",

@@ -502,7 +502,7 @@ mod tests {
         let system = msgs[0]["content"].as_str().unwrap();
         assert!(
             system.contains(
-                "<tools>[{\"description\":\"Weather in a city\",\"name\":\"get_weather\""
+                "<tools>[{\"name\":\"get_weather\",\"description\":\"Weather in a city\",\"parameters\":{"
             ),
             "{system}"
         );

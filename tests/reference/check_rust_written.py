@@ -8,7 +8,7 @@ Re-run from the repository root (after regenerating the files with
     /work/pyenv/bin/python tests/reference/check_rust_written.py
 
 Optionally spot-check a big generated checkpoint (e.g. the 16 GB 8B-shaped
-one from `cargo bench --bench pth_open_bench -- DIR --preset 8b`,
+one from `cargo run --release --example pth_open_bench -- DIR --preset 8b`,
 seed 0, bf16), loading it with torch.load(mmap=True): names, shapes, and the
 first 256 values of every tensor:
 

@@ -197,7 +197,7 @@ def structured(base, key, spec):
                             **check(text, case["schema"])})
     # json_object: any object.
     r = c.chat.completions.create(model="any", temperature=0, max_tokens=n,
-                                  messages=[{"role": "user", "content": "Describe a cat in JSON."}],
+                                  messages=[{"role": "user", "content": "Describe a cat in JSON with its name and age."}],
                                   response_format={"type": "json_object"})
     text = r.choices[0].message.content
     out["json_object"] = {"text": text, "finish": r.choices[0].finish_reason,
