@@ -59,6 +59,8 @@ fn opts(passes: PassList) -> SessionOptions {
         logit_rows: LogitRows::Last,
         passes,
         exact: true,
+        cache_type_k: None,
+        cache_type_v: None,
     }
 }
 

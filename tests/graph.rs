@@ -109,7 +109,7 @@ fn symbolic_shapes_in_graph() {
     assert_eq!(shape_of("layers.3.attention.scores"), "f32[32, S, T]");
     assert_eq!(shape_of("positions"), "i32[S]");
     assert_eq!(shape_of("kv.slots"), "i32[S]");
-    assert_eq!(shape_of("kv.seqs"), "i32[N, 4]");
+    assert_eq!(shape_of("kv.seqs"), "i32[N, 5]");
     assert_eq!(shape_of("kv.blocks"), "i32[128]");
     assert_eq!(shape_of("layers.3.attention.wq.weight"), "bf16[4096, 4096]");
     assert_eq!(shape_of("output"), "f32[S, 128256]");

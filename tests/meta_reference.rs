@@ -63,6 +63,7 @@ fn run_case(
         logit_rows: rows,
         passes,
         exact: true,
+        ..SessionOptions::default()
     };
     let mut sess = Session::new(&model, &opts).unwrap();
     let prompt: Vec<u32> = expected["prompt_tokens"]

@@ -5,12 +5,12 @@
 //! finds how much of it the cache already holds (the longest common token
 //! prefix), rewinds to there and feeds only the rest.
 
-use super::flags::{n_predict, RuntimeFlags, SamplingFlags};
+use super::flags::{n_predict, RuntimeFlags, SamplingFlags, SpecFlags};
 use super::model::ModelArg;
 use super::run::chat_prompt_tokens;
 use clap::Args;
 use llama_graph::generate::chat::Message;
-use llama_graph::generate::{generate, GenOptions};
+use llama_graph::generate::{generate_with, GenOptions, Speculation};
 use llama_graph::session::Session;
 use std::io::{BufRead, IsTerminal, Write};
 
@@ -34,6 +34,8 @@ pub struct ChatArgs {
     pub runtime: RuntimeFlags,
     #[command(flatten)]
     pub sampling: SamplingFlags,
+    #[command(flatten)]
+    pub spec: SpecFlags,
 }
 
 pub fn run(a: ChatArgs) -> super::CliResult {
@@ -46,8 +48,13 @@ pub fn run(a: ChatArgs) -> super::CliResult {
         .as_ref()
         .ok_or("this model has no tokenizer, which chat needs")?;
     let context = model.args.plan_context(a.runtime.ctx_size);
-    let opts = a.runtime.session_options(context, threads)?;
+    let spec = a.spec.config()?;
+    let opts = a
+        .spec
+        .session_options(a.runtime.session_options(context, threads)?)?;
     let mut session = Session::new(&model, &opts)?;
+    eprintln!("{}", session.kv_summary());
+    let mut drafter = a.spec.drafter(&model, &opts)?;
     let interactive = std::io::stdin().is_terminal();
     if interactive {
         eprintln!(
@@ -100,7 +107,22 @@ pub fn run(a: ChatArgs) -> super::CliResult {
             let _ = out.write_all(s.as_bytes());
             let _ = out.flush();
         };
-        let stats = match generate(&mut session, Some(tok), &full[keep..], &gen, &mut emit) {
+        let speculation = match (drafter.as_mut(), spec) {
+            (Some(d), Some(config)) => Some(Speculation {
+                drafter: d,
+                config,
+                before: &full[..keep],
+            }),
+            _ => None,
+        };
+        let stats = match generate_with(
+            &mut session,
+            speculation,
+            Some(tok),
+            &full[keep..],
+            &gen,
+            &mut emit,
+        ) {
             Ok(s) => s,
             Err(e) => {
                 drop(out);

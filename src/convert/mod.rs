@@ -12,7 +12,7 @@
 //!
 //! Types: `f32`, `f16`, `bf16`, `q8_0`, `q4_0` and llama.cpp's mixes
 //! `q4_k_m`, `q5_k_m`, `q6_k`: each tensor gets the type llama-quantize
-//! gives it (see [`target_type`]) and blocks bit-identical to
+//! gives it (see `target_type`) and blocks bit-identical to
 //! llama-quantize's (see [`crate::kernels::quantized::quantize`]).
 
 use crate::ir::{DType, RopeScaling};

@@ -1,7 +1,7 @@
 //! The executor: runs a compiled plan one step at a time.
 //!
 //! Construction does all the work that does not depend on the step: the
-//! schedule is resolved into a flat list of [`Step`]s whose inputs and
+//! schedule is resolved into a flat list of `Step`s whose inputs and
 //! output are concrete locations (arena offsets, weight indices, cache
 //! slots, step inputs), the arena and the KV pool are allocated, vector
 //! weights are widened to f32. [`Executor::step`] then checks the step's
@@ -14,10 +14,11 @@ use super::arena::{Arena, ArenaPtr};
 use super::batch::Batch;
 use super::bind::BoundWeights;
 use crate::ir::{
-    Bindings, CacheKind, DType, Graph, Op, RopeParams, Shape, StepInput, WeightLayout,
+    Bindings, CacheKind, DType, Graph, Op, Pooling, RopeParams, Shape, StepInput, WeightLayout,
 };
 use crate::kernels::{
-    self, AttnWork, Epilogue, KernelError, KvGeom, KvHalf, KvStore, MatmulMode, StepSeqs, WeightRef,
+    self, AttnWork, CacheType, Epilogue, KernelError, KvGeom, KvHalf, KvStore, MatmulMode,
+    StepSeqs, WeightRef,
 };
 use crate::plan::{ExecPlan, Value};
 use crate::pool::ThreadPool;
@@ -47,6 +48,8 @@ pub enum ExecError {
     StepSize { got: usize, max: usize },
     #[error("a step holds 1 to {max} sequences, got {got}")]
     StepSeqs { got: usize, max: usize },
+    #[error("a step returns at most {max} logit rows, {got} were asked for (compile the session with more: LogitRows::Tail)")]
+    StepRows { got: usize, max: usize },
     #[error("bad step batch: {0}")]
     Batch(String),
     #[error("the graph has no output")]
@@ -85,8 +88,9 @@ pub struct OpProfile {
     pub total: Duration,
 }
 
-/// The logits a step produced: `rows` rows of `vocab` values (one per
-/// sequence of the step, in batch order, or one per token with
+/// The logits a step produced: `rows` rows of `vocab` values (each
+/// sequence's last tokens, as many as the batch asks for it, in batch
+/// order: see [`Batch::logit_rows_of`]; or one per token with
 /// `LogitRows::All`).
 pub struct Logits<'a> {
     pub rows: usize,
@@ -152,6 +156,8 @@ pub struct Executor {
     context: usize,
     max_chunk: usize,
     max_seqs: usize,
+    /// The most logit rows (`R`) a step may ask for.
+    max_rows: usize,
     output: (Loc, Shape),
     trace: Option<Box<dyn Write + Send>>,
     profile: Option<Vec<OpProfile>>,
@@ -176,6 +182,7 @@ impl Executor {
         let context = plan.max.t;
         let max_chunk = plan.max.s;
         let max_seqs = plan.max.n;
+        let max_rows = plan.max.r;
         let names: Vec<String> = weights.tensors.keys().cloned().collect();
         let windex: HashMap<&str, usize> = names
             .iter()
@@ -282,7 +289,16 @@ impl Executor {
                     let Loc::Cache(c) = out else {
                         unreachable!("a cache value is a cache")
                     };
-                    caches[c] = KvStore::zeroed(node.meta.dtype == DType::F16, geom.elems());
+                    let ty = CacheType::of_dtype(node.meta.dtype).ok_or_else(|| {
+                        unsupported(format!(
+                            "a KV cache of {} is not supported",
+                            node.meta.dtype
+                        ))
+                    })?;
+                    // Keys: two dims of one key are BS elements apart.
+                    let run = if *kind == CacheKind::K { geom.block } else { 1 };
+                    caches[c] = KvStore::new(ty, geom.elems(), run)
+                        .map_err(|e| unsupported(e.to_string()))?;
                     continue;
                 }
                 Op::Weight { .. } => {
@@ -375,6 +391,7 @@ impl Executor {
             context,
             max_chunk,
             max_seqs,
+            max_rows,
             output,
             trace: None,
             profile: None,
@@ -435,6 +452,11 @@ impl Executor {
         self.max_seqs
     }
 
+    /// The most logit rows a step may ask for (see [`Batch::push_rows`]).
+    pub fn max_logit_rows(&self) -> usize {
+        self.max_rows
+    }
+
     /// The KV pool's geometry (blocks, heads, head dim, block size).
     pub fn kv_geom(&self) -> KvGeom {
         self.geom
@@ -442,13 +464,16 @@ impl Executor {
 
     /// Bytes the KV pool takes (every layer's keys and values).
     pub fn kv_bytes(&self) -> usize {
+        self.caches.iter().map(KvStore::bytes).sum()
+    }
+
+    /// The types of the KV pool's keys and values (of the first layer this
+    /// executor holds; every layer has the same), or `None` without a cache.
+    pub fn kv_types(&self) -> Option<(CacheType, CacheType)> {
         self.caches
-            .iter()
-            .map(|c| match c {
-                KvStore::F32(v) => v.len() * 4,
-                KvStore::F16(v) => v.len() * 2,
-            })
-            .sum()
+            .chunks_exact(2)
+            .find(|c| !c[0].is_empty())
+            .map(|c| (c[0].cache_type(), c[1].cache_type()))
     }
 
     pub fn threads(&self) -> usize {
@@ -470,7 +495,7 @@ impl Executor {
     }
 
     /// Runs one step of a pipeline stage's graph (see
-    /// [`crate::passes::partition`]): the first stage embeds the batch's
+    /// [`crate::passes::partition`](mod@crate::passes::partition)): the first stage embeds the batch's
     /// tokens, the others read `hidden`, the `[S, E]` values their `Recv`
     /// node stands for (what the previous stage sent for this batch).
     /// Returns the graph's output: the logits on the last stage, the hidden
@@ -499,9 +524,16 @@ impl Executor {
                 context: self.context,
             });
         }
+        let r = seqs.logit_rows();
+        if r > self.max_rows {
+            return Err(ExecError::StepRows {
+                got: r,
+                max: self.max_rows,
+            });
+        }
         self.copy_blocks(batch.copy_table())?;
         seqs.fill_positions_and_slots(&mut self.positions[..s], &mut self.slots[..s]);
-        let b = Bindings::new(s, n, seqs.max_keys());
+        let b = Bindings::new(s, n, seqs.max_keys()).with_rows(r);
         let arena = self.arena.base();
         for i in 0..self.steps.len() {
             let t0 = self.profile.as_ref().map(|_| Instant::now());
@@ -782,9 +814,42 @@ impl Executor {
                 let e = dim(&st.ins[0].1, 1);
                 let x = input(0)?;
                 let out = out_fresh()?;
+                let mut rows = out.chunks_exact_mut(e);
+                for sq in seqs.iter() {
+                    let end = sq.first + sq.count;
+                    for (o, t) in rows.by_ref().zip(end - sq.rows..end) {
+                        o.copy_from_slice(&x[t * e..(t + 1) * e]);
+                    }
+                }
+            }
+            Op::PoolRows { pooling } => {
+                let e = dim(&st.ins[0].1, 1);
+                let x = input(0)?;
+                let out = out_fresh()?;
                 for (sq, o) in seqs.iter().zip(out.chunks_exact_mut(e)) {
-                    let last = sq.first + sq.count - 1;
-                    o.copy_from_slice(&x[last * e..(last + 1) * e]);
+                    if sq.start != 0 {
+                        return Err(RunError::Unsupported(format!(
+                            "pooling needs a whole sequence in one step; this one starts at position {}",
+                            sq.start
+                        )));
+                    }
+                    let rows = &x[sq.first * e..(sq.first + sq.count) * e];
+                    match pooling {
+                        Pooling::Cls => o.copy_from_slice(&rows[..e]),
+                        Pooling::Last => o.copy_from_slice(&rows[rows.len() - e..]),
+                        Pooling::Mean => {
+                            // Rows summed in position order, then scaled:
+                            // the same bits whatever else the step holds.
+                            o.fill(0.0);
+                            for r in rows.chunks_exact(e) {
+                                for (a, &v) in o.iter_mut().zip(r) {
+                                    *a += v;
+                                }
+                            }
+                            let inv = 1.0 / sq.count as f32;
+                            o.iter_mut().for_each(|a| *a *= inv);
+                        }
+                    }
                 }
             }
             Op::RmsNormScaled { eps } => {

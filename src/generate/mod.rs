@@ -1,9 +1,16 @@
 //! Generation: sampling, stop strings, and the prefill/decode loop.
+#![warn(missing_docs)]
 pub mod chat;
+pub mod constraint;
 pub mod run;
 pub mod sampler;
+pub mod spec;
 pub mod stop;
 
-pub use run::{generate, GenError, GenOptions, GenStats, StopReason};
+pub use run::{
+    generate, generate_constrained, generate_with, GenError, GenOptions, GenStats, Speculation,
+    StopReason,
+};
 pub use sampler::{Sampler, SamplerConfig};
+pub use spec::{Drafter, SpecConfig, SpecStats};
 pub use stop::{StopMatcher, StopStatus};

@@ -43,7 +43,7 @@ pub use elementwise::{
 };
 pub use embedding::embedding_rows;
 pub use isa::Isa;
-pub use kv::{kv_write_rows, KvGeom, KvHalf, KvStore, KvView, SeqSpan, StepSeqs};
+pub use kv::{kv_write_rows, CacheType, KvGeom, KvHalf, KvStore, KvView, SeqSpan, StepSeqs};
 pub use matmul::{gemv, matmul, matmul_with, Epilogue};
 pub use quantized::dequantize_row;
 

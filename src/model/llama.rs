@@ -26,8 +26,8 @@
 
 use super::{GateAct, ModelArgs};
 use crate::ir::{
-    CacheKind, DType, Dim, Graph, GraphError, LogitRows, NodeId, Op, RopeParams, Shape, TensorMeta,
-    SEQ_TABLE_COLS,
+    CacheKind, DType, Dim, Graph, GraphError, LogitRows, NodeId, Op, Pooling, RopeParams, Shape,
+    TensorMeta, SEQ_TABLE_COLS,
 };
 use std::collections::BTreeMap;
 use thiserror::Error;
@@ -40,8 +40,10 @@ pub enum BuildError {
     ZeroContext,
     #[error("the KV block size must be at least 1")]
     ZeroBlock,
-    #[error("the KV cache stores f32 or f16, not {0}")]
+    #[error("the KV cache stores f32, f16, bf16, q8_0 or q4_0, not {0}")]
     KvDType(DType),
+    #[error("a {dtype} KV cache groups each head's values by 32, but this model's head dim is {head_dim}: use f32, f16 or bf16")]
+    KvGroups { dtype: DType, head_dim: usize },
     #[error(transparent)]
     Graph(#[from] GraphError),
 }
@@ -67,8 +69,10 @@ pub struct BuildOptions {
     pub context: usize,
     /// Positions per KV block (the pool's allocation unit).
     pub kv_block: usize,
-    /// How the KV pool stores keys and values (f32 or f16).
+    /// How the KV pool stores keys (f32, f16, bf16, q8_0 or q4_0).
     pub kv_dtype: DType,
+    /// How the KV pool stores values (the same choice as for keys).
+    pub kv_v_dtype: DType,
     /// The dtype weights are declared with unless `weight_dtypes` says
     /// otherwise (Meta's checkpoints: bf16).
     pub default_weight_dtype: DType,
@@ -76,6 +80,10 @@ pub struct BuildOptions {
     pub weight_dtypes: BTreeMap<String, DType>,
     /// Which positions get logits.
     pub logit_rows: LogitRows,
+    /// When set, the graph's output is one pooled embedding per sequence
+    /// (`PoolRows` of the final norm, `[N, E]`) instead of logits; every
+    /// sequence must then be fed whole in one step.
+    pub pooling: Option<Pooling>,
 }
 
 impl BuildOptions {
@@ -84,9 +92,11 @@ impl BuildOptions {
             context,
             kv_block: DEFAULT_KV_BLOCK,
             kv_dtype: DType::F32,
+            kv_v_dtype: DType::F32,
             default_weight_dtype: DType::BF16,
             weight_dtypes: BTreeMap::new(),
             logit_rows: LogitRows::All,
+            pooling: None,
         }
     }
 }
@@ -183,7 +193,8 @@ impl Builder<'_> {
 }
 
 /// Builds the forward graph of a Llama model. The graph's single output is
-/// `output` (the logits).
+/// `output` (the logits), or `pooled` (one embedding per sequence) when
+/// `opts.pooling` is set.
 pub fn build_llama(args: &ModelArgs, opts: &BuildOptions) -> Result<Graph, BuildError> {
     let vocab = args.vocab_size.ok_or(BuildError::VocabUnknown)?;
     if opts.context == 0 {
@@ -201,8 +212,18 @@ pub fn build_llama(args: &ModelArgs, opts: &BuildOptions) -> Result<Graph, Build
     if opts.kv_block == 0 {
         return Err(BuildError::ZeroBlock);
     }
-    if !matches!(opts.kv_dtype, DType::F32 | DType::F16) {
-        return Err(BuildError::KvDType(opts.kv_dtype));
+    for dtype in [opts.kv_dtype, opts.kv_v_dtype] {
+        match dtype {
+            DType::F32 | DType::F16 | DType::BF16 => {}
+            DType::Q8_0 | DType::Q4_0 if hd.is_multiple_of(32) => {}
+            DType::Q8_0 | DType::Q4_0 => {
+                return Err(BuildError::KvGroups {
+                    dtype,
+                    head_dim: hd,
+                })
+            }
+            _ => return Err(BuildError::KvDType(dtype)),
+        }
     }
     let (nb, bs) = (opts.kv_blocks(), opts.kv_block);
     let per_token = TensorMeta::new(Shape(vec![Dim::S]), DType::I32);
@@ -319,7 +340,7 @@ pub fn build_llama(args: &ModelArgs, opts: &BuildOptions) -> Result<Graph, Build
                 layer: i,
                 kind: CacheKind::V,
             },
-            TensorMeta::new(Shape::constant(&[nb, nkv, bs, hd]), opts.kv_dtype),
+            TensorMeta::new(Shape::constant(&[nb, nkv, bs, hd]), opts.kv_v_dtype),
             l,
         )?;
         let keys = b.op(
@@ -380,7 +401,13 @@ pub fn build_llama(args: &ModelArgs, opts: &BuildOptions) -> Result<Graph, Build
     }
 
     let mut hn = b.rms_norm("norm", h, dim, eps, None)?;
-    if opts.logit_rows == LogitRows::Last {
+    if let Some(pooling) = opts.pooling {
+        let pooled = b.op("pooled".into(), Op::PoolRows { pooling }, &[hn, seqs], None)?;
+        b.g.mark_output(pooled);
+        b.g.verify()?;
+        return Ok(b.g);
+    }
+    if opts.logit_rows != LogitRows::All {
         hn = b.op("norm.last_rows".into(), Op::LastRows, &[hn, seqs], None)?;
     }
     let out_w = if args.tied_embeddings {

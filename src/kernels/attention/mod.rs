@@ -13,6 +13,7 @@
 //! depend on the batch (see [`paged`]).
 
 pub mod paged;
+mod widen;
 
 use crate::kernels::kv::{KvGeom, KvView, StepSeqs};
 use crate::kernels::{check_len, KernelError};
