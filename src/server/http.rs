@@ -899,6 +899,7 @@ async fn start(
             text: TextStream::new(l.tokenizer, c.stop.clone()),
             logprobs: c.logprobs.is_some(),
             received: 0,
+            cached: None,
             pending: Vec::new(),
             offset: 0,
             completion_tokens: 0,
@@ -950,6 +951,10 @@ struct Choice {
     text: TextStream<'static>,
     logprobs: bool,
     received: usize,
+    /// Prompt positions the sequence took from the prefix cache or another
+    /// sequence, read at its first event (its first token, or its end when
+    /// that token was a stop token).
+    cached: Option<usize>,
     /// Logprobs of tokens received but not yet sent.
     pending: Vec<TokenLogprobs>,
     /// Bytes of token text before the pending tokens (completions'
@@ -974,6 +979,11 @@ enum Step {
 impl Choice {
     /// Applies one event of the choice's stream.
     fn apply(&mut self, ev: Option<GenEvent>) -> Step {
+        if self.cached.is_none() {
+            // The engine stores it when it samples the first token, before
+            // that token's event or the end it causes is sent.
+            self.cached = self.gen.as_ref().map(GenStream::cached_tokens);
+        }
         match ev {
             Some(GenEvent::Token(t)) => {
                 self.received += 1;
@@ -1011,8 +1021,10 @@ impl Choice {
         }
     }
 
-    fn cached_tokens(&self) -> usize {
-        self.gen.as_ref().map_or(0, |g| g.cached_tokens())
+    /// The prompt's cached tokens for `usage`: the first choice's (the
+    /// later ones take the prompt from it, which is not the cache's doing).
+    fn usage_cached(choices: &[Choice]) -> usize {
+        choices.first().and_then(|c| c.cached).unwrap_or(0)
     }
 }
 
@@ -1265,7 +1277,6 @@ async fn whole_response(reply: Reply, mut choices: Vec<Choice>) -> Result<Respon
     // Every choice's sequence runs at once in the engine; their events
     // wait in their channels while an earlier choice is read.
     let mut out = Vec::with_capacity(choices.len());
-    let mut cached = None;
     for c in &mut choices {
         let mut text = String::new();
         loop {
@@ -1273,9 +1284,6 @@ async fn whole_response(reply: Reply, mut choices: Vec<Choice>) -> Result<Respon
                 Some(g) => g.next().await,
                 None => None,
             };
-            if cached.is_none() && c.received == 0 && matches!(ev, Some(GenEvent::Token(_))) {
-                cached = Some(c.cached_tokens());
-            }
             match c.apply(ev) {
                 Step::Text(t) => text.push_str(&t),
                 Step::End(t) => {
@@ -1288,7 +1296,7 @@ async fn whole_response(reply: Reply, mut choices: Vec<Choice>) -> Result<Respon
         out.push(reply.whole_choice(c, text));
     }
     let completion = choices.iter().map(|c| c.completion_tokens).sum();
-    let v = reply.whole(out, completion, cached.unwrap_or(0));
+    let v = reply.whole(out, completion, Choice::usage_cached(&choices));
     Ok(axum::Json(v).into_response())
 }
 
@@ -1301,7 +1309,6 @@ struct Streamer {
     keepalive: Duration,
     /// Where the next poll starts, so that no choice starves the others.
     turn: usize,
-    cached: Option<usize>,
     started: bool,
     done: bool,
 }
@@ -1314,7 +1321,11 @@ impl Streamer {
         let mut out = String::new();
         if self.include_usage {
             let completion = self.choices.iter().map(|c| c.completion_tokens).sum();
-            out.push_str(&self.reply.usage_chunk(completion, self.cached.unwrap_or(0)));
+            out.push_str(
+                &self
+                    .reply
+                    .usage_chunk(completion, Choice::usage_cached(&self.choices)),
+            );
         }
         out.push_str("data: [DONE]\n\n");
         out
@@ -1376,10 +1387,6 @@ impl Streamer {
                 // which clients skip, keeps the connection alive.
                 return Some(Bytes::from_static(b": keep-alive\n\n"));
             };
-            let first = self.choices[i].received == 0 && matches!(ev, Some(GenEvent::Token(_)));
-            if first && self.cached.is_none() && i == 0 {
-                self.cached = Some(self.choices[0].cached_tokens());
-            }
             let step = self.choices[i].apply(ev);
             let reply = &self.reply;
             let c = &mut self.choices[i];
@@ -1440,7 +1447,6 @@ fn stream_response(
         include_usage,
         keepalive: keepalive.max(Duration::from_millis(1)),
         turn: 0,
-        cached: None,
         started: false,
         done: false,
     };

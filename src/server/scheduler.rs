@@ -38,8 +38,12 @@
 //! copied instead ([`Batch::copy_block`], at the start of the step), into
 //! the younger sequence's own block, when the older one has already fed
 //! them. The younger one is fed from the first position past the shared
-//! tokens. A sequence only writes past its fed positions, so no block is
-//! written while another sequence reads it.
+//! tokens. A prefix-cache entry (below) is a donor too, at that first
+//! step: a sequence that waited for an older one which then finished
+//! before it started (an `n` choice ending on its first token) takes the
+//! prompt from the KV that sequence left in the cache. A sequence only
+//! writes past its fed positions, so no block is written while another
+//! sequence reads it.
 //!
 //! **Prefix cache.** A sequence that ends normally ([`Scheduler::finish`])
 //! keeps its KV blocks as a cache entry: the tokens whose positions it fed
@@ -526,15 +530,20 @@ impl Scheduler {
     }
 
     /// For running sequence `i`, which no step has fed yet (it may hold
-    /// positions from the prefix cache): the older running sequences whose
-    /// tokens share a prefix with its own (its last token aside, which is
-    /// fed in any case). While one of them has yet to feed whole blocks of
-    /// shared tokens beyond what sequence `i` holds and another offers now,
-    /// sequence `i` waits. Otherwise, if an older sequence has fed more
-    /// shared positions than sequence `i` holds, it takes the most: that
-    /// sequence's whole blocks for them and, for the rest, a copy of its
-    /// next block into sequence `i`'s own (see [`Batch::copy_block`]); it
-    /// is then fed from the first position past them.
+    /// positions from the prefix cache): the older running sequences and
+    /// the prefix-cache entries whose tokens share a prefix with its own
+    /// (its last token aside, which is fed in any case). While an older
+    /// sequence has yet to feed whole blocks of shared tokens beyond what
+    /// sequence `i` holds and no one offers them now, sequence `i` waits.
+    /// Otherwise, if an older sequence or a cache entry holds more shared
+    /// positions than sequence `i` does, it takes the most: that donor's
+    /// whole blocks for them and, for the rest, a copy of its next block
+    /// into sequence `i`'s own (see [`Batch::copy_block`]); it is then fed
+    /// from the first position past them. A cache entry stays in the cache
+    /// (its blocks are read by one more sequence): this is how a sequence
+    /// that waited for an older one gets the prompt KV that sequence left
+    /// when it finished before the waiting one started (an `n` choice
+    /// whose first token is a stop token).
     fn share_prefix(&mut self, i: usize, batch: &mut Batch) -> Share {
         let bs = self.pool.block_size();
         let me = &self.running[i];
@@ -543,21 +552,29 @@ impl Scheduler {
         }
         let (own, held) = (me.tokens.len() - 1, me.fed);
         // The shared positions in whole blocks, and the most shared
-        // positions an older sequence has fed.
-        let (mut whole, mut best) = (0, None::<(usize, usize)>);
+        // positions a donor holds.
+        let (mut whole, mut best) = (0, None::<(usize, Donor)>);
+        let mut offer = |have: usize, d: Donor| {
+            if have > best.map_or(held, |(n, _)| n) {
+                best = Some((have, d));
+            }
+        };
         for (j, d) in self.running[..i].iter().enumerate() {
             let common = common_prefix(&d.tokens, &me.tokens).min(own);
             whole = whole.max(common / bs * bs);
-            let have = common.min(d.fed);
-            if have > best.map_or(held, |(n, _)| n) {
-                best = Some((have, j));
-            }
+            offer(common.min(d.fed), Donor::Running(j));
+        }
+        for (j, c) in self.cache.iter().enumerate() {
+            offer(
+                common_prefix(&c.tokens, &me.tokens).min(own),
+                Donor::Cached(j),
+            );
         }
         let have = best.map_or(held, |(n, _)| n);
         if have < whole {
             return Share::Wait;
         }
-        let Some((n, j)) = best else {
+        let Some((n, d)) = best else {
             return Share::None;
         };
         // Blocks below `held / bs` already hold the right positions; the
@@ -568,16 +585,23 @@ impl Scheduler {
         let (k0, k) = (held / bs, n / bs);
         // Both lists are the scheduler's; take the donor's ids out while
         // the pool rewrites the sequence's.
-        let donor = std::mem::take(&mut self.running[j].blocks);
+        let donor = match d {
+            Donor::Running(j) => std::mem::take(&mut self.running[j].blocks),
+            Donor::Cached(j) => std::mem::take(&mut self.cache[j].blocks),
+        };
         self.pool
             .share(&donor[k0..k], &mut self.running[i].blocks[k0..k]);
         if n > k * bs {
-            // The donor has fed positions k·bs..n. Copies apply in order,
+            // The donor holds positions k·bs..n. Copies apply in order,
             // so a donor whose own block k is a copy made in this step
-            // passes on its contents.
+            // passes on its contents. (A cache entry evicted later in this
+            // step may see the block reused, but only after the copies.)
             batch.copy_block(donor[k], self.running[i].blocks[k]);
         }
-        self.running[j].blocks = donor;
+        match d {
+            Donor::Running(j) => self.running[j].blocks = donor,
+            Donor::Cached(j) => self.cache[j].blocks = donor,
+        }
         self.running[i].fed = n;
         self.running[i].reused += n - held;
         self.reused += (n - held) as u64;
@@ -600,11 +624,21 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
+/// Where a sequence takes shared prompt positions from.
+#[derive(Debug, Clone, Copy)]
+enum Donor {
+    /// An older running sequence (its index).
+    Running(usize),
+    /// A prefix-cache entry (its index).
+    Cached(usize),
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Share {
-    /// No older sequence shares a token the sequence can take.
+    /// No older sequence or cache entry shares a token the sequence can
+    /// take.
     None,
-    /// The sequence now reads an older one's blocks for its first positions.
+    /// The sequence now reads a donor's blocks for its first positions.
     Shared,
     /// The older sequence has yet to feed the shared positions.
     Wait,
@@ -903,6 +937,41 @@ mod tests {
         }
         s.clear_cache();
         assert_eq!((s.kv_used(), s.kv_cached()), (0, 0));
+    }
+
+    #[test]
+    fn a_waiting_sequence_takes_the_prompt_its_donor_left_in_the_cache() {
+        // Blocks of 4. Sequences 1 and 2 arrive together with the same 10
+        // tokens: 2 waits while 1 feeds them; 1 ends on its first sampled
+        // token (an `n` choice stopping at once) before 2 has started.
+        let mut s = sched(4, 64, 16);
+        let mut b = Batch::default();
+        let p: Vec<u32> = (1..=10).collect();
+        assert!(s.admit(1, &p, 4));
+        assert!(s.admit(2, &p, 4));
+        let plan = step(&mut s, &mut b);
+        assert_eq!(plan.iter().map(|x| x.id).collect::<Vec<_>>(), [1]);
+        assert!(s.finish(1));
+        // 2 reads the entry's two whole blocks, copies the third (positions
+        // 8..9) into its own, and feeds its last prompt token alone.
+        let plan = step(&mut s, &mut b);
+        assert_eq!(
+            plan,
+            [Slot {
+                id: 2,
+                tokens: 1,
+                samples: true
+            }]
+        );
+        assert_eq!(b.seq_table()[2], 9, "fed from position 9");
+        assert_eq!((s.reused_of(2), s.reused_tokens()), (9, 9));
+        assert_eq!(b.copy_table().len(), 2, "one block copied");
+        // The entry stays in the cache; its blocks are freed only when
+        // both let go.
+        assert!(s.finish(2));
+        s.clear_cache();
+        assert_eq!((s.kv_used(), s.kv_cached()), (0, 0));
+        assert!(s.can_admit(16 * 4 - 4), "every block is free again");
     }
 
     #[test]
