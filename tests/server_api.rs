@@ -5,7 +5,9 @@
 //!
 //! - logprobs (chat and completions, whole and streamed) equal within 1e-4
 //!   to what `llama-graph run --exact --logits-out` writes for the same
-//!   prompt (its logits minus their log-sum-exp);
+//!   prompt (its logits minus their log-sum-exp); completions'
+//!   `text_offset` counts characters of the returned text, whole and
+//!   across stream chunks;
 //! - `n` choices equal `generate` seeded `seed + i`, and the prompt's KV is
 //!   computed once (the `prompt_tokens_cached_total` counter);
 //! - `logit_bias` -100 bans a token, presence/frequency penalties: the
@@ -401,7 +403,7 @@ fn openai_client_logprobs_choices_penalties_embeddings_and_hygiene() {
         let piece = String::from_utf8_lossy(r.tok().token_bytes(id).unwrap()).into_owned();
         assert_eq!(t["tokens"][i], piece.as_str());
         assert_eq!(t["text_offset"][i], offset);
-        offset += r.tok().token_bytes(id).unwrap().len();
+        offset += piece.chars().count();
         // The alternatives: run's five best, by text.
         let alts = t["top_logprobs"][i].as_object().unwrap();
         assert_eq!(alts.len(), top, "text token {i}");
@@ -592,6 +594,70 @@ fn hygiene(server: &Server, r: &Reference) {
         body[..first_data].contains(": keep-alive\n\n"),
         "a comment before the first event: {body}"
     );
+
+    // text_offset: OpenAI's, each token's offset in characters into the
+    // choice's text (not bytes), whole and across stream chunks. The answer
+    // has characters of three bytes, some split over tokens (whose pieces
+    // are U+FFFD and not compared).
+    let body = json!({"prompt": "日本, 日本, 日本, 日本,", "max_tokens": 10,
+                      "temperature": 0, "logprobs": 1, "ignore_eos": true});
+    let (code, v) = post(server, "/v1/completions", &body);
+    assert_eq!(code, 200, "{v}");
+    let c = &v["choices"][0];
+    let text = c["text"].as_str().unwrap();
+    assert!(
+        !text.is_ascii(),
+        "the check needs characters of several bytes: {text:?}"
+    );
+    let chars: Vec<char> = text.chars().collect();
+    let pieces: Vec<&str> = c["logprobs"]["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    let offsets: Vec<usize> = c["logprobs"]["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o.as_u64().unwrap() as usize)
+        .collect();
+    assert_eq!((offsets.len(), offsets[0]), (pieces.len(), 0));
+    for (i, (&o, p)) in offsets.iter().zip(&pieces).enumerate() {
+        if !p.contains('\u{FFFD}') {
+            let at: String = chars[o..].iter().take(p.chars().count()).collect();
+            assert_eq!(&at, p, "token {i} at character {o} of {text:?}");
+        }
+    }
+    let last = pieces.last().unwrap();
+    assert!(!last.contains('\u{FFFD}'));
+    assert_eq!(offsets.last().unwrap() + last.chars().count(), chars.len());
+    let (code, sse) = server.request(
+        "POST",
+        "/v1/completions",
+        &auth(),
+        &json!({"prompt": body["prompt"], "max_tokens": 10, "temperature": 0, "logprobs": 1,
+                "ignore_eos": true, "stream": true})
+        .to_string(),
+    );
+    assert_eq!(code, 200);
+    let streamed: Vec<usize> = sse
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .flat_map(|d| {
+            let e: Value = serde_json::from_str(d).unwrap();
+            e["choices"][0]["logprobs"]["text_offset"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .map(|o| o.as_u64().unwrap() as usize)
+                        .collect::<Vec<_>>()
+                })
+                .unwrap_or_default()
+        })
+        .collect();
+    assert_eq!(streamed, offsets, "streamed offsets go on across chunks");
 
     // The over-context error names the prompt.
     let huge: Vec<u32> = vec![300; 2100];

@@ -245,6 +245,7 @@ impl ChatTemplate {
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.set_fuel(Some(TEMPLATE_FUEL));
+        env.add_filter("tojson", tojson);
         env.add_function(
             "raise_exception",
             |msg: String| -> Result<String, minijinja::Error> {
@@ -267,6 +268,115 @@ impl ChatTemplate {
             eos_token => eos_token,
         })
         .map_err(|e| ChatError::Template(e.to_string()))
+    }
+}
+
+/// transformers' `tojson` filter, which chat templates are written for:
+/// Python's `json.dumps(x, ensure_ascii=False, indent=indent,
+/// sort_keys=sort_keys)`, so `", "` and `": "` between items (`","` at line
+/// ends when indented), keys in the order the request gave them, and no
+/// HTML escaping (minijinja's own `tojson` escapes `'`, `<`, `>` and `&`
+/// and has other separators). A positional argument is the indent, as in
+/// Jinja's `tojson`.
+fn tojson(
+    value: &minijinja::Value,
+    indent: Option<minijinja::Value>,
+    kwargs: minijinja::value::Kwargs,
+) -> Result<minijinja::Value, minijinja::Error> {
+    use serde_json::ser::{PrettyFormatter, Serializer};
+    let bad = |e: &dyn std::fmt::Display| {
+        minijinja::Error::new(
+            minijinja::ErrorKind::InvalidOperation,
+            format!("tojson: {e}"),
+        )
+    };
+    let indent: Option<usize> = match indent {
+        Some(v) if !v.is_none() => Some(usize::try_from(v)?),
+        _ => kwargs.get("indent")?,
+    };
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    kwargs.assert_all_used()?;
+    let mut v = serde_json::to_value(value).map_err(|e| bad(&e))?;
+    if sort_keys == Some(true) {
+        sort_keys_of(&mut v);
+    }
+    let mut out = Vec::new();
+    match indent {
+        Some(n) => {
+            let pad = vec![b' '; n.min(64)];
+            v.serialize(&mut Serializer::with_formatter(
+                &mut out,
+                PrettyFormatter::with_indent(&pad),
+            ))
+        }
+        None => v.serialize(&mut Serializer::with_formatter(&mut out, PythonCompact)),
+    }
+    .map_err(|e| bad(&e))?;
+    let s = String::from_utf8(out).map_err(|e| bad(&e))?;
+    if ensure_ascii != Some(true) {
+        return Ok(minijinja::Value::from(s));
+    }
+    // Non-ASCII characters only occur inside strings: escape them as
+    // Python does (lowercase hex, surrogate pairs).
+    let mut a = String::with_capacity(s.len());
+    for c in s.chars() {
+        if c.is_ascii() {
+            a.push(c);
+        } else {
+            let mut units = [0u16; 2];
+            for u in c.encode_utf16(&mut units) {
+                a.push_str(&format!("\\u{u:04x}"));
+            }
+        }
+    }
+    Ok(minijinja::Value::from(a))
+}
+
+/// Python's compact JSON separators: `", "` and `": "`.
+struct PythonCompact;
+
+impl serde_json::ser::Formatter for PythonCompact {
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
+    }
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
+    }
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        w.write_all(b": ")
+    }
+}
+
+fn sort_keys_of(v: &mut serde_json::Value) {
+    match v {
+        serde_json::Value::Object(m) => {
+            let mut items: Vec<(String, serde_json::Value)> =
+                std::mem::take(m).into_iter().collect();
+            items.sort_by(|a, b| a.0.cmp(&b.0));
+            for (k, mut x) in items {
+                sort_keys_of(&mut x);
+                m.insert(k, x);
+            }
+        }
+        serde_json::Value::Array(a) => a.iter_mut().for_each(sort_keys_of),
+        _ => {}
     }
 }
 

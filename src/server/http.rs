@@ -721,12 +721,14 @@ async fn chat_completions(
             ));
         };
         let format = ToolFormat::of(Some(source));
-        let msgs = format.messages(&r.messages_json()?, offered);
-        let listed = (format.template_renders_tools() && !offered.is_empty())
-            .then(|| Value::Array(r.tools.clone().unwrap_or_default()));
+        let (msgs, listed) = format.template_inputs(
+            &r.messages_json()?,
+            r.tools.as_deref().unwrap_or(&[]),
+            offered,
+        );
         let prompt = l
             .chat
-            .tokens_json(l.tokenizer, &Value::Array(msgs), listed.as_ref())
+            .tokens_json(l.tokenizer, &msgs, listed.as_ref())
             .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
         if !offered.is_empty() {
             output.tools = Some(format);
@@ -957,8 +959,8 @@ struct Choice {
     cached: Option<usize>,
     /// Logprobs of tokens received but not yet sent.
     pending: Vec<TokenLogprobs>,
-    /// Bytes of token text before the pending tokens (completions'
-    /// `text_offset`).
+    /// Characters of the choice's text begun before the pending tokens
+    /// (completions' `text_offset`).
     offset: usize,
     completion_tokens: usize,
     finish: Option<&'static str>,
@@ -1051,8 +1053,13 @@ impl Reply {
     }
 
     /// The `logprobs` object of `lps`: chat's `{content: [...]}`, or
-    /// completions' `{tokens, token_logprobs, top_logprobs, text_offset}`
-    /// (byte offsets into the choice's text from `offset`).
+    /// completions' `{tokens, token_logprobs, top_logprobs, text_offset}`.
+    /// `text_offset` is OpenAI's: each token's offset in characters (code
+    /// points, as Python counts them) into the choice's text, the first
+    /// token at 0 (echo, which would count the prompt, is refused), going
+    /// on across stream chunks from `offset` (the characters begun so
+    /// far). A token that starts inside a character split between tokens
+    /// is at that character's offset.
     fn logprobs(&self, lps: &[TokenLogprobs], offset: &mut usize) -> Value {
         let tok = self.tokenizer;
         match self.endpoint {
@@ -1081,8 +1088,10 @@ impl Reply {
                 let mut offsets = Vec::with_capacity(lps.len());
                 for lp in lps {
                     let (text, bytes) = token_text(tok, lp.token);
-                    offsets.push(*offset);
-                    *offset += bytes.len();
+                    let continues = |b: &u8| (0x80..0xc0).contains(b);
+                    let inside = bytes.first().is_some_and(continues);
+                    offsets.push(offset.saturating_sub(usize::from(inside)));
+                    *offset += bytes.iter().filter(|b| !continues(b)).count();
                     tokens.push(Value::from(text));
                     values.push(lp_value(lp.logprob));
                     let mut top = serde_json::Map::new();
