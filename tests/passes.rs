@@ -373,7 +373,7 @@ fn fusion_counts() {
         assert_eq!(out.op, Op::OutputHead);
         assert_eq!(
             out.meta.to_string(),
-            format!("f32[N, {}]", common::graph_params(arch).vocab_size.unwrap())
+            format!("f32[R, {}]", common::graph_params(arch).vocab_size.unwrap())
         );
     }
 }
@@ -648,7 +648,7 @@ fn dead_code_keeps_cache_writes_and_drops_unused_work() {
 #[test]
 fn fused_ops_check_their_inputs() {
     use llama_graph::ir::infer::infer;
-    use llama_graph::ir::{Dim, Shape, TensorMeta};
+    use llama_graph::ir::{Dim, Shape, TensorMeta, SEQ_TABLE_COLS};
     let f = |dims: Vec<Dim>| TensorMeta::new(Shape(dims), DType::F32);
     let c = Dim::Const;
     let x = f(vec![Dim::S, c(12)]);
@@ -659,7 +659,7 @@ fn fused_ops_check_their_inputs() {
     // values [NB, Hkv, BS, D].
     let k = TensorMeta::new(Shape::constant(&[2, 2, 8, 16]), DType::F16);
     let v = TensorMeta::new(Shape::constant(&[2, 2, 16, 8]), DType::F16);
-    let seqs = TensorMeta::new(Shape(vec![Dim::N, c(4)]), DType::I32);
+    let seqs = TensorMeta::new(Shape(vec![Dim::N, c(SEQ_TABLE_COLS)]), DType::I32);
     let blocks = TensorMeta::new(Shape::constant(&[2]), DType::I32);
     let attn = |n_rep| Op::Attention { n_rep, scale: 0.35 };
     let ok = infer(&attn(2), &[&q, &k, &v, &seqs, &blocks], None).unwrap();
