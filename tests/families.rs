@@ -22,8 +22,11 @@ use llama_graph::ir::{print, LogitRows};
 use llama_graph::model::{build_llama, BuildOptions, Family, GateAct};
 use llama_graph::passes::{count_kind, run_pipeline, PassList};
 use llama_graph::session::{Model, Session, SessionOptions};
+use llama_graph::convert::{convert, OutType};
+use llama_graph::weights::gguf::{GgufFile, GgufValue};
 use serde_json::Value;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 
 const FAMILIES: &[(&str, Family)] = &[
     ("qwen2", Family::Qwen2),
@@ -249,4 +252,165 @@ fn gemma3_270m_exact_matches_transformers_on_the_same_gguf() {
         "gemma3-270m Q4_K_M: {} greedy tokens equal transformers', max |top-10 diff| {w:.2e}",
         want.len()
     );
+}
+
+/// A copy of a family's Hugging Face fixture with the SentencePiece model
+/// llama.cpp's converter was given (`tests/reference/family_fixtures.py`),
+/// so that `convert` has a tokenizer to write.
+fn hf_with_tokenizer(family: &str, into: &Path) -> PathBuf {
+    let d = into.join(family);
+    std::fs::create_dir_all(&d).unwrap();
+    for f in std::fs::read_dir(dir(family).join("hf")).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, d.join(f.file_name().unwrap())).unwrap();
+    }
+    std::fs::copy(
+        common::root().join("tests/fixtures/tokenizer/spm_bpe.model"),
+        d.join("tokenizer.model"),
+    )
+    .unwrap();
+    d
+}
+
+/// Our F32 file has llama.cpp's converter's tensors (names, types, shapes,
+/// bytes) and its hyper-parameter keys with the same values.
+fn assert_like_llama_cpp_converter(ours: &Path, theirs: &Path, label: &str) {
+    let (a, b) = (
+        GgufFile::open(ours).unwrap(),
+        GgufFile::open(theirs).unwrap(),
+    );
+    let names = |f: &GgufFile| {
+        let mut v = f.tensor_order.clone();
+        v.sort();
+        v
+    };
+    assert_eq!(names(&a), names(&b), "{label}: tensor names");
+    for name in &b.tensor_order {
+        let (ta, tb) = (&a.tensors[name], &b.tensors[name]);
+        assert_eq!(
+            (ta.ggml_type, &ta.ne),
+            (tb.ggml_type, &tb.ne),
+            "{label}: {name}"
+        );
+        assert!(
+            a.tensor_data(name) == b.tensor_data(name),
+            "{label}: {name}: not the bytes convert_hf_to_gguf.py wrote"
+        );
+    }
+    let arch = match b.get("general.architecture") {
+        Some(GgufValue::String(s)) => s.clone(),
+        other => panic!("{label}: architecture {other:?}"),
+    };
+    assert_eq!(a.get("general.architecture"), b.get("general.architecture"));
+    for key in &b.key_order {
+        // Phi-3's original context is for LongRoPE, which is refused.
+        if key.starts_with(&format!("{arch}.")) && !key.ends_with("rope.scaling.original_context_length")
+        {
+            assert_eq!(a.get(key), b.get(key), "{label}: {key}");
+        }
+    }
+}
+
+/// llama.cpp (`llama-graph-logits`, libllama) on `model`: the prompt, then
+/// `teacher` one token at a time; every step's logits of the whole vocabulary.
+fn llama_cpp_steps(model: &Path, prompt: &[u32], teacher: &[u32], steps: usize) -> Vec<Vec<f32>> {
+    let bin = common::llamacpp::bin_dir("portable", &["llama-graph-logits"]);
+    let list = |v: &[u32]| v.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("logits.bin");
+    let mut cmd = Command::new(bin.join("llama-graph-logits"));
+    cmd.arg("-m")
+        .arg(model)
+        .args(["--prompt-tokens", &list(prompt), "-n", &steps.to_string()])
+        .args(["-t", "2", "-c", "128", "--logits-bin"])
+        .arg(&out);
+    if steps > 1 {
+        cmd.args(["--teacher", &list(&teacher[..steps - 1])]);
+    }
+    let o = cmd.output().unwrap();
+    assert!(
+        o.status.success(),
+        "llama.cpp could not run {}: {}",
+        model.display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let bytes = std::fs::read(&out).unwrap();
+    let all: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(all.len() % steps, 0);
+    all.chunks(all.len() / steps).map(<[f32]>::to_vec).collect()
+}
+
+/// `llama-graph convert` writes every family as llama.cpp's
+/// `convert_hf_to_gguf.py` does, and llama.cpp runs the files:
+///
+/// * F32 from the Hugging Face directory and from llama.cpp's own GGUF:
+///   the tensors (names, types, shapes, bytes) and `<arch>.*` keys of
+///   llama.cpp's converter;
+/// * the file loads back as the directory's model (Mistral: without its
+///   window, as llama.cpp's converter writes it);
+/// * llama.cpp on our F32 file: the greedy tokens of transformers and
+///   top-10 logits within 1e-4 over 20 steps (Mistral and Phi-3: against
+///   transformers with the window off, as llama.cpp runs them);
+/// * Q8_0 and Q4_K_M: llama.cpp's logits on our file within 5e-2 of
+///   llama-graph's `--exact` ones on the same file (8-bit activations
+///   against f32).
+#[test]
+fn convert_writes_each_family_for_llama_cpp() {
+    let tmp = tempfile::tempdir().unwrap();
+    for &(name, family) in FAMILIES {
+        let src = hf_with_tokenizer(name, tmp.path());
+        let theirs = dir(name).join("model-f32.gguf");
+        let ours = tmp.path().join(format!("{name}-f32.gguf"));
+        convert(&src, &ours, OutType::F32, |_, _, _| {}).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_like_llama_cpp_converter(&ours, &theirs, &format!("{name} from hf"));
+        let again = tmp.path().join(format!("{name}-f32-from-gguf.gguf"));
+        convert(&theirs, &again, OutType::F32, |_, _, _| {})
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_like_llama_cpp_converter(&again, &theirs, &format!("{name} from gguf"));
+
+        let hf = Model::open(&src).unwrap();
+        let back = Model::open(&ours).unwrap();
+        let mut want_args = hf.args.clone();
+        if family == Family::Mistral {
+            want_args.variant = Default::default();
+        }
+        assert_eq!(back.args, want_args, "{name}: our file loads as the model");
+
+        let e = expected(name);
+        let prompt = ids(&e["prompt_tokens"]);
+        let windowless = matches!(family, Family::Mistral | Family::Phi3);
+        let r = if windowless { &e["no_window"] } else { &e };
+        let want = ids(&r["generated_tokens"]);
+        let w = check(
+            &format!("{name}: llama.cpp on our F32 file"),
+            &llama_cpp_steps(&ours, &prompt, &want, want.len()),
+            &want,
+            &r["steps"],
+        );
+        eprintln!(
+            "{name}: llama.cpp on our F32 file: {} greedy tokens equal transformers', max |top-10 diff| {w:.2e}",
+            want.len()
+        );
+
+        for ty in [OutType::Q8_0, OutType::Q4_K_M] {
+            let q = tmp.path().join(format!("{name}-{ty:?}.gguf"));
+            convert(&src, &q, ty, |_, _, _| {}).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let theirs = &llama_cpp_steps(&q, &prompt, &[], 1)[0];
+            let mut m = Model::open(&q).unwrap();
+            if windowless {
+                m.args.variant.sliding_window = None;
+            }
+            let mut s = Session::new(&m, &opts(PassList::all())).unwrap();
+            let logits = s.feed(&prompt).unwrap().to_vec();
+            let worst = top10(theirs)
+                .iter()
+                .map(|&(id, v)| (logits[id] - v).abs())
+                .fold(0f32, f32::max);
+            eprintln!("{name} {ty:?}: llama.cpp vs llama-graph --exact on our file: max |top-10 diff| {worst:.2e}");
+            assert!(worst <= 5e-2, "{name} {ty:?}: {worst}");
+        }
+    }
 }
