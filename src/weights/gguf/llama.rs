@@ -147,6 +147,9 @@ pub struct TokenizerParts {
     pub padding_token_id: Option<u32>,
     pub add_bos_token: Option<bool>,
     pub add_eos_token: Option<bool>,
+    /// `tokenizer.ggml.add_space_prefix` (SentencePiece-style vocabularies;
+    /// false for Gemma).
+    pub add_space_prefix: Option<bool>,
     /// `tokenizer.chat_template` (Jinja source).
     pub chat_template: Option<String>,
 }
@@ -408,6 +411,7 @@ impl TokenizerParts {
             padding_token_id: id("tokenizer.ggml.padding_token_id")?,
             add_bos_token: f.opt("tokenizer.ggml.add_bos_token", GgufFile::get_bool)?,
             add_eos_token: f.opt("tokenizer.ggml.add_eos_token", GgufFile::get_bool)?,
+            add_space_prefix: f.opt("tokenizer.ggml.add_space_prefix", GgufFile::get_bool)?,
             chat_template: f
                 .opt("tokenizer.chat_template", GgufFile::get_str)?
                 .map(str::to_string),
