@@ -330,12 +330,18 @@ fn check_writable(a: &ModelArgs) -> Result<(), String> {
                 "is a {} model {} {what}, which llama.cpp's `{arch}` architecture {}",
                 fam.name(),
                 if on { "with" } else { "without" },
-                if on { "does not have" } else { "always applies" }
+                if on {
+                    "does not have"
+                } else {
+                    "always applies"
+                }
             ));
         }
     }
     if gemma && !v.qk_norm {
-        return Err("is a gemma3 model without Q/K norms, which llama.cpp's `gemma3` requires".into());
+        return Err(
+            "is a gemma3 model without Q/K norms, which llama.cpp's `gemma3` requires".into(),
+        );
     }
     match (fam, v.sliding_window, v.global_every) {
         (Family::Gemma3, Some(_), Some(6)) | (_, _, None) => {}
