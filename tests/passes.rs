@@ -278,6 +278,27 @@ fn optimised(arch: &str) -> Graph {
     g
 }
 
+/// A Qwen2 graph whose Q/K/V projections stay unfused (as when their
+/// weights have different types, e.g. a Q4_K_M file's Q6_K `attn_v`): its
+/// bias adds are not residuals, so `fuse_residual` fuses only the two real
+/// residual adds of each layer and leaves the biases as `Add`.
+#[test]
+fn fuse_residual_leaves_biases() {
+    let g = build("qwen2.5-0.5b");
+    let n = common::graph_params("qwen2.5-0.5b").n_layers;
+    assert_eq!(count_kind(&g, "Add"), 5 * n);
+    let mut f = g.clone();
+    let r = run_pipeline(
+        &mut f,
+        &PassList::parse("fuse_residual").unwrap(),
+        |_, _| {},
+    )
+    .unwrap();
+    assert_eq!(r.passes[0].rewrites, 2 * n);
+    assert_eq!(count_kind(&f, "MatMulAdd"), 2 * n);
+    assert_eq!(count_kind(&f, "Add"), 3 * n);
+}
+
 #[test]
 fn fusion_counts() {
     for arch in ["llama-3.1-8b", "smollm2-135m", "llama-3.2-1b"] {
