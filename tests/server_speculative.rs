@@ -192,20 +192,35 @@ fn batched_speculative_sequences_get_their_plain_tokens() {
         let st = wait_idle(&e);
         assert_eq!(st.kv_used, 0, "{what}");
         assert!(st.tokens_drafted_total > 0, "{what}: {st:?}");
-        match draft {
-            // The model agrees with itself: every guess is kept.
-            Draft::Model("gqa_scaled") => {
-                assert_eq!(st.tokens_accepted_total, st.tokens_drafted_total, "{what}")
-            }
-            _ => assert!(
-                st.tokens_accepted_total < st.tokens_drafted_total,
-                "{what}: {st:?}"
-            ),
-        }
-        if let Draft::Ngram = draft {
+        // Seeded sampling rejects guesses of every drafter.
+        assert!(
+            st.tokens_accepted_total < st.tokens_drafted_total,
+            "{what}: {st:?}"
+        );
+        if let Draft::Ngram | Draft::Model("gqa_scaled") = draft {
             assert!(st.tokens_accepted_total > 0, "{what}: {st:?}");
         }
     }
+    // Greedy requests drafted by the model itself: every guess is kept (the
+    // draft session's greedy tokens are the model's), so every verifying
+    // step is as long as it may be.
+    let e = engine(512, 4, Draft::Model("gqa_scaled"), 5);
+    let reqs: Vec<(Vec<u32>, usize, SamplerConfig)> = (0..4u32)
+        .map(|j| {
+            (
+                prompt(7 + 11 * j as usize, j + 20),
+                30 + 5 * j as usize,
+                greedy(),
+            )
+        })
+        .collect();
+    check_all(&e, &reqs, "self-drafted greedy");
+    let st = wait_idle(&e);
+    assert!(st.tokens_drafted_total > 0, "{st:?}");
+    assert_eq!(
+        st.tokens_accepted_total, st.tokens_drafted_total,
+        "self-drafted greedy"
+    );
 }
 
 #[test]
@@ -214,9 +229,8 @@ fn speculation_under_a_short_pool_preempts_and_rolls_back_without_changing_token
     // tokens a step: the pool runs out while they decode.
     for draft in [Draft::Model("gqa_scaled"), Draft::Model("mha_llama2")] {
         let e = engine(128, 3, draft, 8);
-        let reqs: Vec<(Vec<u32>, usize, SamplerConfig)> = (0..3)
-            .map(|j| (prompt(30, 10 + j), 60, greedy()))
-            .collect();
+        let reqs: Vec<(Vec<u32>, usize, SamplerConfig)> =
+            (0..3).map(|j| (prompt(30, 10 + j), 60, greedy())).collect();
         check_all(&e, &reqs, &format!("{draft:?}"));
         let st = wait_idle(&e);
         assert!(st.preemptions_total > 0, "the pool was short: {st:?}");
@@ -276,7 +290,10 @@ fn a_request_opts_out_and_a_plain_engine_refuses_to_speculate() {
     let Err(SubmitError::Invalid(m)) = plain.submit_with(request(p, 4, greedy()), on) else {
         panic!("speculative: true was accepted by a plain engine");
     };
-    assert!(m.contains("speculative") && m.contains("--spec-ngram"), "{m}");
+    assert!(
+        m.contains("speculative") && m.contains("--spec-ngram"),
+        "{m}"
+    );
     // A draft model of another vocabulary is refused at start.
     let Err(err) = EngineHandle::start_speculative(
         meta("gqa_scaled"),
@@ -314,7 +331,17 @@ const PROMPTS: [&str; 3] = [
 /// What `llama-graph run -t 2 --temp 0 -n 40 -p PROMPT` prints.
 fn run_text(p: &str) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_llama-graph"))
-        .args(["run", "-m", &smollm2(), "-t", "2", "--temp", "0", "-n", "40"])
+        .args([
+            "run",
+            "-m",
+            &smollm2(),
+            "-t",
+            "2",
+            "--temp",
+            "0",
+            "-n",
+            "40",
+        ])
         .args(["-p", p])
         .stdin(Stdio::null())
         .output()
@@ -373,7 +400,10 @@ fn serve_with_speculation_answers_what_run_prints() {
         }
         let drafted = server.metric("llama_graph_drafted_tokens_total", &[]);
         let accepted = server.metric("llama_graph_accepted_tokens_total", &[]);
-        assert!(drafted > 0.0 && accepted > 0.0, "{flags:?}: {accepted} of {drafted}");
+        assert!(
+            drafted > 0.0 && accepted > 0.0,
+            "{flags:?}: {accepted} of {drafted}"
+        );
         assert!(accepted <= drafted);
         // Opting out gives the same text and drafts nothing more.
         let (code, v) = completion(
@@ -385,6 +415,46 @@ fn serve_with_speculation_answers_what_run_prints() {
         assert_eq!(
             server.metric("llama_graph_drafted_tokens_total", &[]),
             drafted
+        );
+        // A grammar, penalties, log-probabilities and seeded sampling see
+        // exactly the kept tokens: the whole answer (text, logprobs) is
+        // the one the same request gets without speculation.
+        let drafted = server.metric("llama_graph_drafted_tokens_total", &[]);
+        let constrained = |speculative: bool| {
+            let (code, v) = completion(
+                &server,
+                json!({
+                    "prompt": "A shopping list:\n",
+                    "max_tokens": 40,
+                    "grammar": "root ::= (\"- item \" [0-9] [0-9] \"\\n\")+",
+                    "temperature": 0.8,
+                    "seed": 11,
+                    "frequency_penalty": 0.3,
+                    "presence_penalty": 0.2,
+                    "logprobs": 2,
+                    "speculative": speculative,
+                }),
+            );
+            assert_eq!(code, 200, "{flags:?}: {v}");
+            (
+                v["choices"][0]["text"].clone(),
+                v["choices"][0]["logprobs"].clone(),
+            )
+        };
+        let (plain_text, plain_lp) = constrained(false);
+        let (text, lp) = constrained(true);
+        assert!(
+            plain_text
+                .as_str()
+                .is_some_and(|t| t.starts_with("- item ")),
+            "{flags:?}: {plain_text}"
+        );
+        assert!(lp.is_object(), "{flags:?}: {lp}");
+        assert_eq!(text, plain_text, "{flags:?}: constrained text");
+        assert_eq!(lp, plain_lp, "{flags:?}: constrained logprobs");
+        assert!(
+            server.metric("llama_graph_drafted_tokens_total", &[]) > drafted,
+            "{flags:?}: the constrained request drafted nothing"
         );
         // A value that is not a boolean is refused by name.
         let (code, v) = completion(
@@ -407,41 +477,8 @@ fn serve_with_speculation_answers_what_run_prints() {
     );
     assert_eq!(code, 400, "{v}");
     let msg = v["error"]["message"].as_str().unwrap_or("");
-    assert!(msg.contains("speculative") && msg.contains("--draft-model"), "{v}");
-}
-
-#[test]
-fn zz_debug_plain_in_spec_engine() {
-    let e = engine(512, 4, Draft::Ngram, 5);
-    let reqs: Vec<(Vec<u32>, usize, SamplerConfig)> = (0..3u32)
-        .map(|j| (prompt(5 + 9 * j as usize, j), 10, greedy()))
-        .collect();
-    let off = GenExtras {
-        speculative: Some(false),
-        ..GenExtras::default()
-    };
-    let streams: Vec<GenStream> = reqs
-        .iter()
-        .map(|(p, n, s)| e.submit_with(request(p.clone(), *n, *s), off.clone()).unwrap())
-        .collect();
-    for (j, ((p, n, s), st)) in reqs.iter().zip(streams).enumerate() {
-        let (toks, _) = collect(st);
-        assert_eq!(toks, alone(p, *n, *s), "request {j}");
-    }
-}
-#[test]
-fn zz_debug_plain_engine() {
-    let e = EngineHandle::start(
-        meta("gqa_scaled"),
-        EngineConfig {
-            session: options(512),
-            parallel: 4,
-            queue_capacity: 4,
-        },
-    )
-    .unwrap();
-    let reqs: Vec<(Vec<u32>, usize, SamplerConfig)> = (0..3u32)
-        .map(|j| (prompt(5 + 9 * j as usize, j), 10, greedy()))
-        .collect();
-    check_all(&e, &reqs, "plain");
+    assert!(
+        msg.contains("speculative") && msg.contains("--draft-model"),
+        "{v}"
+    );
 }

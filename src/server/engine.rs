@@ -898,9 +898,9 @@ impl SpecEngine {
         );
     }
 
-    /// Gives the drafters of sequences that ended back, then hands every
-    /// decoding sequence its guesses for the next step.
-    fn draft(&mut self, sched: &mut Scheduler, live: &HashMap<SeqId, Live>) {
+    /// Gives the drafters of sequences that ended back (before new
+    /// sequences are admitted, so that each finds one).
+    fn reclaim(&mut self, live: &HashMap<SeqId, Live>) {
         let ended: Vec<SeqId> = self
             .seqs
             .keys()
@@ -914,6 +914,11 @@ impl SpecEngine {
                 }
             }
         }
+    }
+
+    /// Hands every decoding sequence its guesses for the next step.
+    fn draft(&mut self, sched: &mut Scheduler, live: &HashMap<SeqId, Live>) {
+        self.reclaim(live);
         let mut failed = Vec::new();
         for (&id, s) in &mut self.seqs {
             let Some(l) = live.get(&id) else { continue };
@@ -1014,6 +1019,9 @@ fn engine_loop(
         busy: Duration::ZERO,
     };
     loop {
+        if let Some(sp) = spec.as_deref_mut() {
+            sp.reclaim(&live);
+        }
         // Admit queued requests while a sequence can start; wait when idle.
         {
             let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
@@ -1183,9 +1191,6 @@ fn engine_loop(
             continue;
         }
         sched.advance();
-        for (id, msg) in failed.drain(..) {
-            retire(&mut sched, &mut live, id, Err(msg), shared);
-        }
         for &(id, tok, accepted) in &sampled {
             let Some(l) = live.get_mut(&id) else {
                 continue;
@@ -1210,6 +1215,12 @@ fn engine_loop(
             if let Some(f) = end {
                 retire(&mut sched, &mut live, id, Ok(f), shared);
             }
+        }
+        // After the tokens sampled before the failure (the kept guesses
+        // of a step that verified some), as plain steps would have sent
+        // them.
+        for (id, msg) in failed.drain(..) {
+            retire(&mut sched, &mut live, id, Err(msg), shared);
         }
         if let Some(sp) = spec.as_deref_mut() {
             // Positions computed on guesses not kept are forgotten.

@@ -467,7 +467,8 @@ impl Scheduler {
 
     /// Plans running sequence `i`'s newest token with its guesses, if it
     /// has any, the budget holds at least one, and the pool holds their
-    /// positions without preempting anyone. True if planned.
+    /// positions while still giving every younger running sequence one
+    /// more block (guesses never cause a preemption). True if planned.
     fn plan_draft(&mut self, i: usize, budget: usize, batch: &mut Batch) -> bool {
         let s = &self.running[i];
         let k = s.draft.len().min(budget.saturating_sub(1));
@@ -475,6 +476,11 @@ impl Scheduler {
             return false;
         }
         let target = s.fed + 1 + k;
+        let need = self.pool.blocks_for(target).saturating_sub(s.blocks.len());
+        let younger = self.running.len() - i - 1;
+        if need > 0 && need + younger > self.available_blocks() {
+            return false;
+        }
         let mut blocks = std::mem::take(&mut self.running[i].blocks);
         let ok = self.reserve(&mut blocks, target);
         let s = &mut self.running[i];
