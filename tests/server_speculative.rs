@@ -174,16 +174,22 @@ fn batched_speculative_sequences_get_their_plain_tokens() {
     ] {
         let what = format!("{draft:?}");
         let e = engine(512, 4, draft, 5);
-        // Six requests, four at a time: greedy and seeded, prompts that
+        // Six requests, four at a time: greedy, greedy with a repeat
+        // penalty over a short window (it reads the tokens the sampler
+        // was told of, kept guesses included) and seeded, prompts that
         // repeat and that do not, several lengths (steps that verify
         // guesses start at many KV block offsets and carry other
         // sequences' decode tokens and prefill chunks).
         let reqs: Vec<(Vec<u32>, usize, SamplerConfig)> = (0..6u32)
             .map(|j| {
-                let s = if j % 3 == 2 {
-                    seeded(7 + j as u64)
-                } else {
-                    greedy()
+                let s = match j % 3 {
+                    0 => greedy(),
+                    1 => SamplerConfig {
+                        repeat_penalty: 1.5,
+                        repeat_last_n: 8,
+                        ..greedy()
+                    },
+                    _ => seeded(7 + j as u64),
                 };
                 (prompt(5 + 9 * j as usize, j), 40 + 3 * j as usize, s)
             })
@@ -416,46 +422,52 @@ fn serve_with_speculation_answers_what_run_prints() {
             server.metric("llama_graph_drafted_tokens_total", &[]),
             drafted
         );
-        // A grammar, penalties, log-probabilities and seeded sampling see
+        // A grammar, penalties (the repeat penalty reads the tokens the
+        // sampler was told of), log-probabilities and seeded sampling see
         // exactly the kept tokens: the whole answer (text, logprobs) is
         // the one the same request gets without speculation.
-        let drafted = server.metric("llama_graph_drafted_tokens_total", &[]);
-        let constrained = |speculative: bool| {
-            let (code, v) = completion(
-                &server,
-                json!({
-                    "prompt": "A shopping list:\n",
-                    "max_tokens": 40,
-                    "grammar": "root ::= (\"- item \" [0-9] [0-9] \"\\n\")+",
-                    "temperature": 0.8,
-                    "seed": 11,
-                    "frequency_penalty": 0.3,
-                    "presence_penalty": 0.2,
-                    "logprobs": 2,
-                    "speculative": speculative,
-                }),
+        let bodies = [
+            json!({
+                "prompt": "A shopping list:\n",
+                "max_tokens": 40,
+                "grammar": "root ::= (\"- item \" [0-9] [0-9] \"\\n\")+",
+                "temperature": 0.8,
+                "seed": 11,
+                "frequency_penalty": 0.3,
+                "presence_penalty": 0.2,
+                "logprobs": 2,
+            }),
+            json!({
+                "prompt": PROMPTS[0],
+                "max_tokens": 40,
+                "temperature": 0,
+                "repeat_penalty": 1.3,
+                "frequency_penalty": 0.2,
+                "logprobs": 2,
+            }),
+        ];
+        for body in bodies {
+            let drafted = server.metric("llama_graph_drafted_tokens_total", &[]);
+            let answer = |speculative: bool| {
+                let mut body = body.clone();
+                body["speculative"] = json!(speculative);
+                let (code, v) = completion(&server, body);
+                assert_eq!(code, 200, "{flags:?}: {v}");
+                (
+                    v["choices"][0]["text"].clone(),
+                    v["choices"][0]["logprobs"].clone(),
+                )
+            };
+            let (plain_text, plain_lp) = answer(false);
+            let (text, lp) = answer(true);
+            assert!(lp.is_object(), "{flags:?}: {lp}");
+            assert_eq!(text, plain_text, "{flags:?}: {body}");
+            assert_eq!(lp, plain_lp, "{flags:?}: logprobs of {body}");
+            assert!(
+                server.metric("llama_graph_drafted_tokens_total", &[]) > drafted,
+                "{flags:?}: nothing was drafted for {body}"
             );
-            assert_eq!(code, 200, "{flags:?}: {v}");
-            (
-                v["choices"][0]["text"].clone(),
-                v["choices"][0]["logprobs"].clone(),
-            )
-        };
-        let (plain_text, plain_lp) = constrained(false);
-        let (text, lp) = constrained(true);
-        assert!(
-            plain_text
-                .as_str()
-                .is_some_and(|t| t.starts_with("- item ")),
-            "{flags:?}: {plain_text}"
-        );
-        assert!(lp.is_object(), "{flags:?}: {lp}");
-        assert_eq!(text, plain_text, "{flags:?}: constrained text");
-        assert_eq!(lp, plain_lp, "{flags:?}: constrained logprobs");
-        assert!(
-            server.metric("llama_graph_drafted_tokens_total", &[]) > drafted,
-            "{flags:?}: the constrained request drafted nothing"
-        );
+        }
         // A value that is not a boolean is refused by name.
         let (code, v) = completion(
             &server,
