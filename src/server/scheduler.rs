@@ -1050,4 +1050,69 @@ mod tests {
         assert_eq!(restarts, 1 + s.preemptions() as usize);
         assert_eq!(s.kv_used(), 0);
     }
+
+    #[test]
+    fn guesses_ride_with_their_token_are_rolled_back_and_never_preempt() {
+        // 6 blocks of 4 positions; two sequences of 6 prompt tokens.
+        let mut s = sched(2, 16, 6);
+        let mut b = Batch::default();
+        assert!(s.admit(1, &[1; 6], 12));
+        assert!(!s.set_draft(1, &[7]), "not decoding yet");
+        assert!(s.admit(2, &[2; 6], 12));
+        step(&mut s, &mut b);
+        assert_eq!(s.kv_used(), 16);
+        // Sequence 1 feeds its newest token and 4 guesses, with a row for
+        // each; sequence 2 its one token.
+        assert!(s.set_draft(1, &[7, 8, 9, 10]));
+        assert_eq!(s.decoding(1), Some(&[1, 1, 1, 1, 1, 1, 101][..]));
+        let plan = s.schedule(&mut b).to_vec();
+        assert_eq!(
+            plan,
+            [
+                Slot {
+                    id: 1,
+                    tokens: 5,
+                    samples: true
+                },
+                Slot {
+                    id: 2,
+                    tokens: 1,
+                    samples: true
+                }
+            ]
+        );
+        assert_eq!(&b.tokens()[..5], &[101, 7, 8, 9, 10]);
+        assert_eq!((b.logit_rows_of(0), b.logit_rows_of(1)), (0..5, 5..6));
+        assert_eq!(s.kv_used(), 20, "a block for the guessed positions");
+        s.advance();
+        // No guess was kept: the block past the kept positions goes back.
+        s.push_token(1, 50);
+        s.push_token(2, 102);
+        s.rollback(1);
+        s.rollback(2);
+        assert_eq!(s.kv_used(), 16);
+        assert_eq!(s.decoding(1), Some(&[1, 1, 1, 1, 1, 1, 101, 50][..]));
+        // Two guesses kept, then a third token sampled: positions up to
+        // the newest token stay.
+        assert!(s.set_draft(1, &[7, 8, 9]));
+        s.schedule(&mut b);
+        s.advance();
+        for t in [7, 8, 60] {
+            s.push_token(1, t);
+        }
+        s.push_token(2, 102);
+        s.rollback(1);
+        s.rollback(2);
+        assert_eq!(s.decoding(1).map(<[u32]>::len), Some(11));
+        assert_eq!(s.kv_used(), 20);
+        // One block is free and sequence 2 needs it for its next token:
+        // sequence 1's guesses would take it and preempt sequence 2, so
+        // they are dropped and it feeds its newest token alone.
+        assert!(s.set_draft(1, &[1, 2]));
+        let plan = s.schedule(&mut b).to_vec();
+        assert_eq!(plan.len(), 2);
+        assert_eq!(plan[0].tokens, 1);
+        assert_eq!(b.tokens()[0], 60);
+        assert_eq!(s.preemptions(), 0);
+    }
 }
