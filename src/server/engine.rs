@@ -934,6 +934,13 @@ impl SpecEngine {
             if k == 0 {
                 continue;
             }
+            // A draft model catches up with the tokens it has not seen
+            // (the whole prompt at first) outside the timed draft, so the
+            // controller weighs what a guess costs, not the prompt.
+            if s.drafter.prefill(history).is_err() {
+                failed.push(id);
+                continue;
+            }
             let t = Instant::now();
             if s.drafter.draft(history, k, &mut self.drafts).is_err() {
                 // The draft model failed: this sequence decodes plainly.
