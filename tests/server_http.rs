@@ -143,10 +143,10 @@ fn bad_requests_get_openai_errors_with_the_right_status() {
     );
     check(
         chat,
-        &format!("{{{msg}, \"n\": 3}}"),
+        &format!("{{{msg}, \"n\": 0}}"),
         400,
         Some("n"),
-        "n = 1",
+        "`n` must be from 1 to",
     );
     check(
         chat,
