@@ -274,6 +274,8 @@ macro_rules! request {
             pub frequency_penalty: Option<f32>,
             #[serde(default)]
             pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+            #[serde(default)]
+            pub speculative: Option<bool>,
         }
 
         impl $name {
@@ -298,6 +300,7 @@ macro_rules! request {
                     presence_penalty: self.presence_penalty,
                     frequency_penalty: self.frequency_penalty,
                     logit_bias: self.logit_bias.clone(),
+                    speculative: self.speculative,
                 }
             }
         }
@@ -333,6 +336,10 @@ pub struct Common {
     pub frequency_penalty: Option<f32>,
     /// Token id (as a string) -> bias in [-100, 100].
     pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    /// This server's extension: `false` turns speculative decoding off for
+    /// the request (it changes no token, only the speed); `true` is
+    /// refused by a server started without a drafter.
+    pub speculative: Option<bool>,
 }
 
 request! {
@@ -566,6 +573,8 @@ pub struct Checked {
     pub logprobs: Option<usize>,
     /// Logit bias and presence/frequency penalties.
     pub penalties: Penalties,
+    /// `speculative`, as asked.
+    pub speculative: Option<bool>,
 }
 
 impl Common {
@@ -745,6 +754,7 @@ impl Common {
             n,
             logprobs,
             penalties,
+            speculative: self.speculative,
         })
     }
 }

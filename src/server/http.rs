@@ -605,6 +605,18 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Result<Response, ApiError> {
         st.preemptions_total.to_string(),
     );
     metric(
+        "drafted_tokens_total",
+        "counter",
+        "Guessed tokens verified by a step (speculative decoding).",
+        st.tokens_drafted_total.to_string(),
+    );
+    metric(
+        "accepted_tokens_total",
+        "counter",
+        "Guessed tokens that were the tokens sampled (speculative decoding).",
+        st.tokens_accepted_total.to_string(),
+    );
+    metric(
         "kv_usage_ratio",
         "gauge",
         "KV-cache cells in use over cells in all.",
@@ -865,6 +877,7 @@ async fn start(
                 penalties: c.penalties.clone(),
                 logprobs: c.logprobs,
                 constraint: output.constraint.clone(),
+                speculative: c.speculative,
             };
             (req, extras)
         })

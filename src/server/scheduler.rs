@@ -61,6 +61,15 @@
 //! tokens were chunked, a reused or shared position holds exactly the
 //! values feeding it again would write, so the generated tokens do not
 //! change.
+//!
+//! **Speculative decoding.** Before a step, the engine may give a decoding
+//! sequence guesses of its next tokens ([`Scheduler::set_draft`]). The
+//! decode pass then feeds its newest token and the guesses (as many as the
+//! step's token budget and the pool allow without preempting anyone; none
+//! otherwise) and asks logits for all of them; KV blocks are reserved for
+//! every guessed position. After the step the engine appends the tokens
+//! it kept and [`Scheduler::rollback`] forgets the positions computed on
+//! guesses that were not kept, giving back the blocks past them.
 
 use crate::exec::{Batch, KvPool};
 use std::collections::VecDeque;
@@ -125,6 +134,9 @@ struct Seq {
     /// Prompt positions it took from the prefix cache or another sequence
     /// since it was (re)admitted.
     reused: usize,
+    /// Guesses of its next tokens for the next step (see
+    /// [`Scheduler::set_draft`]).
+    draft: Vec<u32>,
 }
 
 /// The continuous-batching scheduler (see the module documentation).
@@ -149,6 +161,8 @@ pub struct Scheduler {
     /// Prompt positions whose KV came from the cache or from another
     /// running sequence (statistics, tests).
     reused: u64,
+    /// A decode token and its guesses, as one step feeds them.
+    scratch: Vec<u32>,
 }
 
 impl Scheduler {
@@ -169,6 +183,7 @@ impl Scheduler {
             pool,
             preemptions: 0,
             reused: 0,
+            scratch: Vec::new(),
         }
     }
 
@@ -244,6 +259,7 @@ impl Scheduler {
             blocks: Vec::with_capacity(self.pool.blocks_for(prompt.len() + max_tokens)),
             max_len: prompt.len() + max_tokens,
             reused: 0,
+            draft: Vec::new(),
         };
         // The cache entry sharing the longest prefix with the prompt (its
         // last token is fed in any case, for the logits).
@@ -290,6 +306,8 @@ impl Scheduler {
             return self.remove(id);
         };
         let mut s = self.running.remove(i);
+        // Positions computed on guesses that were not kept are not cached.
+        s.fed = s.fed.min(s.tokens.len());
         s.tokens.truncate(s.fed);
         self.pool.truncate(&mut s.blocks, s.fed);
         if s.fed == 0 {
@@ -372,6 +390,11 @@ impl Scheduler {
                     i += 1;
                     continue;
                 }
+                if decode && self.plan_draft(i, budget, batch) {
+                    budget -= self.plan.last().map_or(0, |p| p.tokens);
+                    i += 1;
+                    continue;
+                }
                 let pending = self.running[i].tokens.len() - self.running[i].fed;
                 let want = pending.min(budget);
                 // Only decode tokens may preempt: in the decode pass the
@@ -397,7 +420,88 @@ impl Scheduler {
                 }
             }
         }
+        // Guesses are for this step alone.
+        for s in &mut self.running {
+            s.draft.clear();
+        }
         &self.plan
+    }
+
+    /// Gives decoding sequence `id` guesses of the tokens after its newest
+    /// one, for the next [`Self::schedule`] only: it feeds its newest token
+    /// and the guesses in one slot that asks a logits row for each (see
+    /// [`Batch::logit_rows_of`]). Guesses past its token budget are
+    /// dropped. False (nothing changes) if it is unknown or not decoding.
+    pub fn set_draft(&mut self, id: SeqId, draft: &[u32]) -> bool {
+        let Some(s) = self.running.iter_mut().find(|s| s.id == id) else {
+            return false;
+        };
+        if !s.started || s.tokens.len() != s.fed + 1 {
+            return false;
+        }
+        // Each kept guess is followed by one more sampled token.
+        let room = s.max_len.saturating_sub(s.tokens.len() + 1);
+        s.draft.clear();
+        s.draft.extend_from_slice(&draft[..draft.len().min(room)]);
+        true
+    }
+
+    /// The tokens (prompt, then generated) of a running sequence whose
+    /// newest token is the only one not in the KV cache (it decodes).
+    pub fn decoding(&self, id: SeqId) -> Option<&[u32]> {
+        self.running
+            .iter()
+            .find(|s| s.id == id && s.started && s.tokens.len() == s.fed + 1)
+            .map(|s| s.tokens.as_slice())
+    }
+
+    /// After a step and the tokens it kept ([`Self::push_token`]): forgets
+    /// sequence `id`'s positions computed on guesses that were not kept
+    /// (all but its newest token are in the KV cache again) and gives back
+    /// the blocks past them. Nothing for an unknown sequence.
+    pub fn rollback(&mut self, id: SeqId) {
+        if let Some(s) = self.running.iter_mut().find(|s| s.id == id) {
+            let keep = s.tokens.len().saturating_sub(1);
+            if s.fed > keep {
+                s.fed = keep;
+                self.pool.truncate(&mut s.blocks, keep);
+            }
+        }
+    }
+
+    /// Plans running sequence `i`'s newest token with its guesses, if it
+    /// has any, the budget holds at least one, and the pool holds their
+    /// positions while still giving every younger running sequence one
+    /// more block (guesses never cause a preemption). True if planned.
+    fn plan_draft(&mut self, i: usize, budget: usize, batch: &mut Batch) -> bool {
+        let s = &self.running[i];
+        let k = s.draft.len().min(budget.saturating_sub(1));
+        if k == 0 {
+            return false;
+        }
+        let target = s.fed + 1 + k;
+        let need = self.pool.blocks_for(target).saturating_sub(s.blocks.len());
+        let younger = self.running.len() - i - 1;
+        if need > 0 && need + younger > self.available_blocks() {
+            return false;
+        }
+        let mut blocks = std::mem::take(&mut self.running[i].blocks);
+        let ok = self.reserve(&mut blocks, target);
+        let s = &mut self.running[i];
+        s.blocks = blocks;
+        if !ok {
+            return false;
+        }
+        self.scratch.clear();
+        self.scratch.push(s.tokens[s.fed]);
+        self.scratch.extend_from_slice(&s.draft[..k]);
+        batch.push_rows(&self.scratch, s.fed, &s.blocks, k + 1);
+        self.plan.push(Slot {
+            id: s.id,
+            tokens: k + 1,
+            samples: true,
+        });
+        true
     }
 
     /// The plan of the last [`Self::schedule`] call.
@@ -1014,5 +1118,70 @@ mod tests {
             .count();
         assert_eq!(restarts, 1 + s.preemptions() as usize);
         assert_eq!(s.kv_used(), 0);
+    }
+
+    #[test]
+    fn guesses_ride_with_their_token_are_rolled_back_and_never_preempt() {
+        // 6 blocks of 4 positions; two sequences of 6 prompt tokens.
+        let mut s = sched(2, 16, 6);
+        let mut b = Batch::default();
+        assert!(s.admit(1, &[1; 6], 12));
+        assert!(!s.set_draft(1, &[7]), "not decoding yet");
+        assert!(s.admit(2, &[2; 6], 12));
+        step(&mut s, &mut b);
+        assert_eq!(s.kv_used(), 16);
+        // Sequence 1 feeds its newest token and 4 guesses, with a row for
+        // each; sequence 2 its one token.
+        assert!(s.set_draft(1, &[7, 8, 9, 10]));
+        assert_eq!(s.decoding(1), Some(&[1, 1, 1, 1, 1, 1, 101][..]));
+        let plan = s.schedule(&mut b).to_vec();
+        assert_eq!(
+            plan,
+            [
+                Slot {
+                    id: 1,
+                    tokens: 5,
+                    samples: true
+                },
+                Slot {
+                    id: 2,
+                    tokens: 1,
+                    samples: true
+                }
+            ]
+        );
+        assert_eq!(&b.tokens()[..5], &[101, 7, 8, 9, 10]);
+        assert_eq!((b.logit_rows_of(0), b.logit_rows_of(1)), (0..5, 5..6));
+        assert_eq!(s.kv_used(), 20, "a block for the guessed positions");
+        s.advance();
+        // No guess was kept: the block past the kept positions goes back.
+        s.push_token(1, 50);
+        s.push_token(2, 102);
+        s.rollback(1);
+        s.rollback(2);
+        assert_eq!(s.kv_used(), 16);
+        assert_eq!(s.decoding(1), Some(&[1, 1, 1, 1, 1, 1, 101, 50][..]));
+        // Two guesses kept, then a third token sampled: positions up to
+        // the newest token stay.
+        assert!(s.set_draft(1, &[7, 8, 9]));
+        s.schedule(&mut b);
+        s.advance();
+        for t in [7, 8, 60] {
+            s.push_token(1, t);
+        }
+        s.push_token(2, 102);
+        s.rollback(1);
+        s.rollback(2);
+        assert_eq!(s.decoding(1).map(<[u32]>::len), Some(11));
+        assert_eq!(s.kv_used(), 20);
+        // One block is free and sequence 2 needs it for its next token:
+        // sequence 1's guesses would take it and preempt sequence 2, so
+        // they are dropped and it feeds its newest token alone.
+        assert!(s.set_draft(1, &[1, 2]));
+        let plan = s.schedule(&mut b).to_vec();
+        assert_eq!(plan.len(), 2);
+        assert_eq!(plan[0].tokens, 1);
+        assert_eq!(b.tokens()[0], 60);
+        assert_eq!(s.preemptions(), 0);
     }
 }
