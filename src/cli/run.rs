@@ -1,12 +1,12 @@
 //! `llama-graph run`: generate text.
 
-use super::flags::{n_predict, RuntimeFlags, SamplingFlags};
+use super::flags::{n_predict, ContextFlags, RuntimeFlags, SamplingFlags};
 use super::model::ModelArg;
 use super::pipeline::{PipelineFlags, Role};
 use clap::Args;
-use llama_graph::generate::chat::{conversation_tokens, Message};
+use llama_graph::generate::chat::{conversation_tokens, ContextPolicy, Message};
 use llama_graph::generate::SamplerConfig;
-use llama_graph::generate::{generate, GenOptions, GenStats};
+use llama_graph::generate::{generate_shifting, ContextShift, GenOptions, GenStats};
 use llama_graph::session::{Model, Session};
 use llama_graph::tokenizer::EncodeOptions;
 use serde_json::json;
@@ -55,6 +55,8 @@ pub struct RunArgs {
     pub n_predict: i64,
     #[command(flatten)]
     pub runtime: RuntimeFlags,
+    #[command(flatten)]
+    pub context: ContextFlags,
     #[command(flatten)]
     pub sampling: SamplingFlags,
     #[command(flatten)]
@@ -172,6 +174,7 @@ pub fn run(a: RunArgs) -> super::CliResult {
     // Validate everything that does not need the model first.
     let n_predict = n_predict(a.n_predict)?;
     let threads = a.runtime.threads()?;
+    let shift = a.context.policy(ContextPolicy::Refuse) == ContextPolicy::Shift;
     let opts_for = |m: &Model| {
         let context = m.args.plan_context(a.runtime.ctx_size);
         a.runtime.session_options(context, threads)
@@ -189,7 +192,9 @@ pub fn run(a: RunArgs) -> super::CliResult {
             (None, None) => return Err("no prompt".into()),
         };
         let context = model.args.plan_context(a.runtime.ctx_size);
-        llama_graph::generate::run::check_fits(prompt.len(), n_predict, context)
+        // With a context shift only the prompt itself must fit.
+        let n = if shift { None } else { n_predict };
+        llama_graph::generate::run::check_fits(prompt.len(), n, context)
             .map_err(|e| e.to_string())?;
         Ok((sampler, prompt, context))
     };
@@ -248,11 +253,21 @@ pub fn run(a: RunArgs) -> super::CliResult {
         let _ = out.write_all(s.as_bytes());
         let _ = out.flush();
     };
-    let stats = match generate(
+    // A shift keeps the BOS, as llama.cpp's does with --keep 0.
+    let bos = model.tokenizer.as_ref().and_then(|t| t.bos_id());
+    let shift = if shift {
+        Some(ContextShift {
+            keep: usize::from(bos.is_some() && prompt.first() == bos.as_ref()),
+        })
+    } else {
+        None
+    };
+    let stats = match generate_shifting(
         &mut session,
         model.tokenizer.as_ref(),
         &prompt,
         &gen_opts,
+        shift,
         &mut emit,
     ) {
         Ok(s) => s,
@@ -271,6 +286,12 @@ pub fn run(a: RunArgs) -> super::CliResult {
         session.stop_pipeline("")?;
     }
     println!();
+    if stats.shifts > 0 {
+        eprintln!(
+            "context full {} times: dropped {} tokens in all and fed the rest again",
+            stats.shifts, stats.dropped_tokens
+        );
+    }
     report(&stats, load_s, a.stats_json.as_ref())?;
     if let Some(p) = &a.logits_out {
         let steps: Vec<_> = stats

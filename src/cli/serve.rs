@@ -1,6 +1,6 @@
 //! `llama-graph serve`: the OpenAI-compatible HTTP server.
 
-use super::flags::RuntimeFlags;
+use super::flags::{ContextFlags, RuntimeFlags};
 use super::model::ModelArg;
 use super::pipeline::{PipelineFlags, Role};
 use clap::Args;
@@ -58,6 +58,8 @@ pub struct ServeArgs {
     pub max_connections: usize,
     #[command(flatten)]
     pub runtime: RuntimeFlags,
+    #[command(flatten)]
+    pub context: ContextFlags,
     /// `mpirun -np N llama-graph serve --pipeline ...`: rank 0 serves HTTP
     /// and runs the tokenizer, scheduler and sampler and stage 0; the
     /// other ranks run the later stages of every batched step. Stop it
@@ -116,6 +118,9 @@ pub fn run(a: ServeArgs) -> super::CliResult {
         max_body_bytes: a.max_body_bytes,
         read_timeout: Duration::from_secs(a.timeout),
         max_connections: a.max_connections,
+        context_full: a
+            .context
+            .policy(llama_graph::generate::chat::ContextPolicy::Shift),
     });
     // Listen first: /health answers 503 while the model loads.
     let listener = runtime

@@ -61,6 +61,10 @@ pub struct GenStats {
     pub stop_reason: Option<StopReason>,
     /// Per step (step 0 = last prompt position), the ten best (id, logit).
     pub top: Vec<Vec<(u32, f32)>>,
+    /// Context shifts done ([`generate_shifting`]) and the tokens they
+    /// dropped.
+    pub shifts: usize,
+    pub dropped_tokens: usize,
 }
 
 impl GenStats {
@@ -113,6 +117,29 @@ pub fn check_fits(
     Ok(())
 }
 
+/// What a generation does when its tokens fill the context (llama.cpp's
+/// context shift, re-feeding instead of re-rotating the cache).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ContextShift {
+    /// Tokens at the start of the sequence that always stay (a BOS, a
+    /// system prompt).
+    pub keep: usize,
+}
+
+impl ContextShift {
+    /// The tokens that stay when `history` (every token in the cache, the
+    /// first `keep` of them kept) is shifted: the first `keep`, then the
+    /// newer half of the rest. As llama.cpp's `n_discard = (n_past -
+    /// n_keep) / 2`.
+    pub fn shifted(&self, history: &[u32]) -> Vec<u32> {
+        let keep = self.keep.min(history.len());
+        let discard = (history.len() - keep) / 2;
+        let mut out = history[..keep].to_vec();
+        out.extend_from_slice(&history[keep + discard..]);
+        out
+    }
+}
+
 /// Runs one generation from the session's current position: feeds
 /// `prompt`, then samples until a stop condition, calling `emit` with each
 /// piece of text as soon as it is complete (never a broken UTF-8 character,
@@ -124,8 +151,34 @@ pub fn generate(
     opts: &GenOptions,
     emit: &mut dyn FnMut(&str),
 ) -> Result<GenStats, GenError> {
+    generate_shifting(session, tokenizer, prompt, opts, None, emit)
+}
+
+/// [`generate`], and with `shift` a context that fills up does not end it:
+/// the oldest half of the tokens after `shift.keep` are dropped and the
+/// rest fed again from position 0 (the session must start empty, so that
+/// the prompt and the generated tokens are all it holds). `-n` may then
+/// exceed the context; the prompt itself must still fit.
+pub fn generate_shifting(
+    session: &mut Session,
+    tokenizer: Option<&Tokenizer>,
+    prompt: &[u32],
+    opts: &GenOptions,
+    shift: Option<ContextShift>,
+    emit: &mut dyn FnMut(&str),
+) -> Result<GenStats, GenError> {
     let room = session.context() - session.position();
-    check_fits(prompt.len(), opts.n_predict, room)?;
+    match shift {
+        None => check_fits(prompt.len(), opts.n_predict, room)?,
+        Some(_) => {
+            if session.position() != 0 {
+                return Err(GenError::Session(SessionError::Invalid(
+                    "a context shift needs a generation from an empty session".into(),
+                )));
+            }
+            check_fits(prompt.len(), None, room)?;
+        }
+    }
     let mut sampler = Sampler::new(opts.sampler, session.vocab())?;
     for &t in prompt {
         sampler.accept(t);
@@ -136,6 +189,11 @@ pub fn generate(
     };
     let mut decoder = tokenizer.map(StreamDecoder::new);
     let mut stops = StopMatcher::new(opts.stop_strings.clone());
+    // With a context shift: every token the cache holds.
+    let mut history: Vec<u32> = match shift {
+        Some(_) => prompt.to_vec(),
+        None => Vec::new(),
+    };
     let t0 = Instant::now();
     let mut logits = session.feed(prompt)?;
     stats.prefill = t0.elapsed();
@@ -167,11 +225,29 @@ pub fn generate(
             stats.stop_reason = Some(StopReason::Length);
             break;
         }
-        if session.position() >= session.context() {
-            stats.stop_reason = Some(StopReason::ContextFull);
-            break;
-        }
         sampler.accept(tok);
+        if session.position() >= session.context() {
+            let Some(shift) = shift else {
+                stats.stop_reason = Some(StopReason::ContextFull);
+                break;
+            };
+            history.push(tok);
+            let kept = shift.shifted(&history);
+            if kept.len() >= session.context() {
+                // Nothing left to drop: the kept start fills the context.
+                stats.stop_reason = Some(StopReason::ContextFull);
+                break;
+            }
+            session.reset();
+            stats.shifts += 1;
+            stats.dropped_tokens += history.len() - kept.len();
+            history = kept;
+            logits = session.feed(&history)?;
+            continue;
+        }
+        if shift.is_some() {
+            history.push(tok);
+        }
         logits = session.feed(&[tok])?;
     }
     if stats.stop_reason != Some(StopReason::StopString) {

@@ -11,7 +11,7 @@
 use super::api::{parse_body, ApiError, ChatRequest, Checked, CompletionRequest, Prompt};
 use super::engine::{EngineHandle, Finish, GenEvent, GenRequest, GenStream, SubmitError};
 use super::text::TextStream;
-use crate::generate::chat::ChatFormat;
+use crate::generate::chat::{ChatFormat, ContextPolicy};
 use crate::generate::sampler::Rng;
 use crate::tokenizer::{EncodeOptions, Tokenizer};
 use axum::body::{Body, Bytes};
@@ -44,6 +44,10 @@ pub struct ServerOptions {
     pub read_timeout: Duration,
     /// Connections served at once; further ones wait to be accepted.
     pub max_connections: usize,
+    /// A chat whose messages leave too little of the context for the
+    /// reply: `Shift` drops its oldest turns after the system messages
+    /// (see [`ChatFormat::fit`]), `Refuse` answers 400 with the numbers.
+    pub context_full: ContextPolicy,
 }
 
 /// The model, once loaded: the engine plus what turns text into ids and back.
@@ -426,8 +430,41 @@ async fn chat_completions(
         .chat
         .tokens(l.tokenizer, &messages)
         .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+    let prompt = match s.opts.context_full {
+        ContextPolicy::Refuse => prompt,
+        ContextPolicy::Shift => shift_messages(l, &messages, checked.max_tokens, prompt),
+    };
     let field = r.max_tokens().map(|(_, f)| f).unwrap_or("max_tokens");
     start(&s, l, Endpoint::Chat, prompt, checked, field).await
+}
+
+/// With the `shift` policy: the chat's tokens with its oldest turns
+/// dropped until `max_tokens` (a quarter of the context when not given)
+/// fit after them. Where no dropping makes them fit, the whole prompt is
+/// kept and refused later with the numbers.
+fn shift_messages(
+    l: &Loaded,
+    messages: &[crate::generate::chat::Message],
+    max_tokens: Option<usize>,
+    prompt: Vec<u32>,
+) -> Vec<u32> {
+    let context = l.engine.limits().context;
+    let reserve = max_tokens.unwrap_or(context / 4).max(1);
+    if prompt.len().saturating_add(reserve) <= context {
+        return prompt;
+    }
+    let target = context.saturating_sub(reserve);
+    match l.chat.fit(
+        l.tokenizer,
+        messages,
+        context,
+        reserve,
+        target,
+        ContextPolicy::Shift,
+    ) {
+        Ok(f) => f.tokens,
+        Err(_) => prompt,
+    }
 }
 
 async fn completions(State(s): State<Arc<AppState>>, req: Request) -> Result<Response, ApiError> {

