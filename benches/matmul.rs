@@ -186,7 +186,7 @@ fn attention_bench() {
         let (kc, vc) = (KvStore::F16(kv.clone()), KvStore::F16(kv));
         // One sequence whose blocks are the whole (shuffled-free) pool.
         let blocks: Vec<i32> = (0..geom.n_blocks as i32).collect();
-        let table = [0, s as i32, pos as i32, 0];
+        let table = [0, s as i32, pos as i32, 0, 1];
         let seqs = StepSeqs::new(&table, &blocks, s, &geom).unwrap();
         let mut out = vec![0f32; q.len()];
         for threads in [1, 2] {

@@ -95,6 +95,7 @@ fn main() {
         // The CLI default. For bf16 weights both modes are exact f32
         // arithmetic; the default one runs single tokens on the GEMV kernel.
         exact: false,
+        ..SessionOptions::default()
     };
     // The pipeline, the pipeline without copying the unfused weights into
     // the arena (`wo`, `w2` and the head stay bf16 in the file mapping), and

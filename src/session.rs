@@ -11,13 +11,15 @@
 //! sequence per step) and keeps its position across calls; a batching
 //! engine drives [`Session::exec`] with batches of several sequences whose
 //! blocks it takes from [`Session::pool`].
+#![warn(missing_docs)]
 
 use crate::dist::stage::{PipelineLink, StepHeader};
 use crate::exec::{
     bind_weights, materialize_packed, store_dtypes, Batch, BindError, ExecError, Executor, KvPool,
     Logits,
 };
-use crate::ir::{DType, Graph, GraphError, LogitRows};
+use crate::ir::{DType, Graph, GraphError, LogitRows, Pooling};
+pub use crate::kernels::kv::CacheType;
 use crate::model::llama::BuildError;
 use crate::model::{build_llama, BuildOptions, ModelArgs, ParamsError};
 use crate::passes::{partition, run_pipeline, PassError, PassList, PipelineReport, StagePlan};
@@ -33,52 +35,117 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use thiserror::Error;
 
+/// Why a model could not be opened; every message names the file.
 #[derive(Debug, Error)]
 pub enum LoadError {
+    /// The path is missing, unreadable or not a model in a known layout.
     #[error("{path}: {message}")]
-    Path { path: String, message: String },
+    Path {
+        /// The path given.
+        path: String,
+        /// What is wrong with it and what to do.
+        message: String,
+    },
+    /// `params.json` (or the arguments derived from `config.json` or GGUF
+    /// metadata) is invalid.
     #[error("{path}: {source}")]
     Params {
+        /// The file the arguments came from.
         path: String,
+        /// The field at fault.
         #[source]
         source: ParamsError,
     },
+    /// A Meta `.pth` checkpoint could not be read.
     #[error(transparent)]
     Pth(#[from] PthError),
+    /// A Hugging Face directory could not be read.
     #[error(transparent)]
     Hf(#[from] HfError),
+    /// A GGUF file could not be read.
     #[error("{path}: {source}")]
     Gguf {
+        /// The GGUF file.
         path: String,
+        /// What the reader found.
         #[source]
         source: GgufError,
     },
+    /// The tokenizer could not be read.
     #[error("{path}: {source}")]
     Tokenizer {
+        /// The tokenizer's file.
         path: String,
+        /// What the tokenizer reader found.
         #[source]
         source: TokenizerError,
     },
+    /// The arguments' `vocab_size` disagrees with the tokenizer or the
+    /// embedding table.
     #[error("vocab_size disagrees: {0}")]
     Vocab(String),
 }
 
+/// Why a session could not be compiled or a step could not run.
 #[derive(Debug, Error)]
 pub enum SessionError {
+    /// The builder could not make the model's graph.
     #[error(transparent)]
     Build(#[from] BuildError),
+    /// The graph failed a check.
     #[error(transparent)]
     Graph(#[from] GraphError),
+    /// An optimisation pass failed.
     #[error(transparent)]
     Pass(#[from] PassError),
+    /// The weights do not match the graph (missing, wrong shape or dtype).
     #[error(transparent)]
     Bind(#[from] BindError),
+    /// The executor refused a step.
     #[error(transparent)]
     Exec(#[from] ExecError),
+    /// The request cannot be honoured (too many tokens, an id outside the
+    /// vocabulary, bad options); the message says which.
     #[error("{0}")]
     Invalid(String),
+    /// A pipeline stage or its link failed.
     #[error("pipeline: {0}")]
     Pipeline(String),
+}
+
+/// The graph variant of a GGUF's architecture (llama.cpp's `llm_build_*` for
+/// it): Qwen2's Q/K/V biases, the Q/K norm of Qwen3 and Gemma 3, Gemma 3's
+/// embedding scale, post-norms, GELU-tanh gate and local layers (a window on
+/// five of every six layers, RoPE base 10000 there: llama.cpp's
+/// `set_swa_pattern(6)` and `rope_freq_base_train_swa`), and the sliding
+/// window the file states.
+fn gguf_variant(
+    m: &crate::weights::gguf::LlamaGgufMeta,
+    has_qkv_bias: bool,
+    has_qk_norm: bool,
+) -> crate::model::Variant {
+    use crate::model::{Family, GateAct, Variant};
+    let mut v = Variant {
+        family: m.family,
+        head_dim: (m.head_dim * m.n_heads != m.dim).then_some(m.head_dim),
+        qkv_bias: has_qkv_bias,
+        qk_norm: has_qk_norm,
+        sliding_window: m.sliding_window,
+        ..Variant::default()
+    };
+    if m.family == Family::Llama && m.sliding_window.is_some() {
+        v.family = Family::Mistral;
+    }
+    if m.family == Family::Gemma3 {
+        v.post_norms = true;
+        v.embed_scale = true;
+        v.gate_act = GateAct::GeluTanh;
+        if m.sliding_window.is_some() {
+            v.global_every = Some(m.swa_pattern.unwrap_or(6));
+            v.local_rope_theta = Some(shortest_f64(m.rope_freq_base_swa.unwrap_or(10000.0)));
+        }
+    }
+    v
 }
 
 /// Chooses the checkpoint tensors to load from the model's arguments and
@@ -99,10 +166,16 @@ pub enum ModelFormat {
 
 /// A model's arguments, weights and (when it has one) tokenizer.
 pub struct Model {
+    /// The path it was opened from.
     pub path: PathBuf,
+    /// Which of the three layouts it is.
     pub format: ModelFormat,
+    /// The architecture's arguments (Meta's `params.json` names).
     pub args: ModelArgs,
+    /// Every tensor, by Meta's names, as views of the file mapping where
+    /// possible.
     pub weights: WeightStore,
+    /// The tokenizer, when the model ships one.
     pub tokenizer: Option<Tokenizer>,
     /// The model's own Jinja chat template (GGUF `tokenizer.chat_template`).
     pub chat_template: Option<String>,
@@ -183,11 +256,28 @@ impl Model {
             path: path.display().to_string(),
             message,
         };
-        if m.head_dim * m.n_heads != m.dim || m.rope_dim != m.head_dim {
+        if m.rope_dim != m.head_dim {
             return Err(perr(format!(
-                "unsupported geometry: head_dim {} x {} heads != dim {} or RoPE over {} of {} dims",
-                m.head_dim, m.n_heads, m.dim, m.rope_dim, m.head_dim
+                "partial rotary embeddings (RoPE over {} of {} dims) are not supported",
+                m.rope_dim, m.head_dim
             )));
+        }
+        if m.head_dim * m.n_heads != m.dim && m.family == crate::model::Family::Llama {
+            return Err(perr(format!(
+                "unsupported geometry: head_dim {} x {} heads != dim {}",
+                m.head_dim, m.n_heads, m.dim
+            )));
+        }
+        let has = |suffix: &str| g.store.tensors.contains_key(&format!("layers.0.{suffix}"));
+        if g.store
+            .tensors
+            .keys()
+            .any(|k| k.starts_with("rope_factors"))
+        {
+            return Err(perr(
+                "per-frequency RoPE factors (rope_factors_long/short: Phi-3 LongRoPE) are not supported"
+                    .into(),
+            ));
         }
         let rope_scaling = match (&m.rope_scaling, m.has_rope_freqs) {
             (None, false) => None,
@@ -256,6 +346,7 @@ impl Model {
             rope_scaling,
             max_context: Some(m.context_length).filter(|&c| c > 0),
             tied_embeddings: g.tied_output,
+            variant: gguf_variant(m, has("attention.wq.bias"), has("attention.q_norm.weight")),
         };
         args.validate().map_err(|e| perr(e.to_string()))?;
         let t = &g.tokenizer;
@@ -516,6 +607,7 @@ pub struct SessionOptions {
     pub batch: usize,
     /// Most sequences in one step (1 for a single conversation).
     pub parallel: usize,
+    /// Compute threads (default: every core).
     pub threads: usize,
     /// Logits for every position of a step, or only the last.
     pub logit_rows: LogitRows,
@@ -526,6 +618,26 @@ pub struct SessionOptions {
     /// when false, kernels may use faster approximate activations where
     /// they have them and the KV pool stores f16.
     pub exact: bool,
+    /// How the KV pool stores keys (`-ctk`); `None`: f16, or f32 with
+    /// `exact`.
+    pub cache_type_k: Option<CacheType>,
+    /// How the KV pool stores values (`-ctv`); `None` as for keys.
+    pub cache_type_v: Option<CacheType>,
+}
+
+impl SessionOptions {
+    /// The KV pool's (key, value) types these options ask for.
+    pub fn kv_types(&self) -> (CacheType, CacheType) {
+        let default = if self.exact {
+            CacheType::F32
+        } else {
+            CacheType::F16
+        };
+        (
+            self.cache_type_k.unwrap_or(default),
+            self.cache_type_v.unwrap_or(default),
+        )
+    }
 }
 
 impl Default for SessionOptions {
@@ -540,18 +652,23 @@ impl Default for SessionOptions {
             logit_rows: LogitRows::Last,
             passes: PassList::all(),
             exact: false,
+            cache_type_k: None,
+            cache_type_v: None,
         }
     }
 }
 
 /// A compiled model with its KV cache.
 pub struct Session {
+    /// The executor: the bound weights, the arena and the worker pool.
     pub exec: Executor,
+    /// The schedule and the arena's buffer plan.
     pub plan: ExecPlan,
     /// The compiled graph (after the passes).
     pub graph: Graph,
     /// What the passes did.
     pub passes: PipelineReport,
+    /// Checkpoint tensors the graph does not read.
     pub unused_weights: Vec<String>,
     /// The KV pool's block allocator.
     pub pool: KvPool,
@@ -571,12 +688,40 @@ pub struct Session {
 }
 
 impl Session {
+    /// Compiles `model` into a session: builds its graph, runs the passes,
+    /// plans the arena, binds the weights and makes the KV pool.
+    ///
+    /// ```no_run
+    /// use llama_graph::session::{Model, Session, SessionOptions};
+    /// use llama_graph::tokenizer::EncodeOptions;
+    ///
+    /// let model = Model::open("SmolLM2-135M-Instruct.Q4_1.gguf".as_ref())?;
+    /// let mut session = Session::new(&model, &SessionOptions::default())?;
+    /// let tokenizer = model.tokenizer.as_ref().expect("a GGUF file has one");
+    /// let prompt = tokenizer.encode("Once upon a time", EncodeOptions { add_bos: true, parse_special: false });
+    /// let logits = session.feed(&prompt)?; // the last token's logits
+    /// let next = llama_graph::generate::sampler::argmax(logits);
+    /// println!("{}", tokenizer.decode(&[next as u32]));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn new(model: &Model, opts: &SessionOptions) -> Result<Session, SessionError> {
-        Session::build(model, opts, None)
+        Session::build(model, opts, None, None)
+    }
+
+    /// A session whose steps give one embedding per sequence (the final
+    /// norm's rows pooled by `pooling`, `[N, E]`) instead of logits; every
+    /// sequence of a step must be fed whole (from position 0) in that step.
+    /// Read the rows with [`Executor::step`] on a batch of whole sequences.
+    pub fn new_embedding(
+        model: &Model,
+        opts: &SessionOptions,
+        pooling: Pooling,
+    ) -> Result<Session, SessionError> {
+        Session::build(model, opts, None, Some(pooling))
     }
 
     /// A session for stage `stage` of `plan`: the compiled graph is
-    /// partitioned (see [`crate::passes::partition`]) and only this stage's
+    /// partitioned (see [`crate::passes::partition`](mod@crate::passes::partition)) and only this stage's
     /// graph is planned, bound (only its tensors are read) and run, with a
     /// KV pool for its layers only. Stage 0 embeds tokens; the others take
     /// the hidden state through [`Executor::step_with`].
@@ -592,13 +737,14 @@ impl Session {
                 plan.n_stages()
             )));
         }
-        Session::build(model, opts, Some((plan, stage)))
+        Session::build(model, opts, Some((plan, stage)), None)
     }
 
     fn build(
         model: &Model,
         opts: &SessionOptions,
         stage: Option<(&StagePlan, usize)>,
+        pooling: Option<Pooling>,
     ) -> Result<Session, SessionError> {
         if opts.batch == 0 {
             return Err(SessionError::Invalid(
@@ -619,7 +765,10 @@ impl Session {
         let mut bo = BuildOptions::new(context);
         bo.weight_dtypes = store_dtypes(&model.weights);
         bo.logit_rows = opts.logit_rows;
-        bo.kv_dtype = if opts.exact { DType::F32 } else { DType::F16 };
+        bo.pooling = pooling;
+        let (kt, vt) = opts.kv_types();
+        bo.kv_dtype = kt.dtype();
+        bo.kv_v_dtype = vt.dtype();
         let mut graph = build_llama(&model.args, &bo)?;
         let stage_graph = |g: &Graph| -> Result<Graph, SessionError> {
             match stage {
@@ -632,7 +781,7 @@ impl Session {
         let unused_weights = bind_weights(&stage_graph(&graph)?, &model.weights)?.unused;
         let mut passes = match opts.logit_rows {
             LogitRows::All => opts.passes.clone().without("last_logits"),
-            LogitRows::Last => opts.passes.clone(),
+            LogitRows::Last | LogitRows::Tail { .. } => opts.passes.clone(),
         };
         if opts.exact {
             // The exact kernels read rows one after another.
@@ -646,6 +795,7 @@ impl Session {
             max_tokens: opts.batch,
             max_seqs: opts.parallel,
             context,
+            max_logit_rows: opts.logit_rows.max_rows(opts.batch, opts.parallel),
         };
         let plan = compile(&graph, &limits)?;
         plan.buffers.check().map_err(SessionError::Invalid)?;
@@ -870,10 +1020,34 @@ impl Session {
         self.pos
     }
 
+    /// The planned context: the most tokens the session's sequence holds.
     pub fn context(&self) -> usize {
         self.exec.context()
     }
 
+    /// The KV cache's size and types, as `run`, `chat`, `bench` and `serve`
+    /// print it at start: `KV cache: 2048 positions, keys f16, values f16,
+    /// 45.0 MiB`.
+    pub fn kv_summary(&self) -> String {
+        let (k, v) = self
+            .exec
+            .kv_types()
+            .map_or(("-".into(), "-".into()), |(k, v)| {
+                (k.to_string(), v.to_string())
+            });
+        format!(
+            "KV cache: {} positions, keys {k}, values {v}, {:.2} MiB{}",
+            self.exec.kv_geom().capacity(),
+            self.exec.kv_bytes() as f64 / 1048576.0,
+            if self.stage.is_some() {
+                " (this stage's layers)"
+            } else {
+                ""
+            }
+        )
+    }
+
+    /// The vocabulary size: the length of a logits row.
     pub fn vocab(&self) -> usize {
         self.vocab
     }
@@ -907,6 +1081,36 @@ impl Session {
         self.batch.push(tokens, self.pos, &self.blocks);
         self.pos += tokens.len();
         Ok(self.exec.step(&self.batch)?)
+    }
+
+    /// Feeds `tokens` (at most the batch size) as one step that asks for
+    /// the logits of its last `rows` tokens (1 to `tokens.len()`), as
+    /// verifying drafted tokens does: the step is an ordinary step of the
+    /// graph whose `LastRows` returns `rows` rows for this sequence. The
+    /// session must be compiled with `LogitRows::Tail { max }`, `max >=
+    /// rows` (with `All` every token's row comes back). Returns the rows,
+    /// in position order.
+    pub fn feed_rows(&mut self, tokens: &[u32], rows: usize) -> Result<Logits<'_>, SessionError> {
+        if tokens.len() > self.exec.max_chunk() {
+            return Err(ExecError::StepSize {
+                got: tokens.len(),
+                max: self.exec.max_chunk(),
+            }
+            .into());
+        }
+        self.check_and_reserve(tokens)?;
+        self.batch.clear();
+        self.batch.push_rows(tokens, self.pos, &self.blocks, rows);
+        self.pos += tokens.len();
+        run_step(
+            &mut self.exec,
+            self.link.as_mut(),
+            &mut self.remote_logits,
+            self.vocab,
+            &self.batch,
+            true,
+        )?
+        .ok_or_else(|| SessionError::Pipeline("no logits came back".into()))
     }
 
     /// Checks that `tokens` fit after the current position and are in the
@@ -985,12 +1189,13 @@ fn run_step<'a>(
         return Ok(None);
     }
     let l = link.recv_logits().map_err(perr)?;
-    if l.width != vocab || l.rows == 0 || l.rows > batch.n_seqs() {
+    if l.width != vocab || l.rows == 0 || l.rows > batch.n_tokens() {
         return Err(SessionError::Pipeline(format!(
-            "the last stage sent {} x {} logits for a step of {} sequences, expected rows of {}",
+            "the last stage sent {} x {} logits for a step of {} sequences and {} tokens, expected rows of {}",
             l.rows,
             l.width,
             batch.n_seqs(),
+            batch.n_tokens(),
             vocab
         )));
     }

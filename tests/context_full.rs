@@ -33,6 +33,7 @@ fn session(model: &Model, context: usize) -> Session {
         logit_rows: LogitRows::Last,
         passes: PassList::all(),
         exact: true,
+        ..SessionOptions::default()
     };
     Session::new(model, &opts).unwrap()
 }
@@ -48,8 +49,17 @@ fn a_shifted_generation_continues_like_a_fresh_run_on_the_kept_tokens() {
     let shift = ContextShift { keep: 3 };
     let n = 100;
     let mut s = session(&model, context);
-    let st =
-        generate_shifting(&mut s, None, &prompt, &greedy(n), Some(shift), &mut |_| {}).unwrap();
+    let st = generate_shifting(
+        &mut s,
+        None,
+        None,
+        None,
+        &prompt,
+        &greedy(n),
+        shift,
+        &mut |_| {},
+    )
+    .unwrap();
     assert_eq!(st.generated_tokens.len(), n, "generated past the context");
     assert!(st.shifts >= 3, "{} shifts", st.shifts);
 

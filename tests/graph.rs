@@ -15,6 +15,22 @@ const ARCHS: &[(&str, Option<usize>)] = &[
     ("tiny", None),
 ];
 
+/// The other families, each from a real Hugging Face `config.json`.
+const FAMILY_ARCHS: &[&str] = &[
+    "qwen2.5-0.5b",
+    "qwen3-0.6b",
+    "mistral-7b-v0.1",
+    "phi-3-mini-4k",
+    "gemma-3-270m",
+];
+
+fn all_archs() -> impl Iterator<Item = &'static str> {
+    ARCHS
+        .iter()
+        .map(|(a, _)| *a)
+        .chain(FAMILY_ARCHS.iter().copied())
+}
+
 fn build(arch: &str) -> Graph {
     let mut args = common::graph_params(arch);
     if let Some((_, Some(v))) = ARCHS.iter().find(|(a, _)| *a == arch) {
@@ -93,7 +109,7 @@ fn symbolic_shapes_in_graph() {
     assert_eq!(shape_of("layers.3.attention.scores"), "f32[32, S, T]");
     assert_eq!(shape_of("positions"), "i32[S]");
     assert_eq!(shape_of("kv.slots"), "i32[S]");
-    assert_eq!(shape_of("kv.seqs"), "i32[N, 4]");
+    assert_eq!(shape_of("kv.seqs"), "i32[N, 5]");
     assert_eq!(shape_of("kv.blocks"), "i32[128]");
     assert_eq!(shape_of("layers.3.attention.wq.weight"), "bf16[4096, 4096]");
     assert_eq!(shape_of("output"), "f32[S, 128256]");
@@ -171,7 +187,7 @@ fn shape_mismatch_names_node_expected_and_actual() {
 fn snapshots_pin_structure_and_shapes() {
     let settings = common::snapshot_settings();
     settings.bind(|| {
-        for (arch, _) in ARCHS {
+        for arch in all_archs() {
             let g = build(arch);
             insta::assert_snapshot!(format!("graph_{arch}"), print::dump(&g).unwrap());
         }
@@ -221,7 +237,7 @@ fn committed_graphs_are_fresh() {
     // Regenerate with: LLAMA_GRAPH_UPDATE_GRAPHS=1 cargo test --release --test graph committed_graphs
     let update = std::env::var_os("LLAMA_GRAPH_UPDATE_GRAPHS").is_some();
     let mut stale = Vec::new();
-    for (arch, _) in ARCHS {
+    for arch in all_archs() {
         let dot = to_dot(&build(arch), DotOptions::default()).unwrap();
         let path = common::root().join("graphs").join(arch).join("graph.dot");
         if update {
@@ -279,6 +295,54 @@ fn dot_renders_with_graphviz() {
             assert!(svg.contains("more layers"));
         }
     }
+}
+
+/// Each family's builder output: the ops its variant adds, per layer.
+#[test]
+fn family_graphs_have_their_ops() {
+    for arch in FAMILY_ARCHS {
+        let args = common::graph_params(arch);
+        let g = build(arch);
+        g.verify().unwrap();
+        let n = args.n_layers;
+        let c = g.op_counts();
+        let count = |k: &str| c.get(k).copied().unwrap_or(0);
+        let v = &args.variant;
+        // Residuals, plus one bias add per projection (Qwen2).
+        let biases = if v.qkv_bias { 3 * n } else { 0 };
+        assert_eq!(count("Add"), 2 * n + biases, "{arch}");
+        // Two norms per layer, two more with post-norms, two with Q/K norm.
+        let norms = 2 + 2 * usize::from(v.post_norms) + 2 * usize::from(v.qk_norm);
+        assert_eq!(count("RmsNorm"), norms * n + 1, "{arch}");
+        assert_eq!(count("Scale"), usize::from(v.embed_scale), "{arch}");
+        assert_eq!(
+            count("GeluTanh"),
+            if v.gate_act == llama_graph::model::GateAct::GeluTanh {
+                n
+            } else {
+                0
+            }
+        );
+        // Window on every layer (Mistral, Phi-3) or 5 of 6 (Gemma 3).
+        let windowed = (0..n).filter(|&i| args.layer_window(i).is_some()).count();
+        let dump = print::dump(&g).unwrap();
+        assert_eq!(dump.matches(", window=").count(), windowed, "{arch}");
+        // Gemma 3's local layers have their own RoPE table.
+        let tables = if v.local_rope_theta.is_some() { 2 } else { 1 };
+        assert_eq!(count("RopeFreqs"), tables, "{arch}");
+    }
+    let a = common::graph_params("gemma-3-270m");
+    assert_eq!(
+        (
+            a.head_dim(),
+            a.n_rep(),
+            a.layer_window(0),
+            a.layer_window(5)
+        ),
+        (256, 4, Some(512), None)
+    );
+    let a = common::graph_params("qwen3-0.6b");
+    assert_eq!((a.head_dim(), a.dim / a.n_heads), (128, 64));
 }
 
 #[test]

@@ -63,6 +63,7 @@ fn opts(rows: LogitRows, batch: usize) -> SessionOptions {
         logit_rows: rows,
         passes: PassList::all(),
         exact: true,
+        ..SessionOptions::default()
     }
 }
 

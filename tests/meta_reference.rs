@@ -63,6 +63,7 @@ fn run_case(
         logit_rows: rows,
         passes,
         exact: true,
+        ..SessionOptions::default()
     };
     let mut sess = Session::new(&model, &opts).unwrap();
     let prompt: Vec<u32> = expected["prompt_tokens"]
@@ -214,6 +215,7 @@ fn scaled_rope_at_long_positions_matches_meta() {
         logit_rows: LogitRows::All,
         passes: PassList::all(),
         exact: true,
+        ..SessionOptions::default()
     };
     let mut sess = Session::new(&model, &opts).unwrap();
     let mut checked = 0;

@@ -124,6 +124,7 @@ fn run_mode(
         logit_rows: rows,
         passes: PassList::parse(passes).unwrap(),
         exact,
+        ..SessionOptions::default()
     };
     let mut s = Session::new(model, &opts).unwrap();
     if let Some(w) = serial_attention_work {
@@ -698,6 +699,7 @@ fn long_prefill_step_matches_the_unfused_graph() {
                 logit_rows: LogitRows::Last,
                 passes: PassList::parse(passes).unwrap(),
                 exact: true,
+                ..SessionOptions::default()
             };
             let mut s = Session::new(&model, &opts).unwrap();
             let prompt: Vec<u32> = (0..300).map(|i| (i * 53 + 7) % 256).collect();

@@ -44,6 +44,7 @@ fn stages_verify_and_plan_alone() {
                         max_tokens: 16,
                         max_seqs: 4,
                         context: 64,
+                        max_logit_rows: 4,
                     },
                 )
                 .unwrap();
@@ -249,6 +250,7 @@ fn opts(batch: usize, passes: PassList) -> SessionOptions {
         logit_rows: LogitRows::Last,
         passes,
         exact: true,
+        ..SessionOptions::default()
     }
 }
 
@@ -579,7 +581,7 @@ fn bad_block_copies_are_refused() {
             "{e}"
         );
     }
-    let odd = Batch::from_parts(vec![1], vec![0, 1, 0, 0], vec![0], vec![1, 2, 3]);
+    let odd = Batch::from_parts(vec![1], vec![0, 1, 0, 0, 1], vec![0], vec![1, 2, 3]);
     let e = s.step(&odd).map(|_| ()).unwrap_err().to_string();
     assert!(e.contains("copy table has 3 values"), "{e}");
 }

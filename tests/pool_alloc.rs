@@ -60,7 +60,7 @@ fn run_and_kernels_do_not_allocate() {
     };
     let q = vec![0.1f32; (s + 1) * 4 * 16];
     let kc = KvStore::F16(vec![half::f16::from_f32(0.2); geom.elems()]);
-    let table = [0, s as i32, 3, 0, s as i32, 1, 300, 1];
+    let table = [0, s as i32, 3, 0, 1, s as i32, 1, 300, 1, 1];
     let blocks: Vec<i32> = (0..20).collect();
     let seqs = StepSeqs::new(&table, &blocks, s + 1, &geom).unwrap();
     let mut att = vec![0f32; q.len()];

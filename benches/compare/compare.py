@@ -5,7 +5,7 @@ Run with the venv that setup.sh creates (it has llama-cpp-python, pinned):
 
     bash benches/compare/setup.sh                      # once: builds llama.cpp
     PY=~/.cache/llama-graph/compare/venv/bin/python
-    cargo build --release --examples
+    cargo build --release && cargo build --release --example stream
     $PY benches/compare/compare.py prepare             # model variants
     $PY benches/compare/compare.py run --reps 5 --threads 1,2
 
@@ -37,8 +37,9 @@ resident pages of llama.cpp's shared libraries at that moment.
 
 Output: a table of medians with ratio = llama-graph / llama.cpp per row
 (higher is better for tokens/s, lower for load time and RSS), on stdout and
-as JSON (--out, default benches/compare/results.json), with the raw samples,
-the STREAM-style bandwidth (examples/stream.rs) and the memory-bandwidth
+as JSON (--out, default benches/results/<cpu-class>/compare.json, see
+benches/harness.py: this host's latest run only), with the raw samples,
+the STREAM-style bandwidth (benches/probes/stream.rs) and the memory-bandwidth
 bound of decode (weight bytes read per token / read bandwidth).
 """
 
@@ -50,10 +51,13 @@ import statistics
 import subprocess
 import sys
 import time
+import shlex
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+sys.path.insert(0, str(REPO / "benches"))
+import harness  # noqa: E402
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llama-graph"
 MODELS = CACHE / "compare" / "models"
 SHIPPED = CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -271,11 +275,11 @@ def run_llama_cpp(model, threads):
 
 
 def stream_bandwidth(threads):
-    exe = REPO / "target" / "release" / "examples" / "stream"
-    if not exe.exists():
+    r = subprocess.run(["cargo", "run", "-q", "--release", "--example", "stream", "--", "256", ",".join(map(str, threads))],
+                       cwd=REPO, capture_output=True, text=True)
+    if r.returncode != 0:
         return None
-    out = subprocess.run([str(exe), "256", ",".join(map(str, threads))], capture_output=True,
-                         text=True, check=True).stdout
+    out = r.stdout
     return [json.loads(l) for l in out.splitlines() if l.startswith("{")]
 
 
@@ -336,30 +340,30 @@ def cmd_run(args):
                   f"/ {b['read_gbs']:.1f} GB/s = {b['decode_bound_tps']:.0f} tokens/s")
     doc = {"started": started, "reps": args.reps, "exact": args.exact, "rows": rows, "stream": bw,
            "decode_bound": bound, "samples": samples,
-           "machine": {"cpu": _cpu_name(), "nproc": os.cpu_count()}}
-    Path(args.out).write_text(json.dumps(doc, indent=1))
-    print(f"\nwrote {args.out}")
-
-
-def _cpu_name():
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
+           "machine": {"cpu": harness.cpu_name(), "nproc": os.cpu_count()},
+           "cpu_class": harness.cpu_class(), "llama_graph": harness.git_rev(),
+           "command": "$PY benches/compare/compare.py " + shlex.join(sys.argv[1:])}
+    out = Path(args.out) if args.out else harness.result_path("compare")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    print(f"\nwrote {out}")
 
 
 def cmd_table(args):
-    """Prints a results JSON as the README's markdown table."""
-    doc = json.loads(Path(args.results).read_text())
+    """Prints a results JSON (default: this host's) as a markdown table."""
+    print("\n".join(table(harness.load("compare", args.results))))
+
+
+def table(doc):
+    """The markdown table of one results JSON, as lines."""
     cells = {}
     for r in doc["rows"]:
         cells[(r["variant"].lower(), r["threads"], r["metric"])] = r
     names = {"q4_1": "Q4_1 (as shipped)", "q8_0": "Q8_0", "f16": "F16", "f32": "F32"}
-    print("| variant | threads | pp128 | pp512 | tg128 | peak RSS |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    lines = [f"CPU: {doc['machine']['cpu']}; medians of {doc['reps']} interleaved runs; tokens/s and peak RSS "
+             "in MiB, llama-graph / llama.cpp = ratio (tokens/s: higher is better; RSS: lower is better)", "",
+             "| variant | threads | pp128 | pp512 | tg128 | peak RSS |",
+             "| --- | --- | --- | --- | --- | --- |"]
     order = list(names)
     keys = sorted({(v, t) for v, t, _ in cells},
                   key=lambda k: (order.index(k[0]) if k[0] in order else len(order), k[0], k[1]))
@@ -373,7 +377,8 @@ def cmd_table(args):
                 out.append(f"{r['llama_graph']:.1f} / {r['llama_cpp']:.1f} = {r['ratio']:.3f}")
             else:
                 out.append(f"{r['llama_graph']:.0f} / {r['llama_cpp']:.0f} = {r['ratio']:.2f}")
-        print(f"| {names.get(v, v)} | {t} | " + " | ".join(out) + " |")
+        lines.append(f"| {names.get(v, v)} | {t} | " + " | ".join(out) + " |")
+    return lines
 
 
 def main():
@@ -389,12 +394,13 @@ def main():
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--llama-graph", help="path of the llama-graph binary (default target/release/llama-graph)")
     p.add_argument("--exact", action="store_true", help="llama-graph with exact (f32-activation) quantized matmuls")
-    p.add_argument("--out", default=str(HERE / "results.json"))
+    p.add_argument("--out", default="",
+                   help="results JSON (default: benches/results/<this host's CPU class>/compare.json)")
     p = sub.add_parser("llamacpp-logits", help="llama.cpp's logits vs the f32 reference fixture")
     p.add_argument("--model", default=str(SHIPPED))
     p.add_argument("--threads", type=int, default=1)
-    p = sub.add_parser("table", help="print a results JSON as the README's markdown table")
-    p.add_argument("results")
+    p = sub.add_parser("table", help="print a results JSON as a markdown table")
+    p.add_argument("results", nargs="?", help="default: benches/results/<this host's CPU class>/compare.json")
     p = sub.add_parser("llamacpp-worker", help=argparse.SUPPRESS)
     p.add_argument("--model", required=True)
     p.add_argument("--threads", type=int, required=True)

@@ -1,6 +1,6 @@
 """llama.cpp's first-step margin between the reference's top-2 tokens, per
 committed prompt (tests/fixtures/smollm2/expected.json), to compare with the
-margins examples/fast_vs_exact.rs prints for llama-graph.
+margins benches/probes/fast_vs_exact.rs prints for llama-graph.
 
     ~/.cache/llama-graph/compare/venv/bin/python benches/compare/first_step_margin.py MODEL.gguf
 """

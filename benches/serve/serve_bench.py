@@ -6,7 +6,7 @@ same GGUF file, same threads, -np and context, same prompts, interleaved.
     bash tools/llamacpp/build.sh native llama-server        # once (minutes)
     python3 benches/compare/bench.py prepare --python PY    # the 1B-shaped GGUF files
     python3 benches/serve/serve_bench.py run --models q4_1,1b_q4_k_m --clients 1,4,16 --rounds 3
-    python3 benches/serve/serve_bench.py table benches/serve/results.json
+    python3 benches/serve/serve_bench.py table      # this host's latest run
 
 Per round and model, the two servers run back to back in alternating order
 (llama-graph first in even rounds). Each is started fresh (`-t T -np P -c C`
@@ -34,7 +34,9 @@ paired ratio per round; the table gives their median and each of them,
 since on a shared host the rate drifts between minutes.
 
 The HTTP client is plain asyncio sockets (stdlib only), so that the client
-costs both servers the same little CPU. Results: JSON (`--out`) and a table.
+costs both servers the same little CPU. Results: a table, and the JSON in
+`benches/results/<cpu-class>/serve.json` (see `benches/harness.py`), which
+holds this host's latest run only, with the llama-graph commit it measured.
 """
 
 import argparse
@@ -48,10 +50,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import shlex
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+sys.path.insert(0, str(REPO / "benches"))
+import harness  # noqa: E402
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llama-graph"
 MODELS = CACHE / "compare" / "models"
 SHIPPED = CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -327,17 +332,14 @@ def run(args):
                 samples.setdefault(f"{m}|run", []).append(s)
                 log(f"round {rnd} {m} run: {s['decode_tokens_per_s']:.1f} tok/s decode")
     res = {"llama_server_extra_flags": lc_flags, "rounds": args.rounds, "threads": args.threads, "parallel": args.parallel, "ctx": args.ctx,
-           "requests_per_client": args.requests_per_client, "cpu": cpu_name(),
+           "requests_per_client": args.requests_per_client, "cpu": harness.cpu_name(),
+           "cpu_class": harness.cpu_class(), "llama_graph": harness.git_rev(),
+           "command": "python3 benches/serve/serve_bench.py " + shlex.join(sys.argv[1:]),
            "models": models, "clients": clients, "samples": samples}
-    Path(args.out).write_text(json.dumps(res, indent=1))
-    table(res)
-
-
-def cpu_name():
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "?"
+    out = Path(args.out) if args.out else harness.result_path("serve")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    print("\n".join(table(res)))
 
 
 def med(xs, key):
@@ -345,13 +347,14 @@ def med(xs, key):
 
 
 def table(res):
+    """The markdown table of one results JSON, as lines."""
     s = res["samples"]
     extra = " ".join(res.get("llama_server_extra_flags") or [])
-    print(f"CPU: {res['cpu']}; {res['threads']} threads, -np {res['parallel']}, -c {res['ctx']}"
-          + (f" (llama-server {extra})" if extra else "") + "; "
-          f"medians of {res['rounds']} interleaved rounds; llama-graph / llama-server = ratio")
-    print("| model | clients | generated tokens/s | vs our 1 client | TTFT median ms | per-stream tokens/s |")
-    print("|---|---|---|---|---|---|")
+    lines = [f"CPU: {res['cpu']}; {res['threads']} threads, -np {res['parallel']}, -c {res['ctx']}"
+             + (f" (llama-server {extra})" if extra else "") + "; "
+             f"medians of {res['rounds']} interleaved rounds; llama-graph / llama-server = ratio", "",
+             "| model | clients | generated tokens/s | vs our 1 client | TTFT median ms | per-stream tokens/s |",
+             "|---|---|---|---|---|---|"]
     for m in res["models"]:
         one = s.get(f"{m}|lg|1")
         for c in res["clients"]:
@@ -365,14 +368,14 @@ def table(res):
             ta, tb = med(lg, "ttft_median_s") * 1000, med(lc, "ttft_median_s") * 1000
             da = statistics.median(x["stream_decode_median"] for x in lg)
             db = statistics.median(x["stream_decode_median"] for x in lc)
-            print(f"| {m} | {c} | {a:.1f} / {b:.1f} = **{a / b:.2f}** | {vs1} | "
+            lines.append(f"| {m} | {c} | {a:.1f} / {b:.1f} = **{a / b:.2f}** | {vs1} | "
                   f"{ta:.0f} / {tb:.0f} | {da:.1f} / {db:.1f} |")
         pairs = s.get(f"{m}|pair")
         if pairs:
             ratios = sorted(p["ratio"] for p in pairs)
             r = statistics.median(statistics.mean([p["run_before"], p["run_after"]]) for p in pairs)
             d = statistics.median(p["stream_decode"] for p in pairs)
-            print(f"| {m} | `run` | decode {r:.1f} tokens/s; 1-client stream decode {d:.1f}; "
+            lines.append(f"| {m} | `run` | decode {r:.1f} tokens/s; 1-client stream decode {d:.1f}; "
                   f"stream / `run` paired per round: median {statistics.median(ratios):.2f} "
                   f"({', '.join(f'{x:.2f}' for x in ratios)}) | | | |")
             continue
@@ -380,8 +383,9 @@ def table(res):
         if runs and one:
             r = med(runs, "decode_tokens_per_s")
             d = statistics.median(x["stream_decode_median"] for x in one)
-            print(f"| {m} | `run` | decode {r:.1f} tokens/s; 1-client stream decode {d:.1f} = "
-                  f"{d / r:.2f} of `run` | | | |")
+            lines.append(f"| {m} | `run` | decode {r:.1f} tokens/s; 1-client stream decode {d:.1f} = "
+                         f"{d / r:.2f} of `run` | | | |")
+    return lines
 
 
 def main():
@@ -401,14 +405,15 @@ def main():
                    help="the llama-server binary (default: tools/llamacpp/build.sh native llama-server)")
     r.add_argument("--lc-flags", default="", help="extra llama-server flags, e.g. --no-repack")
     r.add_argument("--servers", default="lg,lc", help="lg (llama-graph), lc (llama-server) or both")
-    r.add_argument("--out", default=str(HERE / "results.json"))
-    t = sub.add_parser("table")
-    t.add_argument("json")
+    r.add_argument("--out", default="",
+                   help="results JSON (default: benches/results/<this host's CPU class>/serve.json)")
+    t = sub.add_parser("table", help="print a results JSON as a markdown table")
+    t.add_argument("json", nargs="?", help="default: benches/results/<this host's CPU class>/serve.json")
     a = ap.parse_args()
     if a.cmd == "run":
         run(a)
     else:
-        table(json.loads(Path(a.json).read_text()))
+        print("\n".join(table(harness.load("serve", a.json))))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@
 //!   `-b`); tokens/s = N / wall time.
 //! - `tgN`: the cache is reset and N tokens are fed one at a time (each step
 //!   computes the last row's logits); tokens/s = N / wall time.
+//! - with `-d D` (llama-bench's `--n-depth`), each run of either test first
+//!   feeds D synthetic tokens (in chunks of `-b`, untimed) after the reset,
+//!   so the N timed tokens attend over D positions already in the cache; the
+//!   row is named `ppN @ dD` / `tgN @ dD`.
 //!
 //! Each test runs once untimed (warm-up) and then `-r` times.
 
@@ -53,6 +57,16 @@ pub struct BenchArgs {
         default_value = "128"
     )]
     pub n_gen: Vec<usize>,
+    /// Depths to test (comma-separated), as llama-bench's --n-depth: each
+    /// ppN and tgN runs after this many tokens are already in the KV cache
+    /// (fed untimed, in chunks of -b, after the reset of every run).
+    #[arg(
+        short = 'd',
+        long = "n-depth",
+        value_delimiter = ',',
+        default_value = "0"
+    )]
+    pub n_depth: Vec<usize>,
     /// Repetitions of each test.
     #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
     pub reps: usize,
@@ -70,6 +84,8 @@ pub struct BenchArgs {
     /// remainder, integer dot products; every quantized type but Q2_K).
     #[arg(long = "exact")]
     pub exact: bool,
+    #[command(flatten)]
+    pub cache: super::flags::CacheTypeFlags,
     /// Optimisation passes: `all`, `none` or a comma-separated list of pass
     /// names (see `llama-graph graph --help`), as for `run`.
     #[arg(long = "passes", value_name = "LIST", default_value = "all", value_parser = super::flags::parse_passes)]
@@ -97,6 +113,8 @@ pub struct BenchRow {
     pub n_batch: usize,
     pub n_prompt: usize,
     pub n_gen: usize,
+    /// Tokens in the cache before the timed ones (llama-bench's n_depth).
+    pub n_depth: usize,
     pub test: String,
     pub avg_ns: u64,
     pub stddev_ns: u64,
@@ -115,6 +133,12 @@ pub struct BenchRow {
     pub stages: usize,
     /// Sequences decoding at once in tgN (not in llama-bench).
     pub in_flight: usize,
+    /// Bytes the KV cache takes per position, all layers' keys and values
+    /// (not in llama-bench; with --pipeline, rank 0's layers only).
+    pub kv_bytes_per_pos: u64,
+    /// The KV cache's key and value types (llama-bench's type_k, type_v).
+    pub type_k: String,
+    pub type_v: String,
 }
 
 /// Mean and sample standard deviation (0 for fewer than two samples).
@@ -149,13 +173,26 @@ enum Test {
     Gen(usize),
 }
 
+impl Test {
+    fn n(&self) -> usize {
+        match *self {
+            Test::Prompt(n) | Test::Gen(n) => n,
+        }
+    }
+}
+
+/// One timed run: reset, feed the `depth` tokens untimed, then time the test.
 fn run_once(
     session: &mut Session,
     test: &Test,
+    depth: &[u32],
     tokens: &[u32],
     in_flight: usize,
 ) -> Result<f64, String> {
     session.reset();
+    if !depth.is_empty() {
+        session.feed(depth).map_err(|e| e.to_string())?;
+    }
     let t0 = Instant::now();
     match *test {
         Test::Prompt(_) => {
@@ -195,14 +232,20 @@ pub fn run(a: BenchArgs) -> super::CliResult {
         .map(|&n| Test::Prompt(n))
         .collect();
     tests.extend(a.n_gen.iter().filter(|&&n| n > 0).map(|&n| Test::Gen(n)));
+    let depths = &a.n_depth;
+    let deepest = depths.iter().copied().max().unwrap_or(0);
+    if deepest > 0 && a.in_flight > 1 {
+        return Err(
+            "-d (depth) with --in-flight above 1 is not supported: give one or the other".into(),
+        );
+    }
     let longest = tests
         .iter()
-        .map(|t| match t {
-            Test::Prompt(n) | Test::Gen(n) => *n,
-        })
+        .map(Test::n)
         .max()
         .unwrap_or(0)
-        .max(a.in_flight);
+        .max(a.in_flight)
+        + deepest;
     let opts_for_threads = |threads: usize| -> Result<SessionOptions, String> {
         Ok(SessionOptions {
             // The KV pool holds every sequence in flight.
@@ -211,6 +254,8 @@ pub fn run(a: BenchArgs) -> super::CliResult {
             threads,
             exact: a.exact,
             passes: PassList::parse(&a.passes)?,
+            cache_type_k: a.cache.cache_type_k,
+            cache_type_v: a.cache.cache_type_v,
             ..SessionOptions::default()
         })
     };
@@ -257,23 +302,43 @@ pub fn run(a: BenchArgs) -> super::CliResult {
             None => Session::new(&model, &opts_for_threads(threads)?)?,
         };
         let stages = session.pipeline().map_or(1, |l| l.n_stages());
+        eprintln!("{}", session.kv_summary());
+        let kv_types = session
+            .exec
+            .kv_types()
+            .unwrap_or(opts_for_threads(threads)?.kv_types());
         let load_s = open_s + t0.elapsed().as_secs_f64();
-        for test in &tests {
+        for (&depth, test) in depths
+            .iter()
+            .flat_map(|d| tests.iter().map(move |t| (d, t)))
+        {
             let (name, n_prompt, n_gen, n) = match *test {
                 Test::Prompt(n) => (format!("pp{n}"), n, 0, n),
                 Test::Gen(n) => (format!("tg{n}"), 0, n, n),
+            };
+            let name = if depth > 0 {
+                format!("{name} @ d{depth}")
+            } else {
+                name
             };
             let len = match test {
                 Test::Gen(_) => n.max(a.in_flight),
                 Test::Prompt(_) => n,
             };
             let tokens = synthetic_tokens(&mut seed, len, vocab);
+            let depth_tokens = synthetic_tokens(&mut seed, depth, vocab);
             if !a.no_warmup {
-                run_once(&mut session, test, &tokens, a.in_flight)?;
+                run_once(&mut session, test, &depth_tokens, &tokens, a.in_flight)?;
             }
             let mut secs = Vec::with_capacity(a.reps);
             for _ in 0..a.reps {
-                secs.push(run_once(&mut session, test, &tokens, a.in_flight)?);
+                secs.push(run_once(
+                    &mut session,
+                    test,
+                    &depth_tokens,
+                    &tokens,
+                    a.in_flight,
+                )?);
             }
             let count = match test {
                 Test::Gen(_) => n * a.in_flight,
@@ -291,6 +356,7 @@ pub fn run(a: BenchArgs) -> super::CliResult {
                 n_batch: a.batch,
                 n_prompt,
                 n_gen,
+                n_depth: depth,
                 test: name,
                 avg_ns: avg_ns as u64,
                 stddev_ns: stddev_ns as u64,
@@ -307,6 +373,11 @@ pub fn run(a: BenchArgs) -> super::CliResult {
                 } else {
                     1
                 },
+                type_k: kv_types.0.to_string(),
+                type_v: kv_types.1.to_string(),
+                kv_bytes_per_pos: (session.exec.kv_bytes()
+                    / session.exec.kv_geom().capacity().max(1))
+                    as u64,
             };
             if matches!(a.output, OutputFormat::Md) {
                 println!(

@@ -12,11 +12,11 @@
 //! prefix is then the system prompt). `--context-full refuse` refuses such
 //! a turn instead, with the numbers.
 
-use super::flags::{n_predict, ContextFlags, RuntimeFlags, SamplingFlags};
+use super::flags::{n_predict, ContextFlags, RuntimeFlags, SamplingFlags, SpecFlags};
 use super::model::ModelArg;
 use clap::Args;
 use llama_graph::generate::chat::{ChatFormat, ContextPolicy, Message};
-use llama_graph::generate::{generate, GenOptions, StopReason};
+use llama_graph::generate::{generate_with, GenOptions, Speculation, StopReason};
 use llama_graph::session::Session;
 use std::io::{BufRead, IsTerminal, Write};
 
@@ -42,6 +42,8 @@ pub struct ChatArgs {
     pub context: ContextFlags,
     #[command(flatten)]
     pub sampling: SamplingFlags,
+    #[command(flatten)]
+    pub spec: SpecFlags,
 }
 
 pub fn run(a: ChatArgs) -> super::CliResult {
@@ -54,13 +56,18 @@ pub fn run(a: ChatArgs) -> super::CliResult {
         .as_ref()
         .ok_or("this model has no tokenizer, which chat needs")?;
     let context = model.args.plan_context(a.runtime.ctx_size);
-    let opts = a.runtime.session_options(context, threads)?;
+    let spec = a.spec.config()?;
+    let opts = a
+        .spec
+        .session_options(a.runtime.session_options(context, threads)?)?;
     let policy = a.context.policy(ContextPolicy::Shift);
     let format = ChatFormat::of(&model);
     // Room a turn keeps for the reply, and what a shift cuts down to.
     let reserve = n_predict.unwrap_or(context).min(context / 4).max(1);
     let target = context / 2;
     let mut session = Session::new(&model, &opts)?;
+    eprintln!("{}", session.kv_summary());
+    let mut drafter = a.spec.drafter(&model, &opts)?;
     let interactive = std::io::stdin().is_terminal();
     if interactive {
         eprintln!(
@@ -131,7 +138,22 @@ pub fn run(a: ChatArgs) -> super::CliResult {
             let _ = out.write_all(s.as_bytes());
             let _ = out.flush();
         };
-        let stats = match generate(&mut session, Some(tok), &full[keep..], &gen, &mut emit) {
+        let speculation = match (drafter.as_mut(), spec) {
+            (Some(d), Some(config)) => Some(Speculation {
+                drafter: d,
+                config,
+                before: &full[..keep],
+            }),
+            _ => None,
+        };
+        let stats = match generate_with(
+            &mut session,
+            speculation,
+            Some(tok),
+            &full[keep..],
+            &gen,
+            &mut emit,
+        ) {
             Ok(s) => s,
             Err(e) => {
                 drop(out);

@@ -2,10 +2,12 @@
 
 use clap::Args;
 use llama_graph::generate::chat::ContextPolicy;
+use llama_graph::generate::spec::{check_vocab, Drafter, SpecConfig};
 use llama_graph::generate::SamplerConfig;
 use llama_graph::ir::LogitRows;
 use llama_graph::passes::PassList;
-use llama_graph::session::SessionOptions;
+use llama_graph::session::{CacheType, Model, Session, SessionOptions};
+use std::path::PathBuf;
 
 /// Context, batching and threads.
 #[derive(Debug, Args, Clone)]
@@ -41,6 +43,28 @@ pub struct RuntimeFlags {
     /// f32 with it, f16 without.
     #[arg(long = "exact")]
     pub exact: bool,
+    #[command(flatten)]
+    pub cache: CacheTypeFlags,
+}
+
+/// `-ctk`/`-ctv`: how the KV cache stores keys and values.
+#[derive(Debug, Args, Clone, Default)]
+pub struct CacheTypeFlags {
+    /// KV cache type of the keys (also -ctk): f32, f16, bf16, q8_0 or q4_0
+    /// (llama.cpp's names). Default f16 (f32 with --exact). q8_0 takes 34/64
+    /// of f16's memory and q4_0 18/64 (8-bit or 4-bit values with one f16
+    /// scale per 32, as llama.cpp quantizes them); both need a head dim that
+    /// is a multiple of 32. The cache's size is printed at start.
+    #[arg(long = "cache-type-k", value_name = "TYPE", value_parser = parse_cache_type)]
+    pub cache_type_k: Option<CacheType>,
+    /// KV cache type of the values (also -ctv): as for --cache-type-k.
+    #[arg(long = "cache-type-v", value_name = "TYPE", value_parser = parse_cache_type)]
+    pub cache_type_v: Option<CacheType>,
+}
+
+/// Parses a KV cache type by llama.cpp's name.
+pub fn parse_cache_type(s: &str) -> Result<CacheType, String> {
+    s.parse()
 }
 
 /// Validates `--passes`.
@@ -63,6 +87,8 @@ impl RuntimeFlags {
             logit_rows: LogitRows::Last,
             passes: PassList::parse(&self.passes)?,
             exact: self.exact,
+            cache_type_k: self.cache.cache_type_k,
+            cache_type_v: self.cache.cache_type_v,
         })
     }
 
@@ -169,6 +195,100 @@ pub fn n_predict(n: i64) -> Result<Option<usize>, String> {
         n => Err(format!(
             "-n must be at least 1, or -1 for \"until the context is full\"; got {n}"
         )),
+    }
+}
+
+/// Speculative decoding: the output is the same tokens as without it (see
+/// docs/design/speculative.md).
+#[derive(Debug, Args, Clone)]
+pub struct SpecFlags {
+    /// Speculative decoding with this draft model: a smaller model (any
+    /// format -m takes) with the same tokenizer vocabulary, checked at
+    /// load. It guesses the next tokens greedily; the model verifies them
+    /// in one step and keeps exactly the tokens it would have produced
+    /// without a draft.
+    #[arg(
+        long = "draft-model",
+        value_name = "PATH",
+        conflicts_with = "spec_ngram"
+    )]
+    pub draft_model: Option<PathBuf>,
+    /// Speculative decoding with prompt lookup: the guess is what followed
+    /// the latest earlier occurrence of the last 3 (else 2) tokens in the
+    /// prompt and the output so far. Pays on output that quotes its input
+    /// (edits, extraction, summaries with quotes); costs nothing otherwise.
+    #[arg(long = "spec-ngram")]
+    pub spec_ngram: bool,
+    /// With --draft-model or --spec-ngram: the most tokens guessed per step.
+    #[arg(long = "draft-max", value_name = "N", default_value_t = 8)]
+    pub draft_max: usize,
+    /// With --draft-model or --spec-ngram: guesses shorter than this are
+    /// not verified (the step decodes one token).
+    #[arg(long = "draft-min", value_name = "N", default_value_t = 1)]
+    pub draft_min: usize,
+    /// Always guess up to --draft-max tokens. By default the number adapts
+    /// to the measured acceptance and the measured cost of a longer step,
+    /// down to none when guessing does not pay.
+    #[arg(long = "draft-fixed")]
+    pub draft_fixed: bool,
+}
+
+impl SpecFlags {
+    /// The speculation asked for, validated (`None`: plain decoding).
+    pub fn config(&self) -> Result<Option<SpecConfig>, String> {
+        if self.draft_model.is_none() && !self.spec_ngram {
+            return Ok(None);
+        }
+        let c = SpecConfig {
+            draft_max: self.draft_max,
+            draft_min: self.draft_min,
+            adaptive: !self.draft_fixed,
+        };
+        c.validate()?;
+        Ok(Some(c))
+    }
+
+    /// The session options for the model: with speculation its steps
+    /// return up to `--draft-max + 1` logit rows.
+    pub fn session_options(&self, mut opts: SessionOptions) -> Result<SessionOptions, String> {
+        if let Some(c) = self.config()? {
+            opts.logit_rows = LogitRows::Tail {
+                max: c.draft_max + 1,
+            };
+            if c.draft_max + 1 > opts.batch {
+                return Err(format!(
+                    "--draft-max {} needs steps of {} tokens, more than -b/--batch-size {}",
+                    c.draft_max,
+                    c.draft_max + 1,
+                    opts.batch
+                ));
+            }
+        }
+        Ok(opts)
+    }
+
+    /// The drafter: the draft model opened, its vocabulary checked against
+    /// `target`'s and compiled like the model (`opts`, one logit row), or
+    /// prompt lookup.
+    pub fn drafter(
+        &self,
+        target: &Model,
+        opts: &SessionOptions,
+    ) -> Result<Option<Drafter>, String> {
+        if self.spec_ngram {
+            return Ok(Some(Drafter::ngram()));
+        }
+        let Some(path) = &self.draft_model else {
+            return Ok(None);
+        };
+        let draft = Model::open(path).map_err(|e| format!("--draft-model: {e}"))?;
+        check_vocab(target, &draft).map_err(|e| format!("--draft-model: {e}"))?;
+        let dopts = SessionOptions {
+            logit_rows: LogitRows::Last,
+            ..opts.clone()
+        };
+        let session = Session::new(&draft, &dopts).map_err(|e| format!("--draft-model: {e}"))?;
+        Ok(Some(Drafter::model(session)))
     }
 }
 

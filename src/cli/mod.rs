@@ -30,7 +30,7 @@ pub enum Command {
     Graph(graph::GraphArgs),
     /// Generate text from a prompt. Generated text goes to stdout as it
     /// streams; the statistics go to stderr.
-    Run(run::RunArgs),
+    Run(Box<run::RunArgs>),
     /// Measure a model's perplexity over a text, or its KL divergence from
     /// a reference run, with llama-perplexity's method and file format.
     Perplexity(perplexity::PerplexityArgs),
@@ -55,13 +55,20 @@ pub enum Command {
     Convert(convert::ConvertArgs),
 }
 
-/// llama-server's two-letter short flag `-np` (clap's short flags are one
-/// letter) becomes `--parallel`; everything else is left as it is.
+/// llama.cpp's multi-letter short flags (clap's short flags are one
+/// letter) become their long forms: `-np` → `--parallel`, `-ctk` →
+/// `--cache-type-k`, `-ctv` → `--cache-type-v`; everything else is left as
+/// it is.
 pub fn normalize_args(
     args: impl IntoIterator<Item = std::ffi::OsString>,
 ) -> Vec<std::ffi::OsString> {
     args.into_iter()
-        .map(|a| if a == "-np" { "--parallel".into() } else { a })
+        .map(|a| match a.to_str() {
+            Some("-np") => "--parallel".into(),
+            Some("-ctk") => "--cache-type-k".into(),
+            Some("-ctv") => "--cache-type-v".into(),
+            _ => a,
+        })
         .collect()
 }
 
@@ -72,7 +79,7 @@ pub fn run(cli: Cli) -> CliResult {
     llama_graph::kernels::Isa::from_env()?;
     match cli.command {
         Command::Graph(a) => graph::run(a),
-        Command::Run(a) => run::run(a),
+        Command::Run(a) => run::run(*a),
         Command::Bench(a) => bench::run(a),
         Command::Perplexity(a) => perplexity::run(a),
         Command::Chat(a) => chat::run(a),

@@ -1,12 +1,15 @@
 //! `llama-graph run`: generate text.
 
-use super::flags::{n_predict, ContextFlags, RuntimeFlags, SamplingFlags};
+use super::flags::{n_predict, ContextFlags, RuntimeFlags, SamplingFlags, SpecFlags};
 use super::model::ModelArg;
 use super::pipeline::{PipelineFlags, Role};
 use clap::Args;
 use llama_graph::generate::chat::{conversation_tokens, ContextPolicy, Message};
+use llama_graph::generate::constraint::{Constraint, GrammarSpec, Grammars};
 use llama_graph::generate::SamplerConfig;
-use llama_graph::generate::{generate_shifting, ContextShift, GenOptions, GenStats};
+use llama_graph::generate::{
+    generate_constrained, generate_shifting, ContextShift, GenOptions, GenStats, Speculation,
+};
 use llama_graph::session::{Model, Session};
 use llama_graph::tokenizer::EncodeOptions;
 use serde_json::json;
@@ -61,6 +64,8 @@ pub struct RunArgs {
     pub sampling: SamplingFlags,
     #[command(flatten)]
     pub pipeline: PipelineFlags,
+    #[command(flatten)]
+    pub spec: SpecFlags,
     /// Stop when this text appears (repeatable); it is not printed.
     #[arg(long = "stop", value_name = "TEXT")]
     pub stop: Vec<String>,
@@ -69,11 +74,21 @@ pub struct RunArgs {
     /// the server's `ignore_eos` does; for timing a fixed number of tokens).
     #[arg(long = "ignore-eos")]
     pub ignore_eos: bool,
+    /// Constrain the output to JSON valid against the JSON schema in this
+    /// file (every token is sampled among those the schema allows).
+    #[arg(long = "json-schema", value_name = "FILE", conflicts_with = "grammar")]
+    pub json_schema: Option<PathBuf>,
+    /// Constrain the output to the grammar in this file: llama.cpp's GBNF
+    /// (start rule `root`), or llguidance's Lark-like syntax when the file
+    /// starts with `%llguidance`.
+    #[arg(long = "grammar", value_name = "FILE")]
+    pub grammar: Option<PathBuf>,
     /// Write the statistics as JSON to this file.
     #[arg(long = "stats-json", value_name = "PATH")]
     pub stats_json: Option<PathBuf>,
-    /// Write prompt tokens, generated tokens and the top-10 logits of every
-    /// step as JSON to this file.
+    /// Write prompt tokens, generated tokens and, for every step, the top-10
+    /// logits and their log-sum-exp (a logit minus it is the token's
+    /// log-probability) as JSON to this file.
     #[arg(long = "logits-out", value_name = "PATH")]
     pub logits_out: Option<PathBuf>,
     /// Write debug.log naming every op as it runs, with its shapes.
@@ -154,6 +169,22 @@ pub fn prompt_tokens(
     chat_prompt_tokens(model, &messages)
 }
 
+/// What `--json-schema` / `--grammar` ask for, read and checked before the
+/// model loads.
+fn output_spec(a: &RunArgs) -> Result<Option<GrammarSpec>, String> {
+    let read =
+        |p: &PathBuf| std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()));
+    if let Some(p) = &a.json_schema {
+        let v: serde_json::Value = serde_json::from_str(&read(p)?)
+            .map_err(|e| format!("--json-schema {}: not JSON: {e}", p.display()))?;
+        return Ok(Some(GrammarSpec::JsonSchema(v)));
+    }
+    if let Some(p) = &a.grammar {
+        return Ok(Some(GrammarSpec::from_grammar_text(&read(p)?)));
+    }
+    Ok(None)
+}
+
 fn tokenizer(model: &Model) -> Result<&llama_graph::tokenizer::Tokenizer, String> {
     model.tokenizer.as_ref().ok_or_else(|| {
         format!(
@@ -173,11 +204,20 @@ pub fn run(a: RunArgs) -> super::CliResult {
     let role = Role::start(&a.pipeline)?;
     // Validate everything that does not need the model first.
     let n_predict = n_predict(a.n_predict)?;
+    let output = output_spec(&a)?;
     let threads = a.runtime.threads()?;
     let shift = a.context.policy(ContextPolicy::Refuse) == ContextPolicy::Shift;
+    let spec = a.spec.config()?;
+    if spec.is_some() && !matches!(role, Role::Single) {
+        return Err("--draft-model and --spec-ngram do not run with --pipeline yet".into());
+    }
+    if shift && !matches!(role, Role::Single) {
+        return Err("--context-full shift does not run with --pipeline yet".into());
+    }
     let opts_for = |m: &Model| {
         let context = m.args.plan_context(a.runtime.ctx_size);
-        a.runtime.session_options(context, threads)
+        a.spec
+            .session_options(a.runtime.session_options(context, threads)?)
     };
     if let Role::Worker(t) = role {
         return Ok(super::pipeline::work(t, &a.model, &a.pipeline, &opts_for)?);
@@ -211,6 +251,7 @@ pub fn run(a: RunArgs) -> super::CliResult {
             (model, session, prep)
         }
     };
+    let mut drafter = a.spec.drafter(&model, &opts_for(&model)?)?;
     if a.verbose || a.debug {
         eprintln!("{}", isa_line());
     }
@@ -234,11 +275,40 @@ pub fn run(a: RunArgs) -> super::CliResult {
             .set_trace(Some(Box::new(std::io::BufWriter::new(f))));
         eprintln!("debug: writing every op to debug.log");
     }
+    let mut constraint: Option<Constraint> = match &output {
+        None => None,
+        Some(spec) => {
+            let flag = if a.json_schema.is_some() {
+                "--json-schema"
+            } else {
+                "--grammar"
+            };
+            let tok = tokenizer(&model)?;
+            let t0 = Instant::now();
+            let c = Grammars::new(tok, session.vocab())
+                .and_then(|g| g.compile(spec))
+                .map_err(|e| format!("{flag}: {e}"));
+            if a.verbose {
+                eprintln!(
+                    "{flag}: vocabulary trie and grammar ready in {:.3} s",
+                    t0.elapsed().as_secs_f64()
+                );
+            }
+            match c {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    session.abort_pipeline(1);
+                    return Err(e.into());
+                }
+            }
+        }
+    };
     let load_s = t_start.elapsed().as_secs_f64();
     eprintln!(
         "prompt: {} tokens, context {context}, {threads} threads",
         prompt.len()
     );
+    eprintln!("{}", session.kv_summary());
 
     let gen_opts = GenOptions {
         n_predict,
@@ -253,23 +323,40 @@ pub fn run(a: RunArgs) -> super::CliResult {
         let _ = out.write_all(s.as_bytes());
         let _ = out.flush();
     };
+    let speculation = match (drafter.as_mut(), spec) {
+        (Some(d), Some(config)) => Some(Speculation {
+            drafter: d,
+            config,
+            before: &[],
+        }),
+        _ => None,
+    };
     // A shift keeps the BOS, as llama.cpp's does with --keep 0.
     let bos = model.tokenizer.as_ref().and_then(|t| t.bos_id());
-    let shift = if shift {
-        Some(ContextShift {
-            keep: usize::from(bos.is_some() && prompt.first() == bos.as_ref()),
-        })
+    let generated = if shift {
+        let keep = usize::from(bos.is_some() && prompt.first() == bos.as_ref());
+        generate_shifting(
+            &mut session,
+            speculation,
+            constraint.as_mut(),
+            model.tokenizer.as_ref(),
+            &prompt,
+            &gen_opts,
+            ContextShift { keep },
+            &mut emit,
+        )
     } else {
-        None
+        generate_constrained(
+            &mut session,
+            speculation,
+            constraint.as_mut(),
+            model.tokenizer.as_ref(),
+            &prompt,
+            &gen_opts,
+            &mut emit,
+        )
     };
-    let stats = match generate_shifting(
-        &mut session,
-        model.tokenizer.as_ref(),
-        &prompt,
-        &gen_opts,
-        shift,
-        &mut emit,
-    ) {
+    let stats = match generated {
         Ok(s) => s,
         Err(e) => {
             drop(out);
@@ -297,7 +384,10 @@ pub fn run(a: RunArgs) -> super::CliResult {
         let steps: Vec<_> = stats
             .top
             .iter()
-            .map(|t| json!({"top": t.iter().map(|(i, l)| json!([i, l])).collect::<Vec<_>>()}))
+            .zip(&stats.logsumexp)
+            .map(|(t, lse)| {
+                json!({"top": t.iter().map(|(i, l)| json!([i, l])).collect::<Vec<_>>(), "logsumexp": lse})
+            })
             .collect();
         let v = json!({"prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens, "steps": steps});
         std::fs::write(p, serde_json::to_string(&v)?)
@@ -324,6 +414,26 @@ pub fn report(stats: &GenStats, load_s: f64, json_path: Option<&PathBuf>) -> sup
         stats.generated_tokens.len(),
         stats.decode_tokens_per_s(),
     );
+    if !stats.constrained_sampling.is_zero() {
+        eprintln!(
+            "constrained sampling (mask, sample, grammar step): {:.3} ms per token, {:.1}% of the decode time",
+            stats.constrained_sampling.as_secs_f64() * 1e3
+                / stats.generated_tokens.len().max(1) as f64,
+            100.0 * stats.constrained_sampling.as_secs_f64()
+                / stats.decode.as_secs_f64().max(1e-9),
+        );
+    }
+    if let Some(sp) = &stats.spec {
+        eprintln!(
+            "speculation: {} drafted, {} accepted ({:.0}%), {} verifying steps, {} one-token steps, {:.2} s drafting",
+            sp.drafted,
+            sp.accepted,
+            100.0 * sp.acceptance(),
+            sp.verify_steps,
+            sp.plain_steps,
+            sp.draft_time.as_secs_f64()
+        );
+    }
     if let Some(p) = json_path {
         let v = json!({
             "load_s": load_s,
@@ -332,6 +442,16 @@ pub fn report(stats: &GenStats, load_s: f64, json_path: Option<&PathBuf>) -> sup
             "generated_tokens": stats.generated_tokens.len(),
             "decode_tokens_per_s": stats.decode_tokens_per_s(),
             "stop_reason": reason,
+            "constrained_sampling_s": stats.constrained_sampling.as_secs_f64(),
+            "generated": stats.generated_tokens,
+            "decode_s": stats.decode.as_secs_f64(),
+            "spec": stats.spec.as_ref().map(|sp| json!({
+                "drafted": sp.drafted,
+                "accepted": sp.accepted,
+                "verify_steps": sp.verify_steps,
+                "plain_steps": sp.plain_steps,
+                "draft_s": sp.draft_time.as_secs_f64(),
+            })),
         });
         std::fs::write(p, serde_json::to_string_pretty(&v)?)
             .map_err(|e| format!("{}: {e}", p.display()))?;

@@ -5,6 +5,7 @@ use super::model::ModelArg;
 use super::pipeline::{PipelineFlags, Role};
 use clap::Args;
 use llama_graph::generate::chat::ChatFormat;
+use llama_graph::ir::Pooling;
 use llama_graph::server::engine::{EngineConfig, EngineHandle};
 use llama_graph::server::{serve, AppState, Loaded, ServerOptions};
 use llama_graph::session::{Model, SessionOptions};
@@ -13,7 +14,7 @@ use std::time::{Duration, Instant};
 
 #[derive(Debug, Args)]
 #[command(
-    after_help = "Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health (503 while loading), GET /metrics (Prometheus text).\nRequests take OpenAI's fields (messages, max_tokens or max_completion_tokens, temperature, top_p, seed, stop, stream, stream_options) and llama.cpp's top_k, min_p, repeat_penalty and ignore_eos; unset sampling fields default to temperature 0.8, top_k 40, top_p 0.95, min_p 0.05, and max_tokens to the rest of the context."
+    after_help = "Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings (with --pooling), GET /v1/models and /v1/models/{id}, POST /tokenize and /detokenize, GET /health (503 while loading), GET /metrics (Prometheus text).\nRequests take OpenAI's fields (messages, max_tokens or max_completion_tokens, temperature, top_p, seed, n, stop, stream, stream_options, logprobs, top_logprobs, presence_penalty, frequency_penalty, logit_bias; user, metadata and store are accepted and ignored) and llama.cpp's top_k, min_p, repeat_penalty and ignore_eos; any other field is refused with 400 naming it. Unset sampling fields default to temperature 0.8, top_k 40, top_p 0.95, min_p 0.05, and max_tokens to the rest of the context. See docs/serving.md."
 )]
 pub struct ServeArgs {
     #[command(flatten)]
@@ -56,6 +57,23 @@ pub struct ServeArgs {
     /// Connections served at once; further ones wait to be accepted.
     #[arg(long = "max-connections", value_name = "N", default_value_t = 256)]
     pub max_connections: usize,
+    /// Serve POST /v1/embeddings, pooling each input's final hidden states
+    /// (after the last norm) into one vector: `mean` of every token, the
+    /// first token's (`cls`) or the `last` token's; answers are normalized
+    /// to unit length. Compiles a second graph for it (its packed weights
+    /// and a KV pool of one step). An input may have up to -b tokens.
+    #[arg(long = "pooling", value_name = "MODE", value_parser = parse_pooling)]
+    pub pooling: Option<Pooling>,
+    /// Allow browsers on this origin to call the API (CORS; repeatable,
+    /// e.g. http://localhost:3000, or `*` for any). Off by default: no CORS
+    /// headers, and preflight requests get 405.
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
+    pub cors_origin: Vec<String>,
+    /// Seconds a streaming response may stay silent (a long prompt being
+    /// processed) before an SSE comment line (`: keep-alive`) is sent to
+    /// keep proxies and clients from timing out.
+    #[arg(long = "sse-keepalive", value_name = "SECONDS", default_value_t = 10.0)]
+    pub sse_keepalive: f64,
     #[command(flatten)]
     pub runtime: RuntimeFlags,
     #[command(flatten)]
@@ -68,8 +86,30 @@ pub struct ServeArgs {
     pub pipeline: PipelineFlags,
 }
 
+/// Parses `--pooling`.
+fn parse_pooling(s: &str) -> Result<Pooling, String> {
+    match s {
+        "mean" => Ok(Pooling::Mean),
+        "cls" => Ok(Pooling::Cls),
+        "last" => Ok(Pooling::Last),
+        _ => Err(format!("`{s}`: the pooling is mean, cls or last")),
+    }
+}
+
 pub fn run(a: ServeArgs) -> super::CliResult {
     let threads = a.runtime.threads()?;
+    if !(a.sse_keepalive > 0.0 && a.sse_keepalive <= 3600.0) {
+        return Err(format!(
+            "--sse-keepalive must be more than 0 and at most 3600 seconds, got {}",
+            a.sse_keepalive
+        )
+        .into());
+    }
+    for o in &a.cors_origin {
+        if o != "*" && axum::http::HeaderValue::from_str(o).is_err() {
+            return Err(format!("--cors-origin {o:?}: not a valid origin").into());
+        }
+    }
     if a.parallel == 0 {
         return Err("-np/--parallel must be at least 1".into());
     }
@@ -118,6 +158,8 @@ pub fn run(a: ServeArgs) -> super::CliResult {
         max_body_bytes: a.max_body_bytes,
         read_timeout: Duration::from_secs(a.timeout),
         max_connections: a.max_connections,
+        cors_origins: a.cors_origin.clone(),
+        sse_keepalive: Duration::from_secs_f64(a.sse_keepalive),
         context_full: a
             .context
             .policy(llama_graph::generate::chat::ContextPolicy::Shift),
@@ -152,6 +194,13 @@ pub fn run(a: ServeArgs) -> super::CliResult {
         lim.queue_capacity,
         if a.api_key.is_some() { ", API key required" } else { "" }
     );
+    if let Some((k, v)) = lim.kv_types {
+        eprintln!(
+            "KV cache: {} positions, keys {k}, values {v}, {:.2} MiB",
+            lim.context,
+            lim.kv_bytes as f64 / 1048576.0
+        );
+    }
     state.set_loaded(loaded);
     match runtime.block_on(server) {
         Ok(r) => r?,
@@ -212,10 +261,13 @@ fn load(
         parallel: a.parallel,
         queue_capacity: a.max_queue,
     };
+    if staged.is_some() && a.pooling.is_some() {
+        return Err("--pooling (embeddings) is not available with --pipeline".into());
+    }
     let engine = match staged {
         // Each step of the engine runs over every stage.
         Some(session) => EngineHandle::with_session(session, model, cfg)?,
-        None => EngineHandle::start(model, cfg)?,
+        None => EngineHandle::start_with_embeddings(model, cfg, a.pooling)?,
     };
     Ok(Loaded {
         engine,

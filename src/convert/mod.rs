@@ -12,7 +12,7 @@
 //!
 //! Types: `f32`, `f16`, `bf16`, `q8_0`, `q4_0` and llama.cpp's mixes
 //! `q4_k_m`, `q5_k_m`, `q6_k`: each tensor gets the type llama-quantize
-//! gives it (see [`target_type`]) and blocks bit-identical to
+//! gives it (see `target_type`) and blocks bit-identical to
 //! llama-quantize's (see [`crate::kernels::quantized::quantize`]).
 
 use crate::ir::{DType, RopeScaling};
@@ -672,6 +672,27 @@ pub fn convert(
             "{}: no tokenizer (tokenizer.json or tokenizer.model) to put in the GGUF file; llama.cpp needs one",
             src.display()
         )));
+    }
+    // The writer speaks llama.cpp's `llama` architecture only (a Mistral
+    // checkpoint is written as llama.cpp's own converter writes it, without
+    // its window); the other families' layouts are not written yet.
+    let plain = crate::model::Variant {
+        family: args.variant.family,
+        sliding_window: args.variant.sliding_window,
+        ..Default::default()
+    };
+    if !matches!(
+        args.variant.family,
+        crate::model::Family::Llama | crate::model::Family::Mistral
+    ) || args.variant != plain
+    {
+        return Err(src_err(
+            src,
+            format!(
+                "is a {} model; convert writes Llama-architecture GGUF only (llama.cpp's convert_hf_to_gguf.py converts this family)",
+                args.variant.family.name()
+            ),
+        ));
     }
     kvs = hyper_kvs(&args, &dir_name, ty);
     kvs.extend(tok_kvs);

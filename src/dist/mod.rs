@@ -1,5 +1,5 @@
 //! Running one model as a pipeline of processes: each rank runs one stage
-//! of the partitioned graph (see [`crate::passes::partition`]) and passes
+//! of the partitioned graph (see [`crate::passes::partition`](mod@crate::passes::partition)) and passes
 //! the hidden state to the next over a [`Transport`].
 //!
 //! * [`Transport`]: ordered messages between ranks. [`local::LocalTransport`]

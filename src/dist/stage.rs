@@ -78,7 +78,7 @@ fn u32_at(b: &[u8], i: usize) -> u32 {
 }
 
 /// Bytes of a step message: the header, the batch's tables (4 bytes per
-/// token, 16 per sequence, 4 per block, 8 per block copy) and the hidden
+/// token, 20 per sequence, 4 per block, 8 per block copy) and the hidden
 /// state.
 pub fn step_bytes(
     tokens: usize,
@@ -87,7 +87,7 @@ pub fn step_bytes(
     copies: usize,
     hidden: usize,
 ) -> usize {
-    HEADER_BYTES + 4 * (tokens + 4 * seqs + blocks + 2 * copies + hidden)
+    HEADER_BYTES + 4 * (tokens + crate::ir::SEQ_TABLE_COLS * seqs + blocks + 2 * copies + hidden)
 }
 
 /// Encodes a step.
@@ -96,7 +96,7 @@ pub fn encode_step(h: &StepHeader, batch: &Batch, hidden: &[f32]) -> Vec<u8> {
     let cp = batch.copy_table();
     let mut out = Vec::with_capacity(step_bytes(
         t.len(),
-        q.len() / 4,
+        q.len() / crate::ir::SEQ_TABLE_COLS,
         bl.len(),
         cp.len() / 2,
         hidden.len(),

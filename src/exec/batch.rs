@@ -23,7 +23,8 @@ use crate::ir::SEQ_TABLE_COLS;
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Batch {
     tokens: Vec<i32>,
-    /// `[N, 4]`: first token, token count, start position, block-list offset.
+    /// `[N, 5]`: first token, token count, start position, block-list
+    /// offset, logit rows.
     seqs: Vec<i32>,
     blocks: Vec<i32>,
     /// `[C, 2]`: source block, destination block.
@@ -79,8 +80,16 @@ impl Batch {
     /// Adds the tokens of one sequence at positions `start..start +
     /// tokens.len()`; `blocks` are the sequence's KV blocks in position
     /// order (its block `i` holds positions `i·BS..(i+1)·BS`). An empty
-    /// `tokens` adds nothing.
+    /// `tokens` adds nothing. The step gives logits for its last token
+    /// (where the graph reads only the last rows).
     pub fn push(&mut self, tokens: &[u32], start: usize, blocks: &[u32]) {
+        self.push_rows(tokens, start, blocks, 1);
+    }
+
+    /// [`Batch::push`] asking logits for the sequence's last `rows` tokens
+    /// (clamped to 1..=`tokens.len()`): a sequence verifying `k` drafted
+    /// tokens feeds `k + 1` tokens and asks for `k + 1` rows.
+    pub fn push_rows(&mut self, tokens: &[u32], start: usize, blocks: &[u32], rows: usize) {
         if tokens.is_empty() {
             return;
         }
@@ -90,6 +99,7 @@ impl Batch {
             clamp(tokens.len()),
             clamp(start),
             clamp(self.blocks.len()),
+            clamp(rows.clamp(1, tokens.len())),
         ]);
         self.tokens
             .extend(tokens.iter().map(|&t| i32::try_from(t).unwrap_or(i32::MAX)));
@@ -112,9 +122,24 @@ impl Batch {
         &self.tokens
     }
     /// The sequence table, `N` rows of (first token, count, start, block
-    /// offset).
+    /// offset, logit rows).
     pub fn seq_table(&self) -> &[i32] {
         &self.seqs
+    }
+    /// Where sequence `j`'s logits are among the rows of a step that reads
+    /// only the last rows (`LogitRows::Last`/`Tail`): rows `range`, its
+    /// last tokens in position order.
+    pub fn logit_rows_of(&self, j: usize) -> std::ops::Range<usize> {
+        let rows = |i: usize| self.seqs[SEQ_TABLE_COLS * i + 4].max(0) as usize;
+        let start: usize = (0..j).map(rows).sum();
+        start..start + rows(j)
+    }
+    /// Logit rows of the step (`R`), over every sequence.
+    pub fn n_logit_rows(&self) -> usize {
+        self.seqs
+            .chunks_exact(SEQ_TABLE_COLS)
+            .map(|r| r[4].max(0) as usize)
+            .sum()
     }
     pub fn block_table(&self) -> &[i32] {
         &self.blocks
@@ -286,8 +311,14 @@ mod tests {
         b.push(&[9], 20, &[0, 2]);
         assert_eq!(b.n_tokens(), 4);
         assert_eq!(b.n_seqs(), 2);
-        assert_eq!(b.seq_table(), &[0, 3, 0, 0, 3, 1, 20, 1]);
+        assert_eq!(b.seq_table(), &[0, 3, 0, 0, 1, 3, 1, 20, 1, 1]);
         assert_eq!(b.block_table(), &[3, 0, 2]);
+        b.push_rows(&[4, 4], 21, &[0, 2], 2);
+        b.push_rows(&[4], 9, &[1], 5);
+        assert_eq!(&b.seq_table()[10..], &[4, 2, 21, 3, 2, 6, 1, 9, 5, 1]);
+        assert_eq!(b.n_logit_rows(), 5);
+        assert_eq!(b.logit_rows_of(2), 2..4);
+        assert_eq!(b.logit_rows_of(3), 4..5);
         b.copy_block(3, 1);
         assert_eq!(b.copy_table(), &[3, 1]);
         b.clear();

@@ -1,7 +1,7 @@
 //! The executor: runs a compiled plan one step at a time.
 //!
 //! Construction does all the work that does not depend on the step: the
-//! schedule is resolved into a flat list of [`Step`]s whose inputs and
+//! schedule is resolved into a flat list of `Step`s whose inputs and
 //! output are concrete locations (arena offsets, weight indices, cache
 //! slots, step inputs), the arena and the KV pool are allocated, vector
 //! weights are widened to f32. [`Executor::step`] then checks the step's
@@ -14,10 +14,11 @@ use super::arena::{Arena, ArenaPtr};
 use super::batch::Batch;
 use super::bind::BoundWeights;
 use crate::ir::{
-    Bindings, CacheKind, DType, Graph, Op, RopeParams, Shape, StepInput, WeightLayout,
+    Bindings, CacheKind, DType, Graph, Op, Pooling, RopeParams, Shape, StepInput, WeightLayout,
 };
 use crate::kernels::{
-    self, AttnWork, Epilogue, KernelError, KvGeom, KvHalf, KvStore, MatmulMode, StepSeqs, WeightRef,
+    self, AttnWork, CacheType, Epilogue, KernelError, KvGeom, KvHalf, KvStore, MatmulMode,
+    StepSeqs, WeightRef,
 };
 use crate::plan::{ExecPlan, Value};
 use crate::pool::ThreadPool;
@@ -47,6 +48,8 @@ pub enum ExecError {
     StepSize { got: usize, max: usize },
     #[error("a step holds 1 to {max} sequences, got {got}")]
     StepSeqs { got: usize, max: usize },
+    #[error("a step returns at most {max} logit rows, {got} were asked for (compile the session with more: LogitRows::Tail)")]
+    StepRows { got: usize, max: usize },
     #[error("bad step batch: {0}")]
     Batch(String),
     #[error("the graph has no output")]
@@ -85,8 +88,9 @@ pub struct OpProfile {
     pub total: Duration,
 }
 
-/// The logits a step produced: `rows` rows of `vocab` values (one per
-/// sequence of the step, in batch order, or one per token with
+/// The logits a step produced: `rows` rows of `vocab` values (each
+/// sequence's last tokens, as many as the batch asks for it, in batch
+/// order: see [`Batch::logit_rows_of`]; or one per token with
 /// `LogitRows::All`).
 pub struct Logits<'a> {
     pub rows: usize,
@@ -152,6 +156,8 @@ pub struct Executor {
     context: usize,
     max_chunk: usize,
     max_seqs: usize,
+    /// The most logit rows (`R`) a step may ask for.
+    max_rows: usize,
     output: (Loc, Shape),
     trace: Option<Box<dyn Write + Send>>,
     profile: Option<Vec<OpProfile>>,
@@ -176,6 +182,7 @@ impl Executor {
         let context = plan.max.t;
         let max_chunk = plan.max.s;
         let max_seqs = plan.max.n;
+        let max_rows = plan.max.r;
         let names: Vec<String> = weights.tensors.keys().cloned().collect();
         let windex: HashMap<&str, usize> = names
             .iter()
@@ -282,7 +289,16 @@ impl Executor {
                     let Loc::Cache(c) = out else {
                         unreachable!("a cache value is a cache")
                     };
-                    caches[c] = KvStore::zeroed(node.meta.dtype == DType::F16, geom.elems());
+                    let ty = CacheType::of_dtype(node.meta.dtype).ok_or_else(|| {
+                        unsupported(format!(
+                            "a KV cache of {} is not supported",
+                            node.meta.dtype
+                        ))
+                    })?;
+                    // Keys: two dims of one key are BS elements apart.
+                    let run = if *kind == CacheKind::K { geom.block } else { 1 };
+                    caches[c] = KvStore::new(ty, geom.elems(), run)
+                        .map_err(|e| unsupported(e.to_string()))?;
                     continue;
                 }
                 Op::Weight { .. } => {
@@ -339,6 +355,7 @@ impl Executor {
                     n_heads,
                     n_kv_heads,
                     head_dim,
+                    ..
                 } => {
                     qkv_len = qkv_len
                         .max(max_chunk.min(QKV_BLOCK) * (n_heads + 2 * n_kv_heads) * head_dim);
@@ -374,6 +391,7 @@ impl Executor {
             context,
             max_chunk,
             max_seqs,
+            max_rows,
             output,
             trace: None,
             profile: None,
@@ -434,6 +452,11 @@ impl Executor {
         self.max_seqs
     }
 
+    /// The most logit rows a step may ask for (see [`Batch::push_rows`]).
+    pub fn max_logit_rows(&self) -> usize {
+        self.max_rows
+    }
+
     /// The KV pool's geometry (blocks, heads, head dim, block size).
     pub fn kv_geom(&self) -> KvGeom {
         self.geom
@@ -441,13 +464,16 @@ impl Executor {
 
     /// Bytes the KV pool takes (every layer's keys and values).
     pub fn kv_bytes(&self) -> usize {
+        self.caches.iter().map(KvStore::bytes).sum()
+    }
+
+    /// The types of the KV pool's keys and values (of the first layer this
+    /// executor holds; every layer has the same), or `None` without a cache.
+    pub fn kv_types(&self) -> Option<(CacheType, CacheType)> {
         self.caches
-            .iter()
-            .map(|c| match c {
-                KvStore::F32(v) => v.len() * 4,
-                KvStore::F16(v) => v.len() * 2,
-            })
-            .sum()
+            .chunks_exact(2)
+            .find(|c| !c[0].is_empty())
+            .map(|c| (c[0].cache_type(), c[1].cache_type()))
     }
 
     pub fn threads(&self) -> usize {
@@ -469,7 +495,7 @@ impl Executor {
     }
 
     /// Runs one step of a pipeline stage's graph (see
-    /// [`crate::passes::partition`]): the first stage embeds the batch's
+    /// [`crate::passes::partition`](mod@crate::passes::partition)): the first stage embeds the batch's
     /// tokens, the others read `hidden`, the `[S, E]` values their `Recv`
     /// node stands for (what the previous stage sent for this batch).
     /// Returns the graph's output: the logits on the last stage, the hidden
@@ -498,9 +524,16 @@ impl Executor {
                 context: self.context,
             });
         }
+        let r = seqs.logit_rows();
+        if r > self.max_rows {
+            return Err(ExecError::StepRows {
+                got: r,
+                max: self.max_rows,
+            });
+        }
         self.copy_blocks(batch.copy_table())?;
         seqs.fill_positions_and_slots(&mut self.positions[..s], &mut self.slots[..s]);
-        let b = Bindings::new(s, n, seqs.max_keys());
+        let b = Bindings::new(s, n, seqs.max_keys()).with_rows(r);
         let arena = self.arena.base();
         for i in 0..self.steps.len() {
             let t0 = self.profile.as_ref().map(|_| Instant::now());
@@ -781,9 +814,42 @@ impl Executor {
                 let e = dim(&st.ins[0].1, 1);
                 let x = input(0)?;
                 let out = out_fresh()?;
+                let mut rows = out.chunks_exact_mut(e);
+                for sq in seqs.iter() {
+                    let end = sq.first + sq.count;
+                    for (o, t) in rows.by_ref().zip(end - sq.rows..end) {
+                        o.copy_from_slice(&x[t * e..(t + 1) * e]);
+                    }
+                }
+            }
+            Op::PoolRows { pooling } => {
+                let e = dim(&st.ins[0].1, 1);
+                let x = input(0)?;
+                let out = out_fresh()?;
                 for (sq, o) in seqs.iter().zip(out.chunks_exact_mut(e)) {
-                    let last = sq.first + sq.count - 1;
-                    o.copy_from_slice(&x[last * e..(last + 1) * e]);
+                    if sq.start != 0 {
+                        return Err(RunError::Unsupported(format!(
+                            "pooling needs a whole sequence in one step; this one starts at position {}",
+                            sq.start
+                        )));
+                    }
+                    let rows = &x[sq.first * e..(sq.first + sq.count) * e];
+                    match pooling {
+                        Pooling::Cls => o.copy_from_slice(&rows[..e]),
+                        Pooling::Last => o.copy_from_slice(&rows[rows.len() - e..]),
+                        Pooling::Mean => {
+                            // Rows summed in position order, then scaled:
+                            // the same bits whatever else the step holds.
+                            o.fill(0.0);
+                            for r in rows.chunks_exact(e) {
+                                for (a, &v) in o.iter_mut().zip(r) {
+                                    *a += v;
+                                }
+                            }
+                            let inv = 1.0 / sq.count as f32;
+                            o.iter_mut().for_each(|a| *a *= inv);
+                        }
+                    }
                 }
             }
             Op::RmsNormScaled { eps } => {
@@ -843,8 +909,31 @@ impl Executor {
                 n_heads,
                 n_kv_heads,
                 head_dim,
+                bias,
+                qk_norm,
             } => {
                 let (h, hkv, d) = (*n_heads, *n_kv_heads, *head_dim);
+                let vector = |k: usize| -> Result<&[f32], RunError> {
+                    let Loc::Weight(w) = st.ins[k].0 else {
+                        return Err(RunError::Unsupported("expected a weight vector".into()));
+                    };
+                    self.vectors
+                        .get(&w)
+                        .map(Vec::as_slice)
+                        .ok_or_else(|| RunError::Unsupported("not a vector weight".into()))
+                };
+                // The biases of q, k, v (one vector each), then the q and k
+                // norm weights.
+                let biases = if *bias {
+                    Some([vector(6)?, vector(7)?, vector(8)?])
+                } else {
+                    None
+                };
+                let nb = if *bias { 9 } else { 6 };
+                let norms = match qk_norm {
+                    Some(eps) => Some((vector(nb)?, vector(nb + 1)?, *eps as f32)),
+                    None => None,
+                };
                 let (xs, ws) = (&st.ins[0].1, &st.ins[1].1);
                 let (s, k, n) = (dim(xs, 0), dim(xs, 1), dim(ws, 0));
                 let Loc::Arena(xo) = st.ins[0].0 else {
@@ -894,14 +983,28 @@ impl Executor {
                     for (i, row) in y.chunks_exact_mut(n).enumerate() {
                         let t = t0 + i;
                         let f = &freqs[t * d..(t + 1) * d];
+                        if let Some([bq, bk, bv]) = biases {
+                            // The same f32 adds as the unfused `Add`s.
+                            let (rq, rest) = row.split_at_mut(qn);
+                            let (rk, rv) = rest.split_at_mut(kn);
+                            kernels::add_inplace(rq, bq)?;
+                            kernels::add_inplace(rk, bk)?;
+                            kernels::add_inplace(&mut rv[..kn], bv)?;
+                        }
                         q_out[t * qn..(t + 1) * qn].copy_from_slice(&row[..qn]);
                         let krow = &mut row[qn..qn + kn];
+                        if let Some((_, kw, eps)) = norms {
+                            rms_norm_heads(krow, d, kw, eps)?;
+                        }
                         kernels::dispatch::rope_apply_freqs(krow, 1, hkv, d, f)?;
                         let slot = slots[t] as usize;
                         kernels::kv::kv_write_row(kc, KvHalf::K, &self.geom, slot, krow)?;
                         let vrow = &row[qn + kn..qn + 2 * kn];
                         kernels::kv::kv_write_row(vc, KvHalf::V, &self.geom, slot, vrow)?;
                     }
+                }
+                if let Some((qw, _, eps)) = norms {
+                    rms_norm_heads(q_out, d, qw, eps)?;
                 }
                 kernels::dispatch::rope_apply_freqs(q_out, s, h, d, freqs)?;
             }
@@ -923,7 +1026,7 @@ impl Executor {
                 let slots = ints(2)?;
                 kernels::kv_write_rows(&mut self.caches[c], half, &self.geom, slots, x)?;
             }
-            Op::AttnScores { n_rep, .. } | Op::AttnValues { n_rep } => {
+            Op::AttnScores { n_rep, window, .. } => {
                 let Loc::Cache(c) = st.ins[1].0 else {
                     return Err(RunError::Unsupported("attention reads a cache".into()));
                 };
@@ -931,21 +1034,47 @@ impl Executor {
                 let (geom, t) = (&self.geom, b.t);
                 let x = input(0)?;
                 let out = out_fresh()?;
-                if matches!(st.op, Op::AttnScores { .. }) {
-                    kernels::attn_scores(pool, x, cache, geom, *n_rep, seqs, t, out)?;
-                } else {
-                    kernels::attn_values(pool, x, cache, geom, *n_rep, seqs, t, out)?;
-                }
+                kernels::attn_scores_windowed(pool, x, cache, geom, *n_rep, seqs, t, *window, out)?;
+            }
+            Op::AttnValues { n_rep } => {
+                let Loc::Cache(c) = st.ins[1].0 else {
+                    return Err(RunError::Unsupported("attention reads a cache".into()));
+                };
+                let cache = self.caches[c].view();
+                let (geom, t) = (&self.geom, b.t);
+                let x = input(0)?;
+                let out = out_fresh()?;
+                kernels::attn_values(pool, x, cache, geom, *n_rep, seqs, t, out)?;
             }
             Op::Softmax => {
                 let row = dim(&st.shape, st.shape.rank() - 1);
                 kernels::softmax_rows(pool, out_from_input0()?, row)?;
             }
             Op::Silu => kernels::dispatch::silu_inplace(out_from_input0()?),
-            Op::Add => {
-                let bsl = input(1)?;
-                kernels::add_inplace(out_from_input0()?, bsl)?;
-            }
+            Op::GeluTanh => kernels::gelu_tanh_inplace(out_from_input0()?),
+            Op::Scale { factor } => kernels::scale_inplace(out_from_input0()?, *factor as f32),
+            Op::Add => match st.ins[1].0 {
+                Loc::Weight(w) => {
+                    // A bias, broadcast over rows.
+                    let v = self
+                        .vectors
+                        .get(&w)
+                        .ok_or_else(|| RunError::Unsupported("Add of a matrix weight".into()))?;
+                    let out = out_from_input0()?;
+                    if v.is_empty() || !out.len().is_multiple_of(v.len()) {
+                        return Err(RunError::Unsupported(
+                            "bias length does not divide the rows".into(),
+                        ));
+                    }
+                    for row in out.chunks_exact_mut(v.len()) {
+                        kernels::add_inplace(row, v)?;
+                    }
+                }
+                _ => {
+                    let bsl = input(1)?;
+                    kernels::add_inplace(out_from_input0()?, bsl)?;
+                }
+            },
             Op::Mul => match st.ins[1].0 {
                 Loc::Weight(w) => {
                     let v = self
@@ -984,6 +1113,25 @@ impl Executor {
         }
         Ok(())
     }
+}
+
+/// RMS-normalises each `d`-sized head of `x` in place, times `w` (`[d]`):
+/// the same kernel (and so the same bits) as the unfused `RmsNorm` + `Mul`
+/// pair folded into `RmsNormScaled`.
+fn rms_norm_heads(x: &mut [f32], d: usize, w: &[f32], eps: f32) -> Result<(), KernelError> {
+    let mut head = [0f32; 512];
+    if d > head.len() {
+        return Err(KernelError::Invalid {
+            op: "qk_norm",
+            what: "head_dim above 512",
+        });
+    }
+    let wr = kernels::WeightRef::from_f32(w);
+    for hx in x.chunks_exact_mut(d) {
+        head[..d].copy_from_slice(hx);
+        kernels::rmsnorm(&head[..d], d, Some(wr), eps, hx)?;
+    }
+    Ok(())
 }
 
 enum RunError {

@@ -13,13 +13,17 @@ use crate::tokenizer::{EncodeOptions, Tokenizer};
 use serde::Serialize;
 use thiserror::Error;
 
+/// One message of a conversation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Message {
+    /// `system`, `user`, `assistant` (or `tool`, as the template knows it).
     pub role: String,
+    /// The message's text.
     pub content: String,
 }
 
 impl Message {
+    /// A message from `role` saying `content`.
     pub fn new(role: &str, content: &str) -> Self {
         Message {
             role: role.to_string(),
@@ -28,14 +32,20 @@ impl Message {
     }
 }
 
+/// Why a conversation could not be put into the model's chat format.
 #[derive(Debug, Error)]
 pub enum ChatError {
+    /// The Llama 3 format needs this special token and the vocabulary
+    /// lacks it.
     #[error("the tokenizer has no `{0}` token, which the Llama 3 chat format needs")]
     MissingSpecial(&'static str),
+    /// The Jinja template failed to render (or ran out of its fuel).
     #[error("chat template: {0}")]
     Template(String),
+    /// The model (named) has no tokenizer.
     #[error("{0} has no tokenizer, which a chat needs")]
     NoTokenizer(String),
+    /// The model has no chat template and is not a Meta checkpoint.
     #[error("this model has no chat template (GGUF tokenizer.chat_template, or tokenizer_config.json's chat_template); run without --chat")]
     NoTemplate,
 }
@@ -73,6 +83,44 @@ impl ChatFormat {
     /// has none).
     pub fn available(&self) -> bool {
         self.template.is_some() || self.format == ModelFormat::MetaDir
+    }
+
+    /// The Jinja template's source, if the format is one.
+    pub fn template_source(&self) -> Option<&str> {
+        self.template.as_ref().map(|t| t.source.as_str())
+    }
+
+    /// The conversation as tokens through the Jinja template, messages as
+    /// JSON (OpenAI's shape: `tool_calls`, `tool` messages) and `tools`
+    /// given to the template when it reads them.
+    pub fn tokens_json(
+        &self,
+        tok: &Tokenizer,
+        messages: &serde_json::Value,
+        tools: Option<&serde_json::Value>,
+    ) -> Result<Vec<u32>, ChatError> {
+        let Some(t) = &self.template else {
+            return Err(ChatError::NoTemplate);
+        };
+        let piece = |id: Option<u32>| {
+            id.and_then(|i| tok.token_bytes(i))
+                .map(|b| String::from_utf8_lossy(b).into_owned())
+                .unwrap_or_default()
+        };
+        let rendered = t.render_json(
+            messages,
+            tools,
+            true,
+            &piece(tok.bos_id()),
+            &piece(tok.eos_id()),
+        )?;
+        Ok(tok.encode(
+            &rendered,
+            EncodeOptions {
+                add_bos: false,
+                parse_special: true,
+            },
+        ))
     }
 
     /// The conversation as tokens, ending with the assistant's header.
@@ -114,6 +162,7 @@ pub enum ContextPolicy {
 }
 
 impl ContextPolicy {
+    /// The policy's flag value (`shift`, `refuse`).
     pub fn name(self) -> &'static str {
         match self {
             ContextPolicy::Shift => "shift",
@@ -135,20 +184,30 @@ impl std::str::FromStr for ContextPolicy {
     }
 }
 
+/// Why a conversation could not be fitted into the context.
 #[derive(Debug, Error)]
 pub enum FitError {
+    /// The chat template failed.
     #[error(transparent)]
     Chat(#[from] ChatError),
+    /// The `refuse` policy and a conversation that leaves too little room.
     #[error("the conversation takes {tokens} tokens; with {reserve} for the reply it exceeds the context of {context} tokens (the context policy is `refuse`: start over, use a larger context, or the `shift` policy)")]
     Refused {
+        /// The conversation's tokens.
         tokens: usize,
+        /// Tokens kept for the reply.
         reserve: usize,
+        /// The context's size.
         context: usize,
     },
+    /// Even with every droppable turn dropped, the rest does not fit.
     #[error("the system prompt and the last message alone take {tokens} tokens; with {reserve} for the reply they exceed the context of {context} tokens (shorten the message or use a larger context)")]
     TooLong {
+        /// The system prompt's and the last message's tokens.
         tokens: usize,
+        /// Tokens kept for the reply.
         reserve: usize,
+        /// The context's size.
         context: usize,
     },
 }
@@ -270,6 +329,7 @@ pub fn llama3_dialog_tokens(
 /// A model's own Jinja chat template.
 #[derive(Debug, Clone)]
 pub struct ChatTemplate {
+    /// The template's Jinja source.
     pub source: String,
 }
 
@@ -278,6 +338,7 @@ pub struct ChatTemplate {
 const TEMPLATE_FUEL: u64 = 5_000_000;
 
 impl ChatTemplate {
+    /// A template from its Jinja source (checked when rendered).
     pub fn new(source: impl Into<String>) -> Self {
         ChatTemplate {
             source: source.into(),
@@ -288,6 +349,21 @@ impl ChatTemplate {
     pub fn render(
         &self,
         messages: &[Message],
+        add_generation_prompt: bool,
+        bos_token: &str,
+        eos_token: &str,
+    ) -> Result<String, ChatError> {
+        let messages =
+            serde_json::to_value(messages).map_err(|e| ChatError::Template(e.to_string()))?;
+        self.render_json(&messages, None, add_generation_prompt, bos_token, eos_token)
+    }
+
+    /// [`ChatTemplate::render`] with messages as JSON, and `tools` (a list
+    /// of OpenAI tool objects) for templates that read it.
+    pub fn render_json(
+        &self,
+        messages: &serde_json::Value,
+        tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
         bos_token: &str,
         eos_token: &str,
@@ -312,6 +388,7 @@ impl ChatTemplate {
             .map_err(|e| ChatError::Template(e.to_string()))?;
         t.render(minijinja::context! {
             messages => minijinja::Value::from(minijinja::value::Serde(messages)),
+            tools => tools.map(|t| minijinja::Value::from(minijinja::value::Serde(t))),
             add_generation_prompt => add_generation_prompt,
             bos_token => bos_token,
             eos_token => eos_token,

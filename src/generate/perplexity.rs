@@ -26,16 +26,28 @@
 use std::io::{Read, Write};
 use thiserror::Error;
 
+/// Why a perplexity or KL-divergence run could not go on.
 #[derive(Debug, Error)]
 pub enum PerplexityError {
+    /// A KL-divergence file could not be read or written, or is malformed.
     #[error("{path}: {message}")]
-    File { path: String, message: String },
+    File {
+        /// The file.
+        path: String,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// The text is shorter than two chunks.
     #[error("the text tokenizes to {tokens} tokens; a context of {n_ctx} needs at least {need} (two chunks): use a longer text or a smaller -c")]
     TooShort {
+        /// The text's tokens.
         tokens: usize,
+        /// The chunk size (`-c`).
         n_ctx: usize,
+        /// The tokens two chunks need.
         need: usize,
     },
+    /// A parameter or input that cannot be used, said in words.
     #[error("{0}")]
     Invalid(String),
 }
@@ -107,12 +119,16 @@ pub fn nll(logits: &[f32], token: u32) -> f64 {
 /// Running sums of a perplexity.
 #[derive(Debug, Clone, Default)]
 pub struct PplStats {
+    /// Σ NLL.
     pub sum_nll: f64,
+    /// Σ NLL².
     pub sum_nll2: f64,
+    /// Tokens scored.
     pub count: usize,
 }
 
 impl PplStats {
+    /// Adds one scored token's NLL.
     pub fn add(&mut self, nll: f64) {
         self.sum_nll += nll;
         self.sum_nll2 += nll * nll;
@@ -226,16 +242,27 @@ fn from_words(w: &[u16]) -> f32 {
 /// percentiles.
 #[derive(Debug, Clone, Default)]
 pub struct KldStats {
+    /// This run's perplexity.
     pub ppl: PplStats,
+    /// The base run's perplexity (from its saved log-probabilities).
     pub ppl_base: PplStats,
+    /// Σ NLL × NLL(base), for the correlation of the two.
     pub sum_nll_nll_base: f64,
+    /// Σ KLD.
     pub sum_kld: f64,
+    /// Σ KLD².
     pub sum_kld2: f64,
+    /// Σ Δp (this run's probability of the next token minus the base's).
     pub sum_p_diff: f64,
+    /// Σ Δp².
     pub sum_p_diff2: f64,
+    /// Σ Δp⁴.
     pub sum_p_diff4: f64,
+    /// Positions where both runs put the same token first.
     pub n_same_top: usize,
+    /// Every position's KLD.
     pub klds: Vec<f32>,
+    /// Every position's Δp.
     pub p_diffs: Vec<f32>,
 }
 
@@ -279,6 +306,7 @@ impl KldStats {
         self.p_diffs.push(p_diff);
     }
 
+    /// Positions compared.
     pub fn count(&self) -> usize {
         self.ppl.count
     }
@@ -369,6 +397,7 @@ impl<W: Write> LogProbWriter<W> {
         Ok(nll)
     }
 
+    /// Flushes the file and hands back the writer.
     pub fn finish(mut self) -> std::io::Result<W> {
         self.out.flush()?;
         Ok(self.out)
@@ -378,8 +407,11 @@ impl<W: Write> LogProbWriter<W> {
 /// A base file opened for reading: its header, then rows in order.
 pub struct LogProbReader<R: Read> {
     input: R,
+    /// The chunk size of the base run.
     pub n_ctx: usize,
+    /// The vocabulary size.
     pub n_vocab: usize,
+    /// The chunks saved.
     pub n_chunk: usize,
     /// The chunks' tokens (`n_chunk * n_ctx`), as the text gave them.
     pub tokens: Vec<u32>,

@@ -3,6 +3,17 @@
 //! Text is held back while it could still be the start of a stop string, so
 //! a stop string is never half-printed.
 
+/// Watches generated text for stop strings, holding back what could still
+/// become one.
+///
+/// ```
+/// use llama_graph::generate::{StopMatcher, StopStatus};
+///
+/// let mut m = StopMatcher::new(vec!["END".into()]);
+/// assert_eq!(m.push("one E"), StopStatus::Continue("one ".into()));
+/// assert_eq!(m.push("N"), StopStatus::Continue("".into()));
+/// assert_eq!(m.push("D two"), StopStatus::Stopped("".into()));
+/// ```
 #[derive(Debug, Clone, Default)]
 pub struct StopMatcher {
     stops: Vec<String>,
@@ -19,6 +30,7 @@ pub enum StopStatus {
 }
 
 impl StopMatcher {
+    /// A matcher for `stops` (empty strings are ignored).
     pub fn new(stops: Vec<String>) -> Self {
         StopMatcher {
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
@@ -26,6 +38,7 @@ impl StopMatcher {
         }
     }
 
+    /// Feeds the next piece of text; says what may be printed now.
     pub fn push(&mut self, text: &str) -> StopStatus {
         if self.stops.is_empty() {
             return StopStatus::Continue(text.to_string());

@@ -11,21 +11,43 @@ use std::fmt;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[allow(non_camel_case_types)]
 pub enum DType {
+    /// 32-bit float.
     F32,
+    /// IEEE half precision.
     F16,
+    /// bfloat16 (Meta's checkpoints).
     BF16,
+    /// 32-bit signed integer (token ids, positions, tables).
     I32,
+    /// GGUF Q8_0: blocks of 32 8-bit quants with an f16 scale (34 bytes).
     Q8_0,
+    /// GGUF Q4_0: blocks of 32 4-bit quants with an f16 scale (18 bytes).
     Q4_0,
+    /// GGUF Q4_1: blocks of 32 4-bit quants with an f16 scale and minimum
+    /// (20 bytes).
     Q4_1,
+    /// GGUF Q5_0: blocks of 32 5-bit quants with an f16 scale (22 bytes).
     Q5_0,
+    /// GGUF Q5_1: blocks of 32 5-bit quants with an f16 scale and minimum
+    /// (24 bytes).
     Q5_1,
+    /// GGUF Q2_K: super-blocks of 256 2-bit quants (84 bytes).
     Q2_K,
+    /// GGUF Q3_K: super-blocks of 256 3-bit quants (110 bytes).
     Q3_K,
+    /// GGUF Q4_K: super-blocks of 256 4-bit quants with 6-bit sub-block
+    /// scales and minimums (144 bytes).
     Q4_K,
+    /// GGUF Q5_K: super-blocks of 256 5-bit quants (176 bytes).
     Q5_K,
+    /// GGUF Q6_K: super-blocks of 256 6-bit quants with 8-bit sub-block
+    /// scales (210 bytes).
     Q6_K,
+    /// GGUF IQ4_NL: blocks of 32 4-bit indices into a non-linear table
+    /// (18 bytes).
     IQ4_NL,
+    /// GGUF IQ4_XS: super-blocks of 256 4-bit non-linear indices with 6-bit
+    /// sub-block scales (136 bytes).
     IQ4_XS,
     /// BF16 weights stored losslessly in 49-byte blocks of 32 plus a table
     /// of exceptions after the blocks (see `kernels::bf16z`); made by the
@@ -72,6 +94,7 @@ impl DType {
         }
     }
 
+    /// Stored in blocks of more than one element.
     pub const fn is_quantized(self) -> bool {
         self.block_elems() > 1
     }
@@ -85,6 +108,7 @@ impl DType {
         (n / self.block_elems()).checked_mul(self.block_bytes())
     }
 
+    /// The lower-case name the text dump and error messages use (`q4_K`).
     pub const fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",

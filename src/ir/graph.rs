@@ -17,16 +17,20 @@ use std::collections::{BTreeMap, BinaryHeap};
 use std::fmt;
 use thiserror::Error;
 
+/// A node's index in its graph (stable across removals).
 pub type NodeId = NodeIndex<u32>;
 
 /// The output type of a node.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct TensorMeta {
+    /// The (symbolic) shape.
     pub shape: Shape,
+    /// The element type.
     pub dtype: DType,
 }
 
 impl TensorMeta {
+    /// An output type of `shape` and `dtype`.
     pub fn new(shape: Shape, dtype: DType) -> Self {
         TensorMeta { shape, dtype }
     }
@@ -38,10 +42,15 @@ impl fmt::Display for TensorMeta {
     }
 }
 
+/// One node: an op, its name and its output type.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Node {
+    /// The stable hierarchical name (`layers.3.attention.wq`), unique in
+    /// the graph.
     pub name: String,
+    /// What it computes.
     pub op: Op,
+    /// Its output's shape and dtype, inferred and checked when added.
     pub meta: TensorMeta,
     /// The transformer layer this node belongs to, if any (for DOT clusters
     /// and per-layer statistics).
@@ -51,20 +60,31 @@ pub struct Node {
 /// An edge feeds its source node's output into input `slot` of its target.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Edge {
+    /// The input slot of the target node this edge feeds.
     pub slot: usize,
 }
 
+/// A graph that is not well formed; every message names the node.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum GraphError {
+    /// A node's inputs or declared type do not fit its op.
     #[error("node `{node}`: {message}")]
-    Node { node: String, message: String },
+    Node {
+        /// The node's name.
+        node: String,
+        /// What does not fit.
+        message: String,
+    },
+    /// Two nodes would have the same name.
     #[error("duplicate node name `{0}`")]
     DuplicateName(String),
+    /// The edges make a cycle through the named node.
     #[error("the graph has a cycle through `{0}`")]
     Cycle(String),
 }
 
 impl GraphError {
+    /// A [`GraphError::Node`] for the node named `node`.
     pub fn node(node: &str, message: impl Into<String>) -> Self {
         GraphError::Node {
             node: node.to_string(),
@@ -80,8 +100,11 @@ impl GraphError {
 /// materialises each once, when a session is prepared.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PackedWeight {
+    /// The packed weight's name (`<tensor>.packed`, `layers.N.attention.wqkv.weight`).
     pub name: String,
+    /// The checkpoint tensors it is made of, in order.
     pub parts: Vec<String>,
+    /// The axis they are concatenated along.
     pub axis: usize,
     /// The storage dtype when it differs from the parts' (the
     /// `compress_weights` pass stores bf16 weights as
@@ -107,11 +130,40 @@ pub enum WeightLayout {
 }
 
 impl WeightLayout {
+    /// Is this the checkpoint's row-by-row layout?
     pub fn is_rows(&self) -> bool {
         *self == WeightLayout::Rows
     }
 }
 
+/// A model as a static graph of typed ops; see the module docs.
+///
+/// Building a graph by hand (the Llama builder, `model::build_llama`, does
+/// the same for a whole model):
+///
+/// ```
+/// use llama_graph::ir::dot::{to_dot, DotOptions};
+/// use llama_graph::ir::{DType, Dim, Graph, Op, Shape, TensorMeta};
+///
+/// let mut g = Graph::new();
+/// let i32_s = TensorMeta::new(Shape::new([Dim::S]), DType::I32);
+/// let tokens = g.add_source("tokens", Op::Tokens, i32_s, None)?;
+/// let table = g.add_source(
+///     "tok_embeddings.weight",
+///     Op::Weight { tensor: "tok_embeddings.weight".into() },
+///     TensorMeta::new(Shape::constant(&[256, 64]), DType::BF16),
+///     None,
+/// )?;
+/// // The output type is inferred (and checked) from the inputs.
+/// let h = g.add_op("h", Op::Embedding, &[table, tokens], None)?;
+/// g.mark_output(h);
+/// assert_eq!(g.node(h).meta.to_string(), "f32[S, 64]");
+/// // An input of the wrong type is refused, naming the node.
+/// assert!(g.add_op("bad", Op::Embedding, &[tokens, table], None).is_err());
+/// let dot = to_dot(&g, DotOptions::default())?;
+/// assert!(dot.starts_with("digraph"));
+/// # Ok::<(), llama_graph::ir::GraphError>(())
+/// ```
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Graph {
     g: StableDiGraph<Node, Edge>,
@@ -123,6 +175,7 @@ pub struct Graph {
 }
 
 impl Graph {
+    /// An empty graph.
     pub fn new() -> Self {
         Graph::default()
     }
@@ -222,12 +275,14 @@ impl Graph {
         Ok(id)
     }
 
+    /// Marks a node as an output of the graph (the logits, for one).
     pub fn mark_output(&mut self, id: NodeId) {
         if !self.outputs.contains(&id) {
             self.outputs.push(id);
         }
     }
 
+    /// The output nodes, in the order they were marked.
     pub fn outputs(&self) -> &[NodeId] {
         &self.outputs
     }
@@ -264,22 +319,27 @@ impl Graph {
         Ok(())
     }
 
+    /// The node `id` (which must exist).
     pub fn node(&self, id: NodeId) -> &Node {
         &self.g[id]
     }
 
+    /// The node `id`, to change in place (which must exist).
     pub fn node_mut(&mut self, id: NodeId) -> &mut Node {
         &mut self.g[id]
     }
 
+    /// The node of this name, if any.
     pub fn find(&self, name: &str) -> Option<NodeId> {
         self.names.get(name).copied()
     }
 
+    /// How many nodes the graph has.
     pub fn node_count(&self) -> usize {
         self.g.node_count()
     }
 
+    /// Every node's id, in id order.
     pub fn node_ids(&self) -> impl Iterator<Item = NodeId> + '_ {
         self.g.node_indices()
     }
@@ -506,6 +566,7 @@ impl Graph {
     pub fn to_json(&self) -> serde_json::Result<String> {
         serde_json::to_string(self)
     }
+    /// Reads the JSON that [`Graph::to_json`] writes.
     pub fn from_json(s: &str) -> serde_json::Result<Graph> {
         serde_json::from_str(s)
     }
@@ -513,6 +574,7 @@ impl Graph {
     pub fn to_bincode(&self) -> Result<Vec<u8>, bincode::error::EncodeError> {
         bincode::serde::encode_to_vec(self, bincode::config::standard())
     }
+    /// Reads the bincode that [`Graph::to_bincode`] writes.
     pub fn from_bincode(b: &[u8]) -> Result<Graph, bincode::error::DecodeError> {
         let (g, _) = bincode::serde::decode_from_slice(b, bincode::config::standard())?;
         Ok(g)

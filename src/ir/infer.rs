@@ -54,7 +54,7 @@ fn check_per_token(what: &str, m: &TensorMeta) -> Result<(), String> {
     Ok(())
 }
 
-/// The sequence table `i32[N, 4]`.
+/// The sequence table `i32[N, 5]`.
 fn check_seqs(what: &str, m: &TensorMeta) -> Result<(), String> {
     let want = Shape(vec![Dim::N, Dim::Const(SEQ_TABLE_COLS)]);
     if m.dtype != DType::I32 || m.shape != want {
@@ -75,23 +75,32 @@ fn cache_geometry(
         CacheKind::K => "[NB, Hkv, D, BS]",
         CacheKind::V => "[NB, Hkv, BS, D]",
     };
+    let cache_type = matches!(
+        m.dtype,
+        DType::F32 | DType::F16 | DType::BF16 | DType::Q8_0 | DType::Q4_0
+    );
     match dims.as_deref() {
-        Some(&[nb, hkv, a, b])
-            if matches!(m.dtype, DType::F32 | DType::F16)
-                && nb > 0
-                && hkv > 0
-                && a > 0
-                && b > 0 =>
-        {
+        Some(&[nb, hkv, a, b]) if cache_type && nb > 0 && hkv > 0 && a > 0 && b > 0 => {
             Ok(match kind {
                 CacheKind::K => (nb, hkv, a, b),
                 CacheKind::V => (nb, hkv, b, a),
             })
         }
         _ => Err(format!(
-            "{what}: expected an f32 or f16 cache {layout} of constants, got {m}"
+            "{what}: expected an f32, f16, bf16, q8_0 or q4_0 cache {layout} of constants, got {m}"
         )),
     }
+}
+
+/// The quantized cache types group each key's (value's) `d` dims by 32.
+fn check_groups(what: &str, m: &TensorMeta, d: usize) -> Result<(), String> {
+    if matches!(m.dtype, DType::Q8_0 | DType::Q4_0) && !d.is_multiple_of(32) {
+        return Err(format!(
+            "{what}: a {} cache needs a head dim that is a multiple of 32, got {d}",
+            m.dtype
+        ));
+    }
+    Ok(())
 }
 
 /// The block table `i32[NB]` of a pool of `nb` blocks.
@@ -110,7 +119,10 @@ fn check_kv_pair(
 ) -> Result<(usize, usize, usize), String> {
     let gk = cache_geometry(k.0, k.1, CacheKind::K)?;
     let gv = cache_geometry(v.0, v.1, CacheKind::V)?;
-    if gk != gv || k.1.dtype != v.1.dtype {
+    check_groups(k.0, k.1, gk.2)?;
+    check_groups(v.0, v.1, gv.2)?;
+    // Keys and values may have different types (`-ctk`, `-ctv`).
+    if gk != gv {
         return Err(format!(
             "{}: expected the values of {} (layout [NB, Hkv, BS, D]), got {}",
             v.0, k.1, v.1
@@ -166,7 +178,7 @@ pub fn infer(
                 };
             if !ok {
                 let want = match op {
-                    Op::SeqTable => "i32[N, 4]",
+                    Op::SeqTable => "i32[N, 5]",
                     Op::BlockTable => "i32[NB] (a constant)",
                     _ => "i32[S]",
                 };
@@ -291,18 +303,33 @@ pub fn infer(
             check_per_token("slots (input 2)", slots)?;
             Ok(cache.clone())
         }
-        Op::AttnScores { n_rep, scale } => {
+        Op::AttnScores {
+            n_rep,
+            scale,
+            window,
+        } => {
             let (q, k, seqs, blocks) = (inputs[0], inputs[1], inputs[2], inputs[3]);
             if !(*scale > 0.0 && scale.is_finite()) {
                 return Err(format!("scale must be positive, got {scale}"));
             }
+            if *window == Some(0) {
+                return Err("a sliding window must hold at least one position".into());
+            }
             let (nb, hkv, d, _) = cache_geometry("k (input 1)", k, CacheKind::K)?;
+            check_groups("k (input 1)", k, d)?;
             let h = check_q("q (input 0)", q, hkv, d, *n_rep)?;
             check_seqs("seqs (input 2)", seqs)?;
             check_blocks("blocks (input 3)", blocks, nb)?;
             f32m(Shape::new([Dim::Const(h), Dim::S, Dim::T]))
         }
-        Op::Softmax | Op::Silu => {
+        Op::Scale { factor } => {
+            if !factor.is_finite() {
+                return Err(format!("scale factor must be finite, got {factor}"));
+            }
+            expect_f32("x (input 0)", inputs[0])?;
+            f32m(inputs[0].shape.clone())
+        }
+        Op::Softmax | Op::Silu | Op::GeluTanh => {
             expect_f32("x (input 0)", inputs[0])?;
             f32m(inputs[0].shape.clone())
         }
@@ -310,6 +337,7 @@ pub fn infer(
             let (p, v, seqs, blocks) = (inputs[0], inputs[1], inputs[2], inputs[3]);
             expect_f32("probs (input 0)", p)?;
             let (nb, hkv, d, _) = cache_geometry("v (input 1)", v, CacheKind::V)?;
+            check_groups("v (input 1)", v, d)?;
             let h = hkv
                 .checked_mul(*n_rep)
                 .filter(|&h| h > 0)
@@ -401,7 +429,42 @@ pub fn infer(
             n_heads,
             n_kv_heads,
             head_dim,
+            bias,
+            qk_norm,
         } => {
+            let vec_of = |what: String, t: &TensorMeta, n: usize| -> Result<(), String> {
+                if t.shape != Shape::constant(&[n]) {
+                    return Err(format!("{what}: expected shape [{n}], got {}", t.shape));
+                }
+                Ok(())
+            };
+            let mut extra = 6;
+            if *bias {
+                for (i, (name, heads)) in [("bq", n_heads), ("bk", n_kv_heads), ("bv", n_kv_heads)]
+                    .into_iter()
+                    .enumerate()
+                {
+                    vec_of(
+                        format!("{name} (input {})", extra + i),
+                        inputs[extra + i],
+                        heads.saturating_mul(*head_dim),
+                    )?;
+                }
+                extra += 3;
+            }
+            if let Some(eps) = qk_norm {
+                if !(eps.is_finite() && *eps >= 0.0) {
+                    return Err(format!(
+                        "qk_norm eps must be a non-negative number, got {eps}"
+                    ));
+                }
+                vec_of(format!("q_norm (input {extra})"), inputs[extra], *head_dim)?;
+                vec_of(
+                    format!("k_norm (input {})", extra + 1),
+                    inputs[extra + 1],
+                    *head_dim,
+                )?;
+            }
             let (x, w, f, ck, cv, slots) = (
                 inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5],
             );
@@ -463,20 +526,25 @@ pub fn infer(
             let x = inputs[0];
             infer(&Op::Recv { from: 0 }, &[], Some(x)).map_err(|e| format!("x (input 0): {e}"))
         }
-        Op::LastRows => {
+        Op::LastRows | Op::PoolRows { .. } => {
             let (x, seqs) = (inputs[0], inputs[1]);
             expect_f32("x (input 0)", x)?;
             expect_rank("x (input 0)", x, 2)?;
             expect_dim("x (input 0) axis 0", x.shape.0[0], Dim::S, &x.shape)?;
             check_seqs("seqs (input 1)", seqs)?;
-            f32m(Shape::new([Dim::N, x.shape.0[1]]))
+            f32m(Shape::new([Dim::R, x.shape.0[1]]))
         }
         Op::Add => {
             let (a, b) = (inputs[0], inputs[1]);
             expect_f32("a (input 0)", a)?;
-            expect_f32("b (input 1)", b)?;
-            if a.shape != b.shape {
-                return Err(mismatch("b (input 1)", &a.shape, &b.shape));
+            // A bias: a vector of the last axis (a weight of any float dtype).
+            let vector_of_last =
+                b.shape.rank() == 1 && a.shape.rank() > 1 && Some(b.shape.0[0]) == a.shape.last();
+            if !vector_of_last {
+                expect_f32("b (input 1)", b)?;
+                if a.shape != b.shape {
+                    return Err(mismatch("b (input 1)", &a.shape, &b.shape));
+                }
             }
             f32m(a.shape.clone())
         }

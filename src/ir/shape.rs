@@ -9,7 +9,10 @@
 //!   chunk, one decode token per sequence, or a mix);
 //! * `N`: the number of sequences with tokens in this step (`1 <= N <= S`);
 //! * `T`: the longest key span of the step: the largest `start + tokens` over
-//!   its sequences, i.e. the most cached positions any query attends over.
+//!   its sequences, i.e. the most cached positions any query attends over;
+//! * `R`: the logit rows of the step: the sum over its sequences of the
+//!   last tokens each asks logits for (one for plain decoding, `k + 1` for a
+//!   sequence verifying `k` drafted tokens; `N <= R <= S`).
 //!
 //! Everything else is a constant fixed when the graph is built, including the
 //! KV pool that all sequences share.
@@ -27,12 +30,17 @@ pub enum Sym {
     /// The longest key span of the step (`max(start + tokens)` over its
     /// sequences).
     T,
+    /// Logit rows of the step: the last tokens of each sequence that want
+    /// logits, summed over its sequences.
+    R,
 }
 
 /// One dimension: a constant or a symbol.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Dim {
+    /// A size known when the graph is built.
     Const(usize),
+    /// A size bound per step.
     Sym(Sym),
 }
 
@@ -45,11 +53,19 @@ pub struct Bindings {
     pub n: usize,
     /// The longest key span (`T`).
     pub t: usize,
+    /// Logit rows (`R`).
+    pub r: usize,
 }
 
 impl Bindings {
+    /// A step whose sequences each want the logits of their last token
+    /// (`R = N`).
     pub fn new(s: usize, n: usize, t: usize) -> Self {
-        Bindings { s, n, t }
+        Bindings { s, n, t, r: n }
+    }
+    /// The same step with `r` logit rows.
+    pub fn with_rows(self, r: usize) -> Self {
+        Bindings { r, ..self }
     }
     /// One sequence: `s` tokens at positions `pos..pos + s`.
     pub fn one_sequence(s: usize, pos: usize) -> Self {
@@ -57,28 +73,38 @@ impl Bindings {
             s,
             n: 1,
             t: pos + s,
+            r: 1,
         }
     }
+    /// The value of `sym`.
     pub fn get(&self, sym: Sym) -> usize {
         match sym {
             Sym::S => self.s,
             Sym::N => self.n,
             Sym::T => self.t,
+            Sym::R => self.r,
         }
     }
 }
 
 impl Dim {
+    /// The step's token count.
     pub const S: Dim = Dim::Sym(Sym::S);
+    /// The step's sequence count.
     pub const N: Dim = Dim::Sym(Sym::N);
+    /// The step's longest key span.
     pub const T: Dim = Dim::Sym(Sym::T);
+    /// The step's logit-row count.
+    pub const R: Dim = Dim::Sym(Sym::R);
 
+    /// The size under `b`.
     pub fn eval(self, b: &Bindings) -> usize {
         match self {
             Dim::Const(c) => c,
             Dim::Sym(s) => b.get(s),
         }
     }
+    /// The size, if it is a constant.
     pub fn as_const(self) -> Option<usize> {
         match self {
             Dim::Const(c) => Some(c),
@@ -107,18 +133,23 @@ impl fmt::Display for Dim {
 pub struct Shape(pub Vec<Dim>);
 
 impl Shape {
+    /// A shape of these dimensions.
     pub fn new(dims: impl IntoIterator<Item = Dim>) -> Self {
         Shape(dims.into_iter().collect())
     }
+    /// A shape of constant dimensions.
     pub fn constant(dims: &[usize]) -> Self {
         Shape(dims.iter().map(|&d| Dim::Const(d)).collect())
     }
+    /// The number of dimensions.
     pub fn rank(&self) -> usize {
         self.0.len()
     }
+    /// The dimensions, outermost first.
     pub fn dims(&self) -> &[Dim] {
         &self.0
     }
+    /// The innermost dimension, if any.
     pub fn last(&self) -> Option<Dim> {
         self.0.last().copied()
     }
@@ -147,6 +178,7 @@ impl Shape {
         syms.sort();
         (c, syms)
     }
+    /// The sizes under `b`.
     pub fn eval(&self, b: &Bindings) -> Vec<usize> {
         self.0.iter().map(|d| d.eval(b)).collect()
     }

@@ -1,6 +1,6 @@
 //! The KV pool: one layer's keys or values for every sequence, in blocks of
-//! `BS` positions, stored as f32 or f16, and the step's view of which
-//! sequence owns which blocks.
+//! `BS` positions, stored as one of the [`CacheType`]s, and the step's view
+//! of which sequence owns which blocks.
 //!
 //! Layout of one layer's cache (`NB` blocks, `Hkv` kv heads, head dim `D`):
 //! keys `[NB, Hkv, D, BS]` (a head's keys at one dim are `BS` contiguous
@@ -8,9 +8,121 @@
 //! `[NB, Hkv, BS, D]` (a key's value row is contiguous). A sequence's
 //! position `p` lives in block `blocks[p / BS]` of its block list, at offset
 //! `p % BS`.
+//!
+//! The block-quantized types (`q8_0`, `q4_0`) quantize each key's and each
+//! value's `D` values in groups of 32 along `D`, as llama.cpp does (so `D`
+//! must be a multiple of 32), with ggml's reference quantizers: one f16
+//! scale per group. The quants keep the element layout above (element `i`
+//! of the flat layout is quant `i`; `q4_0` packs element `i` into the low
+//! nibble of byte `i / 2` if `i` is even, the high one if odd), and the
+//! scales sit beside them: element `i`'s scale is number
+//! `(i / (32·run))·run + i % run`, where `run` is the stride between two
+//! dims of one key (`BS` for keys, 1 for values). So a run of one dim of
+//! `BS` keys reads `BS` contiguous quants and `BS` contiguous scales, and a
+//! value row reads its quants with one scale per 32.
 
 use super::{check_len, KernelError};
-use half::f16;
+use crate::ir::DType;
+use crate::ir::SEQ_TABLE_COLS as COLS;
+use half::{bf16, f16};
+use std::fmt;
+use std::str::FromStr;
+
+/// Elements sharing one scale in the block-quantized cache types.
+pub const QUANT_GROUP: usize = 32;
+
+/// How the KV cache stores keys or values (`-ctk`/`--cache-type-k`,
+/// `-ctv`/`--cache-type-v`), by llama.cpp's names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CacheType {
+    F32,
+    F16,
+    Bf16,
+    Q8_0,
+    Q4_0,
+}
+
+impl CacheType {
+    /// Every type, in the order `--help` lists them.
+    pub const ALL: [CacheType; 5] = [
+        CacheType::F32,
+        CacheType::F16,
+        CacheType::Bf16,
+        CacheType::Q8_0,
+        CacheType::Q4_0,
+    ];
+
+    /// llama.cpp's name (`f32`, `f16`, `bf16`, `q8_0`, `q4_0`).
+    pub fn name(self) -> &'static str {
+        match self {
+            CacheType::F32 => "f32",
+            CacheType::F16 => "f16",
+            CacheType::Bf16 => "bf16",
+            CacheType::Q8_0 => "q8_0",
+            CacheType::Q4_0 => "q4_0",
+        }
+    }
+
+    /// The IR dtype of a cache of this type.
+    pub fn dtype(self) -> DType {
+        match self {
+            CacheType::F32 => DType::F32,
+            CacheType::F16 => DType::F16,
+            CacheType::Bf16 => DType::BF16,
+            CacheType::Q8_0 => DType::Q8_0,
+            CacheType::Q4_0 => DType::Q4_0,
+        }
+    }
+
+    /// The cache type of an IR dtype, if a cache can be stored as it.
+    pub fn of_dtype(d: DType) -> Option<CacheType> {
+        CacheType::ALL.into_iter().find(|t| t.dtype() == d)
+    }
+
+    /// Whether groups of [`QUANT_GROUP`] elements share a scale (then the
+    /// head dim must be a multiple of 32).
+    pub fn is_quantized(self) -> bool {
+        matches!(self, CacheType::Q8_0 | CacheType::Q4_0)
+    }
+
+    /// Bytes of `n` elements (`n` a multiple of 32 for the quantized types):
+    /// 4, 2, 2, 34/32 and 18/32 per element.
+    pub fn bytes_for(self, n: usize) -> usize {
+        match self {
+            CacheType::F32 => 4 * n,
+            CacheType::F16 | CacheType::Bf16 => 2 * n,
+            CacheType::Q8_0 => n / QUANT_GROUP * 34,
+            CacheType::Q4_0 => n / QUANT_GROUP * 18,
+        }
+    }
+}
+
+impl fmt::Display for CacheType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for CacheType {
+    type Err = String;
+    /// llama.cpp's names, any case.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let l = s.to_ascii_lowercase();
+        CacheType::ALL
+            .into_iter()
+            .find(|t| t.name() == l)
+            .ok_or_else(|| {
+                format!("unknown KV cache type `{s}`: use one of f32, f16, bf16, q8_0, q4_0")
+            })
+    }
+}
+
+/// The index of element `i`'s scale in a block-quantized store whose two
+/// dims of one key are `run` elements apart (module docs).
+#[inline(always)]
+pub fn scale_index(run: usize, i: usize) -> usize {
+    (i / (QUANT_GROUP * run)) * run + i % run
+}
 
 /// The geometry of a KV pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,14 +160,81 @@ impl KvGeom {
     }
 }
 
+/// The quants and scales of a block-quantized store (module docs).
+#[derive(Debug, Clone)]
+pub struct QuantStore<Q> {
+    /// Elements between two dims of one key: `BS` for keys, 1 for values.
+    pub run: usize,
+    /// One scale per 32 elements.
+    pub d: Vec<f16>,
+    /// `q8_0`: one i8 per element; `q4_0`: one byte per two elements.
+    pub q: Vec<Q>,
+}
+
+/// A block-quantized store, borrowed.
+#[derive(Debug, Clone, Copy)]
+pub struct QuantView<'a, Q> {
+    pub run: usize,
+    pub d: &'a [f16],
+    pub q: &'a [Q],
+}
+
+impl<Q: Copy + Default> QuantStore<Q> {
+    fn zeroed(n: usize, run: usize, per_byte: usize) -> Self {
+        QuantStore {
+            run: run.max(1),
+            d: vec![f16::ZERO; n / QUANT_GROUP],
+            q: vec![Q::default(); n / per_byte],
+        }
+    }
+    fn view(&self) -> QuantView<'_, Q> {
+        QuantView {
+            run: self.run,
+            d: &self.d,
+            q: &self.q,
+        }
+    }
+    /// Copies `per` elements (a multiple of 64) from element `s` to `t`.
+    fn copy_elems(&mut self, s: usize, t: usize, per: usize, per_byte: usize) {
+        self.q
+            .copy_within(s / per_byte..(s + per) / per_byte, t / per_byte);
+        let g = QUANT_GROUP;
+        self.d.copy_within(s / g..(s + per) / g, t / g);
+    }
+}
+
 /// One layer's keys or values, owned.
 #[derive(Debug, Clone)]
 pub enum KvStore {
     F32(Vec<f32>),
     F16(Vec<f16>),
+    Bf16(Vec<bf16>),
+    Q8_0(QuantStore<i8>),
+    Q4_0(QuantStore<u8>),
 }
 
 impl KvStore {
+    /// A zeroed store of `n` elements of type `ty`; `run` is the stride
+    /// between two dims of one key (`BS` for keys, 1 for values), which
+    /// only the quantized types use.
+    ///
+    /// # Errors
+    /// A quantized type and `n` not a multiple of 64.
+    pub fn new(ty: CacheType, n: usize, run: usize) -> Result<Self, KernelError> {
+        if ty.is_quantized() && !n.is_multiple_of(2 * QUANT_GROUP) {
+            return Err(KernelError::Invalid {
+                op: "kv cache",
+                what: "a q8_0 or q4_0 cache needs whole groups of 32 values per head",
+            });
+        }
+        Ok(match ty {
+            CacheType::F32 => KvStore::F32(vec![0.0; n]),
+            CacheType::F16 => KvStore::F16(vec![f16::ZERO; n]),
+            CacheType::Bf16 => KvStore::Bf16(vec![bf16::ZERO; n]),
+            CacheType::Q8_0 => KvStore::Q8_0(QuantStore::zeroed(n, run, 1)),
+            CacheType::Q4_0 => KvStore::Q4_0(QuantStore::zeroed(n, run, 2)),
+        })
+    }
     /// A zeroed store of `n` elements (f32 or f16).
     pub fn zeroed(f16_storage: bool, n: usize) -> Self {
         if f16_storage {
@@ -64,20 +243,34 @@ impl KvStore {
             KvStore::F32(vec![0.0; n])
         }
     }
+    pub fn cache_type(&self) -> CacheType {
+        match self {
+            KvStore::F32(_) => CacheType::F32,
+            KvStore::F16(_) => CacheType::F16,
+            KvStore::Bf16(_) => CacheType::Bf16,
+            KvStore::Q8_0(_) => CacheType::Q8_0,
+            KvStore::Q4_0(_) => CacheType::Q4_0,
+        }
+    }
     pub fn view(&self) -> KvView<'_> {
         match self {
             KvStore::F32(v) => KvView::F32(v),
             KvStore::F16(v) => KvView::F16(v),
+            KvStore::Bf16(v) => KvView::Bf16(v),
+            KvStore::Q8_0(s) => KvView::Q8_0(s.view()),
+            KvStore::Q4_0(s) => KvView::Q4_0(s.view()),
         }
     }
+    /// Elements stored.
     pub fn len(&self) -> usize {
-        match self {
-            KvStore::F32(v) => v.len(),
-            KvStore::F16(v) => v.len(),
-        }
+        self.view().len()
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+    /// Bytes the store takes.
+    pub fn bytes(&self) -> usize {
+        self.cache_type().bytes_for(self.len())
     }
     /// Copies block `src` onto block `dst` (blocks of `geom`, keys or
     /// values alike).
@@ -90,6 +283,9 @@ impl KvStore {
         match self {
             KvStore::F32(v) => v.copy_within(s..s + per, d),
             KvStore::F16(v) => v.copy_within(s..s + per, d),
+            KvStore::Bf16(v) => v.copy_within(s..s + per, d),
+            KvStore::Q8_0(q) => q.copy_elems(s, d, per, 1),
+            KvStore::Q4_0(q) => q.copy_elems(s, d, per, 2),
         }
     }
 }
@@ -99,24 +295,39 @@ impl KvStore {
 pub enum KvView<'a> {
     F32(&'a [f32]),
     F16(&'a [f16]),
+    Bf16(&'a [bf16]),
+    Q8_0(QuantView<'a, i8>),
+    Q4_0(QuantView<'a, u8>),
 }
 
 impl KvView<'_> {
+    /// Elements viewed.
     pub fn len(&self) -> usize {
         match self {
             KvView::F32(v) => v.len(),
             KvView::F16(v) => v.len(),
+            KvView::Bf16(v) => v.len(),
+            KvView::Q8_0(s) => s.d.len() * QUANT_GROUP,
+            KvView::Q4_0(s) => s.d.len() * QUANT_GROUP,
         }
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// Element `i` widened to f32 (the f16 → f32 conversion is exact).
+    /// Element `i` widened (dequantized) to f32, exactly as ggml's
+    /// `dequantize_row_*` gives it: the f16/bf16 → f32 conversions are
+    /// exact, a quant is `q · d` (`(q − 8) · d` for q4_0) in f32.
     #[inline(always)]
     pub fn get(&self, i: usize) -> f32 {
         match self {
             KvView::F32(v) => v[i],
             KvView::F16(v) => v[i].to_f32(),
+            KvView::Bf16(v) => v[i].to_f32(),
+            KvView::Q8_0(s) => s.q[i] as f32 * s.d[scale_index(s.run, i)].to_f32(),
+            KvView::Q4_0(s) => {
+                let nib = (s.q[i / 2] >> (4 * (i & 1))) & 15;
+                (nib as i32 - 8) as f32 * s.d[scale_index(s.run, i)].to_f32()
+            }
         }
     }
 }
@@ -132,6 +343,8 @@ pub struct SeqSpan<'a> {
     pub start: usize,
     /// Its blocks, in position order (at least enough for `start + count`).
     pub blocks: &'a [i32],
+    /// Its last tokens that want logits (1 to `count`).
+    pub rows: usize,
 }
 
 impl SeqSpan<'_> {
@@ -146,10 +359,10 @@ impl SeqSpan<'_> {
     }
 }
 
-/// The step's sequences: the sequence table `i32[N, 4]` (first token,
-/// count, start position, offset of the block list) over the block table,
-/// checked once against the pool so kernels can index without further
-/// checks.
+/// The step's sequences: the sequence table `i32[N, 5]` (first token,
+/// count, start position, offset of the block list, logit rows) over the
+/// block table, checked once against the pool so kernels can index without
+/// further checks.
 #[derive(Debug, Clone, Copy)]
 pub struct StepSeqs<'a> {
     seqs: &'a [i32],
@@ -170,17 +383,20 @@ impl<'a> StepSeqs<'a> {
     ) -> Result<Self, KernelError> {
         const OP: &str = "kv sequences";
         let bad = |what| Err(KernelError::Invalid { op: OP, what });
-        if seqs.is_empty() || !seqs.len().is_multiple_of(4) {
-            return bad("the sequence table needs 4 columns and at least one row");
+        if seqs.is_empty() || !seqs.len().is_multiple_of(COLS) {
+            return bad("the sequence table needs 5 columns and at least one row");
         }
         if geom.block == 0 {
             return bad("the block size is 0");
         }
         let mut next = 0usize;
-        for row in seqs.chunks_exact(4) {
-            let [first, count, start, off] = [row[0], row[1], row[2], row[3]];
+        for row in seqs.chunks_exact(COLS) {
+            let [first, count, start, off, rows] = [row[0], row[1], row[2], row[3], row[4]];
             if first < 0 || count < 1 || start < 0 || off < 0 {
                 return bad("a sequence row has a negative entry or no tokens");
+            }
+            if rows < 1 || rows > count {
+                return bad("a sequence asks logits for none of its tokens or more than it has");
             }
             let (first, count, start, off) =
                 (first as usize, count as usize, start as usize, off as usize);
@@ -206,14 +422,14 @@ impl<'a> StepSeqs<'a> {
 
     /// Sequences in the step.
     pub fn len(&self) -> usize {
-        self.seqs.len() / 4
+        self.seqs.len() / COLS
     }
     pub fn is_empty(&self) -> bool {
         self.seqs.is_empty()
     }
     /// Sequence `j`.
     pub fn get(&self, j: usize) -> SeqSpan<'a> {
-        let r = &self.seqs[4 * j..4 * j + 4];
+        let r = &self.seqs[COLS * j..COLS * (j + 1)];
         let (start, count) = (r[2] as usize, r[1] as usize);
         let off = r[3] as usize;
         let need = (start + count).div_ceil(self.block);
@@ -222,10 +438,15 @@ impl<'a> StepSeqs<'a> {
             count,
             start,
             blocks: &self.blocks[off..off + need],
+            rows: r[4] as usize,
         }
     }
     pub fn iter(&self) -> impl Iterator<Item = SeqSpan<'a>> + '_ {
         (0..self.len()).map(|j| self.get(j))
+    }
+    /// Logit rows of the step (`R`): every sequence's `rows`, summed.
+    pub fn logit_rows(&self) -> usize {
+        self.iter().map(|s| s.rows).sum()
     }
     /// The longest key span (`T`).
     pub fn max_keys(&self) -> usize {
@@ -252,7 +473,9 @@ pub enum KvHalf {
 }
 
 /// Writes one token's keys or values (`row`: `[Hkv, D]`) at pool slot
-/// `slot` (`block · BS + offset`), converting to the store's type.
+/// `slot` (`block · BS + offset`), converting to the store's type (round to
+/// nearest even for f16 and bf16; ggml's reference quantizers for q8_0 and
+/// q4_0, one group of 32 dims at a time).
 pub fn kv_write_row(
     cache: &mut KvStore,
     half: KvHalf,
@@ -277,37 +500,93 @@ pub fn kv_write_row(
     }
     let (b, i) = (slot / geom.block, slot % geom.block);
     let d = geom.head_dim;
-    match (cache, half) {
-        (KvStore::F32(c), KvHalf::V) => {
+    // Flat index of dim e of head g of this token.
+    let at = |g: usize, e: usize| match half {
+        KvHalf::K => geom.k_index(b, i, g, e),
+        KvHalf::V => geom.v_index(b, i, g, e),
+    };
+    match cache {
+        KvStore::F32(c) => {
             for (g, src) in row.chunks_exact(d).enumerate() {
-                let at = geom.v_index(b, i, g, 0);
-                c[at..at + d].copy_from_slice(src);
-            }
-        }
-        (KvStore::F16(c), KvHalf::V) => {
-            for (g, src) in row.chunks_exact(d).enumerate() {
-                let at = geom.v_index(b, i, g, 0);
-                for (o, &x) in c[at..at + d].iter_mut().zip(src) {
-                    *o = f16::from_f32(x);
+                for (e, &x) in src.iter().enumerate() {
+                    c[at(g, e)] = x;
                 }
             }
         }
-        (KvStore::F32(c), KvHalf::K) => {
+        KvStore::F16(c) => {
             for (g, src) in row.chunks_exact(d).enumerate() {
                 for (e, &x) in src.iter().enumerate() {
-                    c[geom.k_index(b, i, g, e)] = x;
+                    c[at(g, e)] = f16::from_f32(x);
                 }
             }
         }
-        (KvStore::F16(c), KvHalf::K) => {
+        KvStore::Bf16(c) => {
             for (g, src) in row.chunks_exact(d).enumerate() {
                 for (e, &x) in src.iter().enumerate() {
-                    c[geom.k_index(b, i, g, e)] = f16::from_f32(x);
+                    c[at(g, e)] = bf16::from_f32(x);
+                }
+            }
+        }
+        KvStore::Q8_0(c) => {
+            check_groups(d)?;
+            let mut blk = [0u8; 34];
+            for (g, src) in row.chunks_exact(d).enumerate() {
+                for (k, xs) in src.chunks_exact(QUANT_GROUP).enumerate() {
+                    quantize_group(DType::Q8_0, xs, &mut blk)?;
+                    let e0 = k * QUANT_GROUP;
+                    c.d[scale_index(c.run, at(g, e0))] = scale_of(&blk);
+                    for (e, &q) in blk[2..].iter().enumerate() {
+                        c.q[at(g, e0 + e)] = q as i8;
+                    }
+                }
+            }
+        }
+        KvStore::Q4_0(c) => {
+            check_groups(d)?;
+            let mut blk = [0u8; 18];
+            for (g, src) in row.chunks_exact(d).enumerate() {
+                for (k, xs) in src.chunks_exact(QUANT_GROUP).enumerate() {
+                    quantize_group(DType::Q4_0, xs, &mut blk)?;
+                    let e0 = k * QUANT_GROUP;
+                    c.d[scale_index(c.run, at(g, e0))] = scale_of(&blk);
+                    // ggml's block: byte j holds dims j (low nibble) and
+                    // j + 16 (high nibble).
+                    for e in 0..QUANT_GROUP {
+                        let nib = (blk[2 + e % 16] >> (4 * (e / 16))) & 15;
+                        let idx = at(g, e0 + e);
+                        let sh = 4 * (idx & 1);
+                        let byte = &mut c.q[idx / 2];
+                        *byte = (*byte & !(15 << sh)) | (nib << sh);
+                    }
                 }
             }
         }
     }
     Ok(())
+}
+
+fn check_groups(d: usize) -> Result<(), KernelError> {
+    if d.is_multiple_of(QUANT_GROUP) {
+        Ok(())
+    } else {
+        Err(KernelError::Invalid {
+            op: "kv_write",
+            what: "a q8_0 or q4_0 cache needs a head dim that is a multiple of 32",
+        })
+    }
+}
+
+/// One group of 32 through ggml's reference quantizer.
+fn quantize_group(dt: DType, xs: &[f32], blk: &mut [u8]) -> Result<(), KernelError> {
+    super::quantized::quantize_row(dt, xs, blk).map_err(|_| KernelError::Invalid {
+        op: "kv_write",
+        what: "quantizing a group of 32 values",
+    })
+}
+
+/// The f16 scale at the start of a ggml block.
+fn scale_of(blk: &[u8]) -> f16 {
+    f16::from_le_bytes([blk[0], blk[1]])
 }
 
 /// Writes `x` (`[S, Hkv, D]`) at each token's slot.
@@ -341,43 +620,120 @@ mod tests {
         block: 4,
     };
 
+    /// What ggml stores for `xs` (a whole number of groups of 32 for the
+    /// quantized types), dequantized: the reference a cache must read back.
+    fn ggml_round_trip(ty: CacheType, xs: &[f32]) -> Vec<f32> {
+        use crate::kernels::quantized::{dequantize_row, quantize_row};
+        let dt = ty.dtype();
+        let mut bytes = vec![0u8; dt.bytes_for(xs.len()).unwrap()];
+        quantize_row(dt, xs, &mut bytes).unwrap();
+        let mut out = vec![0f32; xs.len()];
+        dequantize_row(dt, &bytes, &mut out).unwrap();
+        out
+    }
+
     #[test]
     fn writes_land_in_each_layout() {
-        for f16_storage in [false, true] {
-            let mut k = KvStore::zeroed(f16_storage, GEOM.elems());
-            let mut v = KvStore::zeroed(f16_storage, GEOM.elems());
-            let x: Vec<f32> = (0..2 * 6).map(|i| i as f32 + 1.0).collect();
-            // Slots 5 (block 1, offset 1) and 8 (block 2, offset 0).
-            kv_write_rows(&mut k, KvHalf::K, &GEOM, &[5, 8], &x).unwrap();
-            kv_write_rows(&mut v, KvHalf::V, &GEOM, &[5, 8], &x).unwrap();
-            for (t, (b, i)) in [(1, 1), (2, 0)].into_iter().enumerate() {
-                for g in 0..2 {
-                    for e in 0..3 {
-                        let want = x[t * 6 + g * 3 + e];
-                        assert_eq!(k.view().get(GEOM.k_index(b, i, g, e)), want);
-                        assert_eq!(v.view().get(GEOM.v_index(b, i, g, e)), want);
+        // Head dim 3 for the plain types, 64 (two groups) for all.
+        let wide = KvGeom {
+            head_dim: 64,
+            ..GEOM
+        };
+        let mut rng = crate::kernels::testutil::Rng::new(3);
+        for ty in CacheType::ALL {
+            for geom in [GEOM, wide] {
+                if ty.is_quantized() && geom.head_dim % 32 != 0 {
+                    continue;
+                }
+                let mut k = KvStore::new(ty, geom.elems(), geom.block).unwrap();
+                let mut v = KvStore::new(ty, geom.elems(), 1).unwrap();
+                let row = geom.n_kv_heads * geom.head_dim;
+                let x: Vec<f32> = rng.vec(2 * row).iter().map(|v| v * 3.0).collect();
+                // Slots 5 (block 1, offset 1) and 8 (block 2, offset 0).
+                kv_write_rows(&mut k, KvHalf::K, &geom, &[5, 8], &x).unwrap();
+                kv_write_rows(&mut v, KvHalf::V, &geom, &[5, 8], &x).unwrap();
+                let (kv, vv) = (k.view(), v.view());
+                let (mut kset, mut vset) = (Vec::new(), Vec::new());
+                for (t, (b, i)) in [(1, 1), (2, 0)].into_iter().enumerate() {
+                    for g in 0..geom.n_kv_heads {
+                        let d = geom.head_dim;
+                        let src = &x[t * row + g * d..t * row + (g + 1) * d];
+                        let want = ggml_round_trip(ty, src);
+                        for (e, &w) in want.iter().enumerate() {
+                            let what = format!("{ty} D {d} token {t} head {g} dim {e}");
+                            assert_eq!(kv.get(geom.k_index(b, i, g, e)), w, "k {what}");
+                            assert_eq!(vv.get(geom.v_index(b, i, g, e)), w, "v {what}");
+                            kset.push(geom.k_index(b, i, g, e));
+                            vset.push(geom.v_index(b, i, g, e));
+                        }
+                    }
+                }
+                for i in 0..geom.elems() {
+                    if !kset.contains(&i) {
+                        assert_eq!(kv.get(i), 0.0, "{ty}: key element {i} written");
+                    }
+                    if !vset.contains(&i) {
+                        assert_eq!(vv.get(i), 0.0, "{ty}: value element {i} written");
+                    }
+                }
+                assert_eq!(k.bytes(), ty.bytes_for(geom.elems()));
+                assert!(matches!(
+                    kv_write_rows(&mut k, KvHalf::K, &geom, &[12], &x[..row]),
+                    Err(KernelError::CacheOverflow { .. })
+                ));
+                assert!(kv_write_rows(&mut k, KvHalf::K, &geom, &[-1], &x[..row]).is_err());
+                assert!(kv_write_rows(&mut k, KvHalf::K, &geom, &[0], &x[..row - 1]).is_err());
+                // A block copy carries quants and scales alike.
+                k.copy_block(&geom, 1, 0);
+                v.copy_block(&geom, 1, 0);
+                let (kv, vv) = (k.view(), v.view());
+                for g in 0..geom.n_kv_heads {
+                    for e in 0..geom.head_dim {
+                        for i in 0..geom.block {
+                            let (a, c) = (geom.k_index(0, i, g, e), geom.k_index(1, i, g, e));
+                            assert_eq!(kv.get(a), kv.get(c), "{ty} copied key");
+                            let (a, c) = (geom.v_index(0, i, g, e), geom.v_index(1, i, g, e));
+                            assert_eq!(vv.get(a), vv.get(c), "{ty} copied value");
+                        }
                     }
                 }
             }
-            let written: f32 = (0..GEOM.elems()).map(|i| k.view().get(i)).sum();
-            assert_eq!(written, x.iter().sum::<f32>(), "nothing else written");
-            assert!(matches!(
-                kv_write_rows(&mut k, KvHalf::K, &GEOM, &[12], &x[..6]),
-                Err(KernelError::CacheOverflow { .. })
-            ));
-            assert!(kv_write_rows(&mut k, KvHalf::K, &GEOM, &[-1], &x[..6]).is_err());
-            assert!(kv_write_rows(&mut k, KvHalf::K, &GEOM, &[0], &x[..5]).is_err());
         }
+        // A quantized cache refuses a head dim that is not whole groups.
+        let big = KvGeom {
+            n_blocks: 8,
+            ..GEOM
+        };
+        let mut q = KvStore::new(CacheType::Q8_0, big.elems(), 1).unwrap();
+        let e = kv_write_rows(&mut q, KvHalf::V, &big, &[0], &[0.5; 6]).unwrap_err();
+        assert!(e.to_string().contains("multiple of 32"), "{e}");
+        assert!(KvStore::new(CacheType::Q4_0, 96, 1).is_err());
+    }
+
+    #[test]
+    fn cache_types_by_llama_cpp_names() {
+        for ty in CacheType::ALL {
+            assert_eq!(ty.name().parse::<CacheType>().unwrap(), ty);
+            assert_eq!(ty.name().to_uppercase().parse::<CacheType>().unwrap(), ty);
+            assert_eq!(CacheType::of_dtype(ty.dtype()), Some(ty));
+        }
+        let e = "q5_1".parse::<CacheType>().unwrap_err();
+        assert!(e.contains("q5_1") && e.contains("q8_0"), "{e}");
+        // q8_0 takes 34/64 of f16's bytes, q4_0 18/64.
+        assert_eq!(CacheType::Q8_0.bytes_for(64), 68);
+        assert_eq!(CacheType::F16.bytes_for(64), 128);
+        assert_eq!(CacheType::Q4_0.bytes_for(64), 36);
     }
 
     #[test]
     fn sequence_table_is_checked() {
         // Two sequences: 3 tokens at 0..3 (block 2), 1 token at position 5
         // (blocks 0, 1).
-        let seqs = [0, 3, 0, 0, 3, 1, 5, 1];
+        let seqs = [0, 3, 0, 0, 2, 3, 1, 5, 1, 1];
         let blocks = [2, 0, 1];
         let s = StepSeqs::new(&seqs, &blocks, 4, &GEOM).unwrap();
         assert_eq!(s.len(), 2);
+        assert_eq!((s.get(0).rows, s.logit_rows()), (2, 3));
         assert_eq!(s.max_keys(), 6);
         assert_eq!(s.get(1).blocks, &[0, 1]);
         let (mut pos, mut slots) = ([0; 4], [0; 4]);
@@ -386,10 +742,15 @@ mod tests {
         assert_eq!(slots, [8, 9, 10, 5]);
         // Wrong token count, a gap, a short block list, a block outside.
         assert!(StepSeqs::new(&seqs, &blocks, 5, &GEOM).is_err());
-        assert!(StepSeqs::new(&[0, 3, 0, 0, 4, 1, 5, 1], &blocks, 5, &GEOM).is_err());
-        assert!(StepSeqs::new(&[0, 3, 0, 0, 3, 1, 8, 1], &blocks, 4, &GEOM).is_err());
+        assert!(StepSeqs::new(&[0, 3, 0, 0, 1, 4, 1, 5, 1, 1], &blocks, 5, &GEOM).is_err());
+        assert!(StepSeqs::new(&[0, 3, 0, 0, 1, 3, 1, 8, 1, 1], &blocks, 4, &GEOM).is_err());
         assert!(StepSeqs::new(&seqs, &[2, 0, 3], 4, &GEOM).is_err());
-        assert!(StepSeqs::new(&[0, 0, 0, 0], &blocks, 0, &GEOM).is_err());
+        assert!(StepSeqs::new(&[0, 0, 0, 0, 0], &blocks, 0, &GEOM).is_err());
+        // Logit rows: none, or more than the sequence's tokens.
+        assert!(StepSeqs::new(&[0, 3, 0, 0, 0, 3, 1, 5, 1, 1], &blocks, 4, &GEOM).is_err());
+        assert!(StepSeqs::new(&[0, 3, 0, 0, 4, 3, 1, 5, 1, 1], &blocks, 4, &GEOM).is_err());
+        // Four columns are not a sequence table any more.
+        assert!(StepSeqs::new(&[0, 3, 0, 0, 3, 1, 5, 1], &blocks, 4, &GEOM).is_err());
         assert!(StepSeqs::new(&[], &blocks, 0, &GEOM).is_err());
     }
 }

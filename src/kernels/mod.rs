@@ -31,15 +31,19 @@ pub mod quantized;
 pub(crate) mod testutil;
 
 pub use attention::{
-    attention_paged, attn_scores, attn_values, softmax_rows, AttnWork, TILED_MIN_S,
+    attention_paged, attn_scores, attn_scores_windowed, attn_values, softmax_rows, AttnWork,
+    TILED_MIN_S,
 };
 pub use dispatch::{embedding_any, matmul_any, MatmulMode};
 pub use elementwise::norm::rmsnorm;
 pub use elementwise::rope::{rope_reference, RopeScaling, RopeTable};
-pub use elementwise::{add, add_inplace, argmax, mul, mul_broadcast_rows, silu, swiglu};
+pub use elementwise::{
+    add, add_inplace, argmax, gelu_tanh_inplace, mul, mul_broadcast_rows, scale_inplace, silu,
+    swiglu,
+};
 pub use embedding::embedding_rows;
 pub use isa::Isa;
-pub use kv::{kv_write_rows, KvGeom, KvHalf, KvStore, KvView, SeqSpan, StepSeqs};
+pub use kv::{kv_write_rows, CacheType, KvGeom, KvHalf, KvStore, KvView, SeqSpan, StepSeqs};
 pub use matmul::{gemv, matmul, matmul_with, Epilogue};
 pub use quantized::dequantize_row;
 

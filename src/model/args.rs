@@ -73,6 +73,90 @@ pub struct ModelArgs {
     pub max_context: Option<usize>,
     /// The output head shares the token embedding's weights.
     pub tied_embeddings: bool,
+    /// What this family's layers do beyond Llama's (all off for Llama).
+    #[serde(default)]
+    pub variant: Variant,
+}
+
+/// The model families the builder knows. The family only names the
+/// checkpoint layout and the defaults; the graph is built from the
+/// [`Variant`] fields alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum Family {
+    #[default]
+    Llama,
+    /// Mistral 7B: Llama with a sliding attention window.
+    Mistral,
+    /// Qwen2 / Qwen2.5: biases on the Q/K/V projections.
+    Qwen2,
+    /// Qwen3: per-head RMSNorm on Q and K, an explicit head size.
+    Qwen3,
+    /// Gemma 3: embedding scale, `(1 + w)` norms (stored as `1 + w`), norms
+    /// after attention and after the MLP, Q/K norm, GELU-tanh gate, local
+    /// (windowed) and global layers with their own RoPE bases.
+    Gemma3,
+    /// Phi-3: fused QKV and gate/up tensors (split at load), a window.
+    Phi3,
+}
+
+impl Family {
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Mistral => "mistral",
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+            Family::Gemma3 => "gemma3",
+            Family::Phi3 => "phi3",
+        }
+    }
+
+    /// Whether a GGUF of this `general.architecture` stores Q/K rows in
+    /// Hugging Face's rotate-half order (llama.cpp's NEOX RoPE), which the
+    /// loader puts back in Meta's order.
+    pub fn gguf_neox_rows(self) -> bool {
+        !matches!(self, Family::Llama | Family::Mistral)
+    }
+}
+
+/// The gate activation of the gated MLP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum GateAct {
+    /// SwiGLU: `silu(gate) * up`.
+    #[default]
+    Silu,
+    /// GeGLU with the tanh approximation: `gelu_tanh(gate) * up`.
+    GeluTanh,
+}
+
+/// The per-family graph features, as data: the builder emits an op for each
+/// one that is set.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Variant {
+    pub family: Family,
+    /// The head size when it is not `dim / n_heads` (Qwen3, Gemma 3).
+    pub head_dim: Option<usize>,
+    /// Biases on the Q, K and V projections (Qwen2).
+    pub qkv_bias: bool,
+    /// Per-head RMSNorm (weight `[head_dim]`) of q and k before RoPE.
+    pub qk_norm: bool,
+    /// RMSNorms on the attention output and the MLP output before their
+    /// residual adds (Gemma 3's `post_attention_layernorm`,
+    /// `post_feedforward_layernorm`).
+    pub post_norms: bool,
+    /// The token embedding is multiplied by `sqrt(dim)` (Gemma 3).
+    pub embed_scale: bool,
+    pub gate_act: GateAct,
+    /// Positions a windowed layer's query attends, its own included
+    /// (`q - k < window`).
+    pub sliding_window: Option<usize>,
+    /// With a window: `None`, every layer is windowed; `Some(n)`, layer `i`
+    /// is global (no window) when `(i + 1) % n == 0` and windowed otherwise
+    /// (Gemma 3: 6).
+    pub global_every: Option<usize>,
+    /// RoPE base of the windowed layers when it differs from `rope_theta`
+    /// (Gemma 3's local layers: 10000, without the global layers' scaling).
+    pub local_rope_theta: Option<f64>,
 }
 
 /// Meta's FFN sizing: `4*dim`, then `2/3`, then the optional multiplier,
@@ -208,6 +292,7 @@ impl ModelArgs {
             rope_scaling: use_scaled_rope.then_some(RopeScaling::LLAMA3_1),
             max_context,
             tied_embeddings,
+            variant: Variant::default(),
         };
         args.validate()?;
         Ok(args)
@@ -218,7 +303,9 @@ impl ModelArgs {
         if self.dim == 0 {
             return Err(field_err("dim", "must be positive"));
         }
-        if self.n_heads == 0 || !self.dim.is_multiple_of(self.n_heads) {
+        if self.n_heads == 0
+            || (self.variant.head_dim.is_none() && !self.dim.is_multiple_of(self.n_heads))
+        {
             return Err(field_err(
                 "n_heads",
                 format!(
@@ -235,6 +322,17 @@ impl ModelArgs {
                     self.n_heads, self.n_kv_heads
                 ),
             ));
+        }
+        if let Some(hd) = self.variant.head_dim {
+            if hd == 0 || hd > MAX_DIM {
+                return Err(field_err(
+                    "head_dim",
+                    format!("must be in 1..={MAX_DIM}, got {hd}"),
+                ));
+            }
+        }
+        if self.variant.sliding_window == Some(0) {
+            return Err(field_err("sliding_window", "must be positive"));
         }
         if !self.head_dim().is_multiple_of(2) {
             return Err(field_err(
@@ -261,7 +359,25 @@ impl ModelArgs {
     }
 
     pub fn head_dim(&self) -> usize {
-        self.dim / self.n_heads
+        self.variant.head_dim.unwrap_or(self.dim / self.n_heads)
+    }
+
+    /// The attention window of layer `i`, if it has one.
+    pub fn layer_window(&self, i: usize) -> Option<usize> {
+        let w = self.variant.sliding_window?;
+        match self.variant.global_every {
+            Some(n) if n > 0 && (i + 1).is_multiple_of(n) => None,
+            _ => Some(w),
+        }
+    }
+
+    /// The RoPE base and scaling of layer `i`: a windowed layer of a model
+    /// with a local base uses that base, unscaled.
+    pub fn layer_rope(&self, i: usize) -> (f64, Option<RopeScaling>) {
+        match (self.layer_window(i), self.variant.local_rope_theta) {
+            (Some(_), Some(t)) => (t, None),
+            _ => (self.rope_theta, self.rope_scaling),
+        }
     }
 
     /// Query heads per KV head.

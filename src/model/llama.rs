@@ -24,10 +24,10 @@
 //! compute nodes are named after the module that computes them
 //! (`layers.3.attention.wq`).
 
-use super::ModelArgs;
+use super::{GateAct, ModelArgs};
 use crate::ir::{
-    CacheKind, DType, Dim, Graph, GraphError, LogitRows, NodeId, Op, RopeParams, Shape, TensorMeta,
-    SEQ_TABLE_COLS,
+    CacheKind, DType, Dim, Graph, GraphError, LogitRows, NodeId, Op, Pooling, RopeParams, Shape,
+    TensorMeta, SEQ_TABLE_COLS,
 };
 use std::collections::BTreeMap;
 use thiserror::Error;
@@ -40,8 +40,10 @@ pub enum BuildError {
     ZeroContext,
     #[error("the KV block size must be at least 1")]
     ZeroBlock,
-    #[error("the KV cache stores f32 or f16, not {0}")]
+    #[error("the KV cache stores f32, f16, bf16, q8_0 or q4_0, not {0}")]
     KvDType(DType),
+    #[error("a {dtype} KV cache groups each head's values by 32, but this model's head dim is {head_dim}: use f32, f16 or bf16")]
+    KvGroups { dtype: DType, head_dim: usize },
     #[error(transparent)]
     Graph(#[from] GraphError),
 }
@@ -67,8 +69,10 @@ pub struct BuildOptions {
     pub context: usize,
     /// Positions per KV block (the pool's allocation unit).
     pub kv_block: usize,
-    /// How the KV pool stores keys and values (f32 or f16).
+    /// How the KV pool stores keys (f32, f16, bf16, q8_0 or q4_0).
     pub kv_dtype: DType,
+    /// How the KV pool stores values (the same choice as for keys).
+    pub kv_v_dtype: DType,
     /// The dtype weights are declared with unless `weight_dtypes` says
     /// otherwise (Meta's checkpoints: bf16).
     pub default_weight_dtype: DType,
@@ -76,6 +80,10 @@ pub struct BuildOptions {
     pub weight_dtypes: BTreeMap<String, DType>,
     /// Which positions get logits.
     pub logit_rows: LogitRows,
+    /// When set, the graph's output is one pooled embedding per sequence
+    /// (`PoolRows` of the final norm, `[N, E]`) instead of logits; every
+    /// sequence must then be fed whole in one step.
+    pub pooling: Option<Pooling>,
 }
 
 impl BuildOptions {
@@ -84,9 +92,11 @@ impl BuildOptions {
             context,
             kv_block: DEFAULT_KV_BLOCK,
             kv_dtype: DType::F32,
+            kv_v_dtype: DType::F32,
             default_weight_dtype: DType::BF16,
             weight_dtypes: BTreeMap::new(),
             logit_rows: LogitRows::All,
+            pooling: None,
         }
     }
 }
@@ -157,6 +167,18 @@ impl Builder<'_> {
         self.op(format!("{prefix}.mul"), Op::Mul, &[n, w], layer)
     }
 
+    /// `x + bias`, the bias `{name}.bias` broadcast over rows.
+    fn bias(
+        &mut self,
+        name: &str,
+        x: NodeId,
+        out: usize,
+        layer: Option<usize>,
+    ) -> Result<NodeId, GraphError> {
+        let w = self.weight(&format!("{name}.bias"), &[out], layer)?;
+        self.op(format!("{name}.bias_add"), Op::Add, &[x, w], layer)
+    }
+
     fn linear(
         &mut self,
         name: &str,
@@ -171,7 +193,8 @@ impl Builder<'_> {
 }
 
 /// Builds the forward graph of a Llama model. The graph's single output is
-/// `output` (the logits).
+/// `output` (the logits), or `pooled` (one embedding per sequence) when
+/// `opts.pooling` is set.
 pub fn build_llama(args: &ModelArgs, opts: &BuildOptions) -> Result<Graph, BuildError> {
     let vocab = args.vocab_size.ok_or(BuildError::VocabUnknown)?;
     if opts.context == 0 {
@@ -189,8 +212,18 @@ pub fn build_llama(args: &ModelArgs, opts: &BuildOptions) -> Result<Graph, Build
     if opts.kv_block == 0 {
         return Err(BuildError::ZeroBlock);
     }
-    if !matches!(opts.kv_dtype, DType::F32 | DType::F16) {
-        return Err(BuildError::KvDType(opts.kv_dtype));
+    for dtype in [opts.kv_dtype, opts.kv_v_dtype] {
+        match dtype {
+            DType::F32 | DType::F16 | DType::BF16 => {}
+            DType::Q8_0 | DType::Q4_0 if hd.is_multiple_of(32) => {}
+            DType::Q8_0 | DType::Q4_0 => {
+                return Err(BuildError::KvGroups {
+                    dtype,
+                    head_dim: hd,
+                })
+            }
+            _ => return Err(BuildError::KvDType(dtype)),
+        }
     }
     let (nb, bs) = (opts.kv_blocks(), opts.kv_block);
     let per_token = TensorMeta::new(Shape(vec![Dim::S]), DType::I32);
@@ -218,30 +251,63 @@ pub fn build_llama(args: &ModelArgs, opts: &BuildOptions) -> Result<Graph, Build
         &[emb_w, tokens],
         None,
     )?;
-    let rope = RopeParams {
-        head_dim: hd,
-        theta: args.rope_theta,
-        scaling: args.rope_scaling,
-    };
-    let freqs = b.op("rope.freqs".into(), Op::RopeFreqs(rope), &[positions], None)?;
+    let var = &args.variant;
+    if var.embed_scale {
+        // Gemma 3: the embedding times sqrt(dim), rounded to f32 first (as
+        // transformers' `embed_scale` tensor and llama.cpp's `sqrtf`).
+        let factor = f64::from((dim as f32).sqrt());
+        h = b.op(
+            "tok_embeddings.scale".into(),
+            Op::Scale { factor },
+            &[h],
+            None,
+        )?;
+    }
+    // One RoPE angle table per distinct (base, scaling): Gemma 3's local
+    // layers have their own.
+    let mut freqs_of: Vec<((f64, Option<crate::ir::RopeScaling>), NodeId)> = Vec::new();
     let scale = 1.0 / (hd as f64).sqrt();
 
     for i in 0..args.n_layers {
         let l = Some(i);
         let p = format!("layers.{i}");
         let a = format!("{p}.attention");
+        let rope_key = args.layer_rope(i);
+        let freqs = match freqs_of.iter().find(|(k, _)| *k == rope_key) {
+            Some(&(_, id)) => id,
+            None => {
+                let name = if freqs_of.is_empty() {
+                    "rope.freqs".to_string()
+                } else {
+                    format!("rope{}.freqs", freqs_of.len())
+                };
+                let rope = RopeParams {
+                    head_dim: hd,
+                    theta: rope_key.0,
+                    scaling: rope_key.1,
+                };
+                let id = b.op(name, Op::RopeFreqs(rope), &[positions], None)?;
+                freqs_of.push((rope_key, id));
+                id
+            }
+        };
         // Attention block.
         let xn = b.rms_norm(&format!("{p}.attention_norm"), h, dim, eps, l)?;
-        let q = b.linear(&format!("{a}.wq"), xn, nh * hd, dim, l)?;
-        let k = b.linear(&format!("{a}.wk"), xn, nkv * hd, dim, l)?;
-        let v = b.linear(&format!("{a}.wv"), xn, nkv * hd, dim, l)?;
-        let q = b.reshape(
+        let mut q = b.linear(&format!("{a}.wq"), xn, nh * hd, dim, l)?;
+        let mut k = b.linear(&format!("{a}.wk"), xn, nkv * hd, dim, l)?;
+        let mut v = b.linear(&format!("{a}.wv"), xn, nkv * hd, dim, l)?;
+        if var.qkv_bias {
+            q = b.bias(&format!("{a}.wq"), q, nh * hd, l)?;
+            k = b.bias(&format!("{a}.wk"), k, nkv * hd, l)?;
+            v = b.bias(&format!("{a}.wv"), v, nkv * hd, l)?;
+        }
+        let mut q = b.reshape(
             format!("{a}.q_heads"),
             q,
             vec![Dim::S, Dim::Const(nh), Dim::Const(hd)],
             l,
         )?;
-        let k = b.reshape(
+        let mut k = b.reshape(
             format!("{a}.k_heads"),
             k,
             vec![Dim::S, Dim::Const(nkv), Dim::Const(hd)],
@@ -253,6 +319,10 @@ pub fn build_llama(args: &ModelArgs, opts: &BuildOptions) -> Result<Graph, Build
             vec![Dim::S, Dim::Const(nkv), Dim::Const(hd)],
             l,
         )?;
+        if var.qk_norm {
+            q = b.rms_norm(&format!("{a}.q_norm"), q, hd, eps, l)?;
+            k = b.rms_norm(&format!("{a}.k_norm"), k, hd, eps, l)?;
+        }
         let q = b.op(format!("{a}.q_rope"), Op::Rope, &[q, freqs], l)?;
         let k = b.op(format!("{a}.k_rope"), Op::Rope, &[k, freqs], l)?;
         let ck = b.g.add_source(
@@ -270,7 +340,7 @@ pub fn build_llama(args: &ModelArgs, opts: &BuildOptions) -> Result<Graph, Build
                 layer: i,
                 kind: CacheKind::V,
             },
-            TensorMeta::new(Shape::constant(&[nb, nkv, bs, hd]), opts.kv_dtype),
+            TensorMeta::new(Shape::constant(&[nb, nkv, bs, hd]), opts.kv_v_dtype),
             l,
         )?;
         let keys = b.op(
@@ -287,7 +357,11 @@ pub fn build_llama(args: &ModelArgs, opts: &BuildOptions) -> Result<Graph, Build
         )?;
         let scores = b.op(
             format!("{a}.scores"),
-            Op::AttnScores { n_rep, scale },
+            Op::AttnScores {
+                n_rep,
+                scale,
+                window: args.layer_window(i),
+            },
             &[q, keys, seqs, blocks],
             l,
         )?;
@@ -304,21 +378,36 @@ pub fn build_llama(args: &ModelArgs, opts: &BuildOptions) -> Result<Graph, Build
             vec![Dim::S, Dim::Const(nh * hd)],
             l,
         )?;
-        let o = b.linear(&format!("{a}.wo"), merged, dim, nh * hd, l)?;
+        let mut o = b.linear(&format!("{a}.wo"), merged, dim, nh * hd, l)?;
+        if var.post_norms {
+            o = b.rms_norm(&format!("{p}.post_attention_norm"), o, dim, eps, l)?;
+        }
         h = b.op(format!("{p}.attention_residual"), Op::Add, &[h, o], l)?;
-        // Feed-forward block (SwiGLU).
+        // Feed-forward block (gated: SwiGLU or GeGLU).
         let f = format!("{p}.feed_forward");
         let xn = b.rms_norm(&format!("{p}.ffn_norm"), h, dim, eps, l)?;
         let gate = b.linear(&format!("{f}.w1"), xn, ffn, dim, l)?;
         let up = b.linear(&format!("{f}.w3"), xn, ffn, dim, l)?;
-        let act = b.op(format!("{f}.silu"), Op::Silu, &[gate], l)?;
+        let act = match var.gate_act {
+            GateAct::Silu => b.op(format!("{f}.silu"), Op::Silu, &[gate], l)?,
+            GateAct::GeluTanh => b.op(format!("{f}.gelu"), Op::GeluTanh, &[gate], l)?,
+        };
         let prod = b.op(format!("{f}.gate_up"), Op::Mul, &[act, up], l)?;
-        let down = b.linear(&format!("{f}.w2"), prod, dim, ffn, l)?;
+        let mut down = b.linear(&format!("{f}.w2"), prod, dim, ffn, l)?;
+        if var.post_norms {
+            down = b.rms_norm(&format!("{p}.post_ffn_norm"), down, dim, eps, l)?;
+        }
         h = b.op(format!("{p}.ffn_residual"), Op::Add, &[h, down], l)?;
     }
 
     let mut hn = b.rms_norm("norm", h, dim, eps, None)?;
-    if opts.logit_rows == LogitRows::Last {
+    if let Some(pooling) = opts.pooling {
+        let pooled = b.op("pooled".into(), Op::PoolRows { pooling }, &[hn, seqs], None)?;
+        b.g.mark_output(pooled);
+        b.g.verify()?;
+        return Ok(b.g);
+    }
+    if opts.logit_rows != LogitRows::All {
         hn = b.op("norm.last_rows".into(), Op::LastRows, &[hn, seqs], None)?;
     }
     let out_w = if args.tied_embeddings {

@@ -2,5 +2,5 @@
 pub mod args;
 pub mod llama;
 
-pub use args::{ModelArgs, ParamsError};
+pub use args::{Family, GateAct, ModelArgs, ParamsError, Variant};
 pub use llama::{build_llama, BuildOptions};

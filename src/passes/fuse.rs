@@ -377,7 +377,14 @@ pub fn fuse_attention(g: &mut Graph) -> Result<PassStats, GraphError> {
             continue;
         }
         let scores = g.inputs(probs)[0];
-        let Op::AttnScores { n_rep: r2, scale } = *op(g, scores) else {
+        // A windowed layer keeps the unfused path: the streaming kernel
+        // attends every position up to the query's own.
+        let Op::AttnScores {
+            n_rep: r2,
+            scale,
+            window: None,
+        } = *op(g, scores)
+        else {
             continue;
         };
         if r2 != n_rep || sole_user(g, scores) != Some(probs) {
@@ -418,7 +425,9 @@ pub fn fuse_attention(g: &mut Graph) -> Result<PassStats, GraphError> {
 /// heads, q and k rotated, k and v written to the caches and the caches
 /// read only by fused `Attention` -> one `QkvRopeCache` that rotates q/k
 /// and writes k/v in the matmul's epilogue; attention reads the caches.
-/// Runs after `fuse_qkv` and `fuse_attention`.
+/// Bias adds on the three slices (Qwen2) and a per-head norm of q and k
+/// before RoPE (Qwen3, Gemma 3; after `fold_norm_weight`) join the
+/// epilogue. Runs after `fuse_qkv` and `fuse_attention`.
 pub fn fuse_rope_cache(g: &mut Graph) -> Result<PassStats, GraphError> {
     let mut n = 0;
     for mm in nodes_where(g, |o| matches!(o, Op::MatMul)) {
@@ -429,14 +438,21 @@ pub fn fuse_rope_cache(g: &mut Graph) -> Result<PassStats, GraphError> {
             continue;
         };
         let layer = g.node(mm).layer;
+        let mut ins = vec![m.x, m.w, m.freqs, m.cache_k, m.cache_v, m.slots];
+        ins.extend(&m.biases);
+        if let Some((qw, kw, _)) = m.qk_norm {
+            ins.extend([qw, kw]);
+        }
         let new = g.add_op(
             tmp_name(g, &g.node(mm).name),
             Op::QkvRopeCache {
                 n_heads: m.heads.0,
                 n_kv_heads: m.heads.1,
                 head_dim: m.heads.2,
+                bias: !m.biases.is_empty(),
+                qk_norm: m.qk_norm.map(|(_, _, eps)| eps),
             },
-            &[m.x, m.w, m.freqs, m.cache_k, m.cache_v, m.slots],
+            &ins,
             layer,
         )?;
         g.replace_uses(m.q_rope, new);
@@ -463,6 +479,10 @@ struct QkvMatch {
     k_write: NodeId,
     v_write: NodeId,
     heads: (usize, usize, usize),
+    /// The q, k, v bias vectors, or none.
+    biases: Vec<NodeId>,
+    /// The q and k norm weights and their eps.
+    qk_norm: Option<(NodeId, NodeId, f64)>,
     dead: Vec<NodeId>,
 }
 
@@ -494,10 +514,23 @@ fn match_qkv_rope(g: &Graph, mm: NodeId) -> Option<QkvMatch> {
         return None;
     }
     let mut dead = vec![mm];
-    // Each slice -> its sole reader, a Reshape to [S, heads, D].
+    // Each slice -> its sole reader, a Reshape to [S, heads, D], or a bias
+    // add (of a vector weight) and then the Reshape; all three or none.
     let mut heads = Vec::new();
+    let mut biases = Vec::new();
     for &(_, _, s) in &slices {
-        let r = sole_user(g, s)?;
+        let mut r = sole_user(g, s)?;
+        dead.push(s);
+        if matches!(op(g, r), Op::Add) {
+            let ai = g.inputs(r);
+            let b = ai[1];
+            if ai[0] != s || weight_name(g, b).is_none() || g.node(b).meta.shape.rank() != 1 {
+                return None;
+            }
+            biases.push(b);
+            dead.push(r);
+            r = sole_user(g, r)?;
+        }
         if !matches!(op(g, r), Op::Reshape) {
             return None;
         }
@@ -506,22 +539,49 @@ fn match_qkv_rope(g: &Graph, mm: NodeId) -> Option<QkvMatch> {
             return None;
         }
         heads.push((r, d[1].as_const()?, d[2].as_const()?));
-        dead.extend([s, r]);
+        dead.push(r);
+    }
+    if !(biases.is_empty() || biases.len() == 3) {
+        return None;
     }
     let (h, hkv, hd) = (heads[0].1, heads[1].1, heads[0].2);
     if heads[2].1 != hkv || heads[1].2 != hd || heads[2].2 != hd {
         return None;
     }
-    let rope_of = |r: NodeId| -> Option<(NodeId, NodeId)> {
-        let u = sole_user(g, r)?;
+    // q and k heads -> (a per-head norm with its weight folded in) -> RoPE;
+    // both normed with one eps, or neither.
+    // (the Rope node, its angles, the norm node with its weight and eps)
+    type RopeOf = (NodeId, NodeId, Option<(NodeId, NodeId, f64)>);
+    let rope_of = |r: NodeId| -> Option<RopeOf> {
+        let mut u = sole_user(g, r)?;
+        let mut norm = None;
+        if let Op::RmsNormScaled { eps } = *op(g, u) {
+            let w = g.inputs(u)[1];
+            if weight_name(g, w).is_none() || g.node(w).meta.shape != Shape::constant(&[hd]) {
+                return None;
+            }
+            norm = Some((u, w, eps));
+            let n = u;
+            u = sole_user(g, n)?;
+            let ui = g.inputs(u);
+            return (matches!(op(g, u), Op::Rope) && ui[0] == n).then_some((u, ui[1], norm));
+        }
         let ui = g.inputs(u);
-        (matches!(op(g, u), Op::Rope) && ui[0] == r).then_some((u, ui[1]))
+        (matches!(op(g, u), Op::Rope) && ui[0] == r).then_some((u, ui[1], norm))
     };
-    let (q_rope, fq) = rope_of(heads[0].0)?;
-    let (k_rope, fk) = rope_of(heads[1].0)?;
+    let (q_rope, fq, q_norm) = rope_of(heads[0].0)?;
+    let (k_rope, fk, k_norm) = rope_of(heads[1].0)?;
     if fq != fk {
         return None;
     }
+    let qk_norm = match (q_norm, k_norm) {
+        (None, None) => None,
+        (Some((qn, qw, e1)), Some((kn, kw, e2))) if e1 == e2 => {
+            dead.extend([qn, kn]);
+            Some((qw, kw, e1))
+        }
+        _ => return None,
+    };
     dead.extend([q_rope, k_rope]);
     let write_of = |x: NodeId| -> Option<(NodeId, NodeId, NodeId)> {
         let u = sole_user(g, x)?;
@@ -568,6 +628,8 @@ fn match_qkv_rope(g: &Graph, mm: NodeId) -> Option<QkvMatch> {
         k_write,
         v_write,
         heads: (h, hkv, hd),
+        biases,
+        qk_norm,
         dead,
     })
 }

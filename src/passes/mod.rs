@@ -7,7 +7,7 @@
 //! so every rewrite can be seen (`llama-graph graph --passes .. --after ..`),
 //! diffed (snapshots) and trusted (fused-vs-unfused tests).
 //!
-//! Fused ops are variants of the closed [`Op`] enum; the unfused graph
+//! Fused ops are variants of the closed [`Op`](crate::ir::Op) enum; the unfused graph
 //! (no passes) remains a complete reference path.
 
 mod fuse;

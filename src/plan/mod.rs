@@ -104,7 +104,14 @@ pub struct ExecPlan {
 fn in_place_ok(op: &Op) -> bool {
     matches!(
         op,
-        Op::Add | Op::Mul | Op::Silu | Op::Softmax | Op::Rope | Op::MatMulAdd
+        Op::Add
+            | Op::Mul
+            | Op::Silu
+            | Op::GeluTanh
+            | Op::Scale { .. }
+            | Op::Softmax
+            | Op::Rope
+            | Op::MatMulAdd
     )
 }
 
@@ -125,6 +132,9 @@ pub struct PlanLimits {
     pub max_seqs: usize,
     /// The longest sequence (`T`), in positions.
     pub context: usize,
+    /// Logit rows per step (`R`): the sequences' last tokens that want
+    /// logits (see [`crate::ir::LogitRows::max_rows`]).
+    pub max_logit_rows: usize,
 }
 
 impl PlanLimits {
@@ -135,15 +145,18 @@ impl PlanLimits {
             max_tokens: max_chunk,
             max_seqs: 1,
             context,
+            max_logit_rows: 1,
         }
     }
 
     /// The bindings of the largest step (clamped to be consistent: at least
-    /// one token and one sequence, no more sequences than tokens).
+    /// one token and one sequence, no more sequences than tokens, logit
+    /// rows from one per sequence to one per token).
     pub fn max_bindings(&self) -> Bindings {
         let context = self.context.max(1);
         let s = self.max_tokens.clamp(1, context);
-        Bindings::new(s, self.max_seqs.clamp(1, s), context)
+        let n = self.max_seqs.clamp(1, s);
+        Bindings::new(s, n, context).with_rows(self.max_logit_rows.clamp(n, s))
     }
 }
 

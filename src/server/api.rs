@@ -1,12 +1,15 @@
 //! The OpenAI wire format: request bodies as they are parsed and checked,
 //! and the error shape (`{"error": {"message", "type", "param", "code"}}`).
 //!
-//! Unknown fields are ignored, as OpenAI-compatible servers do (clients
-//! send many optional ones); fields this server cannot honour with a
-//! non-default value (`n` > 1, `logprobs`, `tools`, `echo`, `suffix`) are
-//! refused by name rather than ignored.
+//! A top-level field this server does not know is refused by name (400):
+//! a request field it cannot honour is never silently dropped. Only fields
+//! that do not change the output are accepted and ignored
+//! ([`IGNORED_FIELDS`]: `user`, `metadata`, `store`). Known fields this
+//! server cannot honour with a non-default value (`echo`, `suffix`, ...)
+//! are refused by name too.
 
-use crate::generate::sampler::SamplerConfig;
+use crate::generate::constraint::{Constraint, GrammarSpec, Grammars};
+use crate::generate::sampler::{Penalties, SamplerConfig};
 use serde::Deserialize;
 
 /// An error as the client sees it: an HTTP status and OpenAI's error body.
@@ -60,8 +63,13 @@ impl ApiError {
     }
 }
 
-/// Parses a JSON body into `T`; a syntax error or a field of the wrong type
-/// is a 400 whose message (and `param`) names the field.
+/// Top-level request fields accepted and ignored: they do not change the
+/// output (OpenAI's end-user id, stored-completion metadata and flag).
+pub const IGNORED_FIELDS: &[&str] = &["user", "metadata", "store"];
+
+/// Parses a JSON body into `T`; a syntax error, a field of the wrong type or
+/// a top-level field `T` does not have (but for [`IGNORED_FIELDS`]) is a
+/// 400 whose message (and `param`) names the field.
 pub fn parse_body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     let value: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| {
         ApiError::new(
@@ -77,7 +85,37 @@ pub fn parse_body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Api
             "the request body must be a JSON object",
         ));
     }
-    serde_path_to_error::deserialize(value).map_err(|e| {
+    let mut unknown: Vec<String> = Vec::new();
+    let parsed: Result<T, _> = serde_path_to_error::deserialize(serde_ignored::Deserializer::new(
+        value,
+        // `?` marks a step into an `Option`: not part of the field's name.
+        &mut |path: serde_ignored::Path<'_>| {
+            let name: Vec<String> = path
+                .to_string()
+                .split('.')
+                .filter(|s| *s != "?")
+                .map(str::to_string)
+                .collect();
+            unknown.push(name.join("."))
+        },
+    ));
+    if let Ok(v) = parsed {
+        // Top-level fields and those of plain option objects
+        // (`stream_options`); unknown keys inside messages and content
+        // parts are left to the checks that read them.
+        let refused = unknown.iter().find(|p| {
+            let top = !p.contains('.') && !IGNORED_FIELDS.contains(&p.as_str());
+            top || p.starts_with("stream_options.")
+        });
+        return match refused {
+            Some(p) => Err(ApiError::invalid(
+                p,
+                format!("unsupported field `{p}`: this server cannot honour it (remove it from the request)"),
+            )),
+            None => Ok(v),
+        };
+    }
+    parsed.map_err(|e| {
         let path = e.path().to_string();
         let text = e.into_inner().to_string();
         if path == "." {
@@ -119,6 +157,14 @@ pub struct ChatMessage {
     pub role: String,
     #[serde(default)]
     pub content: Option<Content>,
+    /// An assistant message's tool calls (OpenAI's shape).
+    #[serde(default)]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A `tool` message: the call it answers.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    #[serde(default)]
+    pub name: Option<String>,
 }
 
 /// `stop`: one string or a list.
@@ -173,6 +219,14 @@ macro_rules! request {
             pub ignore_eos: Option<bool>,
             #[serde(default)]
             pub logprobs: Option<serde_json::Value>,
+            #[serde(default)]
+            pub top_logprobs: Option<i64>,
+            #[serde(default)]
+            pub presence_penalty: Option<f32>,
+            #[serde(default)]
+            pub frequency_penalty: Option<f32>,
+            #[serde(default)]
+            pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
         }
 
         impl $name {
@@ -193,6 +247,10 @@ macro_rules! request {
                     n: self.n,
                     ignore_eos: self.ignore_eos,
                     logprobs: self.logprobs.clone(),
+                    top_logprobs: self.top_logprobs,
+                    presence_penalty: self.presence_penalty,
+                    frequency_penalty: self.frequency_penalty,
+                    logit_bias: self.logit_bias.clone(),
                 }
             }
         }
@@ -220,7 +278,14 @@ pub struct Common {
     pub n: Option<i64>,
     /// llama.cpp's extension: keep generating past end-of-sequence tokens.
     pub ignore_eos: Option<bool>,
+    /// Chat: `true` (with `top_logprobs`); completions: the number of
+    /// alternatives.
     pub logprobs: Option<serde_json::Value>,
+    pub top_logprobs: Option<i64>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    /// Token id (as a string) -> bias in [-100, 100].
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
 }
 
 request! {
@@ -231,6 +296,16 @@ request! {
         max_completion_tokens: Option<i64>,
         #[serde(default)]
         tools: Option<Vec<serde_json::Value>>,
+        #[serde(default)]
+        tool_choice: Option<serde_json::Value>,
+        #[serde(default)]
+        parallel_tool_calls: Option<bool>,
+        #[serde(default)]
+        response_format: Option<ResponseFormat>,
+        #[serde(default)]
+        json_schema: Option<serde_json::Value>,
+        #[serde(default)]
+        grammar: Option<String>,
     }
 }
 
@@ -254,13 +329,179 @@ request! {
         echo: Option<bool>,
         #[serde(default)]
         suffix: Option<String>,
+        #[serde(default)]
+        response_format: Option<ResponseFormat>,
+        #[serde(default)]
+        json_schema: Option<serde_json::Value>,
+        #[serde(default)]
+        grammar: Option<String>,
     }
+}
+
+/// `input` of `POST /v1/embeddings`: a string, strings, token ids or lists
+/// of token ids.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(
+    untagged,
+    expecting = "a string, an array of strings, an array of token ids or an array of arrays of token ids"
+)]
+pub enum EmbeddingInput {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+/// `POST /v1/embeddings`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct EmbeddingRequest {
+    pub input: EmbeddingInput,
+    #[serde(default)]
+    pub model: Option<String>,
+    /// `float` (default) or `base64` (little-endian f32).
+    #[serde(default)]
+    pub encoding_format: Option<String>,
+    /// Accepted only when it is the model's width.
+    #[serde(default)]
+    pub dimensions: Option<i64>,
+}
+
+/// Most inputs per embeddings request (OpenAI's limit).
+pub const MAX_EMBEDDING_INPUTS: usize = 2048;
+
+/// `POST /tokenize` (llama-server's).
+#[derive(Debug, Clone, Deserialize)]
+pub struct TokenizeRequest {
+    pub content: String,
+    /// Add the BOS token where the model wants one (default false).
+    #[serde(default)]
+    pub add_special: Option<bool>,
+    /// Special tokens' text becomes their ids (default true).
+    #[serde(default)]
+    pub parse_special: Option<bool>,
+    /// Give each id with its piece of text.
+    #[serde(default)]
+    pub with_pieces: Option<bool>,
+}
+
+/// `POST /detokenize` (llama-server's).
+#[derive(Debug, Clone, Deserialize)]
+pub struct DetokenizeRequest {
+    pub tokens: Vec<u32>,
+}
+
+/// `response_format`: `{"type": "text" | "json_object" | "json_schema"}`;
+/// a `json_schema` carries `{"name", "schema", "strict"}` (llama-server
+/// also reads a `schema` beside `type`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct ResponseFormat {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub json_schema: Option<JsonSchemaFormat>,
+    #[serde(default)]
+    pub schema: Option<serde_json::Value>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct JsonSchemaFormat {
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub schema: Option<serde_json::Value>,
+    #[serde(default)]
+    pub strict: Option<bool>,
+}
+
+/// What the output must follow, from `response_format` or llama-server's
+/// top-level `json_schema` / `grammar` (at most one of them), with the
+/// field that asked for it (for errors).
+pub fn output_spec(
+    response_format: Option<&ResponseFormat>,
+    json_schema: Option<&serde_json::Value>,
+    grammar: Option<&str>,
+) -> Result<Option<(GrammarSpec, &'static str)>, ApiError> {
+    let mut specs: Vec<(GrammarSpec, &'static str)> = Vec::new();
+    if let Some(rf) = response_format {
+        match rf.kind.as_str() {
+            "text" => {}
+            "json_object" => specs.push(match &rf.schema {
+                Some(s) => (GrammarSpec::JsonSchema(s.clone()), "response_format.schema"),
+                None => (GrammarSpec::JsonObject, "response_format"),
+            }),
+            "json_schema" => {
+                let schema = rf
+                    .json_schema
+                    .as_ref()
+                    .and_then(|j| j.schema.clone())
+                    .or_else(|| rf.schema.clone());
+                match schema {
+                    Some(s) => specs.push((
+                        GrammarSpec::JsonSchema(s),
+                        "response_format.json_schema.schema",
+                    )),
+                    None => {
+                        return Err(ApiError::invalid(
+                            "response_format.json_schema",
+                            "`response_format.json_schema.schema` is missing",
+                        ))
+                    }
+                }
+            }
+            other => {
+                return Err(ApiError::invalid(
+                    "response_format.type",
+                    format!(
+                        "`response_format.type` must be `text`, `json_object` or `json_schema`, got `{other}`"
+                    ),
+                ))
+            }
+        }
+    }
+    if let Some(s) = json_schema {
+        specs.push((GrammarSpec::JsonSchema(s.clone()), "json_schema"));
+    }
+    if let Some(g) = grammar {
+        specs.push((GrammarSpec::from_grammar_text(g), "grammar"));
+    }
+    if specs.len() > 1 {
+        let names: Vec<&str> = specs.iter().map(|s| s.1).collect();
+        return Err(ApiError::invalid(
+            specs[1].1,
+            format!(
+                "give one output constraint, not several: {}",
+                names.join(", ")
+            ),
+        ));
+    }
+    Ok(specs.pop())
+}
+
+/// Compiles the output constraint; a schema or grammar llguidance refuses
+/// is a 400 naming `field` and what it refused.
+pub fn compile_constraint(
+    grammars: &Grammars,
+    spec: &GrammarSpec,
+    field: &str,
+) -> Result<Constraint, ApiError> {
+    grammars.compile(spec).map_err(|e| {
+        let what = match spec {
+            GrammarSpec::JsonObject | GrammarSpec::JsonSchema(_) => "the JSON schema",
+            GrammarSpec::Lark(_) | GrammarSpec::Gbnf(_) => "the grammar",
+        };
+        ApiError::invalid(field, format!("`{field}`: {what} cannot be used: {e}"))
+    })
 }
 
 /// Most stop strings a request may give.
 pub const MAX_STOP_STRINGS: usize = 16;
 /// Longest stop string, in bytes.
 pub const MAX_STOP_BYTES: usize = 512;
+/// Most choices (`n`) per request.
+pub const MAX_CHOICES: usize = 16;
+/// Most alternatives per token (`top_logprobs`, completions' `logprobs`),
+/// OpenAI's limit.
+pub const MAX_TOP_LOGPROBS: usize = 20;
 
 /// What the checked common fields ask for.
 #[derive(Debug, Clone)]
@@ -272,6 +513,12 @@ pub struct Checked {
     pub stream: bool,
     pub include_usage: bool,
     pub ignore_eos: bool,
+    /// Choices to generate, each seeded `seed + i`.
+    pub n: usize,
+    /// Report logprobs with this many alternatives per token.
+    pub logprobs: Option<usize>,
+    /// Logit bias and presence/frequency penalties.
+    pub penalties: Penalties,
 }
 
 impl Common {
@@ -282,18 +529,80 @@ impl Common {
         max_tokens: Option<(i64, &str)>,
         fresh_seed: impl FnOnce() -> u64,
     ) -> Result<Checked, ApiError> {
-        if let Some(n) = self.n {
-            if n != 1 {
+        let n = match self.n {
+            None => 1,
+            Some(n) if (1..=MAX_CHOICES as i64).contains(&n) => n as usize,
+            Some(n) => {
                 return Err(ApiError::invalid(
                     "n",
-                    format!("only n = 1 is supported, got {n}"),
+                    format!("`n` must be from 1 to {MAX_CHOICES}, got {n}"),
+                ))
+            }
+        };
+        let top_range = |field: &str, k: i64| {
+            if (0..=MAX_TOP_LOGPROBS as i64).contains(&k) {
+                Ok(k as usize)
+            } else {
+                Err(ApiError::invalid(
+                    field,
+                    format!("`{field}` must be from 0 to {MAX_TOP_LOGPROBS}, got {k}"),
+                ))
+            }
+        };
+        let logprobs = match &self.logprobs {
+            None | Some(serde_json::Value::Null) | Some(serde_json::Value::Bool(false)) => {
+                if self.top_logprobs.is_some() {
+                    return Err(ApiError::invalid(
+                        "top_logprobs",
+                        "`top_logprobs` needs `logprobs: true`",
+                    ));
+                }
+                None
+            }
+            Some(serde_json::Value::Bool(true)) => {
+                Some(top_range("top_logprobs", self.top_logprobs.unwrap_or(0))?)
+            }
+            Some(v) => match v.as_i64() {
+                Some(k) => Some(top_range("logprobs", k)?),
+                None => {
+                    return Err(ApiError::invalid(
+                        "logprobs",
+                        format!("`logprobs` must be a boolean (chat) or a number of alternatives (completions), got {v}"),
+                    ))
+                }
+            },
+        };
+        let penalty = |field: &str, v: Option<f32>| match v {
+            None => Ok(0.0),
+            Some(p) if (-2.0..=2.0).contains(&p) => Ok(p),
+            Some(p) => Err(ApiError::invalid(
+                field,
+                format!("`{field}` must be from -2 to 2, got {p}"),
+            )),
+        };
+        let mut logit_bias = Vec::new();
+        for (k, &b) in self.logit_bias.iter().flatten() {
+            let Ok(id) = k.trim().parse::<u32>() else {
+                return Err(ApiError::invalid(
+                    "logit_bias",
+                    format!("`logit_bias` keys are token ids, got {k:?}"),
+                ));
+            };
+            if !(-100.0..=100.0).contains(&b) {
+                return Err(ApiError::invalid(
+                    "logit_bias",
+                    format!(
+                        "a `logit_bias` value must be from -100 to 100, got {b} for token {id}"
+                    ),
                 ));
             }
+            logit_bias.push((id, b));
         }
-        match &self.logprobs {
-            None | Some(serde_json::Value::Null) | Some(serde_json::Value::Bool(false)) => {}
-            Some(_) => return Err(ApiError::invalid("logprobs", "logprobs are not supported")),
-        }
+        let penalties = Penalties {
+            logit_bias,
+            presence: penalty("presence_penalty", self.presence_penalty)?,
+            frequency: penalty("frequency_penalty", self.frequency_penalty)?,
+        };
         let max_tokens = match max_tokens {
             None => None,
             Some((n, field)) if n < 1 => {
@@ -386,6 +695,9 @@ impl Common {
                     .and_then(|o| o.include_usage)
                     .unwrap_or(false),
             ignore_eos: self.ignore_eos.unwrap_or(false),
+            n,
+            logprobs,
+            penalties,
         })
     }
 }
@@ -404,9 +716,6 @@ impl ChatRequest {
     pub fn messages(&self) -> Result<Vec<crate::generate::chat::Message>, ApiError> {
         if self.messages.is_empty() {
             return Err(ApiError::invalid("messages", "`messages` is empty"));
-        }
-        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-            return Err(ApiError::invalid("tools", "tools are not supported"));
         }
         self.messages
             .iter()
@@ -440,6 +749,60 @@ impl ChatRequest {
                 })
             })
             .collect()
+    }
+}
+
+impl ChatRequest {
+    /// The messages as JSON for a template that reads tool calls: text
+    /// content, and each call's `arguments` (JSON text on the wire) as the
+    /// JSON value it spells.
+    pub fn messages_json(&self) -> Result<Vec<serde_json::Value>, ApiError> {
+        let texts = self.messages()?;
+        let mut out = Vec::with_capacity(texts.len());
+        for (i, (m, t)) in self.messages.iter().zip(texts).enumerate() {
+            let mut v = serde_json::json!({"role": t.role, "content": t.content});
+            if let Some(calls) = &m.tool_calls {
+                let mut parsed = Vec::with_capacity(calls.len());
+                for (j, c) in calls.iter().enumerate() {
+                    let at = format!("messages[{i}].tool_calls[{j}].function");
+                    let f = c
+                        .get("function")
+                        .ok_or_else(|| ApiError::invalid(&at, format!("`{at}` is missing")))?;
+                    let name = f.get("name").and_then(|n| n.as_str()).ok_or_else(|| {
+                        ApiError::invalid(
+                            &format!("{at}.name"),
+                            format!("`{at}.name` must be a string"),
+                        )
+                    })?;
+                    let args = match f.get("arguments") {
+                        None | Some(serde_json::Value::Null) => serde_json::json!({}),
+                        Some(serde_json::Value::String(s)) => {
+                            serde_json::from_str(s).map_err(|e| {
+                                ApiError::invalid(
+                                    &format!("{at}.arguments"),
+                                    format!("`{at}.arguments` is not JSON: {e}"),
+                                )
+                            })?
+                        }
+                        Some(other) => other.clone(),
+                    };
+                    parsed.push(serde_json::json!({
+                        "id": c.get("id").cloned().unwrap_or(serde_json::Value::Null),
+                        "type": "function",
+                        "function": {"name": name, "arguments": args},
+                    }));
+                }
+                v["tool_calls"] = serde_json::Value::Array(parsed);
+            }
+            if let Some(id) = &m.tool_call_id {
+                v["tool_call_id"] = serde_json::json!(id);
+            }
+            if let Some(n) = &m.name {
+                v["name"] = serde_json::json!(n);
+            }
+            out.push(v);
+        }
+        Ok(out)
     }
 }
 
@@ -485,6 +848,23 @@ mod tests {
     }
 
     #[test]
+    fn unknown_fields_are_refused_by_name_but_user_metadata_store() {
+        let e = chat(r#"{"messages": [], "best_of": 2}"#).unwrap_err();
+        assert_eq!((e.status, e.param.as_deref()), (400, Some("best_of")));
+        assert!(e.message.contains("best_of"), "{}", e.message);
+        let e = chat(r#"{"messages": [], "stream_options": {"include_obfuscation": true}}"#)
+            .unwrap_err();
+        assert_eq!(
+            e.param.as_deref(),
+            Some("stream_options.include_obfuscation")
+        );
+        chat(r#"{"messages": [], "user": "u1", "metadata": {"a": "b"}, "store": false}"#).unwrap();
+        // A wrong type is still named as such.
+        let e = chat(r#"{"messages": [], "n": "two", "bogus": 1}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("n"));
+    }
+
+    #[test]
     fn malformed_json_is_400_without_a_field() {
         for body in ["{", "{\"messages\": [}", "", "[] x", "{} {}", "\u{0}\u{1}"] {
             let e = chat(body).unwrap_err();
@@ -514,11 +894,34 @@ mod tests {
         assert_eq!(c.max_tokens, Some(3));
         assert_eq!((c.sampling.seed, c.sampling.top_k), (5, 0));
         assert_eq!(c.stop, vec!["x".to_string()]);
-        let r = chat(r#"{"messages": [{"role": "user", "content": "hi"}], "n": 2}"#).unwrap();
-        assert_eq!(
-            r.common().check(None, || 0).unwrap_err().param.as_deref(),
-            Some("n")
-        );
+        let refused = |body: &str| {
+            let r = chat(body).unwrap();
+            r.common().check(None, || 0).unwrap_err().param
+        };
+        let hi = r#""messages": [{"role": "user", "content": "hi"}]"#;
+        for (extra, param) in [
+            (r#""n": 0"#, "n"),
+            (r#""n": 17"#, "n"),
+            (r#""logprobs": true, "top_logprobs": 50"#, "top_logprobs"),
+            (r#""top_logprobs": 2"#, "top_logprobs"),
+            (r#""logprobs": "yes""#, "logprobs"),
+            (r#""logprobs": 21"#, "logprobs"),
+            (r#""presence_penalty": 2.5"#, "presence_penalty"),
+            (r#""frequency_penalty": -3"#, "frequency_penalty"),
+            (r#""logit_bias": {"x": 1}"#, "logit_bias"),
+            (r#""logit_bias": {"5": -101}"#, "logit_bias"),
+        ] {
+            let got = refused(&format!("{{{hi}, {extra}}}"));
+            assert_eq!(got.as_deref(), Some(param), "{extra}");
+        }
+        let r = chat(&format!(
+            r#"{{{hi}, "n": 3, "logprobs": true, "top_logprobs": 5, "logit_bias": {{"7": -100}}, "presence_penalty": 0.5}}"#
+        ))
+        .unwrap();
+        let c = r.common().check(None, || 0).unwrap();
+        assert_eq!((c.n, c.logprobs), (3, Some(5)));
+        assert_eq!(c.penalties.logit_bias, vec![(7, -100.0)]);
+        assert_eq!(c.penalties.presence, 0.5);
     }
 
     #[test]

@@ -18,13 +18,16 @@
 //! order. Every kernel computes a sequence's rows independently of the rest
 //! of the batch, so a greedy request's tokens do not depend on what else is
 //! running.
+#![warn(missing_docs)]
 
 use super::scheduler::{Scheduler, SchedulerConfig, SeqId};
 use crate::exec::{Batch, KvPool};
-use crate::generate::sampler::{Sampler, SamplerConfig};
-use crate::session::{Model, Session, SessionError, SessionOptions};
+use crate::generate::constraint::Constraint;
+use crate::generate::sampler::{Penalties, Sampler, SamplerConfig, TokenLogprobs};
+use crate::ir::Pooling;
+use crate::session::{CacheType, Model, Session, SessionError, SessionOptions};
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -35,14 +38,28 @@ use tokio::sync::mpsc;
 /// most, how to sample them and which sampled ids end it.
 #[derive(Debug, Clone)]
 pub struct GenRequest {
+    /// The prompt's token ids (a chat already rendered by its template).
     pub prompt: Vec<u32>,
     /// At least 1; `prompt.len() + max_tokens` must fit the context.
     pub max_tokens: usize,
+    /// How to pick each token.
     pub sampling: SamplerConfig,
     /// Sampled ids that end the sequence (usually the tokenizer's
     /// end-of-sequence and end-of-turn ids). Such a token is counted in
     /// `completion_tokens` but not sent as a [`GenEvent::Token`].
     pub stop_tokens: Vec<u32>,
+}
+
+/// What a request may ask beyond a [`GenRequest`] (all off by default).
+#[derive(Clone, Default)]
+pub struct GenExtras {
+    /// The grammar every token must follow (structured output).
+    pub constraint: Option<Constraint>,
+    /// Logit bias and presence/frequency penalties.
+    pub penalties: Penalties,
+    /// Report every sampled token's log-probability with this many
+    /// alternatives (see [`GenStream::take_logprobs`]).
+    pub logprobs: Option<usize>,
 }
 
 /// Why a sequence ended.
@@ -60,27 +77,43 @@ pub enum Finish {
 /// exactly one `Done` or `Error`, then nothing.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GenEvent {
+    /// The next generated token (stop tokens are not sent).
     Token(u32),
+    /// The sequence ended.
     Done {
+        /// Why.
         finish: Finish,
+        /// Tokens of the prompt.
         prompt_tokens: usize,
         /// Tokens sampled, including a final stop token.
         completion_tokens: usize,
     },
+    /// The step failed; the message says why. Nothing follows.
     Error(String),
 }
 
 /// Why a request was not accepted.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum SubmitError {
+    /// The queue holds `capacity` waiting requests already.
     #[error("the server is busy: {capacity} requests are already waiting; retry later")]
-    QueueFull { capacity: usize },
+    QueueFull {
+        /// The queue's capacity.
+        capacity: usize,
+    },
+    /// The prompt plus `max_tokens` would not fit the context.
     #[error("the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceed the context of {context} tokens")]
     TooLong {
+        /// Tokens of the prompt.
         prompt_tokens: usize,
+        /// Tokens asked for.
         max_tokens: usize,
+        /// The most one sequence may hold.
         context: usize,
     },
+    /// Something else about the request is wrong (an empty prompt, an id
+    /// outside the vocabulary, `max_tokens` 0, a bad sampling parameter);
+    /// the message says what.
     #[error("{0}")]
     Invalid(String),
 }
@@ -129,6 +162,13 @@ pub struct EngineLimits {
     pub queue_capacity: usize,
     /// Token ids are below this.
     pub vocab: usize,
+    /// With embeddings ([`EngineHandle::start_with_embeddings`]): the most
+    /// tokens one input may have, and the embedding's width.
+    pub embedding: Option<(usize, usize)>,
+    /// Bytes the KV pool takes (every layer's keys and values on this rank).
+    pub kv_bytes: usize,
+    /// The KV pool's key and value types.
+    pub kv_types: Option<(CacheType, CacheType)>,
 }
 
 /// How to start an engine.
@@ -144,24 +184,50 @@ pub struct EngineConfig {
     pub queue_capacity: usize,
 }
 
+/// Why an engine could not start.
 #[derive(Debug, Error)]
 pub enum EngineError {
+    /// The session did not compile.
     #[error(transparent)]
     Session(#[from] SessionError),
+    /// The configuration is inconsistent; the message says how.
     #[error("{0}")]
     Invalid(String),
+    /// The operating system refused the engine thread.
     #[error("the engine thread could not start: {0}")]
     Thread(String),
 }
 
 struct Job {
     req: GenRequest,
+    extras: GenExtras,
     tx: mpsc::UnboundedSender<GenEvent>,
+    lp_tx: Option<mpsc::UnboundedSender<TokenLogprobs>>,
+    shared: Arc<StreamShared>,
+}
+
+/// What a stream and its sequence share besides the events.
+#[derive(Debug, Default)]
+struct StreamShared {
+    /// Set by [`GenStream::finish`]: the client has its answer; the
+    /// sequence ends as a normal finish (its KV stays in the prefix cache)
+    /// rather than a cancellation.
+    finished: AtomicBool,
+    /// Prompt tokens whose KV came from the prefix cache or a sequence in
+    /// flight (set when the sequence samples its first token).
+    cached: AtomicUsize,
+}
+
+/// Embedding inputs of one request and where their embeddings go.
+struct EmbedJob {
+    inputs: Vec<Vec<u32>>,
+    tx: tokio::sync::oneshot::Sender<Result<Vec<Vec<f32>>, String>>,
 }
 
 #[derive(Default)]
 struct Queue {
     jobs: VecDeque<Job>,
+    embeds: VecDeque<EmbedJob>,
     shutdown: bool,
 }
 
@@ -223,9 +289,33 @@ impl std::fmt::Debug for EngineHandle {
 /// (the engine notices before its next step and frees the sequence's KV).
 pub struct GenStream {
     rx: mpsc::UnboundedReceiver<GenEvent>,
+    logprobs: Option<mpsc::UnboundedReceiver<TokenLogprobs>>,
+    shared: Arc<StreamShared>,
 }
 
 impl GenStream {
+    /// After a [`GenEvent::Token`] of a request that asked for logprobs
+    /// ([`GenExtras::logprobs`]): that token's log-probabilities (the engine
+    /// sends them before the token).
+    pub fn take_logprobs(&mut self) -> Option<TokenLogprobs> {
+        self.logprobs.as_mut().and_then(|r| r.try_recv().ok())
+    }
+
+    /// Prompt tokens whose KV was reused (the prefix cache or a sequence in
+    /// flight with the same prefix) rather than computed; known once the
+    /// first token has come.
+    pub fn cached_tokens(&self) -> usize {
+        self.shared.cached.load(Ordering::Relaxed)
+    }
+
+    /// Ends the sequence because the client has what it wants (a stop
+    /// string appeared): like a normal finish, its KV stays in the prefix
+    /// cache for a later prompt with the same prefix. (Dropping the stream
+    /// instead cancels the sequence and frees its KV.)
+    pub fn finish(self) {
+        self.shared.finished.store(true, Ordering::Relaxed);
+    }
+
     /// The next event; `None` after the final `Done`/`Error`.
     pub async fn next(&mut self) -> Option<GenEvent> {
         self.rx.recv().await
@@ -236,6 +326,8 @@ impl GenStream {
         self.rx.blocking_recv()
     }
 
+    /// Polls for the next event (for a `Stream` adapter); `Ready(None)`
+    /// after the final `Done`/`Error`.
     pub fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<GenEvent>> {
         self.rx.poll_recv(cx)
     }
@@ -244,13 +336,61 @@ impl GenStream {
 impl EngineHandle {
     /// Compiles a session for `model` on a new engine thread and starts
     /// serving. Returns once the session is ready (or failed to compile).
+    ///
+    /// ```no_run
+    /// use llama_graph::generate::SamplerConfig;
+    /// use llama_graph::server::engine::{EngineConfig, EngineHandle, GenEvent, GenRequest};
+    /// use llama_graph::session::{Model, SessionOptions};
+    ///
+    /// let model = Model::open("model.gguf".as_ref())?;
+    /// let cfg = EngineConfig { session: SessionOptions::default(), parallel: 4, queue_capacity: 64 };
+    /// let engine = EngineHandle::start(model, cfg)?;
+    /// let mut stream = engine.submit(GenRequest {
+    ///     prompt: vec![1, 415, 5565],
+    ///     max_tokens: 16,
+    ///     sampling: SamplerConfig { temperature: 0.0, ..Default::default() },
+    ///     stop_tokens: vec![2],
+    /// })?;
+    /// while let Some(event) = stream.blocking_next() {
+    ///     match event {
+    ///         GenEvent::Token(id) => print!(" {id}"),
+    ///         GenEvent::Done { finish, .. } => println!(" ({finish:?})"),
+    ///         GenEvent::Error(e) => eprintln!("{e}"),
+    ///     }
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn start(model: Model, cfg: EngineConfig) -> Result<EngineHandle, EngineError> {
+        EngineHandle::start_with_embeddings(model, cfg, None)
+    }
+
+    /// Like [`EngineHandle::start`], and with `pooling` also compiles the
+    /// model's embedding graph (the final norm pooled per sequence; see
+    /// [`Session::new_embedding`]) for [`EngineHandle::embed`]: inputs of
+    /// up to the step's token budget, several per step, run by the same
+    /// engine thread between generation steps.
+    pub fn start_with_embeddings(
+        model: Model,
+        cfg: EngineConfig,
+        pooling: Option<Pooling>,
+    ) -> Result<EngineHandle, EngineError> {
         let mut session_opts = cfg.session.clone();
         session_opts.parallel = cfg.parallel;
         EngineHandle::launch(&cfg, move || {
             let session = Session::new(&model, &session_opts)?;
+            let embed = match pooling {
+                None => None,
+                Some(p) => {
+                    // Room for a full step of whole sequences: every one
+                    // may leave part of its last block empty.
+                    let mut o = session_opts.clone();
+                    let block = session.exec.kv_geom().block;
+                    o.context = Some(o.batch + o.parallel * block);
+                    Some(Session::new_embedding(&model, &o, p)?)
+                }
+            };
             // The model's mappings stay alive with the session.
-            Ok((session, Box::new(model) as Box<dyn Send>))
+            Ok((session, embed, Box::new(model) as Box<dyn Send>))
         })
     }
 
@@ -271,13 +411,15 @@ impl EngineHandle {
             )));
         }
         EngineHandle::launch(&cfg, move || {
-            Ok((session, Box::new(model) as Box<dyn Send>))
+            Ok((session, None, Box::new(model) as Box<dyn Send>))
         })
     }
 
     fn launch(
         cfg: &EngineConfig,
-        make: impl FnOnce() -> Result<(Session, Box<dyn Send>), SessionError> + Send + 'static,
+        make: impl FnOnce() -> Result<(Session, Option<Session>, Box<dyn Send>), SessionError>
+            + Send
+            + 'static,
     ) -> Result<EngineHandle, EngineError> {
         if cfg.parallel == 0 {
             return Err(EngineError::Invalid(
@@ -296,25 +438,38 @@ impl EngineHandle {
         let thread = std::thread::Builder::new()
             .name("llama-graph-engine".into())
             .spawn(move || {
-                let (mut session, keep) = match make() {
+                let (mut session, mut embed, keep) = match make() {
                     Ok(s) => s,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
                         return;
                     }
                 };
-                let _ = ready_tx.send(Ok((session.context(), session.vocab())));
-                engine_loop(&mut session, parallel, &thread_shared);
+                let embedding = embed.as_ref().map(|e| {
+                    let width = e.graph.outputs().first().map_or(0, |&o| {
+                        e.graph.node(o).meta.shape.dims()[1].as_const().unwrap_or(0)
+                    });
+                    (e.exec.max_chunk().min(e.context()), width)
+                });
+                let _ = ready_tx.send(Ok((
+                    session.context(),
+                    session.vocab(),
+                    embedding,
+                    session.exec.kv_bytes(),
+                    session.exec.kv_types(),
+                )));
+                engine_loop(&mut session, embed.as_mut(), parallel, &thread_shared);
                 if session.pipeline().is_some() {
                     if let Err(e) = session.stop_pipeline("") {
                         eprintln!("error: stopping the pipeline: {e}");
                     }
                 }
                 drop(session);
+                drop(embed);
                 drop(keep);
             })
             .map_err(|e| EngineError::Thread(e.to_string()))?;
-        let (context, vocab) = ready_rx
+        let (context, vocab, embedding, kv_bytes, kv_types) = ready_rx
             .recv()
             .map_err(|_| EngineError::Thread("the engine thread ended while loading".into()))??;
         Ok(EngineHandle {
@@ -327,10 +482,15 @@ impl EngineHandle {
                 parallel: cfg.parallel,
                 queue_capacity: cfg.queue_capacity,
                 vocab,
+                embedding,
+                kv_bytes,
+                kv_types,
             },
         })
     }
 
+    /// The engine's fixed limits (context, parallel sequences, queue,
+    /// vocabulary).
     pub fn limits(&self) -> EngineLimits {
         self.limits
     }
@@ -338,7 +498,151 @@ impl EngineHandle {
     /// Checks `req` and queues it. Refuses at once, without waiting, when
     /// the queue is full.
     pub fn submit(&self, req: GenRequest) -> Result<GenStream, SubmitError> {
+        self.submit_with(req, GenExtras::default())
+    }
+
+    /// [`EngineHandle::submit`], every token sampled among those
+    /// `constraint` allows (structured output).
+    pub fn submit_constrained(
+        &self,
+        req: GenRequest,
+        constraint: Option<Constraint>,
+    ) -> Result<GenStream, SubmitError> {
+        self.submit_with(
+            req,
+            GenExtras {
+                constraint,
+                ..GenExtras::default()
+            },
+        )
+    }
+
+    /// [`EngineHandle::submit`] with what `extras` asks for.
+    pub fn submit_with(
+        &self,
+        req: GenRequest,
+        extras: GenExtras,
+    ) -> Result<GenStream, SubmitError> {
+        let mut v = self.submit_many(vec![(req, extras)])?;
+        Ok(v.pop().expect("one stream per request"))
+    }
+
+    /// Queues several requests together, or none of them (each is checked
+    /// first; a full queue refuses them all). Requests with the same prompt
+    /// (OpenAI's `n` choices) are admitted together when `parallel` allows,
+    /// and the later ones read the first one's KV blocks for the prompt
+    /// rather than compute it again (see [`super::scheduler`]).
+    pub fn submit_many(
+        &self,
+        reqs: Vec<(GenRequest, GenExtras)>,
+    ) -> Result<Vec<GenStream>, SubmitError> {
+        for (req, extras) in &reqs {
+            self.check(req, extras)?;
+        }
+        let shared = &self.owner.shared;
+        let mut streams = Vec::with_capacity(reqs.len());
+        {
+            let l = self.limits;
+            let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+            if q.jobs.len() + reqs.len() > l.queue_capacity {
+                // Requests whose streams were dropped while waiting give
+                // their places back.
+                q.jobs.retain(|j| !j.tx.is_closed());
+            }
+            if q.jobs.len() + reqs.len() > l.queue_capacity {
+                return Err(SubmitError::QueueFull {
+                    capacity: l.queue_capacity,
+                });
+            }
+            for (req, extras) in reqs {
+                let (tx, rx) = mpsc::unbounded_channel();
+                let (lp_tx, lp_rx) = match extras.logprobs {
+                    Some(_) => {
+                        let (t, r) = mpsc::unbounded_channel();
+                        (Some(t), Some(r))
+                    }
+                    None => (None, None),
+                };
+                let st = Arc::new(StreamShared::default());
+                q.jobs.push_back(Job {
+                    req,
+                    extras,
+                    tx,
+                    lp_tx,
+                    shared: st.clone(),
+                });
+                streams.push(GenStream {
+                    rx,
+                    logprobs: lp_rx,
+                    shared: st,
+                });
+            }
+        }
+        shared
+            .requests_total
+            .fetch_add(streams.len() as u64, Ordering::Relaxed);
+        shared.ready.notify_one();
+        Ok(streams)
+    }
+
+    /// Embeds each input (token ids) with the engine's embedding graph: one
+    /// pooled row of the final norm per input (not normalized). Inputs run
+    /// whole, several per step, between generation steps.
+    pub async fn embed(&self, inputs: Vec<Vec<u32>>) -> Result<Vec<Vec<f32>>, SubmitError> {
         let l = self.limits;
+        let Some((max_tokens, _)) = l.embedding else {
+            return Err(SubmitError::Invalid(
+                "this server has no embedding graph (it runs a pipeline)".into(),
+            ));
+        };
+        for (i, t) in inputs.iter().enumerate() {
+            if t.is_empty() {
+                return Err(SubmitError::Invalid(format!("input {i} is empty")));
+            }
+            if t.len() > max_tokens {
+                return Err(SubmitError::Invalid(format!(
+                    "input {i} has {} tokens; an embedding input has at most {max_tokens} (the step size, -b)",
+                    t.len()
+                )));
+            }
+            if let Some(&bad) = t.iter().find(|&&x| x as usize >= l.vocab) {
+                return Err(SubmitError::Invalid(format!(
+                    "input {i}: token id {bad} is outside the vocabulary of {}",
+                    l.vocab
+                )));
+            }
+        }
+        let shared = &self.owner.shared;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        {
+            let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+            if q.embeds.len() >= l.queue_capacity {
+                return Err(SubmitError::QueueFull {
+                    capacity: l.queue_capacity,
+                });
+            }
+            q.embeds.push_back(EmbedJob { inputs, tx });
+        }
+        shared.ready.notify_one();
+        match rx.await {
+            Ok(r) => r.map_err(SubmitError::Invalid),
+            Err(_) => Err(SubmitError::Invalid("the engine stopped".into())),
+        }
+    }
+
+    fn check(&self, req: &GenRequest, extras: &GenExtras) -> Result<(), SubmitError> {
+        let l = self.limits;
+        if let Some(&(t, _)) = extras
+            .penalties
+            .logit_bias
+            .iter()
+            .find(|&&(t, _)| t as usize >= l.vocab)
+        {
+            return Err(SubmitError::Invalid(format!(
+                "logit_bias: token id {t} is outside the vocabulary of {}",
+                l.vocab
+            )));
+        }
         if req.prompt.is_empty() {
             return Err(SubmitError::Invalid("the prompt is empty".into()));
         }
@@ -361,27 +665,10 @@ impl EngineHandle {
                 context: l.context,
             });
         }
-        let shared = &self.owner.shared;
-        let (tx, rx) = mpsc::unbounded_channel();
-        {
-            let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
-            if q.jobs.len() >= l.queue_capacity {
-                // Requests whose streams were dropped while waiting give
-                // their places back.
-                q.jobs.retain(|j| !j.tx.is_closed());
-            }
-            if q.jobs.len() >= l.queue_capacity {
-                return Err(SubmitError::QueueFull {
-                    capacity: l.queue_capacity,
-                });
-            }
-            q.jobs.push_back(Job { req, tx });
-        }
-        shared.requests_total.fetch_add(1, Ordering::Relaxed);
-        shared.ready.notify_one();
-        Ok(GenStream { rx })
+        Ok(())
     }
 
+    /// The counters and gauges `/metrics` reports, as of now.
     pub fn stats(&self) -> EngineStats {
         let s = &self.owner.shared;
         let queue_depth = s
@@ -434,16 +721,31 @@ impl Throughput {
 struct Live {
     tx: mpsc::UnboundedSender<GenEvent>,
     sampler: Sampler,
+    /// The grammar the tokens must follow, if any.
+    constraint: Option<Constraint>,
     prompt_tokens: usize,
     max_tokens: usize,
     stop_tokens: Vec<u32>,
     /// Tokens sampled so far (a final stop token included).
     generated: usize,
+    /// Where each token's log-probabilities go, and how many alternatives.
+    logprobs: Option<(mpsc::UnboundedSender<TokenLogprobs>, usize)>,
+    shared: Arc<StreamShared>,
 }
 
 /// The engine thread: admits, schedules, steps, samples, retires, until the
 /// last handle is dropped.
-fn engine_loop(session: &mut Session, parallel: usize, shared: &Shared) {
+fn engine_loop(
+    session: &mut Session,
+    mut embed: Option<&mut Session>,
+    parallel: usize,
+    shared: &Shared,
+) {
+    let mut embed_pool = embed.as_ref().map(|e| {
+        let g = e.exec.kv_geom();
+        KvPool::new(g.n_blocks, g.block)
+    });
+    let mut embeds: Vec<EmbedJob> = Vec::new();
     let geom = session.exec.kv_geom();
     let mut sched = Scheduler::new(
         SchedulerConfig {
@@ -462,6 +764,7 @@ fn engine_loop(session: &mut Session, parallel: usize, shared: &Shared) {
     let mut plan = Vec::with_capacity(parallel);
     let mut sampled: Vec<(SeqId, u32)> = Vec::with_capacity(parallel);
     let mut gone: Vec<SeqId> = Vec::with_capacity(parallel);
+    let mut failed: Vec<(SeqId, String)> = Vec::new();
     let mut rate = Throughput {
         tokens: 0,
         busy: Duration::ZERO,
@@ -487,7 +790,12 @@ fn engine_loop(session: &mut Session, parallel: usize, shared: &Shared) {
                     let job = q.jobs.pop_front().expect("looked at above");
                     let id = next_id;
                     next_id += 1;
-                    match Sampler::new(job.req.sampling, session.vocab()) {
+                    let vocab = session.vocab();
+                    let sampler = Sampler::new(job.req.sampling, vocab).and_then(|mut s| {
+                        s.set_penalties(job.extras.penalties.clone(), vocab)?;
+                        Ok(s)
+                    });
+                    match sampler {
                         Ok(mut sampler) if sched.admit(id, &job.req.prompt, job.req.max_tokens) => {
                             for &t in &job.req.prompt {
                                 sampler.accept(t);
@@ -505,6 +813,9 @@ fn engine_loop(session: &mut Session, parallel: usize, shared: &Shared) {
                                     max_tokens: job.req.max_tokens,
                                     stop_tokens: job.req.stop_tokens,
                                     generated: 0,
+                                    logprobs: job.lp_tx.zip(job.extras.logprobs),
+                                    constraint: job.extras.constraint,
+                                    shared: job.shared,
                                 },
                             );
                         }
@@ -518,10 +829,21 @@ fn engine_loop(session: &mut Session, parallel: usize, shared: &Shared) {
                         }
                     }
                 }
-                if !sched.is_idle() {
+                embeds.extend(q.embeds.drain(..));
+                if !sched.is_idle() || !embeds.is_empty() {
                     break;
                 }
                 q = shared.ready.wait(q).unwrap_or_else(|e| e.into_inner());
+            }
+        }
+        if !embeds.is_empty() {
+            match (embed.as_deref_mut(), embed_pool.as_mut()) {
+                (Some(e), Some(pool)) => run_embeddings(e, pool, &mut embeds),
+                _ => {
+                    for j in embeds.drain(..) {
+                        let _ = j.tx.send(Err("this engine has no embedding graph".into()));
+                    }
+                }
             }
         }
         // Sequences whose client has gone: their KV is free for this step.
@@ -532,7 +854,8 @@ fn engine_loop(session: &mut Session, parallel: usize, shared: &Shared) {
                 .map(|(&id, _)| id),
         );
         for &id in &gone {
-            retire(&mut sched, &mut live, id, Ok(Finish::Cancelled), shared);
+            let end = live.get(&id).map_or(Finish::Cancelled, Live::gone_finish);
+            retire(&mut sched, &mut live, id, Ok(end), shared);
         }
         plan.clear();
         plan.extend_from_slice(sched.schedule(&mut batch));
@@ -546,7 +869,26 @@ fn engine_loop(session: &mut Session, parallel: usize, shared: &Shared) {
         let stepped = session.step(&batch).map(|logits| {
             for (j, slot) in plan.iter().enumerate() {
                 if let (true, Some(l)) = (slot.samples, live.get_mut(&slot.id)) {
-                    sampled.push((slot.id, l.sampler.sample(logits.row(j))));
+                    let row = logits.row(j);
+                    let tok = match l.constraint.as_mut() {
+                        None => l.sampler.sample(row),
+                        Some(c) => match c.sample(&mut l.sampler, row) {
+                            Ok(t) => t,
+                            Err(e) => {
+                                failed.push((slot.id, e.to_string()));
+                                continue;
+                            }
+                        },
+                    };
+                    if let Some((tx, top)) = &l.logprobs {
+                        let _ = tx.send(l.sampler.logprobs(row, tok, *top));
+                    }
+                    if l.generated == 0 {
+                        l.shared
+                            .cached
+                            .store(sched.reused_of(slot.id), Ordering::Relaxed);
+                    }
+                    sampled.push((slot.id, tok));
                 }
             }
         });
@@ -565,6 +907,9 @@ fn engine_loop(session: &mut Session, parallel: usize, shared: &Shared) {
             continue;
         }
         sched.advance();
+        for (id, msg) in failed.drain(..) {
+            retire(&mut sched, &mut live, id, Err(msg), shared);
+        }
         for &(id, tok) in &sampled {
             let Some(l) = live.get_mut(&id) else {
                 continue;
@@ -576,7 +921,7 @@ fn engine_loop(session: &mut Session, parallel: usize, shared: &Shared) {
             let end = if l.stop_tokens.contains(&tok) {
                 Some(Finish::Stop)
             } else if l.tx.send(GenEvent::Token(tok)).is_err() {
-                Some(Finish::Cancelled)
+                Some(l.gone_finish())
             } else if l.generated >= l.max_tokens {
                 Some(Finish::Length)
             } else {
@@ -593,6 +938,89 @@ fn engine_loop(session: &mut Session, parallel: usize, shared: &Shared) {
             .preemptions_total
             .store(sched.preemptions(), Ordering::Relaxed);
         rate.add(sampled.len() as u64, t0.elapsed(), &shared.tokens_per_s);
+    }
+}
+
+impl Live {
+    /// How a sequence whose stream is gone ended: normally when the client
+    /// called [`GenStream::finish`], cancelled otherwise.
+    fn gone_finish(&self) -> Finish {
+        if self.shared.finished.load(Ordering::Relaxed) {
+            Finish::Stop
+        } else {
+            Finish::Cancelled
+        }
+    }
+}
+
+/// Runs the queued embedding requests: their inputs, in order, packed into
+/// steps of whole sequences (at most the step's sequences and tokens), each
+/// on blocks of the embedding session's own KV pool taken for the step.
+fn run_embeddings(session: &mut Session, pool: &mut KvPool, jobs: &mut Vec<EmbedJob>) {
+    let max_seqs = session.exec.max_seqs();
+    let max_tokens = session.exec.max_chunk();
+    let mut results: Vec<Result<Vec<Vec<f32>>, String>> = jobs
+        .iter()
+        .map(|j| Ok(Vec::with_capacity(j.inputs.len())))
+        .collect();
+    let items: Vec<(usize, usize)> = jobs
+        .iter()
+        .enumerate()
+        .flat_map(|(j, job)| (0..job.inputs.len()).map(move |i| (j, i)))
+        .collect();
+    let mut batch = Batch::with_capacity(max_tokens, max_seqs, pool.total_blocks());
+    let mut blocks: Vec<Vec<u32>> = Vec::with_capacity(max_seqs);
+    let mut at = 0;
+    while at < items.len() {
+        batch.clear();
+        let (mut n, mut tokens) = (0, 0);
+        while at + n < items.len() && n < max_seqs {
+            let (j, i) = items[at + n];
+            let input = &jobs[j].inputs[i];
+            if n > 0 && tokens + input.len() > max_tokens {
+                break;
+            }
+            let mut b = Vec::new();
+            if !pool.reserve(&mut b, input.len()) {
+                break;
+            }
+            batch.push(input, 0, &b);
+            blocks.push(b);
+            tokens += input.len();
+            n += 1;
+        }
+        let out = if n == 0 {
+            Err("an embedding input does not fit the step".to_string())
+        } else {
+            session
+                .exec
+                .step(&batch)
+                .map(|rows| (0..n).map(|r| rows.row(r).to_vec()).collect::<Vec<_>>())
+                .map_err(|e| e.to_string())
+        };
+        for b in &mut blocks {
+            pool.release(b);
+        }
+        blocks.clear();
+        let span = &items[at..at + n.max(1)];
+        match out {
+            Ok(rows) => {
+                for (&(j, _), row) in span.iter().zip(rows) {
+                    if let Ok(r) = &mut results[j] {
+                        r.push(row);
+                    }
+                }
+            }
+            Err(m) => {
+                for &(j, _) in span {
+                    results[j] = Err(m.clone());
+                }
+            }
+        }
+        at += n.max(1);
+    }
+    for (job, r) in jobs.drain(..).zip(results) {
+        let _ = job.tx.send(r);
     }
 }
 

@@ -8,11 +8,19 @@
 //! hyper drops the response body, which drops the stream and cancels the
 //! sequence.
 
-use super::api::{parse_body, ApiError, ChatRequest, Checked, CompletionRequest, Prompt};
-use super::engine::{EngineHandle, Finish, GenEvent, GenRequest, GenStream, SubmitError};
+use super::api::{
+    compile_constraint, output_spec, parse_body, ApiError, ChatRequest, Checked, CompletionRequest,
+    DetokenizeRequest, EmbeddingInput, EmbeddingRequest, Prompt, TokenizeRequest,
+};
+use super::engine::{
+    EngineHandle, Finish, GenEvent, GenExtras, GenRequest, GenStream, SubmitError,
+};
 use super::text::TextStream;
+use super::tools::{self, CallDetector, ToolCall, ToolChoice, ToolFormat};
 use crate::generate::chat::{ChatFormat, ContextPolicy};
+use crate::generate::constraint::{Constraint, GrammarSpec, Grammars};
 use crate::generate::sampler::Rng;
+use crate::generate::sampler::TokenLogprobs;
 use crate::tokenizer::{EncodeOptions, Tokenizer};
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
@@ -44,6 +52,12 @@ pub struct ServerOptions {
     pub read_timeout: Duration,
     /// Connections served at once; further ones wait to be accepted.
     pub max_connections: usize,
+    /// Origins allowed to call the API from a browser (CORS): empty = no
+    /// CORS headers (browsers then refuse cross-origin calls), `*` = any.
+    pub cors_origins: Vec<String>,
+    /// How long a streaming response may stay silent (a long prefill)
+    /// before an SSE comment line keeps the connection alive.
+    pub sse_keepalive: Duration,
     /// A chat whose messages leave too little of the context for the
     /// reply: `Shift` drops its oldest turns after the system messages
     /// (see [`ChatFormat::fit`]), `Refuse` answers 400 with the numbers.
@@ -67,6 +81,8 @@ pub struct AppState {
     created: u64,
     counter: AtomicU64,
     responses: Mutex<BTreeMap<u16, u64>>,
+    /// The model's vocabulary as grammars read it, built on first use.
+    grammars: OnceLock<Result<Grammars, String>>,
 }
 
 impl AppState {
@@ -77,6 +93,7 @@ impl AppState {
             created: unix_now(),
             counter: AtomicU64::new(0),
             responses: Mutex::new(BTreeMap::new()),
+            grammars: OnceLock::new(),
         })
     }
 
@@ -97,6 +114,26 @@ impl AppState {
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(0);
         Rng::new(t ^ n.rotate_left(32)).next_u64()
+    }
+
+    /// Compiles an output constraint (`field` names the request field that
+    /// asked for it).
+    fn constraint(&self, spec: &GrammarSpec, field: &str) -> Result<Constraint, ApiError> {
+        let l = self.loaded()?;
+        let g = self
+            .grammars
+            .get_or_init(|| {
+                Grammars::new(l.tokenizer, l.engine.limits().vocab).map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(|e| {
+                ApiError::new(
+                    500,
+                    "server_error",
+                    format!("the vocabulary cannot be read for grammars: {e}"),
+                )
+            })?;
+        compile_constraint(g, spec, field)
     }
 
     fn response_id(&self, prefix: &str) -> String {
@@ -136,9 +173,16 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/models", get(models))
+        .route("/v1/models/{id}", get(model_by_id))
+        .route("/models/{id}", get(model_by_id))
+        .route("/v1/embeddings", post(embeddings))
+        .route("/embeddings", post(embeddings))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/metrics", get(metrics))
         .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
-    Router::new()
+    let cors = cors_layer(&state.opts.cors_origins);
+    let app = Router::new()
         .route("/health", get(health))
         .route("/v1/health", get(health))
         .merge(protected)
@@ -148,7 +192,42 @@ pub fn router(state: Arc<AppState>) -> Router {
             state.clone(),
             count_responses,
         ))
-        .with_state(state)
+        .with_state(state);
+    // Outermost: a preflight is answered before authentication (browsers
+    // send it without the key).
+    match cors {
+        Some(c) => app.layer(c),
+        None => app,
+    }
+}
+
+/// The CORS layer `--cors-origin` asks for (none when no origin is given).
+fn cors_layer(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
+    use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
+    if origins.is_empty() {
+        return None;
+    }
+    let allow = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        AllowOrigin::list(
+            origins
+                .iter()
+                .filter_map(|o| HeaderValue::from_str(o).ok())
+                .collect::<Vec<_>>(),
+        )
+    };
+    Some(
+        CorsLayer::new()
+            .allow_origin(allow)
+            .allow_methods([
+                axum::http::Method::GET,
+                axum::http::Method::POST,
+                axum::http::Method::OPTIONS,
+            ])
+            .allow_headers(AllowHeaders::mirror_request())
+            .max_age(Duration::from_secs(600)),
+    )
 }
 
 /// Accepts connections on `listener` until `shutdown` completes.
@@ -265,6 +344,191 @@ async fn models(State(s): State<Arc<AppState>>) -> Result<Response, ApiError> {
     .into_response())
 }
 
+/// `GET /v1/models/{id}`: the served model, or 404 for any other id.
+async fn model_by_id(
+    State(s): State<Arc<AppState>>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<Response, ApiError> {
+    let l = s.loaded()?;
+    if id != l.model_id {
+        return Err(ApiError {
+            param: Some("model".into()),
+            ..ApiError::new(
+                404,
+                "invalid_request_error",
+                format!(
+                    "the model `{id}` does not exist; this server serves `{}`",
+                    l.model_id
+                ),
+            )
+            .with_code("model_not_found")
+        });
+    }
+    let lim = l.engine.limits();
+    Ok(axum::Json(json!({
+        "id": l.model_id,
+        "object": "model",
+        "created": s.created,
+        "owned_by": "llama-graph",
+        "meta": {"n_ctx": lim.context, "n_vocab": lim.vocab, "parallel": lim.parallel},
+    }))
+    .into_response())
+}
+
+/// Text to token ids as the completion endpoint tokenizes a prompt.
+fn encode_prompt(l: &Loaded, text: &str) -> Vec<u32> {
+    l.tokenizer.encode(
+        text,
+        EncodeOptions {
+            add_bos: l.tokenizer.add_bos_default(),
+            parse_special: true,
+        },
+    )
+}
+
+/// `POST /v1/embeddings`: one normalized (L2) pooled embedding per input.
+async fn embeddings(State(s): State<Arc<AppState>>, req: Request) -> Result<Response, ApiError> {
+    let bytes = read_body(&s, req).await?;
+    let l = s.loaded()?;
+    let r: EmbeddingRequest = parse_body(&bytes)?;
+    let Some((_, width)) = l.engine.limits().embedding else {
+        return Err(ApiError::new(
+            501,
+            "invalid_request_error",
+            "embeddings are off: start the server with --pooling mean (or cls, last); a --pipeline server has none",
+        )
+        .with_code("not_implemented"));
+    };
+    let base64 = match r.encoding_format.as_deref() {
+        None | Some("float") => false,
+        Some("base64") => true,
+        Some(f) => {
+            return Err(ApiError::invalid(
+                "encoding_format",
+                format!("`encoding_format` is `float` or `base64`, got `{f}`"),
+            ))
+        }
+    };
+    if let Some(d) = r.dimensions {
+        if d != width as i64 {
+            return Err(ApiError::invalid(
+                "dimensions",
+                format!("this model's embeddings have {width} dimensions (they cannot be shortened), got {d}"),
+            ));
+        }
+    }
+    let inputs: Vec<Vec<u32>> = match &r.input {
+        EmbeddingInput::Text(t) => vec![encode_prompt(l, t)],
+        EmbeddingInput::Texts(v) => v.iter().map(|t| encode_prompt(l, t)).collect(),
+        EmbeddingInput::Tokens(ids) => vec![ids.clone()],
+        EmbeddingInput::TokenLists(v) => v.clone(),
+    };
+    if inputs.is_empty() {
+        return Err(ApiError::invalid("input", "`input` is empty"));
+    }
+    if inputs.len() > super::api::MAX_EMBEDDING_INPUTS {
+        return Err(ApiError::invalid(
+            "input",
+            format!(
+                "at most {} inputs per request, got {}",
+                super::api::MAX_EMBEDDING_INPUTS,
+                inputs.len()
+            ),
+        ));
+    }
+    let prompt_tokens: usize = inputs.iter().map(Vec::len).sum();
+    let rows = l.engine.embed(inputs).await.map_err(|e| match e {
+        SubmitError::QueueFull { .. } => ApiError {
+            retry_after: Some(1),
+            ..ApiError::new(503, "unavailable_error", e.to_string()).with_code("queue_full")
+        },
+        e => ApiError::invalid("input", e.to_string()),
+    })?;
+    let data: Vec<Value> = rows
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut v)| {
+            normalize(&mut v);
+            let embedding = if base64 {
+                use base64::Engine as _;
+                let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                Value::from(base64::engine::general_purpose::STANDARD.encode(bytes))
+            } else {
+                json!(v)
+            };
+            json!({"object": "embedding", "index": i, "embedding": embedding})
+        })
+        .collect();
+    Ok(axum::Json(json!({
+        "object": "list",
+        "data": data,
+        "model": l.model_id,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }))
+    .into_response())
+}
+
+/// Scales `v` to unit Euclidean length (llama-server's default
+/// `embd_normalize`); a zero vector stays zero.
+fn normalize(v: &mut [f32]) {
+    let norm = v
+        .iter()
+        .map(|&x| f64::from(x) * f64::from(x))
+        .sum::<f64>()
+        .sqrt();
+    if norm > 0.0 {
+        let inv = 1.0 / norm;
+        v.iter_mut().for_each(|x| *x = (f64::from(*x) * inv) as f32);
+    }
+}
+
+/// `POST /tokenize` (llama-server's): `content` to token ids, with
+/// `add_special` (a BOS where the model wants one; default false) and
+/// `with_pieces` (each id with its text, or its bytes when they are not
+/// UTF-8).
+async fn tokenize(State(s): State<Arc<AppState>>, req: Request) -> Result<Response, ApiError> {
+    let bytes = read_body(&s, req).await?;
+    let l = s.loaded()?;
+    let r: TokenizeRequest = parse_body(&bytes)?;
+    let ids = l.tokenizer.encode(
+        &r.content,
+        EncodeOptions {
+            add_bos: r.add_special.unwrap_or(false) && l.tokenizer.add_bos_default(),
+            parse_special: r.parse_special.unwrap_or(true),
+        },
+    );
+    let tokens: Vec<Value> = if r.with_pieces.unwrap_or(false) {
+        ids.iter()
+            .map(|&id| {
+                let b = l.tokenizer.token_bytes(id).unwrap_or(&[]);
+                let piece = match std::str::from_utf8(b) {
+                    Ok(t) => Value::from(t),
+                    Err(_) => json!(b),
+                };
+                json!({"id": id, "piece": piece})
+            })
+            .collect()
+    } else {
+        ids.iter().map(|&id| json!(id)).collect()
+    };
+    Ok(axum::Json(json!({"tokens": tokens})).into_response())
+}
+
+/// `POST /detokenize` (llama-server's): token ids to `content`.
+async fn detokenize(State(s): State<Arc<AppState>>, req: Request) -> Result<Response, ApiError> {
+    let bytes = read_body(&s, req).await?;
+    let l = s.loaded()?;
+    let r: DetokenizeRequest = parse_body(&bytes)?;
+    let vocab = l.engine.limits().vocab;
+    if let Some(bad) = r.tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::invalid(
+            "tokens",
+            format!("token id {bad} is outside the vocabulary of {vocab}"),
+        ));
+    }
+    Ok(axum::Json(json!({"content": l.tokenizer.decode(&r.tokens)})).into_response())
+}
+
 async fn metrics(State(s): State<Arc<AppState>>) -> Result<Response, ApiError> {
     let l = s.loaded()?;
     let st = l.engine.stats();
@@ -315,6 +579,16 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Result<Response, ApiError> {
         "gauge",
         "KV-cache cells in all.",
         st.kv_total.to_string(),
+    );
+    let lim = l.engine.limits();
+    metric(
+        "kv_cache_bytes",
+        "gauge",
+        &match lim.kv_types {
+            Some((k, v)) => format!("Bytes the KV cache takes (keys {k}, values {v})."),
+            None => "Bytes the KV cache takes.".into(),
+        },
+        lim.kv_bytes.to_string(),
     );
     metric(
         "kv_cells_cached",
@@ -419,6 +693,13 @@ async fn chat_completions(
     let l = s.loaded()?;
     let r: ChatRequest = parse_body(&bytes)?;
     let messages = r.messages()?;
+    let tool_list = tools::parse_tools(r.tools.as_deref().unwrap_or(&[]))?;
+    let choice = tools::parse_tool_choice(r.tool_choice.as_ref(), &tool_list)?;
+    let spec = output_spec(
+        r.response_format.as_ref(),
+        r.json_schema.as_ref(),
+        r.grammar.as_deref(),
+    )?;
     let checked = r.common().check(r.max_tokens(), || s.unique())?;
     if !l.chat.available() {
         return Err(ApiError::invalid(
@@ -426,16 +707,60 @@ async fn chat_completions(
             "this model has no chat template; use /v1/completions",
         ));
     }
-    let prompt = l
-        .chat
-        .tokens(l.tokenizer, &messages)
-        .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-    let prompt = match s.opts.context_full {
-        ContextPolicy::Refuse => prompt,
-        ContextPolicy::Shift => shift_messages(l, &messages, checked.max_tokens, prompt),
+    let offered = if choice == ToolChoice::None {
+        &[][..]
+    } else {
+        &tool_list[..]
     };
+    let uses_tools = !tool_list.is_empty()
+        || r.messages
+            .iter()
+            .any(|m| m.role == "tool" || m.tool_calls.as_ref().is_some_and(|c| !c.is_empty()));
+    let mut output = Output::default();
+    let prompt = if uses_tools {
+        let Some(source) = l.chat.template_source() else {
+            return Err(ApiError::invalid(
+                "tools",
+                "tool calling needs the model's Jinja chat template; this model has none",
+            ));
+        };
+        let format = ToolFormat::of(Some(source));
+        let msgs = format.messages(&r.messages_json()?, offered);
+        let listed = (format.template_renders_tools() && !offered.is_empty())
+            .then(|| Value::Array(r.tools.clone().unwrap_or_default()));
+        let prompt = l
+            .chat
+            .tokens_json(l.tokenizer, &Value::Array(msgs), listed.as_ref())
+            .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+        if !offered.is_empty() {
+            output.tools = Some(format);
+            let parallel = r.parallel_tool_calls.unwrap_or(true);
+            if let Some(g) = format.grammar(&tool_list, &choice, parallel) {
+                if let Some((_, field)) = &spec {
+                    return Err(ApiError::invalid(
+                        field,
+                        format!("`{field}` cannot be combined with `tools` (give `tool_choice: \"none\"` to answer in the given format)"),
+                    ));
+                }
+                output.constraint = Some(s.constraint(&g, "tools")?);
+            }
+        }
+        prompt
+    } else {
+        let prompt = l
+            .chat
+            .tokens(l.tokenizer, &messages)
+            .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+        match s.opts.context_full {
+            ContextPolicy::Refuse => prompt,
+            ContextPolicy::Shift => shift_messages(l, &messages, checked.max_tokens, prompt),
+        }
+    };
+    if let Some((g, field)) = &spec {
+        output.constraint = Some(s.constraint(g, field)?);
+    }
     let field = r.max_tokens().map(|(_, f)| f).unwrap_or("max_tokens");
-    start(&s, l, Endpoint::Chat, prompt, checked, field).await
+    start(&s, l, Endpoint::Chat, prompt, checked, field, output).await
 }
 
 /// With the `shift` policy: the chat's tokens with its oldest turns
@@ -472,18 +797,15 @@ async fn completions(State(s): State<Arc<AppState>>, req: Request) -> Result<Res
     let l = s.loaded()?;
     let r: CompletionRequest = parse_body(&bytes)?;
     r.check_extras()?;
+    let spec = output_spec(
+        r.response_format.as_ref(),
+        r.json_schema.as_ref(),
+        r.grammar.as_deref(),
+    )?;
     let checked = r
         .common()
         .check(r.max_tokens.map(|n| (n, "max_tokens")), || s.unique())?;
-    let encode = |text: &str| {
-        l.tokenizer.encode(
-            text,
-            EncodeOptions {
-                add_bos: l.tokenizer.add_bos_default(),
-                parse_special: true,
-            },
-        )
-    };
+    let encode = |text: &str| encode_prompt(l, text);
     let prompt = match &r.prompt {
         Prompt::Text(t) => encode(t),
         Prompt::Texts(v) if v.len() == 1 => encode(&v[0]),
@@ -498,10 +820,32 @@ async fn completions(State(s): State<Arc<AppState>>, req: Request) -> Result<Res
     if prompt.is_empty() {
         return Err(ApiError::invalid("prompt", "the prompt is empty"));
     }
-    start(&s, l, Endpoint::Completion, prompt, checked, "max_tokens").await
+    let mut output = Output::default();
+    if let Some((g, field)) = &spec {
+        output.constraint = Some(s.constraint(g, field)?);
+    }
+    start(
+        &s,
+        l,
+        Endpoint::Completion,
+        prompt,
+        checked,
+        "max_tokens",
+        output,
+    )
+    .await
 }
 
-/// Submits the request and answers, streamed or whole.
+/// What a request asks of its output beyond text: a constraint on the
+/// tokens, and tool calls to parse out of the answer.
+#[derive(Debug, Default)]
+struct Output {
+    constraint: Option<Constraint>,
+    tools: Option<ToolFormat>,
+}
+
+/// Submits the request (its `n` choices together) and answers, streamed or
+/// whole.
 async fn start(
     s: &AppState,
     l: &Loaded,
@@ -509,33 +853,59 @@ async fn start(
     prompt: Vec<u32>,
     c: Checked,
     max_field: &str,
+    output: Output,
 ) -> Result<Response, ApiError> {
-    let context = l.engine.limits().context;
+    let lim = l.engine.limits();
+    let context = lim.context;
     let prompt_tokens = prompt.len();
-    let max_tokens = match c.max_tokens {
-        Some(n) => n,
-        None if prompt_tokens < context => context - prompt_tokens,
-        None => {
-            return Err(ApiError::invalid(
-                "messages",
-                format!(
-                    "the prompt ({prompt_tokens} tokens) fills the context of {context} tokens"
-                ),
-            )
-            .with_code("context_length_exceeded"))
-        }
+    // The prompt alone too long: the prompt is at fault; with room left
+    // for it but not for max_tokens, max_tokens is.
+    let prompt_field = match endpoint {
+        Endpoint::Chat => "messages",
+        Endpoint::Completion => "prompt",
     };
-    let req = GenRequest {
-        prompt,
-        max_tokens,
-        sampling: c.sampling,
-        stop_tokens: if c.ignore_eos {
-            Vec::new()
-        } else {
-            l.tokenizer.stop_ids().to_vec()
-        },
-    };
-    let gen = l.engine.submit(req).map_err(|e| match e {
+    if prompt_tokens >= context {
+        return Err(ApiError::invalid(
+            prompt_field,
+            format!("the prompt ({prompt_tokens} tokens) fills the context of {context} tokens"),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    if let Some(&(t, _)) = c
+        .penalties
+        .logit_bias
+        .iter()
+        .find(|&&(t, _)| t as usize >= lim.vocab)
+    {
+        return Err(ApiError::invalid(
+            "logit_bias",
+            format!("token id {t} is outside the vocabulary of {}", lim.vocab),
+        ));
+    }
+    let max_tokens = c.max_tokens.unwrap_or(context - prompt_tokens);
+    let reqs: Vec<(GenRequest, GenExtras)> = (0..c.n)
+        .map(|i| {
+            let mut sampling = c.sampling;
+            sampling.seed = sampling.seed.wrapping_add(i as u64);
+            let req = GenRequest {
+                prompt: prompt.clone(),
+                max_tokens,
+                sampling,
+                stop_tokens: if c.ignore_eos {
+                    Vec::new()
+                } else {
+                    l.tokenizer.stop_ids().to_vec()
+                },
+            };
+            let extras = GenExtras {
+                penalties: c.penalties.clone(),
+                logprobs: c.logprobs,
+                constraint: output.constraint.clone(),
+            };
+            (req, extras)
+        })
+        .collect();
+    let gens = l.engine.submit_many(reqs).map_err(|e| match e {
         SubmitError::QueueFull { .. } => ApiError {
             retry_after: Some(1),
             ..ApiError::new(503, "unavailable_error", e.to_string()).with_code("queue_full")
@@ -554,12 +924,36 @@ async fn start(
         created: unix_now(),
         model: l.model_id.clone(),
         prompt_tokens,
+        tokenizer: l.tokenizer,
+        tools: output.tools,
+        call_ids: s.unique(),
     };
-    let text = TextStream::new(l.tokenizer, c.stop);
+    let choices: Vec<Choice> = gens
+        .into_iter()
+        .enumerate()
+        .map(|(index, gen)| Choice {
+            index,
+            gen: Some(gen),
+            text: TextStream::new(l.tokenizer, c.stop.clone()),
+            logprobs: c.logprobs.is_some(),
+            received: 0,
+            pending: Vec::new(),
+            offset: 0,
+            completion_tokens: 0,
+            finish: None,
+            sent_role: false,
+            calls: output.tools.map(CallDetector::new),
+        })
+        .collect();
     if c.stream {
-        Ok(stream_response(reply, gen, text, c.include_usage))
+        Ok(stream_response(
+            reply,
+            choices,
+            c.include_usage,
+            s.opts.sse_keepalive,
+        ))
     } else {
-        whole_response(reply, gen, text).await
+        whole_response(reply, choices).await
     }
 }
 
@@ -570,6 +964,11 @@ struct Reply {
     created: u64,
     model: String,
     prompt_tokens: usize,
+    tokenizer: &'static Tokenizer,
+    /// Tool calls are parsed out of the answer in this format.
+    tools: Option<ToolFormat>,
+    /// Makes the calls' ids unique.
+    call_ids: u64,
 }
 
 fn finish_name(f: Finish) -> &'static str {
@@ -580,55 +979,273 @@ fn finish_name(f: Finish) -> &'static str {
     }
 }
 
+/// One choice of a request: its sequence, its text so far and the
+/// logprobs not yet sent.
+struct Choice {
+    index: usize,
+    /// `None` once the sequence has ended (or was finished early).
+    gen: Option<GenStream>,
+    text: TextStream<'static>,
+    logprobs: bool,
+    received: usize,
+    /// Logprobs of tokens received but not yet sent.
+    pending: Vec<TokenLogprobs>,
+    /// Bytes of token text before the pending tokens (completions'
+    /// `text_offset`).
+    offset: usize,
+    completion_tokens: usize,
+    finish: Option<&'static str>,
+    sent_role: bool,
+    /// With tools offered: holds back an answer that may be a call.
+    calls: Option<CallDetector>,
+}
+
+/// What one event of a choice's stream gave.
+enum Step {
+    /// Text to send (possibly empty).
+    Text(String),
+    /// The choice ended: the rest of its text.
+    End(String),
+    Failed(String),
+}
+
+impl Choice {
+    /// Applies one event of the choice's stream.
+    fn apply(&mut self, ev: Option<GenEvent>) -> Step {
+        match ev {
+            Some(GenEvent::Token(t)) => {
+                self.received += 1;
+                if self.logprobs {
+                    if let Some(lp) = self.gen.as_mut().and_then(|g| g.take_logprobs()) {
+                        self.pending.push(lp);
+                    }
+                }
+                let (piece, stopped) = self.text.push(t);
+                if stopped {
+                    // The client has its answer: the sequence ends as a
+                    // normal finish and its KV stays in the prefix cache.
+                    if let Some(g) = self.gen.take() {
+                        g.finish();
+                    }
+                    self.completion_tokens = self.received;
+                    self.finish = Some("stop");
+                    return Step::End(piece);
+                }
+                Step::Text(piece)
+            }
+            Some(GenEvent::Done {
+                finish: finish @ (Finish::Stop | Finish::Length),
+                completion_tokens,
+                ..
+            }) => {
+                let (rest, stopped) = self.text.finish();
+                self.completion_tokens = completion_tokens;
+                self.finish = Some(if stopped { "stop" } else { finish_name(finish) });
+                Step::End(rest)
+            }
+            Some(GenEvent::Done { .. }) => Step::Failed("the sequence was cancelled".into()),
+            Some(GenEvent::Error(m)) => Step::Failed(m),
+            None => Step::Failed("the engine stopped".into()),
+        }
+    }
+
+    fn cached_tokens(&self) -> usize {
+        self.gen.as_ref().map_or(0, |g| g.cached_tokens())
+    }
+}
+
+/// A token's text for logprobs: its bytes, as text where they are UTF-8.
+fn token_text(tok: &Tokenizer, id: u32) -> (String, Vec<u8>) {
+    let b = tok.token_bytes(id).unwrap_or(&[]).to_vec();
+    (String::from_utf8_lossy(&b).into_owned(), b)
+}
+
+/// A logprob as JSON (a banned token's minus infinity as a finite floor,
+/// which JSON can carry).
+fn lp_value(x: f32) -> Value {
+    json!(if x.is_finite() { x } else { -9999.0 })
+}
+
 impl Reply {
-    fn usage(&self, completion: usize) -> Value {
+    fn usage(&self, completion: usize, cached: usize) -> Value {
         json!({
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
         })
     }
 
-    fn whole(&self, text: String, finish: &str, completion: usize) -> Value {
+    /// The `logprobs` object of `lps`: chat's `{content: [...]}`, or
+    /// completions' `{tokens, token_logprobs, top_logprobs, text_offset}`
+    /// (byte offsets into the choice's text from `offset`).
+    fn logprobs(&self, lps: &[TokenLogprobs], offset: &mut usize) -> Value {
+        let tok = self.tokenizer;
+        match self.endpoint {
+            Endpoint::Chat => {
+                let content: Vec<Value> = lps
+                    .iter()
+                    .map(|lp| {
+                        let (text, bytes) = token_text(tok, lp.token);
+                        let top: Vec<Value> = lp
+                            .top
+                            .iter()
+                            .map(|&(id, v)| {
+                                let (t, b) = token_text(tok, id);
+                                json!({"token": t, "logprob": lp_value(v), "bytes": b})
+                            })
+                            .collect();
+                        json!({"token": text, "logprob": lp_value(lp.logprob), "bytes": bytes, "top_logprobs": top})
+                    })
+                    .collect();
+                json!({"content": content, "refusal": null})
+            }
+            Endpoint::Completion => {
+                let mut tokens = Vec::with_capacity(lps.len());
+                let mut values = Vec::with_capacity(lps.len());
+                let mut tops = Vec::with_capacity(lps.len());
+                let mut offsets = Vec::with_capacity(lps.len());
+                for lp in lps {
+                    let (text, bytes) = token_text(tok, lp.token);
+                    offsets.push(*offset);
+                    *offset += bytes.len();
+                    tokens.push(Value::from(text));
+                    values.push(lp_value(lp.logprob));
+                    let mut top = serde_json::Map::new();
+                    for &(id, v) in &lp.top {
+                        top.insert(token_text(tok, id).0, lp_value(v));
+                    }
+                    tops.push(Value::Object(top));
+                }
+                json!({"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets})
+            }
+        }
+    }
+
+    fn choice_logprobs(&self, c: &mut Choice) -> Value {
+        if !c.logprobs {
+            return Value::Null;
+        }
+        let lps = std::mem::take(&mut c.pending);
+        self.logprobs(&lps, &mut c.offset)
+    }
+
+    fn whole(&self, choices: Vec<Value>, completion: usize, cached: usize) -> Value {
+        let object = match self.endpoint {
+            Endpoint::Chat => "chat.completion",
+            Endpoint::Completion => "text_completion",
+        };
+        json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(completion, cached),
+        })
+    }
+
+    fn call_id(&self, choice: usize, i: usize) -> String {
+        format!("call_{:016x}{i}", self.call_ids.wrapping_add(choice as u64))
+    }
+
+    /// The SSE events of choice `choice`'s streamed tool calls: per call
+    /// its id and name, then its arguments in pieces (the client joins
+    /// them).
+    fn call_chunks(&self, choice: usize, calls: &[ToolCall], usage_null: bool) -> String {
+        let mut out = String::new();
+        let mut event = |delta: Value| {
+            let mut v = json!({
+                "id": self.id,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.model,
+                "choices": [{"index": choice, "delta": delta, "finish_reason": null, "logprobs": null}],
+            });
+            if usage_null {
+                v["usage"] = Value::Null;
+            }
+            out.push_str(&format!("data: {v}\n\n"));
+        };
+        for (i, c) in calls.iter().enumerate() {
+            event(json!({"tool_calls": [{
+                "index": i,
+                "id": self.call_id(choice, i),
+                "type": "function",
+                "function": {"name": c.name, "arguments": ""},
+            }]}));
+            let args: Vec<char> = c.arguments.chars().collect();
+            for piece in args.chunks(16) {
+                let piece: String = piece.iter().collect();
+                event(json!({"tool_calls": [{"index": i, "function": {"arguments": piece}}]}));
+            }
+        }
+        out
+    }
+
+    /// A whole choice: text, or tool calls when the request offered tools
+    /// and the answer is a complete call (even when `max_tokens` ended it).
+    fn whole_choice(&self, c: &mut Choice, text: String) -> Value {
+        if let (Endpoint::Chat, Some(f)) = (self.endpoint, self.tools) {
+            if let Some((content, calls)) = f.parse(&text) {
+                let calls: Vec<Value> = calls
+                    .iter()
+                    .enumerate()
+                    .map(|(i, call)| {
+                        json!({
+                            "id": self.call_id(c.index, i),
+                            "type": "function",
+                            "function": {"name": call.name, "arguments": call.arguments},
+                        })
+                    })
+                    .collect();
+                let content = if content.is_empty() {
+                    Value::Null
+                } else {
+                    Value::String(content)
+                };
+                let logprobs = self.choice_logprobs(c);
+                return json!({
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": content, "tool_calls": calls},
+                    "finish_reason": "tool_calls",
+                    "logprobs": logprobs,
+                });
+            }
+        }
+        let logprobs = self.choice_logprobs(c);
         match self.endpoint {
             Endpoint::Chat => json!({
-                "id": self.id,
-                "object": "chat.completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [{
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": finish,
-                    "logprobs": null,
-                }],
-                "usage": self.usage(completion),
+                "index": c.index,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": c.finish,
+                "logprobs": logprobs,
             }),
             Endpoint::Completion => json!({
-                "id": self.id,
-                "object": "text_completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [{
-                    "index": 0,
-                    "text": text,
-                    "finish_reason": finish,
-                    "logprobs": null,
-                }],
-                "usage": self.usage(completion),
+                "index": c.index,
+                "text": text,
+                "finish_reason": c.finish,
+                "logprobs": logprobs,
             }),
         }
     }
 
-    /// One SSE event with a choice: a role (chat's first chunk), text, or
-    /// the finish reason.
+    /// One SSE event with a choice: a role (chat's first chunk), text and
+    /// its tokens' logprobs, or the finish reason.
     fn chunk(
         &self,
-        role: bool,
+        c: &mut Choice,
         text: Option<&str>,
         finish: Option<&str>,
         usage_null: bool,
     ) -> String {
+        let role = !c.sent_role && self.endpoint == Endpoint::Chat;
+        c.sent_role = true;
+        let logprobs = if text.is_some() || finish.is_some() {
+            self.choice_logprobs(c)
+        } else {
+            Value::Null
+        };
         let mut v = match self.endpoint {
             Endpoint::Chat => {
                 let mut delta = serde_json::Map::new();
@@ -644,7 +1261,7 @@ impl Reply {
                     "object": "chat.completion.chunk",
                     "created": self.created,
                     "model": self.model,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null}],
+                    "choices": [{"index": c.index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
                 })
             }
             Endpoint::Completion => json!({
@@ -652,7 +1269,7 @@ impl Reply {
                 "object": "text_completion",
                 "created": self.created,
                 "model": self.model,
-                "choices": [{"index": 0, "text": text.unwrap_or(""), "finish_reason": finish, "logprobs": null}],
+                "choices": [{"index": c.index, "text": text.unwrap_or(""), "finish_reason": finish, "logprobs": logprobs}],
             }),
         };
         if usage_null {
@@ -661,7 +1278,7 @@ impl Reply {
         format!("data: {v}\n\n")
     }
 
-    fn usage_chunk(&self, completion: usize) -> String {
+    fn usage_chunk(&self, completion: usize, cached: usize) -> String {
         let object = match self.endpoint {
             Endpoint::Chat => "chat.completion.chunk",
             Endpoint::Completion => "text_completion",
@@ -672,7 +1289,7 @@ impl Reply {
             "created": self.created,
             "model": self.model,
             "choices": [],
-            "usage": self.usage(completion),
+            "usage": self.usage(completion, cached),
         });
         format!("data: {v}\n\n")
     }
@@ -682,125 +1299,168 @@ fn generation_failed(m: &str) -> ApiError {
     ApiError::new(500, "server_error", format!("generation failed: {m}"))
 }
 
-async fn whole_response(
-    reply: Reply,
-    mut gen: GenStream,
-    mut text: TextStream<'static>,
-) -> Result<Response, ApiError> {
-    let mut out = String::new();
-    let mut received = 0usize;
-    loop {
-        match gen.next().await {
-            Some(GenEvent::Token(t)) => {
-                received += 1;
-                let (piece, stopped) = text.push(t);
-                out.push_str(&piece);
-                if stopped {
-                    // Cancels the rest of the sequence.
-                    drop(gen);
-                    let v = reply.whole(out, "stop", received);
-                    return Ok(axum::Json(v).into_response());
+async fn whole_response(reply: Reply, mut choices: Vec<Choice>) -> Result<Response, ApiError> {
+    // Every choice's sequence runs at once in the engine; their events
+    // wait in their channels while an earlier choice is read.
+    let mut out = Vec::with_capacity(choices.len());
+    let mut cached = None;
+    for c in &mut choices {
+        let mut text = String::new();
+        loop {
+            let ev = match c.gen.as_mut() {
+                Some(g) => g.next().await,
+                None => None,
+            };
+            if cached.is_none() && c.received == 0 && matches!(ev, Some(GenEvent::Token(_))) {
+                cached = Some(c.cached_tokens());
+            }
+            match c.apply(ev) {
+                Step::Text(t) => text.push_str(&t),
+                Step::End(t) => {
+                    text.push_str(&t);
+                    break;
                 }
+                Step::Failed(m) => return Err(generation_failed(&m)),
             }
-            Some(GenEvent::Done {
-                finish: finish @ (Finish::Stop | Finish::Length),
-                completion_tokens,
-                ..
-            }) => {
-                let (rest, stopped) = text.finish();
-                out.push_str(&rest);
-                let reason = if stopped { "stop" } else { finish_name(finish) };
-                let v = reply.whole(out, reason, completion_tokens);
-                return Ok(axum::Json(v).into_response());
-            }
-            Some(GenEvent::Done { .. }) => {
-                return Err(generation_failed("the sequence was cancelled"))
-            }
-            Some(GenEvent::Error(m)) => return Err(generation_failed(&m)),
-            None => return Err(generation_failed("the engine stopped")),
         }
+        out.push(reply.whole_choice(c, text));
     }
+    let completion = choices.iter().map(|c| c.completion_tokens).sum();
+    let v = reply.whole(out, completion, cached.unwrap_or(0));
+    Ok(axum::Json(v).into_response())
 }
 
 /// A streaming response's state; the body stream owns it, so a client
-/// that disconnects drops the [`GenStream`] with it.
+/// that disconnects drops the [`GenStream`]s with it.
 struct Streamer {
     reply: Reply,
-    gen: Option<GenStream>,
-    text: TextStream<'static>,
+    choices: Vec<Choice>,
     include_usage: bool,
-    received: usize,
-    sent_role: bool,
+    keepalive: Duration,
+    /// Where the next poll starts, so that no choice starves the others.
+    turn: usize,
+    cached: Option<usize>,
+    started: bool,
+    done: bool,
 }
 
 impl Streamer {
-    /// The closing events: the rest of the text, the finish reason, usage
-    /// when asked for, `[DONE]`.
-    fn closing(&mut self, rest: &str, finish: &str, completion: usize) -> Bytes {
-        self.gen = None;
-        let r = &self.reply;
+    /// The final events once every choice has ended: usage when asked
+    /// for, then `[DONE]`.
+    fn closing(&mut self) -> String {
+        self.done = true;
         let mut out = String::new();
-        if !rest.is_empty() {
-            out.push_str(&r.chunk(false, Some(rest), None, self.include_usage));
-        }
-        out.push_str(&r.chunk(false, None, Some(finish), self.include_usage));
         if self.include_usage {
-            out.push_str(&r.usage_chunk(completion));
+            let completion = self.choices.iter().map(|c| c.completion_tokens).sum();
+            out.push_str(&self.reply.usage_chunk(completion, self.cached.unwrap_or(0)));
         }
         out.push_str("data: [DONE]\n\n");
-        Bytes::from(out)
+        out
     }
 
     fn error(&mut self, m: &str) -> Bytes {
-        self.gen = None;
+        self.done = true;
+        for c in &mut self.choices {
+            c.gen = None;
+        }
         let e = generation_failed(m);
         Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", e.body()))
     }
 
+    /// The next event of any running choice, or `None` on a keep-alive
+    /// timeout.
+    async fn next_event(&mut self) -> Option<(usize, Option<GenEvent>)> {
+        let n = self.choices.len();
+        let turn = self.turn;
+        let choices = &mut self.choices;
+        let ev = futures_util::future::poll_fn(|cx| {
+            for k in 0..n {
+                let i = (turn + k) % n;
+                if let Some(g) = choices[i].gen.as_mut() {
+                    if let std::task::Poll::Ready(ev) = g.poll_next(cx) {
+                        return std::task::Poll::Ready((i, ev));
+                    }
+                }
+            }
+            std::task::Poll::Pending
+        });
+        let r = tokio::time::timeout(self.keepalive, ev).await.ok();
+        self.turn = (turn + 1) % n.max(1);
+        r
+    }
+
     /// The next piece of the body; `None` at the end.
     async fn next(&mut self) -> Option<Bytes> {
-        if self.reply.endpoint == Endpoint::Chat && !self.sent_role {
-            self.sent_role = true;
-            return Some(Bytes::from(self.reply.chunk(
-                true,
-                None,
-                None,
-                self.include_usage,
-            )));
+        if self.done {
+            return None;
         }
-        let gen = self.gen.as_mut()?;
+        let usage_null = self.include_usage;
+        if !self.started {
+            self.started = true;
+            if self.reply.endpoint == Endpoint::Chat {
+                let mut out = String::new();
+                for c in &mut self.choices {
+                    out.push_str(&self.reply.chunk(c, None, None, usage_null));
+                }
+                return Some(Bytes::from(out));
+            }
+        }
         loop {
-            match gen.next().await {
-                Some(GenEvent::Token(t)) => {
-                    self.received += 1;
-                    let (piece, stopped) = self.text.push(t);
-                    if stopped {
-                        let n = self.received;
-                        return Some(self.closing(&piece, "stop", n));
+            if self.choices.iter().all(|c| c.finish.is_some()) {
+                return Some(Bytes::from(self.closing()));
+            }
+            let Some((i, ev)) = self.next_event().await else {
+                // Nothing for a while (a long prefill): an SSE comment,
+                // which clients skip, keeps the connection alive.
+                return Some(Bytes::from_static(b": keep-alive\n\n"));
+            };
+            let first = self.choices[i].received == 0 && matches!(ev, Some(GenEvent::Token(_)));
+            if first && self.cached.is_none() && i == 0 {
+                self.cached = Some(self.choices[0].cached_tokens());
+            }
+            let step = self.choices[i].apply(ev);
+            let reply = &self.reply;
+            let c = &mut self.choices[i];
+            match step {
+                Step::Text(t) => {
+                    let t = match c.calls.as_mut() {
+                        Some(d) => d.push(&t),
+                        None => t,
+                    };
+                    if t.is_empty() {
+                        continue;
                     }
-                    if !piece.is_empty() {
-                        return Some(Bytes::from(self.reply.chunk(
-                            false,
-                            Some(&piece),
-                            None,
-                            self.include_usage,
-                        )));
+                    return Some(Bytes::from(reply.chunk(c, Some(&t), None, usage_null)));
+                }
+                Step::End(rest) => {
+                    c.gen = None;
+                    let mut out = String::new();
+                    let mut rest = rest;
+                    let mut calls = String::new();
+                    if let Some(mut d) = c.calls.take() {
+                        let mut text = d.push(&rest);
+                        match d.finish() {
+                            Ok((content, found)) => {
+                                text.push_str(&content);
+                                calls = reply.call_chunks(c.index, &found, usage_null);
+                                c.finish = Some("tool_calls");
+                            }
+                            Err(held) => text.push_str(&held),
+                        }
+                        rest = text;
                     }
+                    if !rest.is_empty() {
+                        out.push_str(&reply.chunk(c, Some(&rest), None, usage_null));
+                    }
+                    out.push_str(&calls);
+                    let finish = c.finish;
+                    out.push_str(&reply.chunk(c, None, finish, usage_null));
+                    if self.choices.iter().all(|c| c.finish.is_some()) {
+                        out.push_str(&self.closing());
+                    }
+                    return Some(Bytes::from(out));
                 }
-                Some(GenEvent::Done {
-                    finish: finish @ (Finish::Stop | Finish::Length),
-                    completion_tokens,
-                    ..
-                }) => {
-                    let (rest, stopped) = self.text.finish();
-                    let reason = if stopped { "stop" } else { finish_name(finish) };
-                    return Some(self.closing(&rest, reason, completion_tokens));
-                }
-                Some(GenEvent::Done { .. }) => {
-                    return Some(self.error("the sequence was cancelled"))
-                }
-                Some(GenEvent::Error(m)) => return Some(self.error(&m)),
-                None => return Some(self.error("the engine stopped")),
+                Step::Failed(m) => return Some(self.error(&m)),
             }
         }
     }
@@ -808,17 +1468,19 @@ impl Streamer {
 
 fn stream_response(
     reply: Reply,
-    gen: GenStream,
-    text: TextStream<'static>,
+    choices: Vec<Choice>,
     include_usage: bool,
+    keepalive: Duration,
 ) -> Response {
     let st = Streamer {
         reply,
-        gen: Some(gen),
-        text,
+        choices,
         include_usage,
-        received: 0,
-        sent_role: false,
+        keepalive: keepalive.max(Duration::from_millis(1)),
+        turn: 0,
+        cached: None,
+        started: false,
+        done: false,
     };
     let body = futures_util::stream::unfold(st, |mut st| async move {
         st.next()

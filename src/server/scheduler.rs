@@ -118,6 +118,9 @@ struct Seq {
     blocks: Vec<u32>,
     /// `tokens.len()` never exceeds this.
     max_len: usize,
+    /// Prompt positions it took from the prefix cache or another sequence
+    /// since it was (re)admitted.
+    reused: usize,
 }
 
 /// The continuous-batching scheduler (see the module documentation).
@@ -236,6 +239,7 @@ impl Scheduler {
             started: false,
             blocks: Vec::with_capacity(self.pool.blocks_for(prompt.len() + max_tokens)),
             max_len: prompt.len() + max_tokens,
+            reused: 0,
         };
         // The cache entry sharing the longest prefix with the prompt (its
         // last token is fed in any case, for the logits).
@@ -263,6 +267,7 @@ impl Scheduler {
             self.pool.truncate(&mut c.blocks, n);
             seq.blocks.extend_from_slice(&c.blocks);
             seq.fed = n;
+            seq.reused = n;
             self.reused += n as u64;
         }
         if !self.reserve(&mut seq.blocks, prompt.len()) {
@@ -451,6 +456,15 @@ impl Scheduler {
     pub fn reused_tokens(&self) -> u64 {
         self.reused
     }
+    /// Prompt positions sequence `id` took from the prefix cache or from
+    /// another running sequence instead of computing them (0 if unknown).
+    pub fn reused_of(&self, id: SeqId) -> usize {
+        self.running
+            .iter()
+            .chain(&self.preempted)
+            .find(|s| s.id == id)
+            .map_or(0, |s| s.reused)
+    }
     /// Positions the pool holds.
     pub fn kv_total(&self) -> usize {
         self.pool.capacity()
@@ -565,6 +579,7 @@ impl Scheduler {
         }
         self.running[j].blocks = donor;
         self.running[i].fed = n;
+        self.running[i].reused += n - held;
         self.reused += (n - held) as u64;
         Share::Shared
     }
@@ -574,6 +589,7 @@ impl Scheduler {
         self.pool.release(&mut s.blocks);
         s.fed = 0;
         s.started = false;
+        s.reused = 0;
         self.preemptions += 1;
         self.preempted.push_back(s);
     }
@@ -697,7 +713,10 @@ mod tests {
             }
         );
         // The batch's sequence table: tokens contiguous, start positions.
-        assert_eq!(b.seq_table()[..12], [0, 1, 10, 0, 1, 1, 6, 3, 2, 6, 0, 5]);
+        assert_eq!(
+            b.seq_table()[..15],
+            [0, 1, 10, 0, 1, 1, 1, 6, 3, 1, 2, 6, 0, 5, 1]
+        );
     }
 
     #[test]
@@ -812,7 +831,7 @@ mod tests {
         let fed: Vec<(SeqId, usize)> = plan.iter().map(|p| (p.id, p.tokens)).collect();
         assert_eq!(fed, [(1, 1), (4, 1), (2, 3), (3, 1)]);
         assert_eq!(s.reused_tokens(), 10 + 9);
-        let rows: Vec<&[i32]> = b.seq_table().chunks(4).collect();
+        let rows: Vec<&[i32]> = b.seq_table().chunks(5).collect();
         let blocks = |row: &[i32], n: usize| {
             let off = row[3] as usize;
             b.block_table()[off..off + n].to_vec()
@@ -869,9 +888,9 @@ mod tests {
         let one: Vec<i32> = {
             let plan = step(&mut s, &mut b);
             let row = plan.iter().position(|p| p.id == 3).expect("planned");
-            assert_eq!(b.seq_table()[4 * row + 2], 6, "fed from position 6");
+            assert_eq!(b.seq_table()[5 * row + 2], 6, "fed from position 6");
             let r1 = plan.iter().position(|p| p.id == 1).expect("planned");
-            let off = |r: usize| b.seq_table()[4 * r + 3] as usize;
+            let off = |r: usize| b.seq_table()[5 * r + 3] as usize;
             let (o1, o3) = (off(r1), off(row));
             assert_eq!(b.block_table()[o3], b.block_table()[o1], "block 0 shared");
             assert_ne!(b.block_table()[o3 + 1], b.block_table()[o1 + 1]);
@@ -908,7 +927,7 @@ mod tests {
             assert_eq!(ids.len(), b.block_table().len(), "blocks are never shared");
             s.advance();
             for (j, p) in plan.iter().enumerate() {
-                let row = &b.seq_table()[4 * j..4 * j + 4];
+                let row = &b.seq_table()[5 * j..5 * j + 5];
                 fed.push((p.id, row[2] as usize, p.tokens));
                 if p.samples && !s.push_token(p.id, 7) {
                     done.push(p.id);

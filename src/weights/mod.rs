@@ -133,6 +133,38 @@ pub struct WeightTensor {
     pub data: TensorBytes,
 }
 
+impl WeightTensor {
+    /// Rows `r0..r1` of a matrix (`[rows, cols]`, rows stored whole: any
+    /// dtype whose rows are whole blocks): a view of the same map where the
+    /// tensor is mapped, else a copy. Splits Phi-3's fused QKV and gate/up
+    /// matrices.
+    pub fn rows(&self, r0: usize, r1: usize) -> Result<WeightTensor, String> {
+        let [rows, cols] = self.shape[..] else {
+            return Err(format!("shape {:?} is not a matrix", self.shape));
+        };
+        let bytes = self.data.len();
+        if r0 > r1 || r1 > rows || rows == 0 || !bytes.is_multiple_of(rows) {
+            return Err(format!(
+                "rows {r0}..{r1} of a {rows}-row matrix of {bytes} bytes"
+            ));
+        }
+        let rb = bytes / rows;
+        let data = match &self.data {
+            TensorBytes::Mapped { map, offset, .. } => TensorBytes::Mapped {
+                map: map.clone(),
+                offset: offset + r0 * rb,
+                len: (r1 - r0) * rb,
+            },
+            other => TensorBytes::Owned(Arc::new(other.as_bytes()[r0 * rb..r1 * rb].to_vec())),
+        };
+        Ok(WeightTensor {
+            dtype: self.dtype,
+            shape: vec![r1 - r0, cols],
+            data,
+        })
+    }
+}
+
 /// All tensors of a model, by checkpoint name.
 #[derive(Clone, Debug, Default)]
 pub struct WeightStore {

@@ -20,8 +20,16 @@ pub fn snapshot_settings() -> insta::Settings {
     s
 }
 
-/// Reads a params.json under `graphs/`.
+/// Reads a params.json under `graphs/` (or, for the other families, a
+/// Hugging Face config.json).
 pub fn graph_params(arch: &str) -> llama_graph::model::ModelArgs {
+    let cfg = root().join("graphs").join(arch).join("config.json");
+    if cfg.is_file() {
+        let text = std::fs::read_to_string(&cfg).expect("config file");
+        return llama_graph::weights::hf::HfConfig::parse(&text)
+            .expect("valid config.json")
+            .args;
+    }
     let p = root().join("graphs").join(arch).join("params.json");
     let text = std::fs::read_to_string(&p).expect("params file");
     llama_graph::model::ModelArgs::from_params_json(&text).expect("valid params")

@@ -1,6 +1,7 @@
 //! The official `openai` Python client for the server tests: a virtual
 //! environment in the cache (`python3 -m venv`, then `pip install` of the
-//! pinned version by package name), made on first use and reused.
+//! pinned versions by package name, with `jsonschema` to validate
+//! structured output), made on first use and reused.
 #![allow(dead_code)]
 
 use llama_graph::fetch::cache_dir;
@@ -10,6 +11,8 @@ use std::sync::Mutex;
 
 /// The client version the tests are written against.
 pub const OPENAI_VERSION: &str = "3.57.0";
+/// The JSON-schema validator the structured-output tests check answers with.
+pub const JSONSCHEMA_VERSION: &str = "4.26.0";
 
 static MAKE: Mutex<()> = Mutex::new(());
 
@@ -19,7 +22,9 @@ static MAKE: Mutex<()> = Mutex::new(());
 /// With pip's own message when the venv cannot be made (no network, no
 /// `python3 -m venv`): the end-to-end tests cannot run without the client.
 pub fn python() -> PathBuf {
-    let dir = cache_dir().join(format!("openai-venv-{OPENAI_VERSION}"));
+    let dir = cache_dir().join(format!(
+        "openai-venv-{OPENAI_VERSION}-jsonschema-{JSONSCHEMA_VERSION}"
+    ));
     let python = dir.join("bin/python");
     let _guard = MAKE.lock().unwrap_or_else(|e| e.into_inner());
     if python.exists() {
@@ -34,7 +39,7 @@ pub fn python() -> PathBuf {
         .tempdir_in(cache_dir())
         .unwrap();
     eprintln!(
-        "server tests: creating a Python venv with openai=={OPENAI_VERSION} in {} (once)",
+        "server tests: creating a Python venv with openai=={OPENAI_VERSION} and jsonschema=={JSONSCHEMA_VERSION} in {} (once)",
         dir.display()
     );
     let run = |cmd: &mut Command, what: &str| {
@@ -60,8 +65,9 @@ pub fn python() -> PathBuf {
             "-q",
             "--disable-pip-version-check",
             &format!("openai=={OPENAI_VERSION}"),
+            &format!("jsonschema=={JSONSCHEMA_VERSION}"),
         ]),
-        "pip install openai",
+        "pip install openai jsonschema",
     );
     let part = part.keep();
     if let Err(e) = std::fs::rename(&part, &dir) {

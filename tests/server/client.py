@@ -6,12 +6,16 @@ prints: one JSON document on stdout. Nothing is asserted here.
 Usage: client.py BASE_URL API_KEY COMMAND < spec.json
   basics  the endpoints, streaming, stop strings, seeds and errors
   load    many concurrent requests (spec: requests, concurrency)
+  structured  response_format / json_schema / grammar requests (spec:
+          schemas, each answer checked with the `jsonschema` package)
+  tools   tool calls, streamed and not, and a follow-up with the results
 """
 
 import asyncio
 import json
 import sys
 
+import jsonschema
 import openai
 
 
@@ -167,11 +171,158 @@ async def load(base, key, spec):
     return results
 
 
+def check(instance_text, schema):
+    """Parses and validates an answer; what went wrong, or None."""
+    try:
+        value = json.loads(instance_text)
+    except (TypeError, ValueError) as e:
+        return {"parse_error": str(e)}
+    errors = [e.message for e in jsonschema.Draft202012Validator(schema).iter_errors(value)]
+    return {"value": value, "errors": errors}
+
+
+def structured(base, key, spec):
+    c = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=300)
+    out = {"chat": [], "completions": [], "errors": {}}
+    n = spec["max_tokens"]
+    for case in spec["schemas"]:
+        msgs = [{"role": "user", "content": case["prompt"]}]
+        rf = {"type": "json_schema",
+              "json_schema": {"name": case["name"], "schema": case["schema"], "strict": True}}
+        r = c.chat.completions.create(model="any", messages=msgs, temperature=0, max_tokens=n,
+                                      response_format=rf)
+        text = r.choices[0].message.content
+        out["chat"].append({"name": case["name"], "text": text,
+                            "finish": r.choices[0].finish_reason,
+                            **check(text, case["schema"])})
+    # json_object: any object.
+    r = c.chat.completions.create(model="any", temperature=0, max_tokens=n,
+                                  messages=[{"role": "user", "content": "Describe a cat in JSON with its name and age."}],
+                                  response_format={"type": "json_object"})
+    text = r.choices[0].message.content
+    out["json_object"] = {"text": text, "finish": r.choices[0].finish_reason,
+                          **check(text, {"type": "object"})}
+    # Streamed: the pieces join into the same valid answer.
+    case = spec["schemas"][0]
+    rf = {"type": "json_schema", "json_schema": {"name": case["name"], "schema": case["schema"]}}
+    pieces, finish = [], None
+    for ch in c.chat.completions.create(model="any", temperature=0, max_tokens=n, stream=True,
+                                        messages=[{"role": "user", "content": case["prompt"]}],
+                                        response_format=rf):
+        for choice in ch.choices:
+            if choice.delta.content:
+                pieces.append(choice.delta.content)
+            if choice.finish_reason:
+                finish = choice.finish_reason
+    out["chat_stream"] = {"text": "".join(pieces), "finish": finish}
+    # /v1/completions: response_format, llama-server's json_schema and grammar.
+    for case in spec["completion_schemas"]:
+        extra = {case["field"]: case["value"]}
+        r = c.completions.create(model="any", prompt=case["prompt"], temperature=0, max_tokens=n,
+                                 extra_body=extra)
+        text = r.choices[0].text
+        res = {"field": case["field"], "text": text, "finish": r.choices[0].finish_reason}
+        if "schema" in case:
+            res.update(check(text, case["schema"]))
+        out["completions"].append(res)
+    for name, req in spec["bad"].items():
+        kw = dict(model="any", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        kw.update(req)
+        rf = kw.pop("extra_body", None)
+        out["errors"][name] = error_of(lambda: c.chat.completions.create(extra_body=rf, **kw))
+    return out
+
+
+def tools(base, key, spec):
+    c = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=300)
+    out = {}
+    n = spec["max_tokens"]
+    msgs = [{"role": "user", "content": spec["question"]}]
+
+    def calls_of(message):
+        return [{"id": t.id, "type": t.type, "name": t.function.name,
+                 "arguments": t.function.arguments} for t in (message.tool_calls or [])]
+
+    for label, choice in [("required", "required"), ("named", spec["named"]), ("auto", "auto")]:
+        r = c.chat.completions.create(model="any", messages=msgs, temperature=0, max_tokens=n,
+                                      tools=spec["tools"], tool_choice=choice)
+        m = r.choices[0].message
+        out[label] = {"finish": r.choices[0].finish_reason, "content": m.content,
+                      "calls": calls_of(m), "usage": r.usage.model_dump()}
+
+    # Streamed: the client assembles delta.tool_calls into the same calls.
+    acc, finish, content, chunks = {}, None, [], 0
+    for ch in c.chat.completions.create(model="any", messages=msgs, temperature=0, max_tokens=n,
+                                        tools=spec["tools"], tool_choice="required", stream=True):
+        for choice in ch.choices:
+            d = choice.delta
+            if d.content:
+                content.append(d.content)
+            for tc in d.tool_calls or []:
+                chunks += 1
+                slot = acc.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                if tc.id:
+                    slot["id"] = tc.id
+                if tc.function and tc.function.name:
+                    slot["name"] += tc.function.name
+                if tc.function and tc.function.arguments:
+                    slot["arguments"] += tc.function.arguments
+            if choice.finish_reason:
+                finish = choice.finish_reason
+    out["stream"] = {"finish": finish, "content": "".join(content), "chunks": chunks,
+                     "calls": [acc[i] for i in sorted(acc)]}
+
+    # The follow-up: the assistant's calls and the tool's results.
+    first = out["required"]["calls"]
+    follow = msgs + [
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": t["id"], "type": "function",
+                         "function": {"name": t["name"], "arguments": t["arguments"]}}
+                        for t in first]},
+    ] + [{"role": "tool", "tool_call_id": t["id"], "content": spec["result"]} for t in first]
+    for label, stream in [("follow_up", False), ("follow_up_stream", True)]:
+        kw = dict(model="any", messages=follow, temperature=0, max_tokens=n,
+                  tools=spec["tools"], tool_choice="none")
+        if stream:
+            pieces, finish = [], None
+            for ch in c.chat.completions.create(stream=True, **kw):
+                for choice in ch.choices:
+                    if choice.delta.content:
+                        pieces.append(choice.delta.content)
+                    if choice.finish_reason:
+                        finish = choice.finish_reason
+            out[label] = {"finish": finish, "content": "".join(pieces)}
+        else:
+            r = c.chat.completions.create(**kw)
+            out[label] = {"finish": r.choices[0].finish_reason,
+                          "content": r.choices[0].message.content,
+                          "usage": r.usage.model_dump()}
+
+    out["errors"] = {
+        "unknown_tool": error_of(lambda: c.chat.completions.create(
+            model="any", messages=msgs, tools=spec["tools"], max_tokens=4,
+            tool_choice={"type": "function", "function": {"name": "no_such_tool"}})),
+        "bad_tool": error_of(lambda: c.chat.completions.create(
+            model="any", messages=msgs, max_tokens=4,
+            tools=[{"type": "function", "function": {"description": "no name"}}])),
+        "bad_arguments": error_of(lambda: c.chat.completions.create(
+            model="any", max_tokens=4, tools=spec["tools"],
+            messages=msgs + [{"role": "assistant", "tool_calls": [
+                {"id": "x", "type": "function",
+                 "function": {"name": spec["tools"][0]["function"]["name"], "arguments": "{oops"}}]}])),
+    }
+    return out
+
+
 def main():
     base, key, cmd = sys.argv[1], sys.argv[2], sys.argv[3]
     spec = json.load(sys.stdin)
     if cmd == "basics":
         out = basics(base, key, spec)
+    elif cmd == "structured":
+        out = structured(base, key, spec)
+    elif cmd == "tools":
+        out = tools(base, key, spec)
     elif cmd == "load":
         out = asyncio.run(load(base, key, spec))
     else:

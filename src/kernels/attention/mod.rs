@@ -13,6 +13,7 @@
 //! depend on the batch (see [`paged`]).
 
 pub mod paged;
+mod widen;
 
 use crate::kernels::kv::{KvGeom, KvView, StepSeqs};
 use crate::kernels::{check_len, KernelError};
@@ -66,7 +67,33 @@ pub fn attn_scores(
     t_n: usize,
     scores: &mut [f32],
 ) -> Result<(), KernelError> {
+    attn_scores_windowed(pool, q, k, geom, n_rep, seqs, t_n, None, scores)
+}
+
+/// [`attn_scores`] with a sliding window: a query at position `p` also
+/// masks (`-inf`) the positions `t <= p - window`, so it sees `window`
+/// positions, its own included (Mistral, Phi-3, Gemma 3's local layers;
+/// transformers' sliding-window mask and llama.cpp's standard SWA). The
+/// masked keys are not read.
+#[allow(clippy::too_many_arguments)]
+pub fn attn_scores_windowed(
+    pool: &ThreadPool,
+    q: &[f32],
+    k: KvView<'_>,
+    geom: &KvGeom,
+    n_rep: usize,
+    seqs: &StepSeqs<'_>,
+    t_n: usize,
+    window: Option<usize>,
+    scores: &mut [f32],
+) -> Result<(), KernelError> {
     const OP: &str = "attn_scores";
+    if window == Some(0) {
+        return Err(KernelError::Invalid {
+            op: OP,
+            what: "a sliding window must hold at least one position",
+        });
+    }
     let (s_n, h_n) = check_common(OP, geom, n_rep, seqs, q.len(), k)?;
     if seqs.max_keys() > t_n {
         return Err(KernelError::Invalid {
@@ -87,8 +114,9 @@ pub fn attn_scores(
                 let row = s.first + i;
                 let qv = &q[(row * h_n + h) * d..][..d];
                 let limit = s.start + i;
+                let first = window.map_or(0, |w| (limit + 1).saturating_sub(w));
                 for (t, o) in out[row * t_n..(row + 1) * t_n].iter_mut().enumerate() {
-                    *o = if t <= limit {
+                    *o = if t <= limit && t >= first {
                         let b = s.block_of(t, bs);
                         let mut acc = 0f32;
                         for (e, &x) in qv.iter().enumerate() {

@@ -31,14 +31,14 @@
 //!
 //! Every instruction-set level ([`Isa`]) implements both kinds with the
 //! same per-row arithmetic, and a test checks that rows computed either
-//! way are bitwise equal. Keys and values are read from the pool (f32 or
-//! f16, [`KvView`]) one tile at a time into f32 scratch: keys
+//! way are bitwise equal. Keys and values are read from the pool (any
+//! cache type, [`KvView`]) one tile at a time into f32 scratch (widened or
+//! dequantized by [`super::widen`], the same values at every level): keys
 //! dims-major `[D][BK]`, values key-major `[BK][D]`.
 
 use crate::kernels::kv::{KvGeom, KvView, SeqSpan, StepSeqs};
 use crate::kernels::{Isa, KernelError};
 use crate::pool::{SyncPtr, ThreadPool};
-use half::f16;
 
 /// Keys per tile (aligned to absolute positions).
 pub const BK: usize = 64;
@@ -419,15 +419,7 @@ struct PortableCvt;
 impl Cvt for PortableCvt {
     #[inline(always)]
     fn cvt(src: KvView<'_>, at: usize, dst: &mut [f32]) {
-        match src {
-            KvView::F32(s) => dst.copy_from_slice(&s[at..at + dst.len()]),
-            KvView::F16(s) => {
-                let n = dst.len();
-                for (o, &x) in dst.iter_mut().zip(&s[at..at + n]) {
-                    *o = x.to_f32();
-                }
-            }
-        }
+        super::widen::widen_portable(src, at, dst)
     }
 }
 
@@ -939,31 +931,15 @@ mod x86 {
         _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2)))
     }
 
-    /// Widening with F16C, 8 values at a time.
+    /// Widening with AVX2 and F16C, 8 values at a time.
     pub(super) struct F16cCvt;
 
     impl Cvt for F16cCvt {
         #[inline(always)]
         fn cvt(src: KvView<'_>, at: usize, dst: &mut [f32]) {
-            match src {
-                KvView::F32(s) => dst.copy_from_slice(&s[at..at + dst.len()]),
-                KvView::F16(s) => {
-                    let s = &s[at..at + dst.len()];
-                    let n8 = dst.len() & !7;
-                    // SAFETY: only used by the x86 levels, whose entry
-                    // points enable F16C (detected); 8 values in bounds per
-                    // load and store.
-                    unsafe {
-                        for i in (0..n8).step_by(8) {
-                            let h = _mm_loadu_si128(s.as_ptr().add(i).cast());
-                            _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
-                        }
-                    }
-                    for (o, &x) in dst[n8..].iter_mut().zip(&s[n8..]) {
-                        *o = f16::to_f32(x);
-                    }
-                }
-            }
+            // SAFETY: only used by the x86 levels, whose entry points
+            // enable AVX2, FMA and F16C (detected).
+            unsafe { super::super::widen::widen_avx2(src, at, dst) }
         }
     }
 

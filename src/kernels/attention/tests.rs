@@ -4,12 +4,11 @@
 //! grouped and on any number of threads).
 
 use super::*;
-use crate::kernels::kv::KvStore;
+use crate::kernels::kv::{kv_write_rows, CacheType, KvHalf, KvStore};
 use crate::kernels::testutil::{assert_close, Rng};
 use crate::kernels::Isa;
-use half::f16;
 
-/// A pool with random keys and values (f16-representable when `f16`).
+/// A pool with random keys and values.
 struct Pool {
     geom: KvGeom,
     n_rep: usize,
@@ -18,7 +17,9 @@ struct Pool {
 }
 
 impl Pool {
-    fn new(n_blocks: usize, hkv: usize, d: usize, n_rep: usize, f16: bool, seed: u64) -> Pool {
+    /// Random keys and values written through the cache's own writes (so
+    /// stored as `ty` stores them).
+    fn new(n_blocks: usize, hkv: usize, d: usize, n_rep: usize, ty: CacheType, seed: u64) -> Pool {
         let geom = KvGeom {
             n_blocks,
             n_kv_heads: hkv,
@@ -26,15 +27,13 @@ impl Pool {
             block: 16,
         };
         let mut rng = Rng::new(seed);
-        let mut fill = || {
-            let vals = rng.vec(geom.elems());
-            if f16 {
-                KvStore::F16(vals.iter().map(|&x| f16::from_f32(x)).collect())
-            } else {
-                KvStore::F32(vals)
-            }
+        let slots: Vec<i32> = (0..geom.capacity() as i32).collect();
+        let mut fill = |half, run| {
+            let mut c = KvStore::new(ty, geom.elems(), run).unwrap();
+            kv_write_rows(&mut c, half, &geom, &slots, &rng.vec(geom.elems())).unwrap();
+            c
         };
-        let (k, v) = (fill(), fill());
+        let (k, v) = (fill(KvHalf::K, geom.block), fill(KvHalf::V, 1));
         Pool { geom, n_rep, k, v }
     }
     fn h(&self) -> usize {
@@ -78,6 +77,7 @@ fn step(seqs: &[Seq], parts: &[(usize, usize, usize)]) -> Step {
             count as i32,
             start as i32,
             blocks.len() as i32,
+            1,
         ]);
         blocks.extend(&seqs[j].blocks);
         first += count;
@@ -190,16 +190,20 @@ fn mixed_parts() -> Vec<(usize, usize, usize)> {
 #[test]
 fn both_forms_match_the_reference() {
     // SmolLM2's geometry, no GQA with a small head, MQA with an odd head dim.
-    for (hkv, d, n_rep) in [(3, 64, 3), (4, 16, 1), (1, 20, 4), (2, 7, 2)] {
-        for f16 in [false, true] {
-            let pool = Pool::new(4 * 24, hkv, d, n_rep, f16, 11);
+    // Every cache type (the quantized ones need whole groups of 32 dims).
+    for (hkv, d, n_rep) in [(3, 64, 3), (4, 16, 1), (1, 20, 4), (2, 7, 2), (2, 32, 2)] {
+        for ty in CacheType::ALL {
+            if ty.is_quantized() && d % 32 != 0 {
+                continue;
+            }
+            let pool = Pool::new(4 * 24, hkv, d, n_rep, ty, 11);
             let seqs = seqs_in(&pool, 4, 24, 5);
             let parts = mixed_parts();
             let st = step(&seqs, &parts);
             let q = q_for(&pool, &parts);
             let s = StepSeqs::new(&st.table, &st.blocks, st.tokens, &pool.geom).unwrap();
             let want = naive(&pool, &q, &s);
-            let what = format!("hkv {hkv} d {d} n_rep {n_rep} f16 {f16}");
+            let what = format!("hkv {hkv} d {d} n_rep {n_rep} {ty}");
             assert_close(
                 &unfused(&pool, &st, &q),
                 &want,
@@ -222,8 +226,15 @@ fn rows_do_not_depend_on_the_batch() {
     // Sequence 0 has 600 positions (three spans); its queries at 560..580
     // are computed in five groupings, beside other sequences or alone, on
     // one or two threads: every row must be bitwise the same.
-    for (hkv, d, n_rep) in [(3, 64, 3), (2, 20, 2)] {
-        let pool = Pool::new(160, hkv, d, n_rep, true, 21);
+    for (hkv, d, n_rep, ty) in [
+        (3, 64, 3, CacheType::F16),
+        (2, 20, 2, CacheType::F16),
+        (3, 64, 3, CacheType::F32),
+        (3, 64, 3, CacheType::Bf16),
+        (3, 64, 3, CacheType::Q8_0),
+        (2, 32, 2, CacheType::Q4_0),
+    ] {
+        let pool = Pool::new(160, hkv, d, n_rep, ty, 21);
         let seqs = seqs_in(&pool, 4, 40, 9);
         let target: Vec<usize> = (560..580).collect();
         let groupings: Vec<Vec<Vec<(usize, usize, usize)>>> = vec![
@@ -273,8 +284,8 @@ fn rows_do_not_depend_on_the_batch() {
                                 let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
                                 assert!(
                                     same,
-                                    "{isa:?} d {d}: grouping {gi} on {threads} threads changes \
-                                     the row at position {}",
+                                    "{isa:?} {ty} d {d}: grouping {gi} on {threads} threads \
+                                     changes the row at position {}",
                                     560 + p
                                 );
                             }
@@ -291,7 +302,7 @@ fn causal_mask_exact() {
     // Keys all equal, value rows one-hot on the position: a query at
     // position p must average exactly the first p + 1 one-hot rows.
     let (hkv, d, n_rep) = (1, 32, 3);
-    let mut pool = Pool::new(2, hkv, d, n_rep, false, 1);
+    let mut pool = Pool::new(2, hkv, d, n_rep, CacheType::F32, 1);
     let geom = pool.geom;
     pool.k = KvStore::F32(vec![1.0; geom.elems()]);
     let mut v = vec![0.0; geom.elems()];
@@ -353,7 +364,7 @@ fn span_merge_is_the_online_softmax() {
 
 #[test]
 fn bad_steps_are_refused() {
-    let pool = Pool::new(8, 2, 16, 2, false, 3);
+    let pool = Pool::new(8, 2, 16, 2, CacheType::F32, 3);
     let seqs = seqs_in(&pool, 2, 4, 1);
     let st = step(&seqs, &[(0, 0, 5), (1, 10, 1)]);
     let s = StepSeqs::new(&st.table, &st.blocks, st.tokens, &pool.geom).unwrap();

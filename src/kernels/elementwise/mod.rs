@@ -13,6 +13,30 @@ pub fn silu_f32(v: f32) -> f32 {
     v / (1.0 + (-v).exp())
 }
 
+/// GELU, tanh approximation (PyTorch's `gelu(x, approximate="tanh")`,
+/// Gemma's `gelu_pytorch_tanh`): `0.5·v·(1 + tanh(sqrt(2/π)·(v + 0.044715·v³)))`
+/// in f32, element by element (so batch-invariant).
+#[inline]
+pub fn gelu_tanh_f32(v: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    let inner = SQRT_2_OVER_PI * (v + 0.044715 * v * v * v);
+    0.5 * v * (1.0 + inner.tanh())
+}
+
+/// `x = gelu_tanh(x)`.
+pub fn gelu_tanh_inplace(x: &mut [f32]) {
+    for v in x {
+        *v = gelu_tanh_f32(*v);
+    }
+}
+
+/// `x = x * factor`.
+pub fn scale_inplace(x: &mut [f32], factor: f32) {
+    for v in x {
+        *v *= factor;
+    }
+}
+
 /// `out = silu(x)`.
 pub fn silu(x: &[f32], out: &mut [f32]) -> Result<(), KernelError> {
     check_len("silu", "out elements", x.len(), out.len())?;
@@ -131,6 +155,27 @@ mod tests {
         let want2: Vec<f64> = want.iter().zip(&u).map(|(s, &u)| s * u as f64).collect();
         assert_close(&out, &want2, 1e-6, 1e-5, "swiglu");
         assert!(swiglu(&g, &u[1..], &mut out).is_err());
+    }
+
+    #[test]
+    fn gelu_tanh_against_f64() {
+        let mut rng = Rng::new(4);
+        let x: Vec<f32> = rng.vec(2049).iter().map(|v| v * 12.0).collect();
+        let mut got = x.clone();
+        gelu_tanh_inplace(&mut got);
+        let want: Vec<f64> = x
+            .iter()
+            .map(|&v| {
+                let v = v as f64;
+                let c = (2.0 / std::f64::consts::PI).sqrt();
+                0.5 * v * (1.0 + (c * (v + 0.044715 * v * v * v)).tanh())
+            })
+            .collect();
+        assert_close(&got, &want, 1e-6, 1e-5, "gelu_tanh");
+        // Known points: gelu(0) = 0, gelu(x) ~ x for large x, ~ 0 for very negative.
+        assert_eq!(gelu_tanh_f32(0.0), 0.0);
+        assert_eq!(gelu_tanh_f32(20.0), 20.0);
+        assert!(gelu_tanh_f32(-20.0).abs() < 1e-6);
     }
 
     #[test]

@@ -18,7 +18,7 @@ impl Tiles for Avx2 {
 
     /// Half the bytes of a widened row tile, and the conversion costs less
     /// than the traffic: F16 GEMMs of the 1B-shaped layers at S = 128 on one
-    /// Zen 3 core (`examples/fgemm_bench`, three interleaved runs) went
+    /// Zen 3 core (`benches/probes/fgemm_bench`, three interleaved runs) went
     /// from 55/53/59 GFLOP/s widened to 69/68/66 converted in registers
     /// (QKV 3072×2048, gate+up 16384×2048, down 2048×8192; the down
     /// projection, too long to widen, was at 41 before [`x86::tile`]'s
@@ -193,7 +193,7 @@ pub(crate) mod x86 {
     /// prefetches in a single-token product. Measured when that product
     /// read four adjacent rows at a time (this was then the next tile): on
     /// the 2-vCPU AMD EPYC (Zen 3) development VM a SmolLM2-135M F16 decode
-    /// step at 2 threads (`examples/op_profile MODEL 32 2`, two runs each,
+    /// step at 2 threads (`benches/probes/op_profile MODEL 32 2`, two runs each,
     /// ms) went 19.0/17.4 -> 15.3/15.1 with 4 rows, 16.0/15.4 with 8,
     /// 16.0/15.6 with 16; F32 24.8/24.2 -> 21.8/24.9. Since the product
     /// reads runs of four rows ([`super::super::gemv`]), four rows on is the

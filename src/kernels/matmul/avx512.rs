@@ -8,7 +8,7 @@
 //! them, and a 4-row tile stays in L1 across the token tiles of one group).
 //! The earlier AVX2 path copied every 4-row weight tile and packed x per
 //! chunk; for F32 weights those copies were a fifth of prefill time (see
-//! benches/compare/NOTES.md, "Float prefill").
+//! docs/design/batch-invariance.md, "The float tiles").
 
 // Register tiles are indexed explicitly on purpose.
 #![allow(clippy::needless_range_loop)]

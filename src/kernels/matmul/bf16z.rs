@@ -34,7 +34,7 @@
 //! bf16 writes `exact` back, so nothing is lost.
 //!
 //! The size is 49/64 of bf16 plus the table. Measured with
-//! `examples/bf16z_stats.rs`: 0.007% of the random 1B checkpoint's weights
+//! `benches/probes/bf16z_stats.rs`: 0.007% of the random 1B checkpoint's weights
 //! are exceptions (0.767 of bf16 in all), 0.03% of SmolLM2's trained layer
 //! weights and 1% of its embedding table (0.778 in all).
 

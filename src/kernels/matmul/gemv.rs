@@ -1,6 +1,6 @@
 //! Single-token (`s == 1`, decode) matrix-vector products over plain
 //! F32/F16/BF16 weights: memory-bound, so each weight row is streamed once.
-//! The SIMD levels run the register tiles of [`super::tiles`] with one
+//! The SIMD levels run the register tiles of `tiles` with one
 //! token: four rows at a time, one accumulator each (four independent FMA
 //! chains, one load of x for four rows), weights widened in registers. The
 //! arithmetic per row is exactly that of the multi-token product
@@ -151,7 +151,7 @@ pub(crate) fn swiglu_scalar(g: &mut [f32], u: &[f32]) {
 
 /// Rows of one block of a chunk, read as four runs of four rows.
 /// With two threads on the 2-vCPU AMD EPYC (Zen 3) development VM
-/// (`SHAPES=smol examples/gemv_bench 2 f16`, medians of 3 interleaved
+/// (`SHAPES=smol benches/probes/gemv_bench 2 f16`, medians of 3 interleaved
 /// rounds, GB/s), blocks of 4 adjacent rows (the earlier order) streamed
 /// 17-19 from SmolLM2's 576-wide rows, blocks of 16 21-27, of 32 and 64
 /// about the same as 16 within this host's noise; F32 23-27 -> 26-31.

@@ -1,7 +1,7 @@
 //! Linear layers: `y[s, n] = sum_k x[s, k] * W[n, k]` with `W` stored
 //! `[N, K]` (PyTorch order) in F32, F16 or BF16, plus fused epilogues.
 //!
-//! At the SIMD levels every product runs the register tiles of [`tiles`]
+//! At the SIMD levels every product runs the register tiles of `tiles`
 //! (`avx2`: 8 lanes, `avx512`: 16 lanes): one token ([`gemv`], memory-bound)
 //! streams weight rows four at a time; several tokens split the output
 //! columns into contiguous chunks sized for L2 and run row × token tiles

@@ -18,11 +18,22 @@
 use super::{GgufArray, GgufError, GgufFile, GgufValue};
 use crate::weights::WeightStore;
 
-/// Llama hyper-parameters from `llama.*` metadata keys.
+/// Hyper-parameters from the `<arch>.*` metadata keys (`llama.*`,
+/// `qwen2.*`, ...); the fields name the `llama.*` spelling.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LlamaGgufMeta {
-    /// `general.architecture` (always `"llama"`).
+    /// `general.architecture`: `llama`, `qwen2`, `qwen3`, `gemma3` or `phi3`.
     pub architecture: String,
+    /// The family that architecture is.
+    pub family: crate::model::Family,
+    /// `<arch>.attention.sliding_window`, where present and not 0.
+    pub sliding_window: Option<usize>,
+    /// `<arch>.attention.sliding_window_pattern` (an integer `n`: every
+    /// `n`th layer global), where present.
+    pub swa_pattern: Option<usize>,
+    /// `<arch>.rope.freq_base_swa`: the windowed layers' RoPE base, where
+    /// present.
+    pub rope_freq_base_swa: Option<f32>,
     /// `general.name`, if present.
     pub name: Option<String>,
     /// `general.file_type` (llama.cpp's `llama_ftype`: the file's main
@@ -147,10 +158,19 @@ fn bad(key: &str, msg: impl Into<String>) -> GgufError {
     }
 }
 
-/// Checks `general.architecture == "llama"`.
+/// The GGUF architectures this crate runs, and their families.
+pub const ARCHITECTURES: &[(&str, crate::model::Family)] = &[
+    ("llama", crate::model::Family::Llama),
+    ("qwen2", crate::model::Family::Qwen2),
+    ("qwen3", crate::model::Family::Qwen3),
+    ("gemma3", crate::model::Family::Gemma3),
+    ("phi3", crate::model::Family::Phi3),
+];
+
+/// Checks `general.architecture` is one of [`ARCHITECTURES`].
 pub fn check_llama_architecture(f: &GgufFile) -> Result<String, GgufError> {
     let arch = f.get_str("general.architecture")?;
-    if arch != "llama" {
+    if !ARCHITECTURES.iter().any(|(a, _)| *a == arch) {
         return Err(GgufError::UnsupportedArchitecture(arch.to_string()));
     }
     Ok(arch.to_string())
@@ -159,6 +179,24 @@ pub fn check_llama_architecture(f: &GgufFile) -> Result<String, GgufError> {
 impl LlamaGgufMeta {
     pub fn from_file(f: &GgufFile) -> Result<LlamaGgufMeta, GgufError> {
         let architecture = check_llama_architecture(f)?;
+        let family = ARCHITECTURES
+            .iter()
+            .find(|(a, _)| *a == architecture)
+            .map(|&(_, fam)| fam)
+            .unwrap_or_default();
+        // Every hyper-parameter key is `<arch>.<name>`.
+        let key = |name: &str| format!("{architecture}.{name}");
+        for refused in ["final_logit_softcapping", "attn_logit_softcapping"] {
+            if f.get(&key(refused)).is_some() {
+                return Err(bad(&key(refused), "logit soft-capping is not supported"));
+            }
+        }
+        if f.get(&key("expert_count")).is_some() {
+            return Err(bad(
+                &key("expert_count"),
+                "mixture-of-experts models are not supported",
+            ));
+        }
         let positive = |key: &str| -> Result<usize, GgufError> {
             let v = f.get_usize(key)?;
             if v == 0 {
@@ -166,28 +204,28 @@ impl LlamaGgufMeta {
             }
             Ok(v)
         };
-        let dim = positive("llama.embedding_length")?;
-        let n_layers = positive("llama.block_count")?;
-        let n_heads = positive("llama.attention.head_count")?;
-        let n_kv_heads = match f.opt("llama.attention.head_count_kv", GgufFile::get_usize)? {
-            Some(0) => return Err(bad("llama.attention.head_count_kv", "must be positive")),
+        let dim = positive(&key("embedding_length"))?;
+        let n_layers = positive(&key("block_count"))?;
+        let n_heads = positive(&key("attention.head_count"))?;
+        let n_kv_heads = match f.opt(&key("attention.head_count_kv"), GgufFile::get_usize)? {
+            Some(0) => return Err(bad(&key("attention.head_count_kv"), "must be positive")),
             Some(v) => v,
             None => n_heads,
         };
         if n_heads % n_kv_heads != 0 {
             return Err(bad(
-                "llama.attention.head_count_kv",
+                &key("attention.head_count_kv"),
                 format!("{n_kv_heads} does not divide head_count {n_heads}"),
             ));
         }
-        let ffn_dim = positive("llama.feed_forward_length")?;
-        let head_dim = match f.opt("llama.attention.key_length", GgufFile::get_usize)? {
+        let ffn_dim = positive(&key("feed_forward_length"))?;
+        let head_dim = match f.opt(&key("attention.key_length"), GgufFile::get_usize)? {
             Some(v) if v > 0 => v,
-            Some(_) => return Err(bad("llama.attention.key_length", "must be positive")),
+            Some(_) => return Err(bad(&key("attention.key_length"), "must be positive")),
             None => {
                 if dim % n_heads != 0 {
                     return Err(bad(
-                        "llama.attention.head_count",
+                        &key("attention.head_count"),
                         format!("{n_heads} does not divide embedding_length {dim}"),
                     ));
                 }
@@ -195,32 +233,32 @@ impl LlamaGgufMeta {
             }
         };
         let rope_theta = f
-            .opt("llama.rope.freq_base", GgufFile::get_f32)?
+            .opt(&key("rope.freq_base"), GgufFile::get_f32)?
             .unwrap_or(10000.0);
         if !(rope_theta.is_finite() && rope_theta > 0.0) {
             return Err(bad(
-                "llama.rope.freq_base",
+                &key("rope.freq_base"),
                 format!("{rope_theta} is not a positive number"),
             ));
         }
         let rope_dim = f
-            .opt("llama.rope.dimension_count", GgufFile::get_usize)?
+            .opt(&key("rope.dimension_count"), GgufFile::get_usize)?
             .unwrap_or(head_dim);
         if rope_dim > head_dim || rope_dim % 2 != 0 {
             return Err(bad(
-                "llama.rope.dimension_count",
+                &key("rope.dimension_count"),
                 format!("{rope_dim} must be even and at most head_dim {head_dim}"),
             ));
         }
-        let norm_eps = f.get_f32("llama.attention.layer_norm_rms_epsilon")?;
+        let norm_eps = f.get_f32(&key("attention.layer_norm_rms_epsilon"))?;
         if !(norm_eps.is_finite() && norm_eps >= 0.0) {
             return Err(bad(
-                "llama.attention.layer_norm_rms_epsilon",
+                &key("attention.layer_norm_rms_epsilon"),
                 format!("{norm_eps} is invalid"),
             ));
         }
-        let context_length = positive("llama.context_length")?;
-        let vocab_size = match f.opt("llama.vocab_size", GgufFile::get_usize)? {
+        let context_length = positive(&key("context_length"))?;
+        let vocab_size = match f.opt(&key("vocab_size"), GgufFile::get_usize)? {
             Some(v) => v,
             None => match f.get("tokenizer.ggml.tokens") {
                 Some(GgufValue::Array(a)) => a.len(),
@@ -232,19 +270,20 @@ impl LlamaGgufMeta {
                     })
                 }
                 None => {
-                    return Err(GgufError::MissingKey(
-                        "llama.vocab_size (or tokenizer.ggml.tokens)".into(),
-                    ))
+                    return Err(GgufError::MissingKey(format!(
+                        "{} (or tokenizer.ggml.tokens)",
+                        key("vocab_size")
+                    )))
                 }
             },
         };
         if vocab_size == 0 {
-            return Err(bad("llama.vocab_size", "vocabulary is empty"));
+            return Err(bad(&key("vocab_size"), "vocabulary is empty"));
         }
-        let rope_scaling = match f.opt("llama.rope.scaling.type", GgufFile::get_str)? {
+        let rope_scaling = match f.opt(&key("rope.scaling.type"), GgufFile::get_str)? {
             None | Some("none") => {
                 // Old files: llama.rope.scale_linear = factor.
-                match f.opt("llama.rope.scale_linear", GgufFile::get_f32)? {
+                match f.opt(&key("rope.scale_linear"), GgufFile::get_f32)? {
                     Some(s) if s != 1.0 => Some(RopeScaling {
                         kind: "linear".into(),
                         factor: Some(s),
@@ -257,16 +296,34 @@ impl LlamaGgufMeta {
             }
             Some(kind) => Some(RopeScaling {
                 kind: kind.to_string(),
-                factor: f.opt("llama.rope.scaling.factor", GgufFile::get_f32)?,
+                factor: f.opt(&key("rope.scaling.factor"), GgufFile::get_f32)?,
                 original_context_length: f.opt(
-                    "llama.rope.scaling.original_context_length",
+                    &key("rope.scaling.original_context_length"),
                     GgufFile::get_usize,
                 )?,
-                attn_factor: f.opt("llama.rope.scaling.attn_factor", GgufFile::get_f32)?,
-                finetuned: f.opt("llama.rope.scaling.finetuned", GgufFile::get_bool)?,
+                attn_factor: f.opt(&key("rope.scaling.attn_factor"), GgufFile::get_f32)?,
+                finetuned: f.opt(&key("rope.scaling.finetuned"), GgufFile::get_bool)?,
             }),
         };
+        let sliding_window = f
+            .opt(&key("attention.sliding_window"), GgufFile::get_usize)?
+            .filter(|&w| w > 0);
+        let swa_pattern = match f.get(&key("attention.sliding_window_pattern")) {
+            None => None,
+            Some(GgufValue::Array(_)) => {
+                return Err(bad(
+                    &key("attention.sliding_window_pattern"),
+                    "a per-layer list is not supported (only an integer pattern)",
+                ))
+            }
+            Some(_) => Some(f.get_usize(&key("attention.sliding_window_pattern"))?),
+        };
+        let rope_freq_base_swa = f.opt(&key("rope.freq_base_swa"), GgufFile::get_f32)?;
         Ok(LlamaGgufMeta {
+            family,
+            sliding_window,
+            swa_pattern,
+            rope_freq_base_swa,
             architecture,
             name: f
                 .opt("general.name", GgufFile::get_str)?
@@ -393,6 +450,10 @@ pub fn llama3_scaling_from_rope_freqs(
     ok.then_some(ir)
 }
 
+/// The name a fused QKV matrix (Phi-3's `attn_qkv`) has until the loader
+/// splits it into `wq`, `wk`, `wv`.
+pub const FUSED_QKV: &str = "attention.qkv_fused.weight";
+
 /// Maps a GGUF (llama.cpp) tensor name to the Meta checkpoint name our graph uses.
 /// Names it does not know are returned unchanged.
 pub fn gguf_to_meta_name(name: &str) -> String {
@@ -407,6 +468,15 @@ pub fn gguf_to_meta_name(name: &str) -> String {
             if !layer.is_empty() && layer.bytes().all(|b| b.is_ascii_digit()) {
                 let meta = match suffix {
                     "attn_norm.weight" => Some("attention_norm.weight"),
+                    "attn_q.bias" => Some("attention.wq.bias"),
+                    "attn_k.bias" => Some("attention.wk.bias"),
+                    "attn_v.bias" => Some("attention.wv.bias"),
+                    "attn_q_norm.weight" => Some("attention.q_norm.weight"),
+                    "attn_k_norm.weight" => Some("attention.k_norm.weight"),
+                    "post_attention_norm.weight" => Some("post_attention_norm.weight"),
+                    "post_ffw_norm.weight" => Some("post_ffn_norm.weight"),
+                    // Phi-3's fused QKV, split at load (LlamaGguf::from_file).
+                    "attn_qkv.weight" => Some(FUSED_QKV),
                     "attn_q.weight" => Some("attention.wq.weight"),
                     "attn_k.weight" => Some("attention.wk.weight"),
                     "attn_v.weight" => Some("attention.wv.weight"),
@@ -465,6 +535,7 @@ impl LlamaGguf {
             }
         }
         let tied_output = !file.tensors.contains_key("output.weight");
+        family_layout(&meta, &mut store)?;
         Ok(LlamaGguf {
             meta,
             tokenizer,
@@ -473,6 +544,67 @@ impl LlamaGguf {
             file,
         })
     }
+}
+
+/// Puts a family's tensors in the layout the graph reads: Phi-3's fused
+/// `attn_qkv` split into `wq`, `wk`, `wv` and its fused `ffn_up` (gate rows
+/// first) into `w1`, `w3` (row ranges: views of the map); and for the
+/// architectures llama.cpp runs with NEOX RoPE (rotate-half pairs), the Q/K
+/// rows, Q/K biases and Q/K norm weights of each head back in Meta's
+/// interleaved order (owned copies; see the module docs).
+fn family_layout(m: &LlamaGgufMeta, store: &mut WeightStore) -> Result<(), GgufError> {
+    use crate::model::Family;
+    let terr = |name: &str, msg: String| bad(name, msg);
+    let hd = m.head_dim;
+    let (q, kv) = (m.n_heads * hd, m.n_kv_heads * hd);
+    for i in 0..m.n_layers {
+        let p = format!("layers.{i}");
+        if m.family == Family::Phi3 {
+            let fused = format!("{p}.{FUSED_QKV}");
+            if let Some(t) = store.tensors.remove(&fused) {
+                for (name, r0, r1) in [("wq", 0, q), ("wk", q, q + kv), ("wv", q + kv, q + 2 * kv)]
+                {
+                    let part = t.rows(r0, r1).map_err(|e| terr(&fused, e))?;
+                    store
+                        .tensors
+                        .insert(format!("{p}.attention.{name}.weight"), part);
+                }
+            }
+            let gate = format!("{p}.feed_forward.w1.weight");
+            let up = format!("{p}.feed_forward.w3.weight");
+            if !store.tensors.contains_key(&gate) {
+                if let Some(t) = store.tensors.remove(&up) {
+                    let ff = m.ffn_dim;
+                    store
+                        .tensors
+                        .insert(gate.clone(), t.rows(0, ff).map_err(|e| terr(&up, e))?);
+                    store
+                        .tensors
+                        .insert(up.clone(), t.rows(ff, 2 * ff).map_err(|e| terr(&up, e))?);
+                }
+            }
+        }
+        if !m.family.gguf_neox_rows() {
+            continue;
+        }
+        for (name, heads) in [
+            ("attention.wq.weight", m.n_heads),
+            ("attention.wk.weight", m.n_kv_heads),
+            ("attention.wq.bias", m.n_heads),
+            ("attention.wk.bias", m.n_kv_heads),
+            ("attention.q_norm.weight", 1),
+            ("attention.k_norm.weight", 1),
+        ] {
+            let name = format!("{p}.{name}");
+            let Some(t) = store.tensors.get(&name) else {
+                continue;
+            };
+            let permuted =
+                crate::weights::hf::hf_to_meta_any(t, heads).map_err(|e| terr(&name, e))?;
+            store.tensors.insert(name, permuted);
+        }
+    }
+    Ok(())
 }
 
 /// Checks that every tensor a Llama graph needs is present with the shape the
@@ -492,26 +624,54 @@ fn check_shapes(m: &LlamaGgufMeta, f: &GgufFile) -> Result<(), GgufError> {
             _ => Ok(()),
         }
     };
+    use crate::model::Family;
     let (d, hd, ff, v) = (m.dim, m.head_dim, m.ffn_dim, m.vocab_size);
     let q = m.n_heads.saturating_mul(hd);
     let kv = m.n_kv_heads.saturating_mul(hd);
     check("token_embd.weight", &[v, d], true)?;
     check("output_norm.weight", &[d], true)?;
     check("output.weight", &[v, d], false)?;
+    let fam = m.family;
     for i in 0..m.n_layers {
-        for (n, shape) in [
-            ("attn_norm.weight", [d, 0]),
-            ("attn_q.weight", [q, d]),
-            ("attn_k.weight", [kv, d]),
-            ("attn_v.weight", [kv, d]),
-            ("attn_output.weight", [d, q]),
-            ("ffn_norm.weight", [d, 0]),
-            ("ffn_gate.weight", [ff, d]),
-            ("ffn_down.weight", [d, ff]),
-            ("ffn_up.weight", [ff, d]),
-        ] {
-            let rank = if n.ends_with("norm.weight") { 1 } else { 2 };
-            check(&format!("blk.{i}.{n}"), &shape[..rank], true)?;
+        let mut want: Vec<(&str, Vec<usize>)> = vec![
+            ("attn_norm.weight", vec![d]),
+            ("attn_output.weight", vec![d, q]),
+            ("ffn_norm.weight", vec![d]),
+            ("ffn_down.weight", vec![d, ff]),
+        ];
+        if fam == Family::Phi3 {
+            want.push(("attn_qkv.weight", vec![q + 2 * kv, d]));
+            want.push(("ffn_up.weight", vec![2 * ff, d]));
+        } else {
+            want.extend([
+                ("attn_q.weight", vec![q, d]),
+                ("attn_k.weight", vec![kv, d]),
+                ("attn_v.weight", vec![kv, d]),
+                ("ffn_gate.weight", vec![ff, d]),
+                ("ffn_up.weight", vec![ff, d]),
+            ]);
+        }
+        if fam == Family::Qwen2 {
+            want.extend([
+                ("attn_q.bias", vec![q]),
+                ("attn_k.bias", vec![kv]),
+                ("attn_v.bias", vec![kv]),
+            ]);
+        }
+        if matches!(fam, Family::Qwen3 | Family::Gemma3) {
+            want.extend([
+                ("attn_q_norm.weight", vec![hd]),
+                ("attn_k_norm.weight", vec![hd]),
+            ]);
+        }
+        if fam == Family::Gemma3 {
+            want.extend([
+                ("post_attention_norm.weight", vec![d]),
+                ("post_ffw_norm.weight", vec![d]),
+            ]);
+        }
+        for (n, shape) in want {
+            check(&format!("blk.{i}.{n}"), &shape, true)?;
         }
     }
     Ok(())

@@ -266,7 +266,7 @@ pub enum GgufError {
         expected: Vec<usize>,
         actual: Vec<usize>,
     },
-    #[error("GGUF general.architecture is {0:?}; only \"llama\" is supported")]
+    #[error("GGUF general.architecture is {0:?}; supported: llama (also Mistral), qwen2, qwen3, gemma3, phi3")]
     UnsupportedArchitecture(String),
 }
 

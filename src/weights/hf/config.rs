@@ -13,7 +13,7 @@
 //! the same product computed in pieces.
 
 use crate::ir::RopeScaling;
-use crate::model::ModelArgs;
+use crate::model::{Family, GateAct, ModelArgs, Variant};
 use serde_json::{Map, Value};
 use thiserror::Error;
 
@@ -119,8 +119,143 @@ fn ids(obj: &Map<String, Value>, field: &str) -> Result<Vec<u32>, ConfigError> {
     }
 }
 
+/// The architectures read, by `architectures` entry and `model_type`.
+const FAMILIES: &[(&str, &str, Family)] = &[
+    ("LlamaForCausalLM", "llama", Family::Llama),
+    ("MistralForCausalLM", "mistral", Family::Mistral),
+    ("Qwen2ForCausalLM", "qwen2", Family::Qwen2),
+    ("Qwen3ForCausalLM", "qwen3", Family::Qwen3),
+    ("Gemma3ForCausalLM", "gemma3_text", Family::Gemma3),
+    ("Phi3ForCausalLM", "phi3", Family::Phi3),
+];
+
+/// The family of `architectures` (else `model_type`; Llama when neither is
+/// given), refusing any other by name.
+fn family_of(obj: &Map<String, Value>) -> Result<Family, ConfigError> {
+    let supported = || FAMILIES.iter().map(|f| f.0).collect::<Vec<_>>().join(", ");
+    let by_arch = match obj.get("architectures") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(a)) => {
+            let names: Vec<&str> = a.iter().filter_map(Value::as_str).collect();
+            match FAMILIES.iter().find(|f| names.contains(&f.0)) {
+                Some(f) => Some(f),
+                None => {
+                    return Err(ConfigError::Unsupported(format!(
+                        "architecture {names:?} is not supported; supported: {}",
+                        supported()
+                    )))
+                }
+            }
+        }
+        Some(v) => return Err(ferr("architectures", format!("must be a list, got {v}"))),
+    };
+    let by_type = match obj.get("model_type") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => match FAMILIES.iter().find(|f| f.1 == s) {
+            Some(f) => Some(f),
+            None => {
+                return Err(ConfigError::Unsupported(format!(
+                    "model_type \"{s}\" is not supported; supported: {}",
+                    FAMILIES.iter().map(|f| f.1).collect::<Vec<_>>().join(", ")
+                )))
+            }
+        },
+        Some(v) => return Err(ferr("model_type", format!("must be a string, got {v}"))),
+    };
+    match (by_arch, by_type) {
+        (Some(a), Some(t)) if a.2 != t.2 => Err(ConfigError::Unsupported(format!(
+            "architectures says {} but model_type says \"{}\"",
+            a.0, t.1
+        ))),
+        (Some(f), _) | (None, Some(f)) => Ok(f.2),
+        (None, None) => Ok(Family::Llama),
+    }
+}
+
+/// Gemma 3's layer pattern: `layer_types` (transformers 5) must be
+/// `sliding_attention` but for every `n`th layer, `full_attention`; else
+/// `sliding_window_pattern` (default 6).
+fn gemma_pattern(obj: &Map<String, Value>, n_layers: usize) -> Result<usize, ConfigError> {
+    let Some(types) = obj.get("layer_types").filter(|v| !v.is_null()) else {
+        return Ok(uint(obj, "sliding_window_pattern", MAX_LAYERS)?.unwrap_or(6) as usize);
+    };
+    let Value::Array(types) = types else {
+        return Err(ferr("layer_types", "must be a list"));
+    };
+    if types.len() != n_layers {
+        return Err(ferr(
+            "layer_types",
+            format!(
+                "lists {} layers, not num_hidden_layers {n_layers}",
+                types.len()
+            ),
+        ));
+    }
+    let full = |i: usize| types[i].as_str() == Some("full_attention");
+    let n = (0..n_layers)
+        .find(|&i| full(i))
+        .map_or(n_layers + 1, |i| i + 1);
+    for (i, t) in types.iter().enumerate() {
+        let want = if (i + 1) % n == 0 {
+            "full_attention"
+        } else {
+            "sliding_attention"
+        };
+        if t.as_str() != Some(want) {
+            return Err(ConfigError::Unsupported(format!(
+                "layer_types: layer {i} is {t}, not {want}; only a repeating pattern of sliding layers and one full layer is supported"
+            )));
+        }
+    }
+    Ok(n)
+}
+
+/// The rope theta and scaling (of the global layers), from either spelling,
+/// and the local (sliding) layers' theta for Gemma 3: transformers 4's
+/// `rope_local_base_freq`, or transformers 5's `rope_parameters` holding
+/// one entry per layer type.
+fn rope(
+    obj: &Map<String, Value>,
+    gemma: bool,
+) -> Result<(f64, Option<RopeScaling>, f64), ConfigError> {
+    if gemma {
+        if let Some(Value::Object(p)) = obj.get("rope_parameters") {
+            if let Some(full) = p.get("full_attention") {
+                let mut g = obj.clone();
+                g.insert("rope_parameters".into(), full.clone());
+                let (theta, scaling) = rope_one(&g)?;
+                let local = match p.get("sliding_attention") {
+                    Some(l) => {
+                        let mut g = obj.clone();
+                        g.insert("rope_parameters".into(), l.clone());
+                        let (t, s) = rope_one(&g)?;
+                        if s.is_some() {
+                            return Err(ConfigError::Unsupported(
+                                "RoPE scaling on the sliding layers is not supported".into(),
+                            ));
+                        }
+                        t
+                    }
+                    None => 10000.0,
+                };
+                return Ok((theta, scaling, local));
+            }
+        }
+        let (theta, scaling) = rope_one(obj)?;
+        let theta = if obj.get("rope_theta").is_none() && obj.get("rope_parameters").is_none() {
+            1_000_000.0
+        } else {
+            theta
+        };
+        let local = float(obj, "rope_local_base_freq")?.unwrap_or(10000.0);
+        return Ok((theta, scaling, local));
+    }
+    let (theta, scaling) = rope_one(obj)?;
+    Ok((theta, scaling, theta))
+}
+
 /// The rope type, theta and scaling, from either spelling.
-fn rope(obj: &Map<String, Value>) -> Result<(f64, Option<RopeScaling>), ConfigError> {
+fn rope_one(obj: &Map<String, Value>) -> Result<(f64, Option<RopeScaling>), ConfigError> {
     // transformers 5: everything in `rope_parameters`.
     let (params, where_): (Option<&Map<String, Value>>, &str) = match obj.get("rope_parameters") {
         Some(Value::Object(p)) => (Some(p), "rope_parameters"),
@@ -207,48 +342,71 @@ impl HfConfig {
         let Value::Object(obj) = &v else {
             return Err(ConfigError::NotObject);
         };
-        match obj.get("architectures") {
-            None | Some(Value::Null) => {}
-            Some(Value::Array(a)) => {
-                let names: Vec<&str> = a.iter().filter_map(Value::as_str).collect();
-                if !names.contains(&"LlamaForCausalLM") {
-                    return Err(ConfigError::Unsupported(format!(
-                        "architecture {names:?} is not supported; only LlamaForCausalLM is"
-                    )));
-                }
-            }
-            Some(v) => return Err(ferr("architectures", format!("must be a list, got {v}"))),
-        }
-        match obj.get("model_type") {
-            None | Some(Value::Null) => {}
-            Some(Value::String(s)) if s == "llama" => {}
-            Some(v) => {
-                return Err(ConfigError::Unsupported(format!(
-                    "model_type {v} is not supported; only \"llama\" is"
-                )))
-            }
-        }
+        let family = family_of(obj)?;
         if obj.get("quantization_config").is_some_and(|q| !q.is_null()) {
             return Err(ConfigError::Unsupported(
                 "quantized checkpoints (quantization_config) are not supported; use F32, F16 or BF16 weights".into(),
             ));
         }
-        for field in ["attention_bias", "mlp_bias"] {
-            if boolean(obj, field)? == Some(true) {
+        // Qwen2's Q/K/V projections always have biases (its attention
+        // module says `bias=True`); any other bias is refused.
+        if boolean(obj, "attention_bias")? == Some(true) {
+            return Err(ConfigError::Unsupported(format!(
+                "`attention_bias: true` is not supported for {}: its layers have no attention biases",
+                family.name()
+            )));
+        }
+        if boolean(obj, "mlp_bias")? == Some(true) {
+            return Err(ConfigError::Unsupported(
+                "`mlp_bias: true` is not supported: the MLP has no biases".into(),
+            ));
+        }
+        for refused in [
+            "final_logit_softcapping",
+            "attn_logit_softcapping",
+            "num_experts",
+            "num_local_experts",
+        ] {
+            if obj.get(refused).is_some_and(|v| !v.is_null()) {
                 return Err(ConfigError::Unsupported(format!(
-                    "`{field}: true` is not supported: Llama layers have no biases"
+                    "`{refused}` is not supported (logit soft-capping and mixture-of-experts are not computed)"
                 )));
             }
         }
-        match obj.get("hidden_act") {
-            None | Some(Value::Null) => {}
-            Some(Value::String(s)) if s == "silu" => {}
-            Some(v) => {
+        if let Some(f) = float(obj, "partial_rotary_factor")? {
+            if f != 1.0 {
                 return Err(ConfigError::Unsupported(format!(
-                    "hidden_act {v} is not supported; only \"silu\" (SwiGLU) is"
-                )))
+                    "partial_rotary_factor {f} (partial rotary embeddings) is not supported"
+                )));
             }
         }
+        if boolean(obj, "use_sliding_window")? == Some(true) {
+            return Err(ConfigError::Unsupported(
+                "`use_sliding_window: true` (Qwen's windowed layers) is not supported".into(),
+            ));
+        }
+        if boolean(obj, "use_bidirectional_attention")? == Some(true) {
+            return Err(ConfigError::Unsupported(
+                "`use_bidirectional_attention: true` is not supported: attention is causal".into(),
+            ));
+        }
+        let gemma = family == Family::Gemma3;
+        let act_field = if gemma {
+            "hidden_activation"
+        } else {
+            "hidden_act"
+        };
+        let gate_act = match obj.get(act_field).or_else(|| obj.get("hidden_act")) {
+            None | Some(Value::Null) if gemma => GateAct::GeluTanh,
+            None | Some(Value::Null) => GateAct::Silu,
+            Some(Value::String(s)) if s == "silu" => GateAct::Silu,
+            Some(Value::String(s)) if s == "gelu_pytorch_tanh" => GateAct::GeluTanh,
+            Some(v) => {
+                return Err(ConfigError::Unsupported(format!(
+                    "{act_field} {v} is not supported; \"silu\" (SwiGLU) and \"gelu_pytorch_tanh\" (GeGLU) are"
+                )))
+            }
+        };
         let dim = req_uint(obj, "hidden_size", MAX_DIM)?;
         let ffn = req_uint(obj, "intermediate_size", MAX_FFN)?;
         let n_layers = req_uint(obj, "num_hidden_layers", MAX_LAYERS)?;
@@ -257,20 +415,58 @@ impl HfConfig {
             .map(|n| n as usize)
             .unwrap_or(n_heads);
         let vocab = req_uint(obj, "vocab_size", MAX_VOCAB)?;
-        if let Some(hd) = uint(obj, "head_dim", MAX_DIM)? {
-            if !dim.is_multiple_of(n_heads) || hd as usize != dim / n_heads {
+        // Gemma3TextConfig's default head_dim is 256; the others derive it.
+        let head_dim = match uint(obj, "head_dim", MAX_DIM)? {
+            Some(hd) => hd as usize,
+            None if gemma => 256,
+            None => {
+                if !dim.is_multiple_of(n_heads) {
+                    return Err(ConfigError::Unsupported(format!(
+                        "num_attention_heads {n_heads} does not divide hidden_size {dim}"
+                    )));
+                }
+                dim / n_heads
+            }
+        };
+        if gemma {
+            let scalar = float(obj, "query_pre_attn_scalar")?.unwrap_or(256.0);
+            if scalar != head_dim as f64 {
                 return Err(ConfigError::Unsupported(format!(
-                    "head_dim {hd} is not hidden_size / num_attention_heads ({dim} / {n_heads}); such models are not supported"
+                    "query_pre_attn_scalar {scalar} differs from head_dim {head_dim}; only the 1/sqrt(head_dim) attention scale is supported"
                 )));
             }
         }
-        // LlamaConfig's defaults.
+        // LlamaConfig's defaults (Gemma 3: 1e-6 too).
         let norm_eps = float(obj, "rms_norm_eps")?.unwrap_or(1e-6);
-        let (rope_theta, rope_scaling) = rope(obj)?;
+        let (rope_theta, rope_scaling, local_theta) = rope(obj, gemma)?;
         let max_context = uint(obj, "max_position_embeddings", MAX_CONTEXT)?
             .map(|n| n as usize)
-            .unwrap_or(2048);
-        let tied = boolean(obj, "tie_word_embeddings")?.unwrap_or(false);
+            .unwrap_or(if gemma { 131072 } else { 2048 });
+        let tied = boolean(obj, "tie_word_embeddings")?.unwrap_or(gemma);
+        // The window, for the families whose transformers model applies it.
+        let sliding_window = match family {
+            Family::Mistral | Family::Phi3 => uint(obj, "sliding_window", MAX_CONTEXT)?,
+            Family::Gemma3 => Some(uint(obj, "sliding_window", MAX_CONTEXT)?.unwrap_or(4096)),
+            _ => None,
+        }
+        .map(|w| w as usize);
+        let global_every = if gemma {
+            Some(gemma_pattern(obj, n_layers)?)
+        } else {
+            None
+        };
+        let variant = Variant {
+            family,
+            head_dim: (head_dim * n_heads != dim).then_some(head_dim),
+            qkv_bias: family == Family::Qwen2,
+            qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3),
+            post_norms: gemma,
+            embed_scale: gemma,
+            gate_act,
+            sliding_window,
+            global_every,
+            local_rope_theta: if gemma { Some(local_theta) } else { None },
+        };
         let args = ModelArgs {
             dim,
             n_layers,
@@ -285,6 +481,7 @@ impl HfConfig {
             rope_scaling,
             max_context: Some(max_context),
             tied_embeddings: tied,
+            variant,
         };
         args.validate().map_err(|e| {
             // ModelArgs names Meta's fields; say the config.json ones.
@@ -363,7 +560,12 @@ mod tests {
             (r#", "attention_bias": true"#, "attention_bias"),
             (r#", "mlp_bias": true"#, "mlp_bias"),
             (r#", "hidden_act": "gelu""#, "hidden_act"),
-            (r#", "head_dim": 16"#, "head_dim 16"),
+            (
+                r#", "final_logit_softcapping": 30.0"#,
+                "final_logit_softcapping",
+            ),
+            (r#", "num_local_experts": 8"#, "num_local_experts"),
+            (r#", "partial_rotary_factor": 0.5"#, "partial_rotary_factor"),
             (
                 r#", "rope_scaling": {"type": "yarn", "factor": 4.0}"#,
                 "rope type `yarn`",
@@ -386,10 +588,10 @@ mod tests {
             let e = parse(extra).unwrap_err().to_string();
             assert!(e.contains(want), "{extra}: {e}");
         }
-        let e = HfConfig::parse(r#"{"architectures": ["MistralForCausalLM"]}"#)
+        let e = HfConfig::parse(r#"{"architectures": ["MixtralForCausalLM"]}"#)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("MistralForCausalLM"), "{e}");
+        assert!(e.contains("MixtralForCausalLM"), "{e}");
         let e = HfConfig::parse(r#"{"architectures": ["LlamaForCausalLM"]}"#)
             .unwrap_err()
             .to_string();

@@ -24,6 +24,7 @@ pub use config::{ConfigError, HfConfig};
 
 use super::safetensors::{SafetensorsError, SafetensorsFile};
 use super::{TensorBytes, WeightStore, WeightTensor};
+use crate::model::Family;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -82,6 +83,45 @@ pub enum HfName {
 
 /// Maps a Hugging Face Llama tensor name to the Meta name our graph uses.
 pub fn hf_to_meta_name(name: &str) -> HfName {
+    hf_to_meta_name_for(name, Family::Llama)
+}
+
+/// Maps a tensor name of a family's Hugging Face checkpoint to the Meta
+/// name our graph uses. Gemma 3's `post_attention_layernorm` is a norm of
+/// the attention output (Llama's is the pre-MLP norm, which Gemma calls
+/// `pre_feedforward_layernorm`); Phi-3's fused `qkv_proj` and
+/// `gate_up_proj` map to names the loader splits.
+pub fn hf_to_meta_name_for(name: &str, family: Family) -> HfName {
+    if let Some(rest) = name.strip_prefix("model.layers.") {
+        if let Some((layer, suffix)) = rest.split_once('.') {
+            let ok =
+                !layer.is_empty() && layer.bytes().all(|b| b.is_ascii_digit()) && layer.len() <= 6;
+            let meta = match (family, suffix) {
+                (Family::Qwen2, "self_attn.q_proj.bias") => Some("attention.wq.bias"),
+                (Family::Qwen2, "self_attn.k_proj.bias") => Some("attention.wk.bias"),
+                (Family::Qwen2, "self_attn.v_proj.bias") => Some("attention.wv.bias"),
+                (Family::Qwen3 | Family::Gemma3, "self_attn.q_norm.weight") => {
+                    Some("attention.q_norm.weight")
+                }
+                (Family::Qwen3 | Family::Gemma3, "self_attn.k_norm.weight") => {
+                    Some("attention.k_norm.weight")
+                }
+                (Family::Gemma3, "post_attention_layernorm.weight") => {
+                    Some("post_attention_norm.weight")
+                }
+                (Family::Gemma3, "pre_feedforward_layernorm.weight") => Some("ffn_norm.weight"),
+                (Family::Gemma3, "post_feedforward_layernorm.weight") => {
+                    Some("post_ffn_norm.weight")
+                }
+                (Family::Phi3, "self_attn.qkv_proj.weight") => Some(FUSED_QKV),
+                (Family::Phi3, "mlp.gate_up_proj.weight") => Some(FUSED_GATE_UP),
+                _ => None,
+            };
+            if let (true, Some(m)) = (ok, meta) {
+                return HfName::Meta(format!("layers.{layer}.{m}"));
+            }
+        }
+    }
     match name {
         "model.embed_tokens.weight" => return HfName::Meta("tok_embeddings.weight".into()),
         "model.norm.weight" => return HfName::Meta("norm.weight".into()),
@@ -113,6 +153,11 @@ pub fn hf_to_meta_name(name: &str) -> HfName {
     };
     HfName::Meta(format!("layers.{layer}.{meta}"))
 }
+
+/// Phi-3's fused QKV matrix until the loader splits it.
+const FUSED_QKV: &str = "attention.qkv_fused.weight";
+/// Phi-3's fused gate/up matrix (gate rows first) until the loader splits it.
+const FUSED_GATE_UP: &str = "feed_forward.gate_up_fused.weight";
 
 /// The Hugging Face name of a Meta tensor name (the inverse of
 /// [`hf_to_meta_name`] on the names the graph uses).
@@ -190,6 +235,40 @@ fn permute_rows(t: &WeightTensor, n_heads: usize, to_meta: bool) -> Result<Weigh
 /// whose rows are whole blocks works.
 pub fn hf_to_meta_rows(t: &WeightTensor, n_heads: usize) -> Result<WeightTensor, String> {
     permute_rows(t, n_heads, true)
+}
+
+/// [`hf_to_meta_rows`] for a matrix, or for a vector (a bias or a per-head
+/// norm weight) its entries.
+pub fn hf_to_meta_any(t: &WeightTensor, n_heads: usize) -> Result<WeightTensor, String> {
+    if t.shape.len() != 1 {
+        return hf_to_meta_rows(t, n_heads);
+    }
+    let col = WeightTensor {
+        shape: vec![t.shape[0], 1],
+        ..t.clone()
+    };
+    let mut r = hf_to_meta_rows(&col, n_heads)?;
+    r.shape = t.shape.clone();
+    Ok(r)
+}
+
+/// `1 + w` in f32, for a vector of any float dtype.
+fn plus_one(t: &WeightTensor) -> Result<WeightTensor, String> {
+    if t.shape.len() != 1 {
+        return Err(format!(
+            "a norm weight of shape {:?}, not a vector",
+            t.shape
+        ));
+    }
+    let mut v = vec![0f32; t.shape[0]];
+    crate::kernels::dequantize_row(t.dtype, t.data.as_bytes(), &mut v)
+        .map_err(|e| e.to_string())?;
+    let bytes: Vec<u8> = v.iter().flat_map(|x| (1.0 + x).to_le_bytes()).collect();
+    Ok(WeightTensor {
+        dtype: crate::ir::DType::F32,
+        shape: t.shape.clone(),
+        data: TensorBytes::Owned(Arc::new(bytes)),
+    })
 }
 
 /// The inverse of [`hf_to_meta_rows`]: Meta's row order to Hugging Face's.
@@ -287,7 +366,7 @@ impl HfCheckpoint {
             return Ok(None);
         };
         match self.unpermuted.get(name) {
-            Some(&h) => hf_to_meta_rows(t, h)
+            Some(&h) => hf_to_meta_any(t, h)
                 .map(Some)
                 .map_err(|message| HfError::Tensor {
                     tensor: name.to_string(),
@@ -389,38 +468,91 @@ pub fn open_hf_checkpoint(dir: &Path) -> Result<HfCheckpoint, HfError> {
     let mut weights = WeightStore::default();
     let mut dropped_tied_head = false;
     let mut unpermuted = BTreeMap::new();
+    let family = args.variant.family;
+    let hd = args.head_dim();
     for (name, t) in raw.tensors {
-        let meta = match hf_to_meta_name(&name) {
+        let meta = match hf_to_meta_name_for(&name, family) {
             HfName::Meta(m) => m,
             HfName::Ignored => continue,
             HfName::Bias => {
                 return Err(HfError::Tensor {
                     tensor: name,
-                    message: "biases are not supported (Llama layers have none)".into(),
+                    message: format!("biases are not supported ({} has none here)", family.name()),
                 })
             }
             HfName::Unknown => {
                 return Err(HfError::Tensor {
                     tensor: name,
-                    message: "not a tensor of LlamaForCausalLM (another architecture?)".into(),
+                    message: format!(
+                        "not a tensor of the {} architecture config.json names",
+                        family.name()
+                    ),
                 })
             }
         };
-        if meta == "output.weight" && args.tied_embeddings {
-            dropped_tied_head = true;
-            continue;
-        }
-        let heads = if meta.ends_with("attention.wq.weight") {
-            Some(args.n_heads)
-        } else if meta.ends_with("attention.wk.weight") {
-            Some(args.n_kv_heads)
+        // Gemma 3's norms compute `x̂ · (1 + w)`: stored as `1 + w` in f32
+        // (transformers adds in f32; llama.cpp's converter stores the sum).
+        let t = if family == Family::Gemma3 && meta.ends_with("norm.weight") {
+            plus_one(&t).map_err(|message| HfError::Tensor {
+                tensor: name.clone(),
+                message,
+            })?
         } else {
-            None
+            t
         };
-        if let Some(h) = heads {
-            unpermuted.insert(meta.clone(), h);
+        // Phi-3's fused matrices, split into the graph's (row ranges).
+        let split: Vec<(String, WeightTensor)> = if let Some(p) = meta.strip_suffix(FUSED_QKV) {
+            let (q, kv) = (args.n_heads * hd, args.n_kv_heads * hd);
+            let mut v = Vec::new();
+            for (n, r0, r1) in [("wq", 0, q), ("wk", q, q + kv), ("wv", q + kv, q + 2 * kv)] {
+                let part = t.rows(r0, r1).map_err(|message| HfError::Tensor {
+                    tensor: name.clone(),
+                    message,
+                })?;
+                v.push((format!("{p}attention.{n}.weight"), part));
+            }
+            v
+        } else if let Some(p) = meta.strip_suffix(FUSED_GATE_UP) {
+            let ff = args.ffn_hidden_dim;
+            let mut v = Vec::new();
+            for (n, r0, r1) in [("w1", 0, ff), ("w3", ff, 2 * ff)] {
+                let part = t.rows(r0, r1).map_err(|message| HfError::Tensor {
+                    tensor: name.clone(),
+                    message,
+                })?;
+                v.push((format!("{p}feed_forward.{n}.weight"), part));
+            }
+            v
+        } else {
+            vec![(meta, t)]
+        };
+        for (meta, t) in split {
+            if meta == "output.weight" && args.tied_embeddings {
+                dropped_tied_head = true;
+                continue;
+            }
+            // Rows (and bias entries, norm weights) of q and k heads in HF's
+            // rotate-half order.
+            let heads = if meta.ends_with("attention.wq.weight")
+                || meta.ends_with("attention.wq.bias")
+            {
+                Some(args.n_heads)
+            } else if meta.ends_with("attention.wk.weight") || meta.ends_with("attention.wk.bias") {
+                Some(args.n_kv_heads)
+            } else if meta.ends_with("attention.q_norm.weight")
+                || meta.ends_with("attention.k_norm.weight")
+            {
+                Some(1)
+            } else {
+                None
+            };
+            if let Some(h) = heads {
+                unpermuted.insert(meta.clone(), h);
+            }
+            if weights.tensors.insert(meta.clone(), t).is_some() {
+                return Err(HfError::DuplicateTensor(meta));
+            }
         }
-        weights.tensors.insert(meta, t);
     }
     if !args.tied_embeddings && !weights.tensors.contains_key("output.weight") {
         return Err(path_err(

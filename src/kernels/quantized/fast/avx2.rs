@@ -819,7 +819,7 @@ pub(super) const TG_I16: usize = 16;
 /// Q6_K S=16 2.70-2.97 -> 1.62-2.14, S=256 26.0-27.5 -> 19.7-20.6; Q4_K
 /// S=16 1.38-2.13 -> 1.39-1.84, S=256 18.2-19.3 -> 19.0-19.3; the 2048x8192
 /// down shape Q4_K S=16 7.4-8.8 -> 6.1-6.7, Q6_K S=256 109-136 -> 88-92.
-/// In a 16-sequence step on the 1B-shaped Q4_K_M file (`examples/op_profile
+/// In a 16-sequence step on the 1B-shaped Q4_K_M file (`benches/probes/op_profile
 /// MODEL 6 2 16`, 4 interleaved rounds) the Q6_K output head went from 0.30
 /// to 0.235 of the (Q4_K) gate/up time, the down projections (half Q6_K)
 /// from 0.86 to 0.75; the gate/up time itself moved within noise.

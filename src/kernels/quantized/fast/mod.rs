@@ -25,7 +25,7 @@
 //! With 8-bit activations alone the largest top-10 logit error on the
 //! committed SmolLM2 prompts was 0.68, enough to flip near ties such as the
 //! France prompt's first token; with the remainder it is ~0.003 (see
-//! benches/compare/NOTES.md, "Accuracy of the fast path").
+//! docs/design/fast-path-accuracy.md).
 //! The integer block products are exact. Q4_1's minimum term `m · Σ x_i`
 //! uses the sum of the quantized activations, as llama.cpp does: the error
 //! is then `Σ w_i e_i` with the dequantized `w` (centred on 0); with the f32
@@ -53,7 +53,7 @@
 //! them (batch invariance: a server runs several sequences' tokens in one
 //! step). The SwiGLU epilogue is the scalar `silu_f32` at the scalar level;
 //! at the SIMD levels all kernels use one vector formula
-//! ([`crate::kernels::elementwise::silu`], the same bits at AVX2 and
+//! ([`crate::kernels::elementwise::silu`](fn@crate::kernels::elementwise::silu), the same bits at AVX2 and
 //! AVX-512). Checked for every type and level by `quantized::invariance`
 //! and the tests below.
 

@@ -864,7 +864,7 @@ pub(super) mod simd {
     /// Measured (`qmatmul_bench 1 4`, 1B in-cache shape, best of 6
     /// interleaved runs, ms, 2 vs 4 tokens per pass): Q3_K 0.879/0.694,
     /// Q5_K 0.613/0.534, Q6_K 0.823/0.655, Q4_K 0.468/0.436; on the
-    /// 1B-shaped Q4_K_M file (`examples/op_profile MODEL 16 2 4`, 6 rounds,
+    /// 1B-shaped Q4_K_M file (`benches/probes/op_profile MODEL 16 2 4`, 6 rounds,
     /// ms per 4-sequence step) Q6_K alone at 4 gave a median of 108.8
     /// against 121, and Q4_K at 4 as well 115 (within noise of either).
     const fn four_tokens(dtype: DType) -> bool {
@@ -920,7 +920,7 @@ pub(super) mod simd {
     /// DRAM once per token while the core is busy with the integer work, and
     /// the hardware prefetcher alone does not keep far enough ahead: on the
     /// 2-vCPU AMD EPYC (Zen 3) development VM, decode steps at 2 threads
-    /// (`examples/op_profile MODEL 48 2`, two runs each, ms per step) went
+    /// (`benches/probes/op_profile MODEL 48 2`, two runs each, ms per step) went
     /// 1B-shaped Q4_K_M 42.9/42.2 -> 35.1/40.2, Q8_0 54.7/57.4 -> 47.2/45.2,
     /// Q4_1 41.1/47.3 -> 33.1/38.7, SmolLM2 Q4_1 7.1/6.3 -> 5.7/5.6 with
     /// 1024 bytes; 512 was too short, 2048-3072 no better.

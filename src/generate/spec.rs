@@ -1,0 +1,415 @@
+//! Speculative decoding that gives exactly the tokens plain decoding gives.
+//!
+//! A [`Drafter`] guesses the next `k` tokens: a smaller model with the same
+//! vocabulary ([`Drafter::model`], greedy), or the continuation of the
+//! latest earlier occurrence of the last few tokens in the prompt and the
+//! output so far ([`Drafter::ngram`], prompt lookup). The target then feeds
+//! the token it sampled last together with the `k` guesses as one ordinary
+//! step of `k + 1` tokens that asks for the logits of all `k + 1` positions
+//! (the step's `LastRows` returns this sequence's last `k + 1` rows, see
+//! [`crate::ir::LogitRows::Tail`]). Its kernels are batch- and
+//! chunk-invariant, so row `i` holds, bit for bit, the logits a plain run
+//! gets from a one-token step at that position.
+//!
+//! The tokens are then sampled from those rows exactly as a plain run
+//! samples them, one row at a time, with the same sampler and its random
+//! stream, one draw per emitted token: a row's token is emitted; if it
+//! equals the next guess, the next row (computed on that guess) is the
+//! plain run's next row too and sampling goes on; otherwise the rows after
+//! it were computed on a wrong guess and are dropped, and the KV cache is
+//! rolled back to the tokens kept (its blocks past them go back to the
+//! pool). The output is therefore the plain run's token for token, greedy
+//! or sampled with a seed. See `docs/design/speculative.md` for why this
+//! acceptance rule (and not the usual rejection sampling) is used.
+//!
+//! The number of guesses adapts ([`Adapt`]): from the measured acceptance
+//! and the measured time of a step of `k + 1` tokens against a one-token
+//! step (and of drafting), it picks the `k` with the best expected tokens
+//! per second, or no guess at all when plain decoding is faster.
+
+use crate::session::{Model, Session, SessionError};
+use std::time::Duration;
+
+use super::sampler::argmax;
+
+/// How many tokens to draft.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpecConfig {
+    /// The most tokens drafted per step (llama.cpp's `--draft-max`).
+    pub draft_max: usize,
+    /// The fewest: a draft shorter than this is not verified, the step is a
+    /// plain one (llama.cpp's `--draft-min`).
+    pub draft_min: usize,
+    /// Choose the draft length from the measured acceptance and step costs
+    /// (otherwise always up to `draft_max`).
+    pub adaptive: bool,
+}
+
+impl Default for SpecConfig {
+    fn default() -> Self {
+        SpecConfig {
+            draft_max: 8,
+            draft_min: 1,
+            adaptive: true,
+        }
+    }
+}
+
+impl SpecConfig {
+    /// Checks the values; the message names the flag.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.draft_max == 0 {
+            return Err("--draft-max must be at least 1".into());
+        }
+        if self.draft_min > self.draft_max {
+            return Err(format!(
+                "--draft-min ({}) must not exceed --draft-max ({})",
+                self.draft_min, self.draft_max
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What speculation did in one generation.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SpecStats {
+    /// Tokens drafted and verified.
+    pub drafted: usize,
+    /// Drafted tokens the target's own sampling confirmed.
+    pub accepted: usize,
+    /// Steps that verified a draft.
+    pub verify_steps: usize,
+    /// One-token steps (no draft, or a draft not worth verifying).
+    pub plain_steps: usize,
+    /// Every verifying step: (first position, tokens fed, tokens kept).
+    pub steps: Vec<(usize, usize, usize)>,
+    /// Time spent drafting.
+    pub draft_time: Duration,
+}
+
+impl SpecStats {
+    /// Accepted over drafted (0 when nothing was drafted).
+    pub fn acceptance(&self) -> f64 {
+        if self.drafted == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.drafted as f64
+        }
+    }
+}
+
+/// Guesses the next tokens of a sequence.
+pub enum Drafter {
+    /// Prompt lookup: the tokens that followed the latest earlier
+    /// occurrence of the sequence's last `n` tokens, `n` from `max` down to
+    /// `min`.
+    Ngram {
+        /// The shortest n-gram looked up.
+        min: usize,
+        /// The longest n-gram looked up.
+        max: usize,
+    },
+    /// A smaller model with the target's vocabulary, decoded greedily on
+    /// its own session; `fed` are the tokens in its KV cache.
+    Model {
+        /// The draft model's own session.
+        session: Box<Session>,
+        /// The tokens in the draft session's KV cache.
+        fed: Vec<u32>,
+    },
+}
+
+impl Drafter {
+    /// Prompt lookup over n-grams of 3 down to 2 tokens.
+    pub fn ngram() -> Drafter {
+        Drafter::Ngram { min: 2, max: 3 }
+    }
+
+    /// A draft model on its own session (compiled for one sequence).
+    pub fn model(session: Session) -> Drafter {
+        Drafter::Model {
+            session: Box::new(session),
+            fed: Vec::new(),
+        }
+    }
+
+    /// Whether drafting costs a model step per token.
+    pub fn is_model(&self) -> bool {
+        matches!(self, Drafter::Model { .. })
+    }
+
+    /// Feeds a draft model the sequence so far (all but its last token,
+    /// which the first draft feeds) ahead of the first draft, keeping what
+    /// its cache already holds of it; nothing for prompt lookup.
+    pub fn prefill(&mut self, tokens: &[u32]) -> Result<(), SessionError> {
+        if let Drafter::Model { session, fed } = self {
+            let head = &tokens[..tokens.len().saturating_sub(1)];
+            let common = fed.iter().zip(head).take_while(|(a, b)| a == b).count();
+            session.rewind(common);
+            fed.truncate(common);
+            if common < head.len() {
+                session.feed(&head[common..])?;
+                fed.extend_from_slice(&head[common..]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Up to `k` guesses of the tokens after `history` (which ends with
+    /// the token the target feeds next), into `out` (cleared first).
+    pub fn draft(
+        &mut self,
+        history: &[u32],
+        k: usize,
+        out: &mut Vec<u32>,
+    ) -> Result<(), SessionError> {
+        out.clear();
+        if k == 0 || history.is_empty() {
+            return Ok(());
+        }
+        match self {
+            Drafter::Ngram { min, max } => {
+                ngram_lookup(history, *min, *max, k, out);
+                Ok(())
+            }
+            Drafter::Model { session, fed } => {
+                // Keep the cached tokens the history still starts with, and
+                // re-feed at least its last token for its logits.
+                let common = fed
+                    .iter()
+                    .zip(history)
+                    .take_while(|(a, b)| a == b)
+                    .count()
+                    .min(history.len() - 1);
+                session.rewind(common);
+                fed.truncate(common);
+                let room = session.context() - session.position();
+                let k = k.min(room.saturating_sub(history.len() - common));
+                if k == 0 {
+                    return Ok(());
+                }
+                let mut next = argmax(session.feed(&history[common..])?) as u32;
+                fed.extend_from_slice(&history[common..]);
+                out.push(next);
+                while out.len() < k {
+                    next = argmax(session.feed(&[next])?) as u32;
+                    fed.push(out[out.len() - 1]);
+                    out.push(next);
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Checks that `draft` guesses in `target`'s vocabulary: the same number
+/// of token ids and, where both files carry a tokenizer, the same bytes for
+/// every id. The message says which id differs.
+pub fn check_vocab(target: &Model, draft: &Model) -> Result<(), String> {
+    let (tv, dv) = (target.args.vocab_size, draft.args.vocab_size);
+    if tv != dv {
+        return Err(format!(
+            "the draft model {} has a vocabulary of {} tokens, the model {} has {}: a draft model must share the model's tokenizer",
+            draft.path.display(),
+            dv.map_or("unknown".into(), |v| v.to_string()),
+            target.path.display(),
+            tv.map_or("unknown".into(), |v| v.to_string()),
+        ));
+    }
+    if let (Some(t), Some(d)) = (&target.tokenizer, &draft.tokenizer) {
+        let n = t.n_vocab().max(d.n_vocab());
+        if let Some(id) = (0..n as u32).find(|&i| t.token_bytes(i) != d.token_bytes(i)) {
+            return Err(format!(
+                "the draft model {} spells token {id} {:?}, the model {} spells it {:?}: a draft model must share the model's tokenizer",
+                draft.path.display(),
+                d.token_bytes(id).map(String::from_utf8_lossy),
+                target.path.display(),
+                t.token_bytes(id).map(String::from_utf8_lossy),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Prompt lookup: for `n` from `max` down to `min`, the latest earlier
+/// occurrence of the last `n` tokens of `history` that has a continuation;
+/// up to `k` tokens of that continuation go to `out`.
+pub fn ngram_lookup(history: &[u32], min: usize, max: usize, k: usize, out: &mut Vec<u32>) {
+    let len = history.len();
+    for n in (min.max(1)..=max).rev() {
+        if n >= len {
+            continue;
+        }
+        let tail = &history[len - n..];
+        // Candidate starts, latest first, that end before the tail.
+        for start in (0..len - n).rev() {
+            if &history[start..start + n] == tail {
+                let from = start + n;
+                let take = k.min(len - from);
+                out.extend_from_slice(&history[from..from + take]);
+                return;
+            }
+        }
+    }
+}
+
+/// Exponential moving average, `None` until its first sample.
+#[derive(Debug, Clone, Copy, Default)]
+struct Ema(Option<f64>);
+
+impl Ema {
+    fn push(&mut self, x: f64, alpha: f64) {
+        self.0 = Some(match self.0 {
+            None => x,
+            Some(v) => v + alpha * (x - v),
+        });
+    }
+}
+
+/// The draft-length controller: measured acceptance and step costs.
+#[derive(Debug, Clone, Default)]
+pub struct Adapt {
+    /// Seconds of a one-token step.
+    step1: Ema,
+    /// Extra seconds per extra token in a step.
+    per_token: Ema,
+    /// Seconds per drafted token.
+    draft: Ema,
+    /// Guesses confirmed and guesses tested (a guess is tested when the
+    /// ones before it were confirmed), both decayed as new ones come, so
+    /// the estimate follows the text; see [`Adapt::acceptance`].
+    confirmed: f64,
+    tested: f64,
+    /// Plain steps since the last verifying one.
+    since_verify: usize,
+}
+
+/// After this many plain steps in a row, one draft of the shortest length
+/// is verified again to re-measure acceptance.
+const PROBE_EVERY: usize = 16;
+const ALPHA: f64 = 0.2;
+
+impl Adapt {
+    /// Records a step of `tokens` tokens that took `secs`.
+    pub fn step_time(&mut self, tokens: usize, secs: f64) {
+        if tokens <= 1 {
+            self.step1.push(secs, ALPHA);
+            self.since_verify += 1;
+        } else {
+            self.since_verify = 0;
+            if let Some(t1) = self.step1.0 {
+                self.per_token
+                    .push(((secs - t1) / (tokens - 1) as f64).max(0.0), ALPHA);
+            }
+        }
+    }
+
+    /// Records `secs` spent drafting `n` tokens.
+    pub fn draft_time(&mut self, n: usize, secs: f64) {
+        if n > 0 {
+            self.draft.push(secs / n as f64, ALPHA);
+        }
+    }
+
+    /// Records a verification: of `drafted` guesses the first `accepted`
+    /// were confirmed (so `accepted + 1` were tested unless all passed).
+    pub fn verified(&mut self, drafted: usize, accepted: usize) {
+        let tested = (accepted + 1).min(drafted);
+        let keep = (1.0 - ALPHA / 2.0).powi(tested as i32);
+        self.confirmed = self.confirmed * keep + accepted as f64;
+        self.tested = self.tested * keep + tested as f64;
+    }
+
+    /// The probability that a guess is confirmed given the ones before it
+    /// were: confirmed over tested with one confirmed guess of two as the
+    /// prior, so that a first failure does not read as "never" (and one
+    /// success as "always"); `None` before any verification.
+    pub fn acceptance(&self) -> Option<f64> {
+        (self.tested > 0.0).then(|| (self.confirmed + 1.0) / (self.tested + 2.0))
+    }
+
+    /// Expected tokens per second with `k` guesses (0: a plain step).
+    fn rate(&self, k: usize, t1: f64) -> f64 {
+        if k == 0 {
+            return 1.0 / t1;
+        }
+        let p = self.acceptance().unwrap_or(0.5).clamp(0.0, 0.999);
+        let tokens = (1.0 - p.powi(k as i32 + 1)) / (1.0 - p);
+        let per = self.per_token.0.unwrap_or(0.3 * t1);
+        let draft = self.draft.0.unwrap_or(0.0);
+        tokens / (t1 + k as f64 * (per + draft))
+    }
+
+    /// How many tokens to draft now: 0 (a plain step) or `min..=max`.
+    pub fn choose(&self, cfg: &SpecConfig, max: usize) -> usize {
+        let max = max.min(cfg.draft_max);
+        let min = cfg.draft_min.max(1);
+        if max < min {
+            return 0;
+        }
+        if !cfg.adaptive {
+            return max;
+        }
+        let Some(t1) = self.step1.0 else {
+            // Measure a plain step first.
+            return 0;
+        };
+        if self.acceptance().is_none() {
+            return max;
+        }
+        let best = (min..=max)
+            .map(|k| (k, self.rate(k, t1)))
+            .fold((0, self.rate(0, t1)), |a, b| if b.1 > a.1 { b } else { a });
+        if best.0 == 0 && self.since_verify >= PROBE_EVERY {
+            return min;
+        }
+        best.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ngram_lookup_takes_the_latest_longest_match() {
+        let h = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3];
+        let mut out = Vec::new();
+        // "2 3" last occurs at 5..7, followed by 7 8 5 2 3.
+        ngram_lookup(&h, 2, 3, 3, &mut out);
+        assert_eq!(out, [7, 8, 5]);
+        // "5 2 3" never occurred before: the 2-gram answers.
+        out.clear();
+        ngram_lookup(&h, 3, 3, 3, &mut out);
+        assert!(out.is_empty());
+        out.clear();
+        ngram_lookup(&[4, 4, 4], 1, 2, 5, &mut out);
+        assert_eq!(out, [4], "the continuation runs up to the end");
+    }
+
+    #[test]
+    fn the_controller_stops_drafting_when_guesses_fail() {
+        let cfg = SpecConfig::default();
+        let mut a = Adapt::default();
+        assert_eq!(a.choose(&cfg, 8), 0, "a plain step is measured first");
+        a.step_time(1, 0.010);
+        assert_eq!(a.choose(&cfg, 8), 8, "then a full draft");
+        // A 9-token step costs 2 one-token steps; nothing is accepted.
+        a.step_time(9, 0.020);
+        for _ in 0..40 {
+            a.verified(8, 0);
+        }
+        assert_eq!(a.choose(&cfg, 8), 0);
+        for _ in 0..PROBE_EVERY {
+            a.step_time(1, 0.010);
+        }
+        assert_eq!(a.choose(&cfg, 8), 1, "a probe after a run of plain steps");
+        // Every guess accepted: the longest draft pays.
+        for _ in 0..80 {
+            a.verified(8, 8);
+        }
+        assert_eq!(a.choose(&cfg, 8), 8);
+        assert_eq!(a.choose(&cfg, 3), 3);
+    }
+}
