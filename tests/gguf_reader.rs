@@ -252,9 +252,23 @@ fn name_mapping() {
         ("blk.7.ffn_gate.weight", "layers.7.feed_forward.w1.weight"),
         ("blk.7.ffn_down.weight", "layers.7.feed_forward.w2.weight"),
         ("blk.7.ffn_up.weight", "layers.7.feed_forward.w3.weight"),
+        // The other families' tensors.
+        ("blk.7.attn_q.bias", "layers.7.attention.wq.bias"),
+        (
+            "blk.2.attn_k_norm.weight",
+            "layers.2.attention.k_norm.weight",
+        ),
+        (
+            "blk.2.post_attention_norm.weight",
+            "layers.2.post_attention_norm.weight",
+        ),
+        (
+            "blk.2.post_ffw_norm.weight",
+            "layers.2.post_ffn_norm.weight",
+        ),
         // Unknown names are kept.
         ("rope_freqs.weight", "rope_freqs.weight"),
-        ("blk.7.attn_q.bias", "blk.7.attn_q.bias"),
+        ("blk.7.attn_output.bias", "blk.7.attn_output.bias"),
         ("blk.x.attn_q.weight", "blk.x.attn_q.weight"),
         ("blk..attn_q.weight", "blk..attn_q.weight"),
     ];
@@ -783,7 +797,7 @@ fn architecture_other_than_llama() {
     let e = LlamaGgufMeta::from_file(&f).unwrap_err();
     assert_eq!(
         e.to_string(),
-        "GGUF general.architecture is \"gpt2\"; only \"llama\" is supported"
+        "GGUF general.architecture is \"gpt2\"; supported: llama (also Mistral), qwen2, qwen3, gemma3, phi3"
     );
     let e = LlamaGguf::from_file(f).unwrap_err();
     assert!(e.to_string().contains("\"gpt2\""));

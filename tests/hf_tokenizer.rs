@@ -2,7 +2,7 @@
 //!
 //! `tests/reference/hf_tokenizer_fixtures.py` recorded, for small
 //! tokenizer.json files with the structure of Llama 2/TinyLlama (both
-//! layouts) and Llama 3 files, the ids of every string of the tokenizer
+//! layouts), Gemma and Llama 3 files, the ids of every string of the tokenizer
 //! corpus with added tokens matched, with special tokens as text, with the
 //! post-processor's BOS, and the decoded text. SmolLM2's real vocabulary is
 //! checked too: a tokenizer.json with its pipeline (Digits + ByteLevel) is
@@ -132,6 +132,13 @@ fn llama2_metaspace() {
 #[test]
 fn llama2_legacy_normalizer() {
     check_case("llama2_legacy", TokenizerKind::HfSentencePiece);
+}
+
+/// Gemma's tokenizer.json layout: spaces replaced by `▁`, nothing
+/// prepended, the whole segment one word.
+#[test]
+fn gemma_replace_normalizer() {
+    check_case("gemma_layout", TokenizerKind::HfSentencePiece);
 }
 
 #[test]

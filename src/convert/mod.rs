@@ -388,13 +388,12 @@ fn hf_json_tokenizer_kvs(
     let mut kv = Vec::new();
     match tok.kind() {
         crate::tokenizer::TokenizerKind::Gpt2Bpe => {
-            let pre = match v["pre_tokenizer"]["type"].as_str() {
-                Some("ByteLevel") => "gpt2",
-                _ => match v["pre_tokenizer"]["pretokenizers"][0]["type"].as_str() {
-                    Some("Digits") => "smollm",
-                    _ => "llama-bpe",
-                },
-            };
+            // llama.cpp's name for the split the tokenizer runs (`gpt-2`,
+            // `smollm`, `llama-bpe`, `qwen2`): a name llama.cpp does not
+            // know makes it refuse the file.
+            let pre = tok
+                .llama_cpp_pre()
+                .expect("byte-level tokenizers have a split");
             kv.push(("tokenizer.ggml.model".into(), s("gpt2")));
             kv.push(("tokenizer.ggml.pre".into(), s(pre)));
             let types: Vec<i32> = special

@@ -5,8 +5,13 @@
 //!   `<|begin_of_text|>`, then per message a header
 //!   (`<|start_header_id|>role<|end_header_id|>` + encoded `"\n\n"`), the
 //!   content encoded on its own, `<|eot_id|>`; finally the assistant header.
-//! * GGUF models: the Jinja template in `tokenizer.chat_template`, rendered
-//!   with minijinja (Python-compatible string methods, bounded fuel).
+//! * GGUF models and Hugging Face directories: the Jinja template in
+//!   `tokenizer.chat_template` (or `chat_template.jinja` /
+//!   `tokenizer_config.json`), rendered with minijinja as transformers'
+//!   `apply_chat_template` renders it (trim_blocks, lstrip_blocks,
+//!   Python-compatible string methods, `raise_exception`), with bounded
+//!   fuel. Checked on the templates of the Qwen2/2.5/3, Phi-3/3.5, Mistral
+//!   and Gemma families (tests/chat_format.rs).
 
 use crate::session::{Model, ModelFormat};
 use crate::tokenizer::{EncodeOptions, Tokenizer};
@@ -369,6 +374,16 @@ impl ChatTemplate {
         eos_token: &str,
     ) -> Result<String, ChatError> {
         let mut env = minijinja::Environment::new();
+        // The options transformers' `apply_chat_template` (and llama.cpp)
+        // render chat templates with: a newline after a block tag is
+        // dropped, and spaces before a block tag on its line.
+        env.set_syntax(
+            minijinja::syntax::SyntaxConfig::builder()
+                .trim_blocks(true)
+                .lstrip_blocks(true)
+                .build()
+                .map_err(|e| ChatError::Template(e.to_string()))?,
+        );
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.set_fuel(Some(TEMPLATE_FUEL));

@@ -23,7 +23,7 @@ post-norms, (1 + w) norms, GELU-tanh, embedding scale, head_dim 32.
 Versions (pinned; a venv of its own):
   python3 -m venv /work/helpers/venv-h-family
   /work/helpers/venv-h-family/bin/pip install torch==2.15.0 transformers==5.23.0 \
-      gguf==0.19.0 numpy==2.4.6 sentencepiece==0.2.3 protobuf
+      gguf==0.19.0 numpy==2.4.6 sentencepiece==0.2.3 protobuf accelerate==1.15.0
 Re-run from the repo root (~1 min):
   /work/helpers/venv-h-family/bin/python tests/reference/family_fixtures.py [family ...]
 """

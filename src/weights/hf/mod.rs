@@ -484,8 +484,8 @@ pub fn open_hf_checkpoint(dir: &Path) -> Result<HfCheckpoint, HfError> {
                 return Err(HfError::Tensor {
                     tensor: name,
                     message: format!(
-                        "not a tensor of the {} architecture config.json names",
-                        family.name()
+                        "not a tensor of {} (another architecture?)",
+                        family.hf_class()
                     ),
                 })
             }
