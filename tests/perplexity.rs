@@ -5,7 +5,8 @@
 //! llama.cpp) on SmolLM2 F32 over a short public-domain text with a
 //! 128-token context; our F32 run must give the same perplexity within
 //! 0.1% (the bar; both compute in f32 with an f16 KV cache, so
-//! only summation order differs), chunk by chunk.
+//! only summation order differs), chunk by chunk, and so must our
+//! `--exact` run (an f32 KV cache: measured 0.02% apart).
 mod common;
 
 use serde_json::Value;
@@ -50,6 +51,9 @@ fn final_ppl(stdout: &str) -> f64 {
 /// The running PPL after each chunk: "[1]12.3456,[2]..." on stderr.
 fn chunk_ppls(stderr: &str) -> Vec<f64> {
     stderr
+        .lines()
+        .find(|l| l.starts_with("[1]"))
+        .unwrap_or_else(|| panic!("no per-chunk line in {stderr:?}"))
         .split(',')
         .filter_map(|p| p.trim().strip_prefix('[')?.split_once(']'))
         .filter_map(|(_, v)| v.split('/').next()?.parse().ok())
@@ -57,29 +61,36 @@ fn chunk_ppls(stderr: &str) -> Vec<f64> {
 }
 
 #[test]
-#[ignore = "needs tests/fixtures/perplexity/expected.json: run tests/reference/perplexity_reference.py"]
 fn f32_perplexity_matches_llama_perplexity() {
     let (e, text) = fixture();
     let model = f32_model();
     let n_ctx = e["n_ctx"].as_u64().unwrap().to_string();
-    let (code, out, err) = ours(&["-m", &model, "-f", &text, "-c", &n_ctx, "-t", "2"]);
-    assert_eq!(code, 0, "{err}");
-    let got = final_ppl(&out);
     let want = e["ppl"].as_f64().unwrap();
-    assert!(
-        (got / want - 1.0).abs() < 1e-3,
-        "PPL {got}, llama-perplexity {want}"
-    );
-    let chunks = chunk_ppls(&err);
     let want_chunks: Vec<f64> = e["chunk_ppl"]
         .as_array()
         .unwrap()
         .iter()
         .map(|v| v.as_f64().unwrap())
         .collect();
-    assert_eq!(chunks.len(), want_chunks.len(), "chunks: {err}");
-    for (i, (g, w)) in chunks.iter().zip(&want_chunks).enumerate() {
-        assert!((g / w - 1.0).abs() < 1e-3, "chunk {}: {g} vs {w}", i + 1);
+    for extra in [&[][..], &["--exact"][..]] {
+        let mut args = vec!["-m", &model, "-f", &text, "-c", &n_ctx, "-t", "2"];
+        args.extend_from_slice(extra);
+        let (code, out, err) = ours(&args);
+        assert_eq!(code, 0, "{extra:?}: {err}");
+        let got = final_ppl(&out);
+        assert!(
+            (got / want - 1.0).abs() < 1e-3,
+            "{extra:?}: PPL {got}, llama-perplexity {want}"
+        );
+        let chunks = chunk_ppls(&err);
+        assert_eq!(chunks.len(), want_chunks.len(), "{extra:?}: chunks: {err}");
+        for (i, (g, w)) in chunks.iter().zip(&want_chunks).enumerate() {
+            assert!(
+                (g / w - 1.0).abs() < 1e-3,
+                "{extra:?}: chunk {}: {g} vs {w}",
+                i + 1
+            );
+        }
     }
 }
 

