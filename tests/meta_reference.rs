@@ -178,7 +178,6 @@ fn lcg_tokens(n: usize, vocab: u32, seed: u64) -> Vec<u32> {
 /// asserted, so the tolerance can neither hide that bug nor fail on
 /// rounding.
 #[test]
-#[ignore = "needs tests/fixtures/meta/long_rope: run tests/reference/rope_long_fixture.py"]
 fn scaled_rope_at_long_positions_matches_meta() {
     const LONG_TOL: f64 = 1e-4;
     let dir = common::root().join("tests/fixtures/meta/long_rope");
