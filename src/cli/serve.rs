@@ -1,6 +1,6 @@
 //! `llama-graph serve`: the OpenAI-compatible HTTP server.
 
-use super::flags::{RuntimeFlags, SpecFlags};
+use super::flags::{ContextFlags, RuntimeFlags, SpecFlags};
 use super::model::ModelArg;
 use super::pipeline::{PipelineFlags, Role};
 use clap::Args;
@@ -84,6 +84,8 @@ pub struct ServeArgs {
     /// sequence slot (-np) on the engine thread.
     #[command(flatten)]
     pub spec: SpecFlags,
+    #[command(flatten)]
+    pub context: ContextFlags,
     /// `mpirun -np N llama-graph serve --pipeline ...`: rank 0 serves HTTP
     /// and runs the tokenizer, scheduler and sampler and stage 0; the
     /// other ranks run the later stages of every batched step. Stop it
@@ -166,6 +168,9 @@ pub fn run(a: ServeArgs) -> super::CliResult {
         max_connections: a.max_connections,
         cors_origins: a.cors_origin.clone(),
         sse_keepalive: Duration::from_secs_f64(a.sse_keepalive),
+        context_full: a
+            .context
+            .policy(llama_graph::generate::chat::ContextPolicy::Shift),
     });
     // Listen first: /health answers 503 while the model loads.
     let listener = runtime

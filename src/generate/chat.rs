@@ -154,6 +154,148 @@ impl ChatFormat {
     }
 }
 
+/// What a conversation that outgrows the context does (llama.cpp's
+/// `--context-shift` / `--no-context-shift`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ContextPolicy {
+    /// Drop the oldest turns after the system prompt and feed the rest
+    /// again.
+    #[default]
+    Shift,
+    /// Refuse the turn, saying how many tokens it needs.
+    Refuse,
+}
+
+impl ContextPolicy {
+    /// The policy's flag value (`shift`, `refuse`).
+    pub fn name(self) -> &'static str {
+        match self {
+            ContextPolicy::Shift => "shift",
+            ContextPolicy::Refuse => "refuse",
+        }
+    }
+}
+
+impl std::str::FromStr for ContextPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "shift" => Ok(ContextPolicy::Shift),
+            "refuse" => Ok(ContextPolicy::Refuse),
+            _ => Err(format!(
+                "unknown context policy `{s}`: use `shift` or `refuse`"
+            )),
+        }
+    }
+}
+
+/// Why a conversation could not be fitted into the context.
+#[derive(Debug, Error)]
+pub enum FitError {
+    /// The chat template failed.
+    #[error(transparent)]
+    Chat(#[from] ChatError),
+    /// The `refuse` policy and a conversation that leaves too little room.
+    #[error("the conversation takes {tokens} tokens; with {reserve} for the reply it exceeds the context of {context} tokens (the context policy is `refuse`: start over, use a larger context, or the `shift` policy)")]
+    Refused {
+        /// The conversation's tokens.
+        tokens: usize,
+        /// Tokens kept for the reply.
+        reserve: usize,
+        /// The context's size.
+        context: usize,
+    },
+    /// Even with every droppable turn dropped, the rest does not fit.
+    #[error("the system prompt and the last message alone take {tokens} tokens; with {reserve} for the reply they exceed the context of {context} tokens (shorten the message or use a larger context)")]
+    TooLong {
+        /// The system prompt's and the last message's tokens.
+        tokens: usize,
+        /// Tokens kept for the reply.
+        reserve: usize,
+        /// The context's size.
+        context: usize,
+    },
+}
+
+/// A conversation fitted into the context.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fitted {
+    /// The conversation's tokens, ending with the assistant's header.
+    pub tokens: Vec<u32>,
+    /// How many messages after the leading system messages were dropped
+    /// (the oldest ones): `messages[s..s + dropped]` where `s` counts the
+    /// leading system messages.
+    pub dropped: usize,
+    /// Where the kept messages start (the number of leading system
+    /// messages).
+    pub kept_from: usize,
+}
+
+impl ChatFormat {
+    /// Renders `messages` so that `reserve` tokens for the reply fit after
+    /// them in `context`. When they do not fit, [`ContextPolicy::Refuse`]
+    /// fails with the numbers; [`ContextPolicy::Shift`] drops whole turns
+    /// (a user message and the replies after it), oldest first, after the
+    /// leading system messages, until the rest also takes at most `target`
+    /// tokens (a chat passes half its context so that it does not shift on
+    /// every later turn), and never the last message.
+    pub fn fit(
+        &self,
+        tok: &Tokenizer,
+        messages: &[Message],
+        context: usize,
+        reserve: usize,
+        target: usize,
+        policy: ContextPolicy,
+    ) -> Result<Fitted, FitError> {
+        let tokens = self.tokens(tok, messages)?;
+        let fits = |n: usize| n + reserve <= context;
+        if fits(tokens.len()) {
+            return Ok(Fitted {
+                tokens,
+                dropped: 0,
+                kept_from: 0,
+            });
+        }
+        if policy == ContextPolicy::Refuse {
+            return Err(FitError::Refused {
+                tokens: tokens.len(),
+                reserve,
+                context,
+            });
+        }
+        let sys = messages.iter().take_while(|m| m.role == "system").count();
+        let last = messages.len().saturating_sub(1).max(sys);
+        let mut tokens = tokens;
+        let mut start = sys;
+        let mut kept: Vec<Message> = Vec::with_capacity(messages.len());
+        while start < last && (!fits(tokens.len()) || tokens.len() > target) {
+            // One turn: the message at `start` and every non-user message
+            // after it.
+            start += 1;
+            while start < last && messages[start].role != "user" {
+                start += 1;
+            }
+            kept.clear();
+            kept.extend_from_slice(&messages[..sys]);
+            kept.extend_from_slice(&messages[start..]);
+            tokens = self.tokens(tok, &kept)?;
+        }
+        if !fits(tokens.len()) {
+            return Err(FitError::TooLong {
+                tokens: tokens.len(),
+                reserve,
+                context,
+            });
+        }
+        Ok(Fitted {
+            tokens,
+            dropped: start - sys,
+            kept_from: sys,
+        })
+    }
+}
+
 /// Meta's Llama 3 dialog prompt, as tokens (exactly one BOS).
 pub fn llama3_dialog_tokens(
     tok: &Tokenizer,

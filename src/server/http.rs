@@ -17,7 +17,7 @@ use super::engine::{
 };
 use super::text::TextStream;
 use super::tools::{self, CallDetector, ToolCall, ToolChoice, ToolFormat};
-use crate::generate::chat::ChatFormat;
+use crate::generate::chat::{ChatFormat, ContextPolicy};
 use crate::generate::constraint::{Constraint, GrammarSpec, Grammars};
 use crate::generate::sampler::Rng;
 use crate::generate::sampler::TokenLogprobs;
@@ -58,6 +58,10 @@ pub struct ServerOptions {
     /// How long a streaming response may stay silent (a long prefill)
     /// before an SSE comment line keeps the connection alive.
     pub sse_keepalive: Duration,
+    /// A chat whose messages leave too little of the context for the
+    /// reply: `Shift` drops its oldest turns after the system messages
+    /// (see [`ChatFormat::fit`]), `Refuse` answers 400 with the numbers.
+    pub context_full: ContextPolicy,
 }
 
 /// The model, once loaded: the engine plus what turns text into ids and back.
@@ -757,15 +761,49 @@ async fn chat_completions(
         }
         prompt
     } else {
-        l.chat
+        let prompt = l
+            .chat
             .tokens(l.tokenizer, &messages)
-            .map_err(|e| ApiError::invalid("messages", e.to_string()))?
+            .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+        match s.opts.context_full {
+            ContextPolicy::Refuse => prompt,
+            ContextPolicy::Shift => shift_messages(l, &messages, checked.max_tokens, prompt),
+        }
     };
     if let Some((g, field)) = &spec {
         output.constraint = Some(s.constraint(g, field)?);
     }
     let field = r.max_tokens().map(|(_, f)| f).unwrap_or("max_tokens");
     start(&s, l, Endpoint::Chat, prompt, checked, field, output).await
+}
+
+/// With the `shift` policy: the chat's tokens with its oldest turns
+/// dropped until `max_tokens` (a quarter of the context when not given)
+/// fit after them. Where no dropping makes them fit, the whole prompt is
+/// kept and refused later with the numbers.
+fn shift_messages(
+    l: &Loaded,
+    messages: &[crate::generate::chat::Message],
+    max_tokens: Option<usize>,
+    prompt: Vec<u32>,
+) -> Vec<u32> {
+    let context = l.engine.limits().context;
+    let reserve = max_tokens.unwrap_or(context / 4).max(1);
+    if prompt.len().saturating_add(reserve) <= context {
+        return prompt;
+    }
+    let target = context.saturating_sub(reserve);
+    match l.chat.fit(
+        l.tokenizer,
+        messages,
+        context,
+        reserve,
+        target,
+        ContextPolicy::Shift,
+    ) {
+        Ok(f) => f.tokens,
+        Err(_) => prompt,
+    }
 }
 
 async fn completions(State(s): State<Arc<AppState>>, req: Request) -> Result<Response, ApiError> {
