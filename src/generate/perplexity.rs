@@ -526,12 +526,18 @@ mod tests {
         assert!(k.sum_kld.abs() < 1e-4, "{}", k.sum_kld);
         assert_eq!(k.n_same_top, 1);
         assert!((k.ppl.sum_nll - k.ppl_base.sum_nll).abs() < 1e-3);
-        // A changed distribution diverges.
+        // A changed distribution diverges: the most likely token made less
+        // likely (a change far in the tail would move the KLD by ~e^-25).
         let mut other = logits.clone();
-        other[3] += 2.0;
+        let top = argmax_of(&logits);
+        other[top] -= 2.0;
         let mut k2 = KldStats::default();
         k2.add(&other, &row, 7);
         assert!(k2.sum_kld > 1e-3);
+    }
+
+    fn argmax_of(x: &[f32]) -> usize {
+        (0..x.len()).fold(0, |b, i| if x[i] > x[b] { i } else { b })
     }
 
     #[test]
