@@ -50,8 +50,9 @@ pub enum Command {
     Pull,
     /// Write a random-weight Meta checkpoint (any params.json, seeded).
     GenCheckpoint(tools::GenCheckpointArgs),
-    /// Convert a Meta, Hugging Face or GGUF model into a GGUF file that
-    /// llama.cpp runs (f32, f16, bf16, q8_0, q4_0).
+    /// Convert a Meta, Hugging Face or GGUF model (Llama, Mistral, Qwen2,
+    /// Qwen3, Gemma 3, Phi-3) into a GGUF file that llama.cpp runs (f32,
+    /// f16, bf16, q8_0, q4_0, q4_k_m, q5_k_m, q6_k).
     Convert(convert::ConvertArgs),
 }
 
