@@ -210,30 +210,7 @@ fn run_logprobs(args: &[&str]) -> (Vec<u32>, Vec<Vec<(u32, f64)>>) {
 
 /// Runs tests/server/api_client.py COMMAND with `spec` on stdin; its JSON.
 fn client(server: &Server, command: &str, spec: &Value) -> Value {
-    let python = common::openai::python();
-    let script = common::root().join("tests/server/api_client.py");
-    let mut child = Command::new(python)
-        .arg(&script)
-        .args([&server.url(), KEY, command])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(spec.to_string().as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "api_client.py {command} failed ({}); server log:\n{}",
-        out.status,
-        server.log.lock().unwrap()
-    );
-    serde_json::from_slice(&out.stdout).expect("api_client.py prints JSON")
+    common::openai::run_client(server, "api_client.py", KEY, command, spec)
 }
 
 fn auth() -> [(&'static str, &'static str); 2] {
