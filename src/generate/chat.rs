@@ -600,28 +600,29 @@ fn tojson(
 /// Python's compact JSON separators: `", "` and `": "`.
 struct PythonCompact;
 
+/// `", "` before every item but the first.
+fn item_separator<W: ?Sized + std::io::Write>(w: &mut W, first: bool) -> std::io::Result<()> {
+    if first {
+        Ok(())
+    } else {
+        w.write_all(b", ")
+    }
+}
+
 impl serde_json::ser::Formatter for PythonCompact {
     fn begin_array_value<W: ?Sized + std::io::Write>(
         &mut self,
         w: &mut W,
         first: bool,
     ) -> std::io::Result<()> {
-        if first {
-            Ok(())
-        } else {
-            w.write_all(b", ")
-        }
+        item_separator(w, first)
     }
     fn begin_object_key<W: ?Sized + std::io::Write>(
         &mut self,
         w: &mut W,
         first: bool,
     ) -> std::io::Result<()> {
-        if first {
-            Ok(())
-        } else {
-            w.write_all(b", ")
-        }
+        item_separator(w, first)
     }
     fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
         w.write_all(b": ")
