@@ -472,7 +472,7 @@ impl EngineHandle {
                     // Room for a full step of whole sequences: every one
                     // may leave part of its last block empty.
                     let mut o = session_opts.clone();
-                    let block = session.exec.kv_geom().block;
+                    let block = session.exec().kv_geom().block;
                     o.context = Some(o.batch + o.parallel * block);
                     Some(Session::new_embedding(&model, &o, p)?)
                 }
@@ -499,10 +499,11 @@ impl EngineHandle {
         model: Model,
         cfg: EngineConfig,
     ) -> Result<EngineHandle, EngineError> {
-        if session.plan.max.n < cfg.parallel {
+        if session.plan().max.n < cfg.parallel {
             return Err(EngineError::Invalid(format!(
                 "the session was compiled for {} sequences per step, the engine runs {}",
-                session.plan.max.n, cfg.parallel
+                session.plan().max.n,
+                cfg.parallel
             )));
         }
         EngineHandle::launch(&cfg, move || {
@@ -543,17 +544,19 @@ impl EngineHandle {
                     }
                 };
                 let embedding = embed.as_ref().map(|e| {
-                    let width = e.graph.outputs().first().map_or(0, |&o| {
-                        e.graph.node(o).meta.shape.dims()[1].as_const().unwrap_or(0)
+                    let width = e.graph().outputs().first().map_or(0, |&o| {
+                        e.graph().node(o).meta.shape.dims()[1]
+                            .as_const()
+                            .unwrap_or(0)
                     });
-                    (e.exec.max_chunk().min(e.context()), width)
+                    (e.exec().max_chunk().min(e.context()), width)
                 });
                 let _ = ready_tx.send(Ok((
                     session.context(),
                     session.vocab(),
                     embedding,
-                    session.exec.kv_bytes(),
-                    session.exec.kv_types(),
+                    session.exec().kv_bytes(),
+                    session.exec().kv_types(),
                 )));
                 engine_loop(
                     &mut session,
@@ -996,15 +999,15 @@ fn engine_loop(
     shared: &Shared,
 ) {
     let mut embed_pool = embed.as_ref().map(|e| {
-        let g = e.exec.kv_geom();
+        let g = e.exec().kv_geom();
         KvPool::new(g.n_blocks, g.block)
     });
     let mut embeds: Vec<EmbedJob> = Vec::new();
-    let geom = session.exec.kv_geom();
+    let geom = session.exec().kv_geom();
     let mut sched = Scheduler::new(
         SchedulerConfig {
             parallel,
-            step_tokens: session.exec.max_chunk(),
+            step_tokens: session.exec().max_chunk(),
             context: session.context(),
         },
         // The scheduler hands out the whole pool (the session's own
@@ -1014,7 +1017,7 @@ fn engine_loop(
     shared.kv_total.store(sched.kv_total(), Ordering::Relaxed);
     let mut live: HashMap<SeqId, Live> = HashMap::with_capacity(parallel);
     let mut next_id: SeqId = 0;
-    let mut batch = Batch::with_capacity(session.exec.max_chunk(), parallel, geom.n_blocks);
+    let mut batch = Batch::with_capacity(session.exec().max_chunk(), parallel, geom.n_blocks);
     let mut plan = Vec::with_capacity(parallel);
     // (sequence, token, whether it was a kept guess: already accepted by
     // the sampler before the next row was sampled).
@@ -1260,8 +1263,8 @@ impl Live {
 /// steps of whole sequences (at most the step's sequences and tokens), each
 /// on blocks of the embedding session's own KV pool taken for the step.
 fn run_embeddings(session: &mut Session, pool: &mut KvPool, jobs: &mut Vec<EmbedJob>) {
-    let max_seqs = session.exec.max_seqs();
-    let max_tokens = session.exec.max_chunk();
+    let max_seqs = session.exec().max_seqs();
+    let max_tokens = session.exec().max_chunk();
     let mut results: Vec<Result<Vec<Vec<f32>>, String>> = jobs
         .iter()
         .map(|j| Ok(Vec::with_capacity(j.inputs.len())))
@@ -1296,7 +1299,7 @@ fn run_embeddings(session: &mut Session, pool: &mut KvPool, jobs: &mut Vec<Embed
             Err("an embedding input does not fit the step".to_string())
         } else {
             session
-                .exec
+                .exec_mut()
                 .step(&batch)
                 .map(|rows| (0..n).map(|r| rows.row(r).to_vec()).collect::<Vec<_>>())
                 .map_err(|e| e.to_string())
