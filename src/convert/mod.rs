@@ -838,7 +838,7 @@ pub fn convert(
         source = Source::Store(store);
     } else {
         let g = LlamaGguf::open(src).map_err(|e| src_err(src, e.to_string()))?;
-        let m = crate::session::Model::open_gguf(src).map_err(|e| src_err(src, e.to_string()))?;
+        let m = crate::weights::Model::open_gguf(src).map_err(|e| src_err(src, e.to_string()))?;
         args = m.args;
         if let Some(n) = m.name {
             dir_name = n;
