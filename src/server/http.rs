@@ -4,7 +4,7 @@
 //! Every request is bounded: the connection count, the time to send the
 //! headers (hyper's header read timeout, which also closes idle keep-alive
 //! connections) and the body (size and time), the engine's queue. A
-//! streaming response owns its [`GenStream`]; when the client goes away
+//! streaming response owns its [`GenStream`](super::engine::GenStream); when the client goes away
 //! hyper drops the response body, which drops the stream and cancels the
 //! sequence.
 //!
