@@ -73,8 +73,10 @@ def load(harness, path=None):
     return json.loads(p.read_text())
 
 
-def git_rev():
-    r = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
+def git_rev(where=REPO):
+    """`git describe --always --dirty` of the repository holding `where`
+    (default: this checkout)."""
+    r = subprocess.run(["git", "-C", str(where), "describe", "--always", "--dirty"],
                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     return r.stdout.strip() or "unknown"
 

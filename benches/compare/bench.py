@@ -22,17 +22,36 @@ makes the model variants in the cache (`~/.cache/llama-graph/compare/models`):
   converted by llama.cpp's own `convert_hf_to_gguf.py` to F16, then
   `llama-quantize` to `q8_0`, `q4_k_m`, `q4_1`. Needs a Python with torch,
   transformers, gguf, sentencepiece (`--python`).
+* The other families at a real model's shapes (issue 31's "fast on them
+  too"), made the same way (random weights, seed 0, std 0.02, saved in f16 by
+  `transformers`, `convert_hf_to_gguf.py` to F16, `llama-quantize` to Q4_K_M;
+  the checkpoint is deleted once converted): `qwen2_1.5b_*` is Qwen2.5-1.5B's
+  shape (Qwen2ForCausalLM: dim 1536, 28 layers, 12 query / 2 KV heads, FFN
+  8960, Q/K/V biases, tied embeddings, vocab 151936) and `gemma3_1b_*` Gemma 3
+  1B's (Gemma3ForCausalLM: dim 1152, 26 layers, 4 query / 1 KV head, head dim
+  256, FFN 6912, five local layers with a 512-token window to one global,
+  vocab 262144). Their tokenizer is the repo's small SentencePiece fixture
+  (tests/fixtures/tokenizer/spm_bpe.model, 800 pieces), which the converter
+  pads with unused pieces to the configured vocabulary: the embedding and
+  output matrices keep the real models' shapes. `prepare --families none`
+  skips them.
 
 `run` measures, per round, for every variant, class and thread count, the
 two runtimes back to back in alternating order (llama-graph first in even
 rounds): `llama-bench -m F -p 128,512 -n N -t T -r 1 -o json` (N = 128, 64
-for the 1B files) and `llama-graph bench` with the same flags. llama-graph
+for the 1B-class files: `1b_*`, `qwen2_1.5b_*`, `gemma3_1b_*`) and `llama-graph bench` with the same flags. llama-graph
 is capped to the class with `LLAMA_GRAPH_ISA` (`avx2` for the avx2 class,
 none for native). Each command is one process; its peak RSS is the
 `ru_maxrss` that `wait4` returns for it. Results: medians over rounds,
 ratio = llama-graph / llama.cpp (higher is better for tokens/s, lower for
 RSS), on stdout and in the JSON: `benches/results/<cpu-class>/bench.json`
-(see `benches/harness.py`), which holds this host's latest run only.
+(see `benches/harness.py`), which holds this host's latest run only --
+unless `run --merge`: then the rows this run measures replace theirs and the
+file's other rows stay, each earlier run's command, commit and rounds kept
+under `merged` (the table names them below its rows). `--llama-graph PATH`
+measures another build of llama-graph than this checkout's
+`target/release/llama-graph` (the commit recorded is that of PATH's
+repository).
 
 `table` prints a results JSON (default: this host's) as a markdown table.
 `table --docs FILE` rewrites the generated parts of FILE, keeping the rest:
@@ -67,6 +86,7 @@ import sys
 import importlib.util
 import re
 import shlex
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -80,6 +100,9 @@ SHIPPED = CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"
 LG = REPO / "target" / "release" / "llama-graph"
 SMOL = ["q4_1", "q8_0", "f16", "f32", "q4_k_m", "q6_k"]
 ONE_B = ["1b_f16", "1b_q8_0", "1b_q4_k_m", "1b_q4_1"]
+FAMILY = ["qwen2_1.5b_f16", "qwen2_1.5b_q4_k_m", "gemma3_1b_f16", "gemma3_1b_q4_k_m"]
+# The 1B-class files: a shorter tg and only the `--one-b-threads`.
+BIG = ("1b_", "qwen2_1.5b_", "gemma3_1b_")
 QUANT_TYPE = {"q8_0": "Q8_0", "f16": "F16", "q4_k_m": "Q4_K_M", "q6_k": "Q6_K", "q4_1": "Q4_1"}
 
 
@@ -134,6 +157,63 @@ tok.save_pretrained(out)
 """
 
 
+# The other families at the shapes of a real model (see the docstring), saved
+# in float16 with the repo's SentencePiece fixture as tokenizer (the converter
+# pads the vocabulary to `vocab_size`).
+FAMILY_SCRIPT = r"""
+import shutil, sys, torch, transformers
+out, spm, family = sys.argv[1], sys.argv[2], sys.argv[3]
+torch.manual_seed(0)
+torch.set_default_dtype(torch.float16)
+if family == "qwen2_1.5b":
+    from transformers import Qwen2Config as C, Qwen2ForCausalLM as M
+    cfg = C(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+            num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+            rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+            use_sliding_window=False, bos_token_id=1, eos_token_id=2)
+elif family == "gemma3_1b":
+    from transformers import Gemma3TextConfig as C, Gemma3ForCausalLM as M
+    cfg = C(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+            num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+            sliding_window=512, sliding_window_pattern=6, max_position_embeddings=32768,
+            rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
+            pad_token_id=0)
+else:
+    raise SystemExit(f"unknown family {family}")
+model = M(cfg)
+with torch.no_grad():
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+model.save_pretrained(out)
+shutil.copy(spm, out + "/tokenizer.model")
+print(model.config.to_json_string())
+"""
+
+
+def convert_f16(args, hf, f16):
+    """llama.cpp's convert_hf_to_gguf.py on the checkpoint `hf` -> `f16`."""
+    src = CACHE / "llama.cpp-11434.0.0" / "src"
+    log(f"convert_hf_to_gguf.py -> {f16.name}")
+    env = dict(os.environ, PYTHONPATH=str(src / "gguf-py"))
+    part = f16.with_suffix(".part")
+    subprocess.run([args.python, str(src / "convert_hf_to_gguf.py"), str(hf), "--outtype", "f16",
+                    "--outfile", str(part)], check=True, env=env)
+    part.rename(f16)
+
+
+def prepare_family(args, qbin, family):
+    f16 = MODELS / f"{family}_f16.gguf"
+    if not f16.exists():
+        hf = CACHE / "compare" / f"{family}-shaped-hf"
+        if not (hf / "config.json").exists():
+            log(f"making the random {family}-shaped model (transformers)")
+            subprocess.run([args.python, "-c", FAMILY_SCRIPT, str(hf),
+                            str(REPO / "tests/fixtures/tokenizer/spm_bpe.model"), family], check=True)
+        convert_f16(args, hf, f16)
+        shutil.rmtree(hf)
+    quantize(qbin, f16, MODELS / f"{family}_q4_k_m.gguf", "Q4_K_M")
+
+
 def prepare(args):
     if not SHIPPED.exists():
         subprocess.run([str(LG), "run", "-p", "hi", "-n", "1", "--temp", "0"], check=True)
@@ -149,23 +229,19 @@ def prepare(args):
     quantize(qbin, SHIPPED, f32, "F32")
     for v in ["q8_0", "f16", "q4_k_m", "q6_k"]:
         quantize(qbin, f32, MODELS / f"{v}.gguf", QUANT_TYPE[v])
-    if args.no_1b:
-        return
-    hf = CACHE / "compare" / "llama-1b-shaped-hf"
-    f16 = MODELS / "1b_f16.gguf"
-    if not f16.exists():
-        if not (hf / "config.json").exists():
-            log("making the random 1B-shaped model (transformers)")
-            subprocess.run([args.python, "-c", ONE_B_SCRIPT, str(hf), str(SHIPPED)], check=True)
-        src = CACHE / "llama.cpp-11434.0.0" / "src"
-        log("convert_hf_to_gguf.py -> 1b_f16.gguf")
-        env = dict(os.environ, PYTHONPATH=str(src / "gguf-py"))
-        part = f16.with_suffix(".part")
-        subprocess.run([args.python, str(src / "convert_hf_to_gguf.py"), str(hf), "--outtype", "f16",
-                        "--outfile", str(part)], check=True, env=env)
-        part.rename(f16)
-    for v in ["1b_q8_0", "1b_q4_k_m", "1b_q4_1"]:
-        quantize(qbin, f16, MODELS / f"{v}.gguf", QUANT_TYPE[v[3:]])
+    if not args.no_1b:
+        hf = CACHE / "compare" / "llama-1b-shaped-hf"
+        f16 = MODELS / "1b_f16.gguf"
+        if not f16.exists():
+            if not (hf / "config.json").exists():
+                log("making the random 1B-shaped model (transformers)")
+                subprocess.run([args.python, "-c", ONE_B_SCRIPT, str(hf), str(SHIPPED)], check=True)
+            convert_f16(args, hf, f16)
+            shutil.rmtree(hf)
+        for v in ["1b_q8_0", "1b_q4_k_m", "1b_q4_1"]:
+            quantize(qbin, f16, MODELS / f"{v}.gguf", QUANT_TYPE[v[3:]])
+    for family in [] if args.families == "none" else args.families.split(","):
+        prepare_family(args, qbin, family)
 
 
 def timed(cmd, env=None):
@@ -201,12 +277,14 @@ def rows_of(out):
     return res
 
 
-def read_bandwidth(threads):
+def read_bandwidth(threads, lg_bin):
     """Read-only GB/s (STREAM-style sum over 256 MiB, best of 5) at `threads`,
-    from the `stream` probe (benches/probes/stream.rs), or None when it cannot
-    run."""
-    out = subprocess.run(["cargo", "run", "-q", "--release", "--example", "stream", "--", "256", str(threads)],
-                         cwd=REPO, capture_output=True, text=True)
+    from the `stream` probe (benches/probes/stream.rs: the one built beside
+    `lg_bin`, the measured llama-graph, when there is one, else through
+    `cargo run`), or None when it cannot run."""
+    probe = Path(lg_bin).parent / "examples" / "stream"
+    cmd = [str(probe)] if probe.exists() else ["cargo", "run", "-q", "--release", "--example", "stream", "--"]
+    out = subprocess.run(cmd + ["256", str(threads)], cwd=REPO, capture_output=True, text=True)
     for line in out.stdout.splitlines():
         if line.startswith("{"):
             return json.loads(line)["read_gbs"]
@@ -221,24 +299,28 @@ def run(args):
     samples = {}
     out = Path(args.out) if args.out else harness.result_path("bench-depth" if args.depths else "bench")
     out.parent.mkdir(parents=True, exist_ok=True)
+    lg_bin = str(Path(args.llama_graph).resolve())
     res = {"rounds": args.rounds, "cpu": harness.cpu_name(), "cpu_class": harness.cpu_class(),
-           "samples": samples, "llama_graph": harness.git_rev(),
+           "samples": samples, "llama_graph": harness.git_rev(Path(lg_bin).parent),
            "command": "python3 benches/compare/bench.py " + shlex.join(sys.argv[1:]), "args": vars(args)}
+    if args.merge and out.exists():
+        res["merged"], kept = merged_runs(json.loads(out.read_text()), variants, classes, threads, bool(args.depths))
+        samples.update(kept)
     for rnd in range(args.rounds):
         for v in variants:
             path = model_path(v)
-            n = 64 if v.startswith("1b_") else 128
+            n = 64 if v.startswith(BIG) else 128
             for cls in classes:
                 for t in threads:
-                    if v.startswith("1b_") and t not in args.one_b_threads:
+                    if v.startswith(BIG) and t not in args.one_b_threads:
                         continue
                     flags = ["-m", str(path), "-p", "128,512", "-n", str(n), "-t", str(t), "-r", "1",
                              "-o", "json"]
                     if args.depths:
-                        depths = args.one_b_depths if v.startswith("1b_") else args.depths
+                        depths = args.one_b_depths if v.startswith(BIG) else args.depths
                         flags = ["-m", str(path), "-p", "512", "-n", "128", "-d", depths, "-t", str(t),
                                  "-r", "1", "-o", "json"]
-                        bw = read_bandwidth(t)
+                        bw = read_bandwidth(t, lg_bin)
                         if bw is not None:
                             res.setdefault("read_gbs", {}).setdefault(str(t), []).append(bw)
                             log(f"round {rnd} read bandwidth at {t} threads: {bw:.2f} GB/s")
@@ -248,7 +330,7 @@ def run(args):
                     order = ["lg", "lc"] if rnd % 2 == 0 else ["lc", "lg"]
                     for who in order:
                         if who == "lg":
-                            got = timed([str(LG), "bench", *flags], env)
+                            got = timed([lg_bin, "bench", *flags], env)
                         else:
                             got = timed([str(bins[cls] / "llama-bench"), *flags])
                         if got is None:
@@ -262,6 +344,50 @@ def run(args):
                         res["samples"] = samples
                         out.write_text(json.dumps(res, indent=1, default=str))
     print("\n".join(table(res)))
+
+
+def merged_runs(old, variants, classes, threads, depths):
+    """For `run --merge`: the earlier runs whose rows stay (each with its
+    command, commit, rounds and row keys) and their samples, from the results
+    JSON `old`, without the rows of `variants` x `classes` x `threads`."""
+    if bool(old.get("args", {}).get("depths")) != depths:
+        sys.exit("--merge: the results file holds the other kind of run (with/without --depths); "
+                 "pass --out for a new file")
+    measured = {f"{v}|{c}|{t}" for v in variants for c in classes for t in threads}
+    kept = {k: x for k, x in old["samples"].items() if k.rsplit("|", 1)[0] not in measured}
+    runs = []
+    # The file's own run first, then the runs it had merged in turn.
+    earlier = old.get("merged", [])
+    this = {k: old[k] for k in ("command", "llama_graph", "rounds")}
+    this["rows"] = sorted({k.rsplit("|", 1)[0] for k in old["samples"]}
+                          - {r for run in earlier for r in run["rows"]})
+    for run in [this] + earlier:
+        rows = [r for r in run["rows"] if f"{r}|lg" in kept or f"{r}|lc" in kept]
+        if rows:
+            runs.append(dict(run, rows=rows))
+    return runs, kept
+
+
+def short_note(res):
+    """The line naming this run's rows with fewer samples than its rounds
+    (a run stopped early, or still going), if any."""
+    merged = {r for run in res.get("merged", []) for r in run["rows"]}
+    short = sorted(f"{k} ({len(x)})" for k, x in res["samples"].items()
+                   if k.rsplit("|", 1)[0] not in merged and len(x) < res["rounds"])
+    if not short:
+        return []
+    return ["", f"Fewer samples than the {res['rounds']} rounds (the run stopped early or is still going): "
+            + ", ".join(short)]
+
+
+def merged_note(res):
+    """The lines naming the rows an earlier run measured (`run --merge`) and
+    the rows with fewer samples than the run's rounds."""
+    lines = short_note(res)
+    for run in res.get("merged", []):
+        lines += ["", f"Rows {', '.join(run['rows'])}: from an earlier run, {run['rounds']} rounds, "
+                  f"llama-graph at commit {run['llama_graph']}: `{run['command']}`"]
+    return lines
 
 
 def depth_table(res):
@@ -297,7 +423,7 @@ def depth_table(res):
                 bnd = statistics.median(bw) * 1e9 / per_tok
                 bound, frac = f"{bnd:.0f}", f"{a / bnd:.0%}"
             lines.append(f"| {v} | {cls} | {t} | {name} | {a:.1f} | {b:.1f} | **{a / b:.2f}** | {bound} | {frac} |")
-    return lines
+    return lines + merged_note(res)
 
 
 def table(res, threads=None):
@@ -326,7 +452,41 @@ def table(res, threads=None):
             cells.append(f"{a:.0f} / {b:.0f} = **{a / b:.2f}**" if col != "rss_mib"
                          else f"{a:.0f} / {b:.0f} = {a / b:.2f}")
         lines.append(f"| {v} | {cls} | {t} | " + " | ".join(cells) + " |")
-    return lines
+    return lines + merged_note(res)
+
+
+def family_table(res):
+    """Issue 31's comparison, as lines: for every other family's row
+    (`qwen2_1.5b_*`, `gemma3_1b_*`), its llama-graph / llama.cpp ratio beside
+    the ratio of the Llama 1B-shaped file of the same format, class and
+    threads (`1b_<format>`) in the same results JSON."""
+    samples = res["samples"]
+
+    def ratio(key, col):
+        lg, lc = samples.get(key + "|lg"), samples.get(key + "|lc")
+        if not lg or not lc or col not in lg[0] or col not in lc[0]:
+            return None
+        return statistics.median(s[col] for s in lg) / statistics.median(s[col] for s in lc)
+
+    lines = [f"CPU: {res['cpu']}; medians of {res['rounds']} interleaved rounds; "
+             "ratio = llama-graph / llama.cpp tokens/s (higher is better), the family's file vs "
+             "the Llama 1B-shaped file of the same format", "",
+             "| family file | class | threads | pp128 | pp512 | tg64 |",
+             "|---|---|---|---|---|---|"]
+    keys = sorted({k.rsplit("|", 1)[0] for k in samples if k.startswith(BIG[1:])})
+    for k in keys:
+        v, cls, t = k.split("|")
+        fmt = v.split("_", 2)[2]
+        cells = []
+        for col in ["pp128", "pp512", "tg64"]:
+            a, b = ratio(k, col), ratio(f"1b_{fmt}|{cls}|{t}", col)
+            if a is None:
+                cells.append("")
+                continue
+            mark = "" if b is None or a >= b else " (below)"
+            cells.append(f"**{a:.2f}** vs {b:.2f}{mark}" if b is not None else f"**{a:.2f}**")
+        lines.append(f"| {v} | {cls} | {t} | " + " | ".join(cells) + " |")
+    return lines + short_note(res)
 
 
 BEGIN = "<!-- BEGIN generated by `python3 benches/compare/bench.py table --docs docs/performance.md`; edit the harnesses, not this part -->"
@@ -380,8 +540,10 @@ def table_block(m):
     a = argparse.ArgumentParser()
     a.add_argument("json")
     a.add_argument("--threads", type=lambda x: [int(v) for v in x.split(",")])
+    a.add_argument("--families", action="store_true")
     args = a.parse_args(shlex.split(m.group(2)))
-    lines = table(json.loads((REPO / args.json).read_text()), args.threads)
+    res = json.loads((REPO / args.json).read_text())
+    lines = family_table(res) if args.families else table(res, args.threads)
     return m.group(1) + "\n".join(lines) + "\n" + m.group(4)
 
 
@@ -409,12 +571,19 @@ def main():
     p.add_argument("--classes", default="native,avx2")
     p.add_argument("--python", default=sys.executable, help="Python with torch, transformers, gguf")
     p.add_argument("--no-1b", action="store_true", help="skip the 1B-shaped model")
+    p.add_argument("--families", default="qwen2_1.5b,gemma3_1b",
+                   help="the other families' models to make (qwen2_1.5b, gemma3_1b), or `none`")
     r = sub.add_parser("run")
     r.add_argument("--classes", default="native,avx2")
     r.add_argument("--threads", default="1,2")
     r.add_argument("--one-b-threads", default="2", type=lambda s: [int(x) for x in s.split(",")])
     r.add_argument("--rounds", type=int, default=3)
-    r.add_argument("--variants", default=",".join(SMOL + ONE_B))
+    r.add_argument("--variants", default=",".join(SMOL + ONE_B + FAMILY))
+    r.add_argument("--merge", action="store_true",
+                   help="keep the results file's rows of the variants, classes and threads this run "
+                        "does not measure (their run's command, commit and rounds are kept under `merged`)")
+    r.add_argument("--llama-graph", default=str(LG),
+                   help="the llama-graph binary to measure (default: this checkout's target/release/llama-graph)")
     r.add_argument("--depths", default="",
                    help="measure -p 512 -n 128 at these depths (llama-bench -d), e.g. 0,4096")
     r.add_argument("--one-b-depths", default="0,4096,16384", help="the depths for the 1B files")
@@ -426,6 +595,8 @@ def main():
     t.add_argument("--docs", help="rewrite the generated part of this markdown file with every class's tables")
     t.add_argument("--threads", type=lambda x: [int(v) for v in x.split(",")],
                    help="only the rows of these thread counts, e.g. 2")
+    t.add_argument("--families", action="store_true",
+                   help="the other families' files' ratios beside the Llama 1B-shaped file's of the same format")
     a = ap.parse_args()
     if a.cmd == "prepare":
         prepare(a)
@@ -433,6 +604,8 @@ def main():
         run(a)
     elif a.docs:
         write_docs(a.docs)
+    elif a.families:
+        print("\n".join(family_table(harness.load("bench", a.json))))
     else:
         print("\n".join(table(harness.load("bench", a.json), a.threads)))
 
