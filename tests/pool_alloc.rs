@@ -5,7 +5,7 @@
 
 use llama_graph::ir::DType;
 use llama_graph::kernels::{
-    attention_paged, matmul, rmsnorm, AttnWork, Epilogue, Isa, KvGeom, KvStore, RopeTable,
+    attention_paged, matmul_with, rmsnorm, AttnWork, Epilogue, Kernels, KvGeom, KvStore, RopeTable,
     StepSeqs, WeightRef,
 };
 use llama_graph::pool::ThreadPool;
@@ -77,8 +77,9 @@ fn run_and_kernels_do_not_allocate() {
             sum.fetch_add(i, Ordering::Relaxed);
         });
         if round % 100 == 0 {
-            matmul(
+            matmul_with(
                 &pool,
+                Kernels::current().isa(),
                 &x,
                 s,
                 k,
@@ -89,7 +90,7 @@ fn run_and_kernels_do_not_allocate() {
             )
             .unwrap();
             let kv = kc.view();
-            let isa = Isa::current();
+            let isa = Kernels::current().isa();
             attention_paged(&pool, isa, &q, kv, kv, &geom, 2, &seqs, &mut att, &mut work).unwrap();
             rope.apply(&mut qr, s, 4, 3).unwrap();
             rmsnorm(&x, k, None, 1e-5, &mut normed).unwrap();

@@ -17,7 +17,7 @@ use crate::ir::{
     Bindings, CacheKind, DType, Graph, Op, Pooling, RopeParams, Shape, StepInput, WeightLayout,
 };
 use crate::kernels::{
-    self, AttnWork, CacheType, Epilogue, KernelError, KvGeom, KvHalf, KvStore, MatmulMode,
+    self, AttnWork, CacheType, Epilogue, KernelError, Kernels, KvGeom, KvHalf, KvStore, MatmulMode,
     StepSeqs, WeightRef,
 };
 use crate::plan::{ExecPlan, Value};
@@ -145,6 +145,8 @@ pub struct Executor {
     qkv_scratch: Vec<f32>,
     /// Exact f32 activations in matmuls (`kernels::MatmulMode::Exact`; otherwise `Fast`).
     exact: bool,
+    /// The kernels of the instruction-set level, resolved once.
+    kernels: &'static Kernels,
     arena: Arena,
     pool: ThreadPool,
     /// A one-thread pool: small fused-attention calls (decode over a short
@@ -384,6 +386,7 @@ impl Executor {
             slots: vec![0; max_chunk],
             qkv_scratch: vec![0.0; qkv_len],
             exact: true,
+            kernels: Kernels::current(),
             arena: Arena::new(plan.buffers.arena_bytes),
             pool: ThreadPool::new(threads),
             serial: ThreadPool::new(1),
@@ -650,7 +653,8 @@ impl Executor {
             }
         };
         let pool = &self.pool;
-        let exact = self.exact;
+        // The table of kernels and whether matmuls keep f32 activations.
+        let exact = (self.kernels, self.exact);
         #[allow(clippy::too_many_arguments)]
         fn matmul(
             pool: &ThreadPool,
@@ -661,23 +665,14 @@ impl Executor {
             n: usize,
             e: Epilogue<'_>,
             y: &mut [f32],
-            exact: bool,
+            (kernels, exact): (&Kernels, bool),
         ) -> Result<(), KernelError> {
-            kernels::dispatch::matmul_any(
-                pool,
-                x,
-                s,
-                k,
-                w,
-                n,
-                e,
-                y,
-                if exact {
-                    MatmulMode::Exact
-                } else {
-                    MatmulMode::Fast
-                },
-            )
+            let mode = if exact {
+                MatmulMode::Exact
+            } else {
+                MatmulMode::Fast
+            };
+            kernels.matmul_any(pool, x, s, k, w, n, e, y, mode)
         }
         let numel = |sh: &Shape| sh.numel(b);
         let dim = |sh: &Shape, k: usize| sh.dims()[k].eval(b);
@@ -892,9 +887,8 @@ impl Executor {
                     .attn_work
                     .as_mut()
                     .ok_or_else(|| RunError::Unsupported("no attention scratch".into()))?;
-                kernels::attention_paged(
+                (self.kernels.attention)(
                     pool,
-                    kernels::Isa::current(),
                     q,
                     self.caches[ck].view(),
                     self.caches[cv].view(),

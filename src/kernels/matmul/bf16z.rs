@@ -86,11 +86,19 @@ pub fn encoded_len(n: usize, k: usize, n_exceptions: usize) -> Option<usize> {
         .checked_add(n_exceptions.checked_mul(ENTRY_BYTES)?)
 }
 
+/// True when the codec (encoding, row decoding) may use its AVX2 code. The
+/// codec is exact: both paths give the same bytes (tested below), so it
+/// takes the CPU's best rather than the kernels' level; the products take
+/// their level as an argument.
+fn simd_codec() -> bool {
+    Isa::detect().avx2()
+}
+
 /// Exceptions in one block of 32 bf16 values (64 little-endian bytes).
 fn block_exceptions(b: &[u8]) -> u32 {
     let b = &b[..2 * BLOCK];
     #[cfg(target_arch = "x86_64")]
-    if Isa::current().avx2() {
+    if simd_codec() {
         // SAFETY: avx2 checked; 64 readable bytes; the block is only read
         // (no output pointer).
         return unsafe { avx2::encode_block(b.as_ptr(), None) }.count_ones();
@@ -206,7 +214,7 @@ pub fn encode_into<'a>(
         let mut at = 0;
         let mut exc = Vec::new();
         let mut w = [0u16; BLOCK];
-        let simd = Isa::current().avx2();
+        let simd = simd_codec();
         for r in r0..r1 {
             let src = &row(r)[..2 * k];
             for b in 0..nb {
@@ -361,7 +369,7 @@ impl<'a> Bf16z<'a> {
     /// Row `r` as bf16 values (exact).
     pub fn decode_row(&self, r: usize, out: &mut [u16]) {
         #[cfg(target_arch = "x86_64")]
-        if Isa::current().avx2() {
+        if simd_codec() {
             let out = &mut out[..self.k];
             // SAFETY: avx2 checked; the row holds k/32 blocks and `out` k values.
             unsafe { avx2::decode(self.row_blocks(r), out) };
@@ -518,18 +526,8 @@ std::thread_local! {
 }
 
 /// `y = x·Wᵀ` with `epilogue` for one activation row and an encoded `W`
-/// (`[n, k]`); the same contract as [`super::gemv::gemv`].
-pub fn gemv(
-    pool: &ThreadPool,
-    x: &[f32],
-    w: Bf16z<'_>,
-    epilogue: Epilogue<'_>,
-    y: &mut [f32],
-) -> Result<(), KernelError> {
-    gemv_at(Isa::current(), pool, x, w, epilogue, y)
-}
-
-/// [`gemv`] with the kernels of `isa` (lowered to what the CPU supports):
+/// (`[n, k]`), the same contract as [`super::gemv::gemv_at`], with the
+/// kernels of `isa` (lowered to what the CPU supports):
 /// the portable kernel at [`Isa::Scalar`], the AVX2 kernel at every SIMD
 /// level (there is no AVX-512 one).
 ///
@@ -611,22 +609,8 @@ std::thread_local! {
 }
 
 /// `y = x·Wᵀ` with `epilogue` for `s` activation rows and an encoded `W`
-/// (`bytes`, `[n, k]`); the contract of [`super::matmul`](super::matmul()).
-#[allow(clippy::too_many_arguments)]
-pub fn matmul(
-    pool: &ThreadPool,
-    x: &[f32],
-    s: usize,
-    k: usize,
-    bytes: &[u8],
-    n: usize,
-    epilogue: Epilogue<'_>,
-    y: &mut [f32],
-) -> Result<(), KernelError> {
-    matmul_at(Isa::current(), pool, x, s, k, bytes, n, epilogue, y)
-}
-
-/// [`matmul`] with the kernels of `isa`. One row goes to [`gemv_at`]. More
+/// (`bytes`, `[n, k]`); the contract of [`super::matmul_with`], with the
+/// kernels of `isa`. One row goes to [`gemv_at`]. More
 /// rows are multiplied `GROUP` (256) output rows at a time: the group's
 /// weight rows (gate and up rows for SwiGLU) are decoded to their coded
 /// bf16 values, in the order the single-token kernel multiplies them (x
@@ -1051,10 +1035,21 @@ mod tests {
             let v = Bf16z::parse(&z, n, k).unwrap();
             let w = crate::kernels::WeightRef::new(DType::BF16, &wb);
             let mut want = vec![0f32; n];
-            crate::kernels::gemv::gemv(&pool, &x, k, w, n, Epilogue::AddResidual(&r), &mut want)
-                .unwrap();
+            let cur = crate::kernels::Kernels::current().isa();
+            crate::kernels::gemv::gemv_at(
+                cur,
+                &pool,
+                &x,
+                k,
+                w,
+                n,
+                Epilogue::AddResidual(&r),
+                &mut want,
+            )
+            .unwrap();
             let mut want_g = vec![0f32; n / 2];
-            crate::kernels::gemv::gemv(&pool, &x, k, w, n, Epilogue::SwiGlu, &mut want_g).unwrap();
+            crate::kernels::gemv::gemv_at(cur, &pool, &x, k, w, n, Epilogue::SwiGlu, &mut want_g)
+                .unwrap();
             for isa in Isa::supported_levels() {
                 let mut y = vec![0f32; n];
                 gemv_at(isa, &pool, &x, v, Epilogue::AddResidual(&r), &mut y).unwrap();
@@ -1104,9 +1099,11 @@ mod tests {
                 };
                 let init = rng.vec(s * n_out);
                 let mut want = init.clone();
-                crate::kernels::matmul::matmul(&pool, &x, s, k, w, n, ep, &mut want).unwrap();
+                crate::kernels::matmul::tests::matmul(&pool, &x, s, k, w, n, ep, &mut want)
+                    .unwrap();
                 let mut got = init.clone();
-                matmul(&pool, &x, s, k, &z, n, ep, &mut got).unwrap();
+                let cur = crate::kernels::Kernels::current().isa();
+                matmul_at(cur, &pool, &x, s, k, &z, n, ep, &mut got).unwrap();
                 for (i, (a, b)) in got.iter().zip(&want).enumerate() {
                     assert!(
                         (a - b).abs() < 1e-4 * (1.0 + b.abs()),

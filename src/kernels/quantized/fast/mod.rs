@@ -34,7 +34,8 @@
 //! 16-element half, which halved the 8-bit error; with the remainder it
 //! changes nothing measurable, so one scale per block it is.)
 //!
-//! Kernels, picked from the instruction-set level ([`Isa::current`]) and the
+//! Kernels, picked from the instruction-set level (an argument; the runtime's
+//! comes from [`crate::kernels::Kernels`]) and the
 //! number of activation rows `S`:
 //! * S < [`packed_min_s`] (decode): 4 weight rows at a time, every unit's
 //!   integer products summed across the vector and reduced into one lane
@@ -211,12 +212,13 @@ pub fn quantize_act_scalar(x: &[f32], out: &mut [Q8Act]) {
     }
 }
 
-/// Quantizes `x` into `out` (AVX2 when available, else the scalar reference).
+/// Quantizes `x` into `out` (AVX2 at the SIMD levels of `isa`, else the
+/// scalar reference).
 ///
 /// # Panics
 /// If `x.len() != 32 * out.len()`.
-pub fn quantize_act(x: &[f32], out: &mut [Q8Act]) {
-    quantize_act_with(Level::of(Isa::current()), x, out)
+pub fn quantize_act(isa: Isa, x: &[f32], out: &mut [Q8Act]) {
+    quantize_act_with(Level::of(isa), x, out)
 }
 
 fn quantize_act_with(level: Level, x: &[f32], out: &mut [Q8Act]) {
@@ -346,26 +348,10 @@ fn dot_rows(
 }
 
 /// `y = x·Wᵀ` with `epilogue` for a `W` `[n, k]` of a [supported](supports)
-/// dtype, quantizing each row of `x` once into `scratch` (at least
-/// [`scratch_len_for`]`(Isa::current(), w.dtype, s, k)` blocks). Same contract as
-/// [`super::exact::qmatmul`] otherwise.
-#[allow(clippy::too_many_arguments)]
-pub fn qmatmul_fast(
-    pool: &ThreadPool,
-    x: &[f32],
-    s: usize,
-    k: usize,
-    w: WeightRef<'_>,
-    n: usize,
-    epilogue: Epilogue<'_>,
-    y: &mut [f32],
-    scratch: &mut [Q8Act],
-) -> Result<(), KernelError> {
-    qmatmul_fast_with(Isa::current(), pool, x, s, k, w, n, epilogue, y, scratch)
-}
-
-/// [`qmatmul_fast`] with the kernels of `isa` (for tests and benchmarks),
-/// lowered to what this CPU supports.
+/// dtype with the kernels of `isa` (lowered to what this CPU supports),
+/// quantizing each row of `x` once into `scratch` (at least
+/// [`scratch_len_for`]`(isa, w.dtype, s, k)` blocks). Same contract as
+/// [`super::exact::qmatmul_with`] otherwise.
 #[allow(clippy::too_many_arguments)]
 pub fn qmatmul_fast_with(
     isa: Isa,
@@ -1305,7 +1291,8 @@ mod tests {
         let mut y = vec![0f32; 1];
         let mut small: Vec<Q8Act> = vec![];
         assert!(matches!(
-            qmatmul_fast(
+            qmatmul_fast_with(
+                Isa::detect(),
                 &pool,
                 &[0.0; 32],
                 1,
@@ -1323,7 +1310,8 @@ mod tests {
         let mut sc = vec![Q8Act::default(); 8];
         assert!(!supports(DType::Q2_K) && !supports(DType::F16));
         assert!(matches!(
-            qmatmul_fast(
+            qmatmul_fast_with(
+                Isa::detect(),
                 &pool,
                 &[0.0; 256],
                 1,
