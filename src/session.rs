@@ -353,20 +353,7 @@ impl Model {
         let tokenizer = if t.tokens.is_empty() {
             None
         } else {
-            let parts = GgufTokenizerParts {
-                model: t.model.clone(),
-                pre: t.pre.clone(),
-                tokens: t.tokens.iter().map(|s| s.as_bytes().to_vec()).collect(),
-                scores: t.scores.clone(),
-                token_types: t.token_type.clone(),
-                merges: t.merges.clone(),
-                bos_id: t.bos_token_id,
-                eos_id: t.eos_token_id,
-                eot_id: t.eot_token_id,
-                unk_id: t.unknown_token_id,
-                add_bos: t.add_bos_token,
-                add_space_prefix: None,
-            };
+            let parts = GgufTokenizerParts::from(t);
             Some(
                 Tokenizer::from_gguf_parts(parts).map_err(|source| LoadError::Tokenizer {
                     path: path.display().to_string(),

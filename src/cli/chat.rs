@@ -4,13 +4,19 @@
 //! Each turn renders the whole conversation with the model's chat format,
 //! finds how much of it the cache already holds (the longest common token
 //! prefix), rewinds to there and feeds only the rest.
+//!
+//! A conversation that outgrows the context is shifted by default: before
+//! a turn whose conversation leaves less than a quarter of the context for
+//! the reply, the oldest turns after the system prompt are dropped until
+//! the rest takes at most half of it, and the rest is fed again (the common
+//! prefix is then the system prompt). `--context-full refuse` refuses such
+//! a turn instead, with the numbers.
 
-use super::flags::{n_predict, RuntimeFlags, SamplingFlags, SpecFlags};
+use super::flags::{n_predict, ContextFlags, RuntimeFlags, SamplingFlags, SpecFlags};
 use super::model::ModelArg;
-use super::run::chat_prompt_tokens;
 use clap::Args;
-use llama_graph::generate::chat::Message;
-use llama_graph::generate::{generate_with, GenOptions, Speculation};
+use llama_graph::generate::chat::{ChatFormat, ContextPolicy, Message};
+use llama_graph::generate::{generate_with, GenOptions, Speculation, StopReason};
 use llama_graph::session::Session;
 use std::io::{BufRead, IsTerminal, Write};
 
@@ -33,6 +39,8 @@ pub struct ChatArgs {
     #[command(flatten)]
     pub runtime: RuntimeFlags,
     #[command(flatten)]
+    pub context: ContextFlags,
+    #[command(flatten)]
     pub sampling: SamplingFlags,
     #[command(flatten)]
     pub spec: SpecFlags,
@@ -52,6 +60,11 @@ pub fn run(a: ChatArgs) -> super::CliResult {
     let opts = a
         .spec
         .session_options(a.runtime.session_options(context, threads)?)?;
+    let policy = a.context.policy(ContextPolicy::Shift);
+    let format = ChatFormat::of(&model);
+    // Room a turn keeps for the reply, and what a shift cuts down to.
+    let reserve = n_predict.unwrap_or(context).min(context / 4).max(1);
+    let target = context / 2;
     let mut session = Session::new(&model, &opts)?;
     eprintln!("{}", session.kv_summary());
     let mut drafter = a.spec.drafter(&model, &opts)?;
@@ -86,7 +99,23 @@ pub fn run(a: ChatArgs) -> super::CliResult {
             _ => {}
         }
         messages.push(Message::new("user", text));
-        let full = chat_prompt_tokens(&model, &messages)?;
+        let fitted = match format.fit(tok, &messages, context, reserve, target, policy) {
+            Ok(f) => f,
+            Err(e) => {
+                eprintln!("error: {e}");
+                messages.pop();
+                continue;
+            }
+        };
+        if fitted.dropped > 0 {
+            messages.drain(fitted.kept_from..fitted.kept_from + fitted.dropped);
+            eprintln!(
+                "(context full: dropped the {} oldest messages; {} tokens are fed again)",
+                fitted.dropped,
+                fitted.tokens.len()
+            );
+        }
+        let full = fitted.tokens;
         let keep = cached
             .iter()
             .zip(&full)
@@ -94,8 +123,10 @@ pub fn run(a: ChatArgs) -> super::CliResult {
             .count()
             .min(full.len() - 1);
         session.rewind(keep);
+        // The reply stops at the context's end at the latest.
+        let room = context - full.len();
         let gen = GenOptions {
-            n_predict,
+            n_predict: Some(n_predict.unwrap_or(room).min(room)),
             sampler,
             stop_strings: Vec::new(),
             record_top: false,
@@ -136,10 +167,14 @@ pub fn run(a: ChatArgs) -> super::CliResult {
         // The cache now holds the prompt and every generated token but the
         // final stop token, which was sampled but not fed.
         cached = full;
+        if stats.stop_reason == Some(StopReason::Length)
+            && stats.generated_tokens.len() == room
+            && n_predict.is_none_or(|n| n > room)
+        {
+            eprintln!("(the reply was cut where the context is full)");
+        }
         let fed = match stats.stop_reason {
-            Some(llama_graph::generate::StopReason::Eos) => {
-                &stats.generated_tokens[..stats.generated_tokens.len() - 1]
-            }
+            Some(StopReason::Eos) => &stats.generated_tokens[..stats.generated_tokens.len() - 1],
             _ => &stats.generated_tokens[..],
         };
         cached.extend_from_slice(fed);

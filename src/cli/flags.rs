@@ -1,6 +1,7 @@
 //! Flags shared by the generating subcommands (`run`, `chat`).
 
 use clap::Args;
+use llama_graph::generate::chat::ContextPolicy;
 use llama_graph::generate::spec::{check_vocab, Drafter, SpecConfig};
 use llama_graph::generate::SamplerConfig;
 use llama_graph::ir::LogitRows;
@@ -288,5 +289,29 @@ impl SpecFlags {
         };
         let session = Session::new(&draft, &dopts).map_err(|e| format!("--draft-model: {e}"))?;
         Ok(Some(Drafter::model(session)))
+    }
+}
+
+/// What happens when a conversation outgrows the context.
+#[derive(Debug, Args, Clone)]
+pub struct ContextFlags {
+    /// When the context is full: `shift` drops the oldest turns after the
+    /// system prompt (`run`: the older half of the tokens after the first)
+    /// and feeds the rest again, so the conversation goes on; `refuse`
+    /// stops there and says how many tokens were needed. Default: `shift`
+    /// for `chat` and `serve`, `refuse` for `run` (which then stops
+    /// generating at the context's end; with `shift`, `-n` may exceed the
+    /// context and `-n -1` runs until an end-of-sequence token).
+    #[arg(long = "context-full", value_name = "POLICY", value_parser = ["shift", "refuse"])]
+    pub context_full: Option<String>,
+}
+
+impl ContextFlags {
+    /// The policy asked for, or `default`.
+    pub fn policy(&self, default: ContextPolicy) -> ContextPolicy {
+        self.context_full
+            .as_deref()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(default)
     }
 }

@@ -5,6 +5,7 @@ mod convert;
 mod flags;
 mod graph;
 mod model;
+mod perplexity;
 mod pipeline;
 mod run;
 mod serve;
@@ -30,6 +31,9 @@ pub enum Command {
     /// Generate text from a prompt. Generated text goes to stdout as it
     /// streams; the statistics go to stderr.
     Run(Box<run::RunArgs>),
+    /// Measure a model's perplexity over a text, or its KL divergence from
+    /// a reference run, with llama-perplexity's method and file format.
+    Perplexity(perplexity::PerplexityArgs),
     /// Measure prompt-processing (ppN) and generation (tgN) throughput with llama-bench's flags and rows.
     Bench(bench::BenchArgs),
     /// Serve an OpenAI-compatible HTTP API (chat and text completions,
@@ -46,8 +50,9 @@ pub enum Command {
     Pull,
     /// Write a random-weight Meta checkpoint (any params.json, seeded).
     GenCheckpoint(tools::GenCheckpointArgs),
-    /// Convert a Meta, Hugging Face or GGUF model into a GGUF file that
-    /// llama.cpp runs (f32, f16, bf16, q8_0, q4_0).
+    /// Convert a Meta, Hugging Face or GGUF model (Llama, Mistral, Qwen2,
+    /// Qwen3, Gemma 3, Phi-3) into a GGUF file that llama.cpp runs (f32,
+    /// f16, bf16, q8_0, q4_0, q4_k_m, q5_k_m, q6_k).
     Convert(convert::ConvertArgs),
 }
 
@@ -77,6 +82,7 @@ pub fn run(cli: Cli) -> CliResult {
         Command::Graph(a) => graph::run(a),
         Command::Run(a) => run::run(*a),
         Command::Bench(a) => bench::run(a),
+        Command::Perplexity(a) => perplexity::run(a),
         Command::Chat(a) => chat::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Tokenize(a) => tools::tokenize(a),

@@ -1,13 +1,15 @@
 //! `llama-graph run`: generate text.
 
-use super::flags::{n_predict, RuntimeFlags, SamplingFlags, SpecFlags};
+use super::flags::{n_predict, ContextFlags, RuntimeFlags, SamplingFlags, SpecFlags};
 use super::model::ModelArg;
 use super::pipeline::{PipelineFlags, Role};
 use clap::Args;
-use llama_graph::generate::chat::{conversation_tokens, Message};
+use llama_graph::generate::chat::{conversation_tokens, ContextPolicy, Message};
 use llama_graph::generate::constraint::{Constraint, GrammarSpec, Grammars};
 use llama_graph::generate::SamplerConfig;
-use llama_graph::generate::{generate_constrained, GenOptions, GenStats, Speculation};
+use llama_graph::generate::{
+    generate_constrained, generate_shifting, ContextShift, GenOptions, GenStats, Speculation,
+};
 use llama_graph::session::{Model, Session};
 use llama_graph::tokenizer::EncodeOptions;
 use serde_json::json;
@@ -56,6 +58,8 @@ pub struct RunArgs {
     pub n_predict: i64,
     #[command(flatten)]
     pub runtime: RuntimeFlags,
+    #[command(flatten)]
+    pub context: ContextFlags,
     #[command(flatten)]
     pub sampling: SamplingFlags,
     #[command(flatten)]
@@ -205,9 +209,13 @@ pub fn run(a: RunArgs) -> super::CliResult {
     let n_predict = n_predict(a.n_predict)?;
     let output = output_spec(&a)?;
     let threads = a.runtime.threads()?;
+    let shift = a.context.policy(ContextPolicy::Refuse) == ContextPolicy::Shift;
     let spec = a.spec.config()?;
     if spec.is_some() && !matches!(role, Role::Single) {
         return Err("--draft-model and --spec-ngram do not run with --pipeline yet".into());
+    }
+    if shift && !matches!(role, Role::Single) {
+        return Err("--context-full shift does not run with --pipeline yet".into());
     }
     let opts_for = |m: &Model| {
         let context = m.args.plan_context(a.runtime.ctx_size);
@@ -227,7 +235,9 @@ pub fn run(a: RunArgs) -> super::CliResult {
             (None, None) => return Err("no prompt".into()),
         };
         let context = model.args.plan_context(a.runtime.ctx_size);
-        llama_graph::generate::run::check_fits(prompt.len(), n_predict, context)
+        // With a context shift only the prompt itself must fit.
+        let n = if shift { None } else { n_predict };
+        llama_graph::generate::run::check_fits(prompt.len(), n, context)
             .map_err(|e| e.to_string())?;
         Ok((sampler, prompt, context))
     };
@@ -324,15 +334,32 @@ pub fn run(a: RunArgs) -> super::CliResult {
         }),
         _ => None,
     };
-    let stats = match generate_constrained(
-        &mut session,
-        speculation,
-        constraint.as_mut(),
-        model.tokenizer.as_ref(),
-        &prompt,
-        &gen_opts,
-        &mut emit,
-    ) {
+    // A shift keeps the BOS, as llama.cpp's does with --keep 0.
+    let bos = model.tokenizer.as_ref().and_then(|t| t.bos_id());
+    let generated = if shift {
+        let keep = usize::from(bos.is_some() && prompt.first() == bos.as_ref());
+        generate_shifting(
+            &mut session,
+            speculation,
+            constraint.as_mut(),
+            model.tokenizer.as_ref(),
+            &prompt,
+            &gen_opts,
+            ContextShift { keep },
+            &mut emit,
+        )
+    } else {
+        generate_constrained(
+            &mut session,
+            speculation,
+            constraint.as_mut(),
+            model.tokenizer.as_ref(),
+            &prompt,
+            &gen_opts,
+            &mut emit,
+        )
+    };
+    let stats = match generated {
         Ok(s) => s,
         Err(e) => {
             drop(out);
@@ -349,6 +376,12 @@ pub fn run(a: RunArgs) -> super::CliResult {
         session.stop_pipeline("")?;
     }
     println!();
+    if stats.shifts > 0 {
+        eprintln!(
+            "context full {} times: dropped {} tokens in all and fed the rest again",
+            stats.shifts, stats.dropped_tokens
+        );
+    }
     report(&stats, load_s, a.stats_json.as_ref())?;
     if let Some(p) = &a.logits_out {
         let steps: Vec<_> = stats

@@ -1,12 +1,13 @@
 //! `llama-graph serve`: the OpenAI-compatible HTTP server.
 
-use super::flags::RuntimeFlags;
+use super::flags::{ContextFlags, RuntimeFlags, SpecFlags};
 use super::model::ModelArg;
 use super::pipeline::{PipelineFlags, Role};
 use clap::Args;
 use llama_graph::generate::chat::ChatFormat;
+use llama_graph::generate::spec::check_vocab;
 use llama_graph::ir::Pooling;
-use llama_graph::server::engine::{EngineConfig, EngineHandle};
+use llama_graph::server::engine::{EngineConfig, EngineHandle, EngineSpec};
 use llama_graph::server::{serve, AppState, Loaded, ServerOptions};
 use llama_graph::session::{Model, SessionOptions};
 use std::net::SocketAddr;
@@ -14,7 +15,7 @@ use std::time::{Duration, Instant};
 
 #[derive(Debug, Args)]
 #[command(
-    after_help = "Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings (with --pooling), GET /v1/models and /v1/models/{id}, POST /tokenize and /detokenize, GET /health (503 while loading), GET /metrics (Prometheus text).\nRequests take OpenAI's fields (messages, max_tokens or max_completion_tokens, temperature, top_p, seed, n, stop, stream, stream_options, logprobs, top_logprobs, presence_penalty, frequency_penalty, logit_bias; user, metadata and store are accepted and ignored) and llama.cpp's top_k, min_p, repeat_penalty and ignore_eos; any other field is refused with 400 naming it. Unset sampling fields default to temperature 0.8, top_k 40, top_p 0.95, min_p 0.05, and max_tokens to the rest of the context. See docs/serving.md."
+    after_help = "Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings (with --pooling), GET /v1/models and /v1/models/{id}, POST /tokenize and /detokenize, GET /health (503 while loading), GET /metrics (Prometheus text).\nRequests take OpenAI's fields (messages, max_tokens or max_completion_tokens, temperature, top_p, seed, n, stop, stream, stream_options, logprobs, top_logprobs, presence_penalty, frequency_penalty, logit_bias, response_format, tools, tool_choice, parallel_tool_calls; user, metadata and store are accepted and ignored) and llama.cpp's top_k, min_p, repeat_penalty, ignore_eos, grammar and json_schema, and `speculative` (false: this request decodes without --draft-model/--spec-ngram; the tokens are the same either way); any other field is refused with 400 naming it. Unset sampling fields default to temperature 0.8, top_k 40, top_p 0.95, min_p 0.05, and max_tokens to the rest of the context. See docs/serving.md."
 )]
 pub struct ServeArgs {
     #[command(flatten)]
@@ -76,6 +77,15 @@ pub struct ServeArgs {
     pub sse_keepalive: f64,
     #[command(flatten)]
     pub runtime: RuntimeFlags,
+    /// Speculative decoding for every request (a request opts out with
+    /// `"speculative": false`): each sequence's guesses ride in the same
+    /// batched step as the other sequences' tokens, and its tokens are the
+    /// ones it gets without them. A draft model runs one session per
+    /// sequence slot (-np) on the engine thread.
+    #[command(flatten)]
+    pub spec: SpecFlags,
+    #[command(flatten)]
+    pub context: ContextFlags,
     /// `mpirun -np N llama-graph serve --pipeline ...`: rank 0 serves HTTP
     /// and runs the tokenizer, scheduler and sampler and stage 0; the
     /// other ranks run the later stages of every batched step. Stop it
@@ -158,6 +168,9 @@ pub fn run(a: ServeArgs) -> super::CliResult {
         max_connections: a.max_connections,
         cors_origins: a.cors_origin.clone(),
         sse_keepalive: Duration::from_secs_f64(a.sse_keepalive),
+        context_full: a
+            .context
+            .policy(llama_graph::generate::chat::ContextPolicy::Shift),
     });
     // Listen first: /health answers 503 while the model loads.
     let listener = runtime
@@ -236,6 +249,24 @@ fn load(
         }
         _ => (a.model.open(false)?.0, None),
     };
+    // The draft model's tokenizer is checked against the model's.
+    let spec = match a.spec.config()? {
+        None => None,
+        Some(_) if staged.is_some() => {
+            return Err("--draft-model and --spec-ngram do not run with --pipeline yet".into())
+        }
+        Some(config) => {
+            let draft = match &a.spec.draft_model {
+                None => None,
+                Some(path) => {
+                    let d = Model::open(path).map_err(|e| format!("--draft-model: {e}"))?;
+                    check_vocab(&model, &d).map_err(|e| format!("--draft-model: {e}"))?;
+                    Some(d)
+                }
+            };
+            Some(EngineSpec { config, draft })
+        }
+    };
     let tokenizer = model.tokenizer.take().ok_or_else(|| no_tokenizer(&model))?;
     let chat = ChatFormat::of(&model);
     if !chat.available() {
@@ -262,7 +293,7 @@ fn load(
     let engine = match staged {
         // Each step of the engine runs over every stage.
         Some(session) => EngineHandle::with_session(session, model, cfg)?,
-        None => EngineHandle::start_with_embeddings(model, cfg, a.pooling)?,
+        None => EngineHandle::start_speculative(model, cfg, a.pooling, spec)?,
     };
     Ok(Loaded {
         engine,

@@ -1,7 +1,15 @@
 //! `llama-graph convert`: a Meta checkpoint, a Hugging Face directory or a
 //! GGUF file into a GGUF file that llama.cpp loads, with llama.cpp's
-//! metadata keys for the `llama` architecture, the tokenizer and the chat
+//! metadata keys for the model's architecture, the tokenizer and the chat
 //! template.
+//!
+//! Families: each is written in the layout llama.cpp's `convert_hf_to_gguf.py`
+//! gives it (see [`tensor_layout`]): `llama` for Llama and Mistral (whose
+//! window llama.cpp's converter drops too), and `qwen2`, `qwen3`, `gemma3`,
+//! `phi3` with their extra tensors (Q/K/V biases, Q/K norms, post-norms,
+//! Phi-3's fused `attn_qkv` and gate/up `ffn_up`), Q/K rows in Hugging Face's
+//! rotate-half order (llama.cpp runs these with NEOX RoPE) and Gemma's norms
+//! as the stored `1 + w`.
 //!
 //! Streaming: the header is written first (every tensor's type and size is
 //! known from its shape), then each tensor is read from the source's memory
@@ -139,10 +147,37 @@ enum Source {
 }
 
 impl Source {
-    fn tensor(&self, name: &str) -> Result<Option<WeightTensor>, ConvertError> {
+    /// Tensor `name` in Meta's row order, or with `hf_heads`, a Q/K tensor
+    /// (rows, bias or norm entries) in Hugging Face's rotate-half order of
+    /// that many heads.
+    fn tensor(
+        &self,
+        name: &str,
+        hf_heads: Option<usize>,
+    ) -> Result<Option<WeightTensor>, ConvertError> {
+        match (self, hf_heads) {
+            // Still in the order the checkpoint stores.
+            (Source::Hf(ck), Some(_)) if ck.unpermuted.contains_key(name) => {
+                Ok(ck.weights.tensors.get(name).cloned())
+            }
+            (Source::Hf(ck), _) => Ok(ck.meta_tensor(name)?),
+            (Source::Store(s), None) => Ok(s.tensors.get(name).cloned()),
+            (Source::Store(s), Some(h)) => s
+                .tensors
+                .get(name)
+                .map(|t| crate::weights::hf::meta_to_hf_any(t, h))
+                .transpose()
+                .map_err(|message| ConvertError::Tensor {
+                    tensor: name.to_string(),
+                    message,
+                }),
+        }
+    }
+
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
         match self {
-            Source::Hf(ck) => Ok(ck.meta_tensor(name)?),
-            Source::Store(s) => Ok(s.tensors.get(name).cloned()),
+            Source::Hf(ck) => ck.weights.tensors.get(name).map(|t| t.shape.clone()),
+            Source::Store(s) => s.tensors.get(name).map(|t| t.shape.clone()),
         }
     }
 }
@@ -162,6 +197,13 @@ pub fn meta_to_gguf_name(name: &str) -> Option<String> {
         "attention.wq.weight" => "attn_q.weight",
         "attention.wk.weight" => "attn_k.weight",
         "attention.wv.weight" => "attn_v.weight",
+        "attention.wq.bias" => "attn_q.bias",
+        "attention.wk.bias" => "attn_k.bias",
+        "attention.wv.bias" => "attn_v.bias",
+        "attention.q_norm.weight" => "attn_q_norm.weight",
+        "attention.k_norm.weight" => "attn_k_norm.weight",
+        "post_attention_norm.weight" => "post_attention_norm.weight",
+        "post_ffn_norm.weight" => "post_ffw_norm.weight",
         "attention.wo.weight" => "attn_output.weight",
         "ffn_norm.weight" => "ffn_norm.weight",
         "feed_forward.w1.weight" => "ffn_gate.weight",
@@ -172,29 +214,159 @@ pub fn meta_to_gguf_name(name: &str) -> Option<String> {
     Some(format!("blk.{layer}.{g}"))
 }
 
-/// The Meta names of a model's tensors in llama.cpp's file order.
-fn tensor_names(a: &ModelArgs) -> Vec<String> {
-    let mut v = vec!["tok_embeddings.weight".to_string()];
+/// The tensors of the written file, in the order llama.cpp's converter
+/// writes them: each GGUF name with the Meta tensors whose rows it holds
+/// (one, or for Phi-3 the fused `attn_qkv` = wq, wk, wv and `ffn_up` =
+/// gate rows then up rows, as llama.cpp's `phi3` reads them).
+fn tensor_layout(a: &ModelArgs) -> Vec<(String, Vec<String>)> {
+    let v = &a.variant;
+    let phi3 = v.family == crate::model::Family::Phi3;
+    let one = |m: String| {
+        let g = meta_to_gguf_name(&m).expect("layout names map to GGUF");
+        (g, vec![m])
+    };
+    let mut out = vec![one("tok_embeddings.weight".into())];
     for i in 0..a.n_layers {
-        for s in [
-            "attention_norm.weight",
-            "feed_forward.w2.weight",
-            "feed_forward.w1.weight",
-            "feed_forward.w3.weight",
-            "ffn_norm.weight",
-            "attention.wk.weight",
-            "attention.wo.weight",
-            "attention.wq.weight",
-            "attention.wv.weight",
-        ] {
-            v.push(format!("layers.{i}.{s}"));
+        let m = |s: &str| format!("layers.{i}.{s}");
+        let g = |s: &str| format!("blk.{i}.{s}");
+        out.push(one(m("attention_norm.weight")));
+        out.push(one(m("feed_forward.w2.weight")));
+        if phi3 {
+            out.push((
+                g("ffn_up.weight"),
+                vec![m("feed_forward.w1.weight"), m("feed_forward.w3.weight")],
+            ));
+        } else {
+            out.push(one(m("feed_forward.w1.weight")));
+            out.push(one(m("feed_forward.w3.weight")));
+        }
+        if v.post_norms {
+            out.push(one(m("post_attention_norm.weight")));
+            out.push(one(m("post_ffn_norm.weight")));
+        }
+        out.push(one(m("ffn_norm.weight")));
+        if phi3 {
+            out.push(one(m("attention.wo.weight")));
+            out.push((
+                g("attn_qkv.weight"),
+                ["wq", "wk", "wv"]
+                    .iter()
+                    .map(|x| m(&format!("attention.{x}.weight")))
+                    .collect(),
+            ));
+            continue;
+        }
+        let mut names = Vec::new();
+        if v.qk_norm {
+            names.push("attention.k_norm.weight");
+        }
+        if v.qkv_bias {
+            names.push("attention.wk.bias");
+        }
+        names.extend(["attention.wk.weight", "attention.wo.weight"]);
+        if v.qk_norm {
+            names.push("attention.q_norm.weight");
+        }
+        if v.qkv_bias {
+            names.push("attention.wq.bias");
+        }
+        names.push("attention.wq.weight");
+        if v.qkv_bias {
+            names.push("attention.wv.bias");
+        }
+        names.push("attention.wv.weight");
+        out.extend(names.into_iter().map(|n| one(m(n))));
+    }
+    out.push(one("norm.weight".into()));
+    if !a.tied_embeddings {
+        out.push(one("output.weight".into()));
+    }
+    out
+}
+
+/// The head count a Q/K tensor's rows (or entries) are grouped by, for
+/// putting them in Hugging Face's order: `n_heads` for wq and its bias,
+/// `n_kv_heads` for wk and its bias, 1 for the per-head norm weights.
+fn qk_heads(name: &str, a: &ModelArgs) -> Option<usize> {
+    let s = name.split_once('.')?.1.split_once('.')?.1;
+    match s {
+        "attention.wq.weight" | "attention.wq.bias" => Some(a.n_heads),
+        "attention.wk.weight" | "attention.wk.bias" => Some(a.n_kv_heads),
+        "attention.q_norm.weight" | "attention.k_norm.weight" => Some(1),
+        _ => None,
+    }
+}
+
+/// llama.cpp's `general.architecture` for a family.
+fn gguf_architecture(f: crate::model::Family) -> &'static str {
+    use crate::model::Family;
+    match f {
+        Family::Llama | Family::Mistral => "llama",
+        Family::Qwen2 => "qwen2",
+        Family::Qwen3 => "qwen3",
+        Family::Gemma3 => "gemma3",
+        Family::Phi3 => "phi3",
+    }
+}
+
+/// Refuses, naming it, what the written architecture cannot say: llama.cpp
+/// derives the variant from `general.architecture` (Gemma 3's embedding
+/// scale, post-norms and GELU gate; a local/global pattern of every sixth
+/// layer global) and from the tensors present (biases, Q/K norms).
+fn check_writable(a: &ModelArgs) -> Result<(), String> {
+    use crate::model::{Family, GateAct};
+    let v = &a.variant;
+    let fam = v.family;
+    let gemma = fam == Family::Gemma3;
+    let arch = gguf_architecture(fam);
+    let gemma_parts = [
+        ("post-norms", v.post_norms),
+        ("the embedding scale", v.embed_scale),
+        ("the GELU-tanh gate", v.gate_act == GateAct::GeluTanh),
+    ];
+    for (what, on) in gemma_parts {
+        if on != gemma {
+            return Err(format!(
+                "is a {} model {} {what}, which llama.cpp's `{arch}` architecture {}",
+                fam.name(),
+                if on { "with" } else { "without" },
+                if on {
+                    "does not have"
+                } else {
+                    "always applies"
+                }
+            ));
         }
     }
-    v.push("norm.weight".into());
-    if !a.tied_embeddings {
-        v.push("output.weight".into());
+    if gemma && !v.qk_norm {
+        return Err(
+            "is a gemma3 model without Q/K norms, which llama.cpp's `gemma3` requires".into(),
+        );
     }
-    v
+    match (fam, v.sliding_window, v.global_every) {
+        (Family::Gemma3, Some(_), Some(6)) | (_, _, None) => {}
+        (_, _, Some(n)) => {
+            return Err(format!(
+                "has a global layer every {n} layers; llama.cpp's `{arch}` file can only say every 6th (Gemma 3's pattern)"
+            ))
+        }
+    }
+    if matches!(fam, Family::Qwen2 | Family::Qwen3) && v.sliding_window.is_some() {
+        return Err(format!(
+            "has a sliding window, which llama.cpp's `{arch}` does not read"
+        ));
+    }
+    if v.local_rope_theta.is_some() && !gemma {
+        return Err(format!(
+            "has a RoPE base for local layers, which llama.cpp's `{arch}` does not read"
+        ));
+    }
+    if arch != "llama" && matches!(a.rope_scaling, Some(RopeScaling::Llama3 { .. })) {
+        return Err(format!(
+            "has Llama 3 RoPE scaling, which llama.cpp's `{arch}` does not read"
+        ));
+    }
+    Ok(())
 }
 
 /// What the type choice needs to know about the model.
@@ -209,9 +381,18 @@ struct MixInfo {
 
 impl MixInfo {
     fn new(a: &ModelArgs) -> MixInfo {
+        use crate::model::Family;
+        // llama.cpp's model type by layer count: 80 `llama` layers with
+        // grouped-query attention, or 80 `qwen2` layers, are its 70B.
+        let is_70b = a.n_layers == 80
+            && match a.variant.family {
+                Family::Llama | Family::Mistral => a.n_heads != a.n_kv_heads,
+                Family::Qwen2 => true,
+                _ => false,
+            };
         MixInfo {
             n_layers: a.n_layers,
-            is_70b: a.n_layers == 80 && a.n_heads != a.n_kv_heads,
+            is_70b,
             tied: a.tied_embeddings,
         }
     }
@@ -226,12 +407,15 @@ impl MixInfo {
 /// * The output head (the token embedding when it is tied) is Q6_K in
 ///   every quantized mix but Q8_0, or Q8_0 when its rows are not a
 ///   multiple of the mix's block.
-/// * Q4_K_M / Q5_K_M: `attn_v` and `ffn_down` of the layers
+/// * Q4_K_M / Q5_K_M: `attn_v` (and Phi-3's fused `attn_qkv`, which
+///   llama-quantize counts as an `attn_v`) and `ffn_down` of the layers
 ///   `use_more_bits` picks (the first and last eighth, and every third in
 ///   between) are Q6_K; a 70B-shaped model's other `attn_v` are Q5_K.
 /// * Rows that are not whole blocks of the chosen type fall back:
 ///   Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, and to F16 when even
 ///   those do not fit.
+///
+/// `name` is the GGUF name, as llama-quantize matches it.
 fn target_type(ty: OutType, name: &str, shape: &[usize], m: MixInfo) -> DType {
     if shape.len() < 2 || !ty.quantized() {
         return if shape.len() < 2 {
@@ -242,11 +426,11 @@ fn target_type(ty: OutType, name: &str, shape: &[usize], m: MixInfo) -> DType {
     }
     let ne0 = shape[shape.len() - 1];
     let mut t = ty.dtype();
-    let is_head = name == "output.weight" || (m.tied && name == "tok_embeddings.weight");
+    let is_head = name == "output.weight" || (m.tied && name == "token_embd.weight");
     // "blk.N." of llama-quantize is the layer index here: it walks the
     // tensors in layer order.
     let layer = name
-        .strip_prefix("layers.")
+        .strip_prefix("blk.")
         .and_then(|r| r.split_once('.'))
         .and_then(|(i, _)| i.parse::<usize>().ok());
     let n = m.n_layers;
@@ -259,14 +443,14 @@ fn target_type(ty: OutType, name: &str, shape: &[usize], m: MixInfo) -> DType {
             t = DType::Q6_K;
         }
     } else if let Some(i) = layer {
-        if name.ends_with("attention.wv.weight") {
+        if name.ends_with("attn_v.weight") || name.ends_with("attn_qkv.weight") {
             if k_m && more_bits(i) {
                 t = DType::Q6_K;
             }
             if m.is_70b && t == DType::Q4_K {
                 t = DType::Q5_K;
             }
-        } else if name.ends_with("feed_forward.w2.weight") && k_m && more_bits(i) {
+        } else if name.ends_with("ffn_down.weight") && k_m && more_bits(i) {
             t = DType::Q6_K;
         }
     }
@@ -306,41 +490,48 @@ fn s(v: &str) -> GgufValue {
 }
 
 fn hyper_kvs(a: &ModelArgs, name: &str, ty: OutType) -> Vec<(String, GgufValue)> {
+    use crate::model::Family;
     let u = |x: usize| GgufValue::U32(x as u32);
+    let arch = gguf_architecture(a.variant.family);
+    let k = |key: &str| format!("{arch}.{key}");
     let mut kv = vec![
-        ("general.architecture".to_string(), s("llama")),
+        ("general.architecture".to_string(), s(arch)),
         ("general.type".into(), s("model")),
         ("general.name".into(), s(name)),
-        ("llama.block_count".into(), u(a.n_layers)),
+        (k("block_count"), u(a.n_layers)),
+        (k("context_length"), u(a.max_context.unwrap_or(2048))),
+        (k("embedding_length"), u(a.dim)),
+        (k("feed_forward_length"), u(a.ffn_hidden_dim)),
+        (k("attention.head_count"), u(a.n_heads)),
+        (k("attention.head_count_kv"), u(a.n_kv_heads)),
+        (k("rope.freq_base"), GgufValue::F32(a.rope_theta as f32)),
         (
-            "llama.context_length".into(),
-            u(a.max_context.unwrap_or(2048)),
-        ),
-        ("llama.embedding_length".into(), u(a.dim)),
-        ("llama.feed_forward_length".into(), u(a.ffn_hidden_dim)),
-        ("llama.attention.head_count".into(), u(a.n_heads)),
-        ("llama.attention.head_count_kv".into(), u(a.n_kv_heads)),
-        (
-            "llama.rope.freq_base".into(),
-            GgufValue::F32(a.rope_theta as f32),
-        ),
-        (
-            "llama.attention.layer_norm_rms_epsilon".into(),
+            k("attention.layer_norm_rms_epsilon"),
             GgufValue::F32(a.norm_eps as f32),
         ),
         ("general.file_type".into(), GgufValue::U32(ty.file_type())),
-        ("llama.vocab_size".into(), u(a.vocab_size.unwrap_or(0))),
-        ("llama.rope.dimension_count".into(), u(a.head_dim())),
+        (k("vocab_size"), u(a.vocab_size.unwrap_or(0))),
+        (k("rope.dimension_count"), u(a.head_dim())),
     ];
     if let Some(RopeScaling::Linear { factor }) = a.rope_scaling {
-        kv.push(("llama.rope.scaling.type".into(), s("linear")));
-        kv.push((
-            "llama.rope.scaling.factor".into(),
-            GgufValue::F32(factor as f32),
-        ));
+        kv.push((k("rope.scaling.type"), s("linear")));
+        kv.push((k("rope.scaling.factor"), GgufValue::F32(factor as f32)));
     }
-    kv.push(("llama.attention.key_length".into(), u(a.head_dim())));
-    kv.push(("llama.attention.value_length".into(), u(a.head_dim())));
+    kv.push((k("attention.key_length"), u(a.head_dim())));
+    kv.push((k("attention.value_length"), u(a.head_dim())));
+    // Mistral is written as plain `llama`, without its window, as
+    // llama.cpp's converter writes it (llama.cpp's `llama` does not read
+    // one); Phi-3's window is written though llama.cpp runs Phi-3 without
+    // it, as its converter does.
+    let v = &a.variant;
+    if matches!(v.family, Family::Gemma3 | Family::Phi3) {
+        if let Some(w) = v.sliding_window {
+            kv.push((k("attention.sliding_window"), u(w)));
+        }
+    }
+    if let Some(t) = v.local_rope_theta {
+        kv.push((k("rope.freq_base_swa"), GgufValue::F32(t as f32)));
+    }
     kv.push(("general.quantization_version".into(), GgufValue::U32(2)));
     kv
 }
@@ -388,13 +579,12 @@ fn hf_json_tokenizer_kvs(
     let mut kv = Vec::new();
     match tok.kind() {
         crate::tokenizer::TokenizerKind::Gpt2Bpe => {
-            let pre = match v["pre_tokenizer"]["type"].as_str() {
-                Some("ByteLevel") => "gpt2",
-                _ => match v["pre_tokenizer"]["pretokenizers"][0]["type"].as_str() {
-                    Some("Digits") => "smollm",
-                    _ => "llama-bpe",
-                },
-            };
+            // llama.cpp's name for the split the tokenizer runs (`gpt-2`,
+            // `smollm`, `llama-bpe`, `qwen2`): a name llama.cpp does not
+            // know makes it refuse the file.
+            let pre = tok
+                .llama_cpp_pre()
+                .expect("byte-level tokenizers have a split");
             kv.push(("tokenizer.ggml.model".into(), s("gpt2")));
             kv.push(("tokenizer.ggml.pre".into(), s(pre)));
             let types: Vec<i32> = special
@@ -673,27 +863,7 @@ pub fn convert(
             src.display()
         )));
     }
-    // The writer speaks llama.cpp's `llama` architecture only (a Mistral
-    // checkpoint is written as llama.cpp's own converter writes it, without
-    // its window); the other families' layouts are not written yet.
-    let plain = crate::model::Variant {
-        family: args.variant.family,
-        sliding_window: args.variant.sliding_window,
-        ..Default::default()
-    };
-    if !matches!(
-        args.variant.family,
-        crate::model::Family::Llama | crate::model::Family::Mistral
-    ) || args.variant != plain
-    {
-        return Err(src_err(
-            src,
-            format!(
-                "is a {} model; convert writes Llama-architecture GGUF only (llama.cpp's convert_hf_to_gguf.py converts this family)",
-                args.variant.family.name()
-            ),
-        ));
-    }
+    check_writable(&args).map_err(|m| src_err(src, m))?;
     kvs = hyper_kvs(&args, &dir_name, ty);
     kvs.extend(tok_kvs);
     if let Some(t) = template {
@@ -701,19 +871,34 @@ pub fn convert(
     }
 
     // Every tensor's type and size, before any data.
-    let mut plan: Vec<(String, String, DType, Vec<usize>)> = Vec::new();
-    for name in tensor_names(&args) {
-        let shape = match &source {
-            Source::Hf(ck) => ck.weights.tensors.get(&name).map(|t| t.shape.clone()),
-            Source::Store(s) => s.tensors.get(&name).map(|t| t.shape.clone()),
+    let neox = args.variant.family.gguf_neox_rows();
+    let mut plan: Vec<Planned> = Vec::new();
+    for (g, parts) in tensor_layout(&args) {
+        let mut shape: Vec<usize> = Vec::new();
+        for name in &parts {
+            let sh = source.shape(name).ok_or_else(|| ConvertError::Tensor {
+                tensor: name.clone(),
+                message: "missing from the source".into(),
+            })?;
+            match shape.as_mut_slice() {
+                [] => shape = sh,
+                // Fused: the parts' rows one after the other.
+                [rows, cols] if sh.len() == 2 && sh[1] == *cols => *rows += sh[0],
+                _ => {
+                    return Err(ConvertError::Tensor {
+                        tensor: name.clone(),
+                        message: format!("shape {sh:?} cannot be fused into {g} {shape:?}"),
+                    })
+                }
+            }
         }
-        .ok_or_else(|| ConvertError::Tensor {
-            tensor: name.clone(),
-            message: "missing from the source".into(),
-        })?;
-        let dt = target_type(ty, &name, &shape, MixInfo::new(&args));
-        let g = meta_to_gguf_name(&name).expect("graph names map to GGUF");
-        plan.push((name, g, dt, shape));
+        let dt = target_type(ty, &g, &shape, MixInfo::new(&args));
+        plan.push(Planned {
+            gguf: g,
+            parts,
+            dt,
+            shape,
+        });
     }
     // A GGUF source keeps its own factors; otherwise they are computed as
     // llama.cpp's converter does.
@@ -739,13 +924,13 @@ pub fn convert(
     };
     let mut decl: Vec<StreamTensor> = plan
         .iter()
-        .map(|(_, g, dt, shape)| {
-            let n: usize = shape.iter().product();
+        .map(|p| {
+            let n: usize = p.shape.iter().product();
             StreamTensor {
-                name: g.clone(),
-                ne: shape.iter().rev().map(|&d| d as u64).collect(),
-                ggml_type: ggml_from_dtype(*dt).expect("written types have ggml ids"),
-                n_bytes: dt.bytes_for(n).expect("checked shape"),
+                name: p.gguf.clone(),
+                ne: p.shape.iter().rev().map(|&d| d as u64).collect(),
+                ggml_type: ggml_from_dtype(p.dt).expect("written types have ggml ids"),
+                n_bytes: p.dt.bytes_for(n).expect("checked shape"),
             }
         })
         .collect();
@@ -765,19 +950,29 @@ pub fn convert(
     let part: PathBuf = out.with_extension("gguf.part");
     let mut w = GgufStreamWriter::create(&part, &kvs, decl).map_err(werr)?;
     let mut summary = ConvertSummary::default();
-    for (i, (name, g, dt, shape)) in plan.iter().enumerate() {
-        progress(i, total, g);
-        let t = source.tensor(name)?.expect("planned tensors exist");
-        let bytes = convert_tensor(&t, *dt).map_err(|message| ConvertError::Tensor {
-            tensor: name.clone(),
-            message,
-        })?;
-        debug_assert_eq!(t.shape, *shape);
-        // The source's pages are clean; drop them as soon as they are used.
-        t.data.release_pages();
+    for (i, p) in plan.iter().enumerate() {
+        progress(i, total, &p.gguf);
+        // Rows are converted independently, so a fused tensor is its
+        // parts' converted rows one after the other.
+        let mut bytes = Vec::new();
+        for name in &p.parts {
+            let heads = if neox { qk_heads(name, &args) } else { None };
+            let t = source.tensor(name, heads)?.expect("planned tensors exist");
+            let b = convert_tensor(&t, p.dt).map_err(|message| ConvertError::Tensor {
+                tensor: name.clone(),
+                message,
+            })?;
+            // The source's pages are clean; drop them as soon as they are used.
+            t.data.release_pages();
+            if bytes.is_empty() {
+                bytes = b;
+            } else {
+                bytes.extend_from_slice(&b);
+            }
+        }
         w.write_tensor(&bytes).map_err(werr)?;
         summary.bytes += bytes.len();
-        summary.types.push((g.clone(), *dt));
+        summary.types.push((p.gguf.clone(), p.dt));
     }
     if let Some(f) = &freqs {
         progress(total - 1, total, "rope_freqs.weight");
@@ -790,6 +985,15 @@ pub fn convert(
     std::fs::rename(&part, out).map_err(werr)?;
     summary.tensors = total;
     Ok(summary)
+}
+
+/// One tensor of the written file (see [`tensor_layout`]).
+struct Planned {
+    gguf: String,
+    /// The Meta tensors whose rows it holds, in order.
+    parts: Vec<String>,
+    dt: DType,
+    shape: Vec<usize>,
 }
 
 /// One tensor into `dt`: a copy when the types agree, else row by row
@@ -856,7 +1060,7 @@ mod tests {
             .filter(|i| {
                 target_type(
                     OutType::Q4_K_M,
-                    &format!("layers.{i}.attention.wv.weight"),
+                    &format!("blk.{i}.attn_v.weight"),
                     &[1024, 4096],
                     m,
                 ) == DType::Q6_K
@@ -880,20 +1084,23 @@ mod tests {
         #[rustfmt::skip]
         let cases: &[(OutType, &str, &[usize], MixInfo, DType)] = &[
             // 70B-shaped: the other attn_v are Q5_K, ffn_down unchanged.
-            (Q4_K_M, "layers.40.attention.wv.weight", &[1024, 8192], m70, Q5_K),
-            (Q4_K_M, "layers.12.attention.wv.weight", &[1024, 8192], m70, Q6_K),
-            (Q4_K_M, "layers.40.feed_forward.w2.weight", &[8192, 28672], m70, Q4_K),
+            (Q4_K_M, "blk.40.attn_v.weight", &[1024, 8192], m70, Q5_K),
+            (Q4_K_M, "blk.12.attn_v.weight", &[1024, 8192], m70, Q6_K),
+            (Q4_K_M, "blk.40.ffn_down.weight", &[8192, 28672], m70, Q4_K),
+            // Phi-3's fused QKV is an attn_v to llama-quantize.
+            (Q4_K_M, "blk.0.attn_qkv.weight", &[1536, 512], m, Q6_K),
+            (Q4_K_M, "blk.4.attn_qkv.weight", &[1536, 512], m, Q4_K),
             // Fallbacks by row length.
-            (Q4_K_M, "layers.4.attention.wq.weight", &[576, 576], m, Q5_0),
-            (Q4_K_M, "layers.0.feed_forward.w2.weight", &[576, 1536], m, Q6_K),
-            (Q4_K_M, "layers.0.feed_forward.w2.weight", &[576, 704], m, Q8_0),
-            (Q4_K_M, "layers.4.attention.wq.weight", &[48, 48], m, F16),
+            (Q4_K_M, "blk.4.attn_q.weight", &[576, 576], m, Q5_0),
+            (Q4_K_M, "blk.0.ffn_down.weight", &[576, 1536], m, Q6_K),
+            (Q4_K_M, "blk.0.ffn_down.weight", &[576, 704], m, Q8_0),
+            (Q4_K_M, "blk.4.attn_q.weight", &[48, 48], m, F16),
             (Q4_K_M, "output.weight", &[800, 576], m, Q8_0),
             (Q4_K_M, "output.weight", &[800, 512], m, Q6_K),
-            (Q4_K_M, "norm.weight", &[512], m, F32),
+            (Q4_K_M, "output_norm.weight", &[512], m, F32),
             // The tied embedding is the head.
-            (Q4_K_M, "tok_embeddings.weight", &[800, 512], tied, Q6_K),
-            (Q4_K_M, "tok_embeddings.weight", &[800, 512], m, Q4_K),
+            (Q4_K_M, "token_embd.weight", &[800, 512], tied, Q6_K),
+            (Q4_K_M, "token_embd.weight", &[800, 512], m, Q4_K),
             // Q8_0 keeps its head; F16 files are F16.
             (OutType::Q8_0, "output.weight", &[800, 512], m, Q8_0),
             (OutType::F16, "output.weight", &[800, 512], m, F16),
@@ -904,6 +1111,92 @@ mod tests {
                 want,
                 "{file:?} {name} {shape:?}"
             );
+        }
+    }
+}
+
+#[cfg(test)]
+mod writable_tests {
+    use super::*;
+    use crate::model::{Family, GateAct, Variant};
+
+    fn args(variant: Variant) -> ModelArgs {
+        let mut a = ModelArgs::from_params_json(
+            r#"{"dim": 64, "n_layers": 6, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 800, "norm_eps": 1e-6}"#,
+        )
+        .unwrap();
+        a.variant = variant;
+        a
+    }
+
+    /// What llama.cpp's architecture for a family cannot state is refused
+    /// by name; each family as transformers configures it is written.
+    #[test]
+    fn check_writable_refuses_what_the_architecture_cannot_state() {
+        let gemma = Variant {
+            family: Family::Gemma3,
+            qk_norm: true,
+            post_norms: true,
+            embed_scale: true,
+            gate_act: GateAct::GeluTanh,
+            sliding_window: Some(8),
+            global_every: Some(6),
+            local_rope_theta: Some(1e4),
+            ..Default::default()
+        };
+        let ok = [
+            Variant::default(),
+            Variant {
+                family: Family::Qwen2,
+                qkv_bias: true,
+                ..Default::default()
+            },
+            Variant {
+                family: Family::Phi3,
+                sliding_window: Some(8),
+                ..Default::default()
+            },
+            gemma.clone(),
+        ];
+        for v in ok {
+            assert_eq!(check_writable(&args(v.clone())), Ok(()), "{v:?}");
+        }
+        let refused = [
+            (
+                Variant {
+                    family: Family::Qwen2,
+                    sliding_window: Some(8),
+                    ..Default::default()
+                },
+                "sliding window",
+            ),
+            (
+                Variant {
+                    global_every: Some(4),
+                    ..gemma.clone()
+                },
+                "every 4 layers",
+            ),
+            (
+                Variant {
+                    post_norms: false,
+                    ..gemma.clone()
+                },
+                "without post-norms",
+            ),
+            (
+                Variant {
+                    family: Family::Qwen3,
+                    qk_norm: true,
+                    embed_scale: true,
+                    ..Default::default()
+                },
+                "with the embedding scale",
+            ),
+        ];
+        for (v, want) in refused {
+            let e = check_writable(&args(v)).unwrap_err();
+            assert!(e.contains(want), "{e}");
         }
     }
 }

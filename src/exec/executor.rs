@@ -812,7 +812,9 @@ impl Executor {
                 let mut rows = out.chunks_exact_mut(e);
                 for sq in seqs.iter() {
                     let end = sq.first + sq.count;
-                    for (o, t) in rows.by_ref().zip(end - sq.rows..end) {
+                    // The token range leads the zip: when it ends, no
+                    // output row has been taken (and lost) for it.
+                    for (t, o) in (end - sq.rows..end).zip(rows.by_ref()) {
                         o.copy_from_slice(&x[t * e..(t + 1) * e]);
                     }
                 }

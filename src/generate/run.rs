@@ -96,6 +96,10 @@ pub struct GenStats {
     /// the sampling among the allowed tokens, advancing the grammar), part
     /// of `decode`.
     pub constrained_sampling: Duration,
+    /// Context shifts done ([`generate_shifting`]).
+    pub shifts: usize,
+    /// Tokens the context shifts dropped.
+    pub dropped_tokens: usize,
 }
 
 impl GenStats {
@@ -148,6 +152,29 @@ pub fn check_fits(
         });
     }
     Ok(())
+}
+
+/// What a generation does when its tokens fill the context (llama.cpp's
+/// context shift, re-feeding instead of re-rotating the cache).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ContextShift {
+    /// Tokens at the start of the sequence that always stay (a BOS, a
+    /// system prompt).
+    pub keep: usize,
+}
+
+impl ContextShift {
+    /// The tokens that stay when `history` (every token in the cache, the
+    /// first `keep` of them kept) is shifted: the first `keep`, then the
+    /// newer half of the rest. As llama.cpp's `n_discard = (n_past -
+    /// n_keep) / 2`.
+    pub fn shifted(&self, history: &[u32]) -> Vec<u32> {
+        let keep = self.keep.min(history.len());
+        let discard = (history.len() - keep) / 2;
+        let mut out = history[..keep].to_vec();
+        out.extend_from_slice(&history[keep + discard..]);
+        out
+    }
 }
 
 /// Runs one generation from the session's current position: feeds
@@ -393,4 +420,114 @@ pub fn generate_constrained(
         stats.spec = Some(spec_stats);
     }
     Ok(stats)
+}
+
+/// [`generate_constrained`] with a context that fills up not ending the
+/// generation (`run --context-full shift`): when the context is full, the
+/// oldest half of the tokens after `shift.keep` are dropped, the session
+/// is reset and the rest is fed again as the next prompt (llama.cpp's
+/// context shift, re-feeding instead of re-rotating the cache), as many
+/// times as it takes. `opts.n_predict` may then exceed the context (`None`:
+/// until an end-of-sequence token or a stop string); the prompt itself
+/// must still fit. The session must start empty, so that the prompt and
+/// the generated tokens are all it holds.
+///
+/// Each stretch between shifts is one [`generate_constrained`] call: a
+/// stop string that straddles a shift is not seen, the repetition
+/// penalties restart from the kept tokens, and the sampler's seed is moved
+/// on by the number of shifts (so a random stream does not repeat).
+#[allow(clippy::too_many_arguments)]
+pub fn generate_shifting(
+    session: &mut Session,
+    mut spec: Option<Speculation<'_>>,
+    mut constraint: Option<&mut Constraint>,
+    tokenizer: Option<&Tokenizer>,
+    prompt: &[u32],
+    opts: &GenOptions,
+    shift: ContextShift,
+    emit: &mut dyn FnMut(&str),
+) -> Result<GenStats, GenError> {
+    if session.position() != 0 || spec.as_ref().is_some_and(|s| !s.before.is_empty()) {
+        return Err(GenError::Session(SessionError::Invalid(
+            "a context shift needs a generation from an empty session".into(),
+        )));
+    }
+    let context = session.context();
+    check_fits(prompt.len(), None, context)?;
+    let mut total = GenStats {
+        prompt_tokens: prompt.to_vec(),
+        ..Default::default()
+    };
+    // Every token the cache holds, then the next stretch's prompt.
+    let mut history = prompt.to_vec();
+    loop {
+        let left = opts
+            .n_predict
+            .map_or(usize::MAX, |n| n - total.generated_tokens.len());
+        let room = context - history.len();
+        let mut o = opts.clone();
+        // Until the context is full (that generation samples `room + 1`
+        // tokens: the last from the last position), or the rest.
+        o.n_predict = (left <= room).then_some(left);
+        o.sampler.seed = opts
+            .sampler
+            .seed
+            .wrapping_add((total.shifts as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let sp = spec.as_mut().map(|s| Speculation {
+            drafter: &mut *s.drafter,
+            config: s.config,
+            before: &[],
+        });
+        let g = generate_constrained(
+            session,
+            sp,
+            constraint.as_deref_mut(),
+            tokenizer,
+            &history,
+            &o,
+            emit,
+        )?;
+        if total.shifts == 0 {
+            total.prefill = g.prefill;
+            total.decode = g.decode;
+        } else {
+            // Re-feeding the kept tokens is part of decoding.
+            total.decode += g.prefill + g.decode;
+        }
+        total
+            .generated_tokens
+            .extend_from_slice(&g.generated_tokens);
+        history.extend_from_slice(&g.generated_tokens);
+        total.top.extend(g.top);
+        total.logsumexp.extend(g.logsumexp);
+        total.constrained_sampling += g.constrained_sampling;
+        if let Some(s) = g.spec {
+            let t = total.spec.get_or_insert_with(SpecStats::default);
+            t.drafted += s.drafted;
+            t.accepted += s.accepted;
+            t.verify_steps += s.verify_steps;
+            t.plain_steps += s.plain_steps;
+            t.steps.extend(s.steps);
+            t.draft_time += s.draft_time;
+        }
+        total.stop_reason = g.stop_reason;
+        if g.stop_reason != Some(StopReason::ContextFull)
+            || opts.n_predict == Some(total.generated_tokens.len())
+        {
+            if total.stop_reason == Some(StopReason::ContextFull) {
+                total.stop_reason = Some(StopReason::Length);
+            }
+            return Ok(total);
+        }
+        // The last sampled token was not fed: it stays as the newest.
+        let kept = shift.shifted(&history);
+        if kept.len() >= context {
+            // Nothing left to drop: the kept start fills the context.
+            return Ok(total);
+        }
+        total.shifts += 1;
+        total.dropped_tokens += history.len() - kept.len();
+        history = kept;
+        session.reset();
+    }
 }

@@ -111,6 +111,18 @@ impl Family {
         }
     }
 
+    /// The Hugging Face class of the family (`config.json` `architectures`).
+    pub fn hf_class(self) -> &'static str {
+        match self {
+            Family::Llama => "LlamaForCausalLM",
+            Family::Mistral => "MistralForCausalLM",
+            Family::Qwen2 => "Qwen2ForCausalLM",
+            Family::Qwen3 => "Qwen3ForCausalLM",
+            Family::Gemma3 => "Gemma3ForCausalLM",
+            Family::Phi3 => "Phi3ForCausalLM",
+        }
+    }
+
     /// Whether a GGUF of this `general.architecture` stores Q/K rows in
     /// Hugging Face's rotate-half order (llama.cpp's NEOX RoPE), which the
     /// loader puts back in Meta's order.

@@ -345,6 +345,11 @@ pub fn fuse_residual(g: &mut Graph) -> Result<PassStats, GraphError> {
         let Some((mm, resid)) = pick else {
             continue;
         };
+        // A bias (a vector broadcast over the rows, as Qwen2's Q/K/V biases
+        // stay when their projections are not fused) is not a residual.
+        if g.node(resid).meta.shape != g.node(add).meta.shape {
+            continue;
+        }
         let mi = g.inputs(mm);
         let layer = g.node(add).layer;
         let new = g.add_op(

@@ -1,10 +1,12 @@
 //! The OpenAI wire format: request bodies as they are parsed and checked,
 //! and the error shape (`{"error": {"message", "type", "param", "code"}}`).
 //!
-//! A top-level field this server does not know is refused by name (400):
-//! a request field it cannot honour is never silently dropped. Only fields
-//! that do not change the output are accepted and ignored
-//! ([`IGNORED_FIELDS`]: `user`, `metadata`, `store`). Known fields this
+//! A field this server does not know, at the top level or inside an object
+//! of the request (`messages[0].foo`, `tools[0].function.foo`), is refused
+//! by name (400): a request field it cannot honour is never silently
+//! dropped. Only fields that do not change the output are accepted and
+//! ignored ([`IGNORED_FIELDS`]: `user`, `metadata`, `store`; a message's
+//! `name`). Known fields this
 //! server cannot honour with a non-default value (`echo`, `suffix`, ...)
 //! are refused by name too.
 
@@ -88,25 +90,16 @@ pub fn parse_body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Api
     let mut unknown: Vec<String> = Vec::new();
     let parsed: Result<T, _> = serde_path_to_error::deserialize(serde_ignored::Deserializer::new(
         value,
-        // `?` marks a step into an `Option`: not part of the field's name.
-        &mut |path: serde_ignored::Path<'_>| {
-            let name: Vec<String> = path
-                .to_string()
-                .split('.')
-                .filter(|s| *s != "?")
-                .map(str::to_string)
-                .collect();
-            unknown.push(name.join("."))
-        },
+        &mut |path: serde_ignored::Path<'_>| unknown.push(field_name(&path)),
     ));
     if let Ok(v) = parsed {
-        // Top-level fields and those of plain option objects
-        // (`stream_options`); unknown keys inside messages and content
-        // parts are left to the checks that read them.
-        let refused = unknown.iter().find(|p| {
-            let top = !p.contains('.') && !IGNORED_FIELDS.contains(&p.as_str());
-            top || p.starts_with("stream_options.")
-        });
+        // Any key the request types do not have, at the top level or
+        // inside (`messages[0].foo`, `stream_options.foo`,
+        // `response_format.json_schema.foo`), but for the top-level
+        // fields that do not change the output.
+        let refused = unknown
+            .iter()
+            .find(|p| !IGNORED_FIELDS.contains(&p.as_str()));
         return match refused {
             Some(p) => Err(ApiError::invalid(
                 p,
@@ -135,6 +128,42 @@ pub fn parse_body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Api
     })
 }
 
+/// An ignored field's name as the client spells it: `messages[0].foo`
+/// (serde_ignored's own text would be `messages.0.foo`, with `?` for each
+/// step into an `Option`).
+fn field_name(path: &serde_ignored::Path<'_>) -> String {
+    use serde_ignored::Path;
+    match path {
+        Path::Root => String::new(),
+        Path::Seq { parent, index } => format!("{}[{index}]", field_name(parent)),
+        Path::Map { parent, key } => match field_name(parent) {
+            p if p.is_empty() => key.clone(),
+            p => format!("{p}.{key}"),
+        },
+        Path::Some { parent }
+        | Path::NewtypeStruct { parent }
+        | Path::NewtypeVariant { parent } => field_name(parent),
+    }
+}
+
+/// Checks that the object `v` at `at` has only the keys in `known`; the
+/// first other key is a 400 naming it.
+pub fn only_keys(v: &serde_json::Value, at: &str, known: &[&str]) -> Result<(), ApiError> {
+    let Some(m) = v.as_object() else {
+        return Err(ApiError::invalid(at, format!("`{at}` must be an object")));
+    };
+    match m.keys().find(|k| !known.contains(&k.as_str())) {
+        Some(k) => Err(ApiError::invalid(
+            &format!("{at}.{k}"),
+            format!(
+                "unsupported field `{at}.{k}`: this server cannot honour it (known here: {})",
+                known.join(", ")
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// A message's `content`: a string, or an array of parts of which only
 /// text parts are understood.
 #[derive(Debug, Clone, Deserialize)]
@@ -150,8 +179,15 @@ pub struct ContentPart {
     pub kind: String,
     #[serde(default)]
     pub text: Option<String>,
+    /// Any other key (refused by name: inside an untagged `content` the
+    /// unknown-field check of [`parse_body`] does not see them).
+    #[serde(flatten)]
+    pub other: serde_json::Map<String, serde_json::Value>,
 }
 
+/// One entry of `messages`. Its other keys are refused by [`parse_body`];
+/// `name` is accepted: the template is given it where it renders tool
+/// calls, and otherwise it does not change the prompt.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
@@ -165,6 +201,17 @@ pub struct ChatMessage {
     pub tool_call_id: Option<String>,
     #[serde(default)]
     pub name: Option<String>,
+    /// Fields of OpenAI's assistant messages that clients send back as
+    /// they got them: accepted when null (or, `annotations`, empty),
+    /// refused by name otherwise.
+    #[serde(default)]
+    pub refusal: Option<serde_json::Value>,
+    #[serde(default)]
+    pub audio: Option<serde_json::Value>,
+    #[serde(default)]
+    pub function_call: Option<serde_json::Value>,
+    #[serde(default)]
+    pub annotations: Option<serde_json::Value>,
 }
 
 /// `stop`: one string or a list.
@@ -227,6 +274,8 @@ macro_rules! request {
             pub frequency_penalty: Option<f32>,
             #[serde(default)]
             pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+            #[serde(default)]
+            pub speculative: Option<bool>,
         }
 
         impl $name {
@@ -251,6 +300,7 @@ macro_rules! request {
                     presence_penalty: self.presence_penalty,
                     frequency_penalty: self.frequency_penalty,
                     logit_bias: self.logit_bias.clone(),
+                    speculative: self.speculative,
                 }
             }
         }
@@ -286,6 +336,10 @@ pub struct Common {
     pub frequency_penalty: Option<f32>,
     /// Token id (as a string) -> bias in [-100, 100].
     pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    /// This server's extension: `false` turns speculative decoding off for
+    /// the request (it changes no token, only the speed); `true` is
+    /// refused by a server started without a drafter.
+    pub speculative: Option<bool>,
 }
 
 request! {
@@ -519,6 +573,8 @@ pub struct Checked {
     pub logprobs: Option<usize>,
     /// Logit bias and presence/frequency penalties.
     pub penalties: Penalties,
+    /// `speculative`, as asked.
+    pub speculative: Option<bool>,
 }
 
 impl Common {
@@ -698,6 +754,7 @@ impl Common {
             n,
             logprobs,
             penalties,
+            speculative: self.speculative,
         })
     }
 }
@@ -721,6 +778,25 @@ impl ChatRequest {
             .iter()
             .enumerate()
             .map(|(i, m)| {
+                for (field, v) in [
+                    ("refusal", &m.refusal),
+                    ("audio", &m.audio),
+                    ("function_call", &m.function_call),
+                    ("annotations", &m.annotations),
+                ] {
+                    let empty = match v {
+                        None | Some(serde_json::Value::Null) => true,
+                        Some(serde_json::Value::Array(a)) => field == "annotations" && a.is_empty(),
+                        Some(_) => false,
+                    };
+                    if !empty {
+                        let at = format!("messages[{i}].{field}");
+                        return Err(ApiError::invalid(
+                            &at,
+                            format!("`{at}` is not supported (send it as null or leave it out)"),
+                        ));
+                    }
+                }
                 let content = match &m.content {
                     None => String::new(),
                     Some(Content::Text(s)) => s.clone(),
@@ -728,7 +804,16 @@ impl ChatRequest {
                         let mut s = String::new();
                         for (j, p) in parts.iter().enumerate() {
                             match (p.kind.as_str(), &p.text) {
-                                ("text", Some(t)) => s.push_str(t),
+                                ("text", Some(t)) => {
+                                    if let Some(k) = p.other.keys().next() {
+                                        let at = format!("messages[{i}].content[{j}].{k}");
+                                        return Err(ApiError::invalid(
+                                            &at,
+                                            format!("unsupported field `{at}`: a text part has `type` and `text`"),
+                                        ));
+                                    }
+                                    s.push_str(t)
+                                }
                                 _ => {
                                     return Err(ApiError::invalid(
                                         &format!("messages[{i}].content[{j}]"),
@@ -764,10 +849,23 @@ impl ChatRequest {
             if let Some(calls) = &m.tool_calls {
                 let mut parsed = Vec::with_capacity(calls.len());
                 for (j, c) in calls.iter().enumerate() {
-                    let at = format!("messages[{i}].tool_calls[{j}].function");
+                    let call = format!("messages[{i}].tool_calls[{j}]");
+                    only_keys(c, &call, &["id", "type", "function"])?;
+                    match c.get("type") {
+                        None | Some(serde_json::Value::Null) => {}
+                        Some(t) if t == "function" => {}
+                        Some(t) => {
+                            return Err(ApiError::invalid(
+                                &format!("{call}.type"),
+                                format!("`{call}.type` must be `function`, got {t}"),
+                            ))
+                        }
+                    }
+                    let at = format!("{call}.function");
                     let f = c
                         .get("function")
                         .ok_or_else(|| ApiError::invalid(&at, format!("`{at}` is missing")))?;
+                    only_keys(f, &at, &["name", "arguments"])?;
                     let name = f.get("name").and_then(|n| n.as_str()).ok_or_else(|| {
                         ApiError::invalid(
                             &format!("{at}.name"),
@@ -862,6 +960,68 @@ mod tests {
         // A wrong type is still named as such.
         let e = chat(r#"{"messages": [], "n": "two", "bogus": 1}"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("n"));
+    }
+
+    #[test]
+    fn unknown_keys_inside_messages_and_options_are_refused_by_name() {
+        let param = |body: &str| -> Option<String> {
+            match chat(body) {
+                Err(e) => {
+                    assert_eq!(e.status, 400, "{body}");
+                    assert!(e.message.contains(e.param.as_deref().unwrap_or("")));
+                    e.param
+                }
+                Ok(r) => r
+                    .messages()
+                    .and(r.messages_json())
+                    .err()
+                    .and_then(|e| e.param),
+            }
+        };
+        for (body, want) in [
+            (
+                r#"{"messages": [{"role": "user", "content": "hi", "cache_control": {}}]}"#,
+                "messages[0].cache_control",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "x", "weight": 2}]}"#,
+                "messages[1].weight",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}}]}]}"#,
+                "messages[0].content[0].cache_control",
+            ),
+            (
+                r#"{"messages": [{"role": "assistant", "content": "no", "refusal": "I won't"}]}"#,
+                "messages[0].refusal",
+            ),
+            (
+                r#"{"messages": [{"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}, "index": 0}]}]}"#,
+                "messages[0].tool_calls[0].index",
+            ),
+            (
+                r#"{"messages": [{"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}", "extra": 1}}]}]}"#,
+                "messages[0].tool_calls[0].function.extra",
+            ),
+            (
+                r#"{"messages": [{"role": "assistant", "tool_calls": [{"type": "code", "function": {"name": "f"}}]}]}"#,
+                "messages[0].tool_calls[0].type",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {"schema": {}, "description": "d"}}}"#,
+                "response_format.json_schema.description",
+            ),
+        ] {
+            assert_eq!(param(body).as_deref(), Some(want), "{body}");
+        }
+        // What clients send back from an assistant message, a message's
+        // `name`, and content parts of text alone are accepted.
+        let r = chat(
+            r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "ann"}, {"role": "assistant", "content": "yes", "refusal": null, "audio": null, "function_call": null, "annotations": [], "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(r.messages().unwrap().len(), 2);
+        r.messages_json().unwrap();
     }
 
     #[test]

@@ -18,13 +18,23 @@
 //! order. Every kernel computes a sequence's rows independently of the rest
 //! of the batch, so a greedy request's tokens do not depend on what else is
 //! running.
+//!
+//! With speculative decoding ([`EngineHandle::start_speculative`]), before
+//! each step the engine guesses the next tokens of every decoding sequence
+//! (prompt lookup, or a draft model on a session of its own per sequence
+//! slot, run on this thread), and the sequence feeds its newest token and
+//! the guesses in the same batched step as everyone else's tokens; its
+//! tokens are sampled from the step's rows one at a time exactly as a
+//! plain step would sample them (see `docs/design/speculative.md`), so the
+//! tokens do not change.
 #![warn(missing_docs)]
 
 use super::scheduler::{Scheduler, SchedulerConfig, SeqId};
 use crate::exec::{Batch, KvPool};
 use crate::generate::constraint::Constraint;
 use crate::generate::sampler::{Penalties, Sampler, SamplerConfig, TokenLogprobs};
-use crate::ir::Pooling;
+use crate::generate::spec::{check_vocab, Adapt, Drafter, SpecConfig};
+use crate::ir::{LogitRows, Pooling, SEQ_TABLE_COLS};
 use crate::session::{CacheType, Model, Session, SessionError, SessionOptions};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -60,6 +70,20 @@ pub struct GenExtras {
     /// Report every sampled token's log-probability with this many
     /// alternatives (see [`GenStream::take_logprobs`]).
     pub logprobs: Option<usize>,
+    /// Speculative decoding for this request: `None` follows the engine
+    /// (on when it was started with a drafter), `Some(false)` turns it
+    /// off, `Some(true)` is refused by an engine without a drafter.
+    pub speculative: Option<bool>,
+}
+
+/// Speculative decoding in the engine (see
+/// [`EngineHandle::start_speculative`]).
+pub struct EngineSpec {
+    /// How many tokens to guess per step, and whether that adapts.
+    pub config: SpecConfig,
+    /// The draft model (its vocabulary must be the model's); `None`:
+    /// prompt lookup.
+    pub draft: Option<Model>,
 }
 
 /// Why a sequence ended.
@@ -149,6 +173,10 @@ pub struct EngineStats {
     /// Sequences preempted because the KV pool ran short (their blocks were
     /// freed and they were fed again from their first token later).
     pub preemptions_total: u64,
+    /// Guessed tokens verified by a step (speculative decoding).
+    pub tokens_drafted_total: u64,
+    /// Guessed tokens that were the tokens sampled (kept).
+    pub tokens_accepted_total: u64,
 }
 
 /// Fixed properties of a running engine.
@@ -246,6 +274,8 @@ struct Shared {
     preemptions_total: AtomicU64,
     /// f64 bits.
     tokens_per_s: AtomicU64,
+    tokens_drafted_total: AtomicU64,
+    tokens_accepted_total: AtomicU64,
 }
 
 /// Closes the queue when the last handle goes away; the engine thread then
@@ -275,6 +305,8 @@ impl Drop for Owner {
 pub struct EngineHandle {
     owner: Arc<Owner>,
     limits: EngineLimits,
+    /// Whether it decodes speculatively.
+    speculative: bool,
 }
 
 impl std::fmt::Debug for EngineHandle {
@@ -374,10 +406,66 @@ impl EngineHandle {
         cfg: EngineConfig,
         pooling: Option<Pooling>,
     ) -> Result<EngineHandle, EngineError> {
+        EngineHandle::start_speculative(model, cfg, pooling, None)
+    }
+
+    /// [`EngineHandle::start_with_embeddings`], decoding speculatively
+    /// with `spec`: each decoding sequence's guesses ride in the batched
+    /// step beside the other sequences' tokens, and its tokens are the
+    /// ones it gets without them. The session's steps return up to
+    /// `parallel * (draft_max + 1)` logit rows (at most `batch`); a draft
+    /// model gets `parallel` sessions of its own (one sequence each, the
+    /// model's context, threads and `exact`), used on the engine thread.
+    pub fn start_speculative(
+        model: Model,
+        cfg: EngineConfig,
+        pooling: Option<Pooling>,
+        spec: Option<EngineSpec>,
+    ) -> Result<EngineHandle, EngineError> {
         let mut session_opts = cfg.session.clone();
         session_opts.parallel = cfg.parallel;
-        EngineHandle::launch(&cfg, move || {
-            let session = Session::new(&model, &session_opts)?;
+        let mut target_opts = session_opts.clone();
+        if let Some(sp) = &spec {
+            sp.config.validate().map_err(EngineError::Invalid)?;
+            if sp.config.draft_max + 1 > session_opts.batch {
+                return Err(EngineError::Invalid(format!(
+                    "--draft-max {} needs steps of {} tokens, more than -b/--batch-size {}",
+                    sp.config.draft_max,
+                    sp.config.draft_max + 1,
+                    session_opts.batch
+                )));
+            }
+            if let Some(d) = &sp.draft {
+                check_vocab(&model, d).map_err(EngineError::Invalid)?;
+            }
+            target_opts.logit_rows = LogitRows::Tail {
+                max: (cfg.parallel * (sp.config.draft_max + 1)).min(session_opts.batch),
+            };
+        }
+        let speculative = spec.is_some();
+        let mut handle = EngineHandle::launch(&cfg, move || {
+            let session = Session::new(&model, &target_opts)?;
+            let spec = match spec {
+                None => None,
+                Some(sp) => {
+                    let mut free = Vec::new();
+                    if let Some(d) = &sp.draft {
+                        let dopts = SessionOptions {
+                            logit_rows: LogitRows::Last,
+                            parallel: 1,
+                            ..session_opts.clone()
+                        };
+                        for _ in 0..session_opts.parallel {
+                            free.push(Drafter::model(Session::new(d, &dopts)?));
+                        }
+                    }
+                    Some((SpecEngine::new(sp.config, free), sp.draft))
+                }
+            };
+            let (spec, draft_model) = match spec {
+                Some((s, d)) => (Some(s), d),
+                None => (None, None),
+            };
             let embed = match pooling {
                 None => None,
                 Some(p) => {
@@ -389,9 +477,16 @@ impl EngineHandle {
                     Some(Session::new_embedding(&model, &o, p)?)
                 }
             };
-            // The model's mappings stay alive with the session.
-            Ok((session, embed, Box::new(model) as Box<dyn Send>))
-        })
+            // The models' mappings stay alive with the sessions.
+            Ok((
+                session,
+                embed,
+                spec,
+                Box::new((model, draft_model)) as Box<dyn Send>,
+            ))
+        })?;
+        handle.speculative = speculative;
+        Ok(handle)
     }
 
     /// Serves with a session compiled elsewhere, for `cfg.parallel`
@@ -411,14 +506,16 @@ impl EngineHandle {
             )));
         }
         EngineHandle::launch(&cfg, move || {
-            Ok((session, None, Box::new(model) as Box<dyn Send>))
+            Ok((session, None, None, Box::new(model) as Box<dyn Send>))
         })
     }
 
     fn launch(
         cfg: &EngineConfig,
-        make: impl FnOnce() -> Result<(Session, Option<Session>, Box<dyn Send>), SessionError>
-            + Send
+        make: impl FnOnce() -> Result<
+                (Session, Option<Session>, Option<SpecEngine>, Box<dyn Send>),
+                SessionError,
+            > + Send
             + 'static,
     ) -> Result<EngineHandle, EngineError> {
         if cfg.parallel == 0 {
@@ -438,7 +535,7 @@ impl EngineHandle {
         let thread = std::thread::Builder::new()
             .name("llama-graph-engine".into())
             .spawn(move || {
-                let (mut session, mut embed, keep) = match make() {
+                let (mut session, mut embed, mut spec, keep) = match make() {
                     Ok(s) => s,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
@@ -458,7 +555,13 @@ impl EngineHandle {
                     session.exec.kv_bytes(),
                     session.exec.kv_types(),
                 )));
-                engine_loop(&mut session, embed.as_mut(), parallel, &thread_shared);
+                engine_loop(
+                    &mut session,
+                    embed.as_mut(),
+                    spec.as_mut(),
+                    parallel,
+                    &thread_shared,
+                );
                 if session.pipeline().is_some() {
                     if let Err(e) = session.stop_pipeline("") {
                         eprintln!("error: stopping the pipeline: {e}");
@@ -466,6 +569,7 @@ impl EngineHandle {
                 }
                 drop(session);
                 drop(embed);
+                drop(spec);
                 drop(keep);
             })
             .map_err(|e| EngineError::Thread(e.to_string()))?;
@@ -486,6 +590,7 @@ impl EngineHandle {
                 kv_bytes,
                 kv_types,
             },
+            speculative: false,
         })
     }
 
@@ -643,6 +748,11 @@ impl EngineHandle {
                 l.vocab
             )));
         }
+        if extras.speculative == Some(true) && !self.speculative {
+            return Err(SubmitError::Invalid(
+                "speculative: true asks for speculative decoding, but this server was started without --draft-model or --spec-ngram".into(),
+            ));
+        }
         if req.prompt.is_empty() {
             return Err(SubmitError::Invalid("the prompt is empty".into()));
         }
@@ -691,6 +801,8 @@ impl EngineHandle {
             tokens_prompt_cached_total: s.tokens_prompt_cached_total.load(Ordering::Relaxed),
             tokens_per_s: f64::from_bits(s.tokens_per_s.load(Ordering::Relaxed)),
             preemptions_total: s.preemptions_total.load(Ordering::Relaxed),
+            tokens_drafted_total: s.tokens_drafted_total.load(Ordering::Relaxed),
+            tokens_accepted_total: s.tokens_accepted_total.load(Ordering::Relaxed),
         }
     }
 }
@@ -733,11 +845,153 @@ struct Live {
     shared: Arc<StreamShared>,
 }
 
+/// Speculative decoding on the engine thread: a drafter per sequence that
+/// takes part (prompt lookup, or one of the draft model's sessions, one
+/// per sequence slot) and its draft-length controller.
+struct SpecEngine {
+    config: SpecConfig,
+    /// Draft-model drafters no sequence uses (empty with prompt lookup).
+    free: Vec<Drafter>,
+    model: bool,
+    seqs: HashMap<SeqId, SeqSpec>,
+    drafts: Vec<u32>,
+    /// This step's verifications: (sequence, guesses, kept guesses).
+    verified: Vec<(SeqId, usize, usize)>,
+}
+
+struct SeqSpec {
+    drafter: Drafter,
+    adapt: Adapt,
+}
+
+impl SpecEngine {
+    fn new(config: SpecConfig, free: Vec<Drafter>) -> SpecEngine {
+        SpecEngine {
+            config,
+            model: !free.is_empty(),
+            seqs: HashMap::with_capacity(free.len()),
+            free,
+            drafts: Vec::with_capacity(config.draft_max),
+            verified: Vec::new(),
+        }
+    }
+
+    /// A sequence starts: it guesses unless its request opted out.
+    fn admit(&mut self, id: SeqId, extras: &GenExtras) {
+        if extras.speculative == Some(false) {
+            return;
+        }
+        let drafter = if self.model {
+            match self.free.pop() {
+                Some(d) => d,
+                None => return,
+            }
+        } else {
+            Drafter::ngram()
+        };
+        self.seqs.insert(
+            id,
+            SeqSpec {
+                drafter,
+                adapt: Adapt::default(),
+            },
+        );
+    }
+
+    /// Gives the drafters of sequences that ended back (before new
+    /// sequences are admitted, so that each finds one).
+    fn reclaim(&mut self, live: &HashMap<SeqId, Live>) {
+        let ended: Vec<SeqId> = self
+            .seqs
+            .keys()
+            .filter(|id| !live.contains_key(id))
+            .copied()
+            .collect();
+        for id in ended {
+            if let Some(s) = self.seqs.remove(&id) {
+                if self.model {
+                    self.free.push(s.drafter);
+                }
+            }
+        }
+    }
+
+    /// Hands every decoding sequence its guesses for the next step.
+    fn draft(&mut self, sched: &mut Scheduler, live: &HashMap<SeqId, Live>) {
+        self.reclaim(live);
+        let mut failed = Vec::new();
+        for (&id, s) in &mut self.seqs {
+            let Some(l) = live.get(&id) else { continue };
+            if l.generated == 0 {
+                continue;
+            }
+            let Some(history) = sched.decoding(id) else {
+                continue;
+            };
+            // A kept guess is followed by one more sampled token.
+            let left = l.max_tokens.saturating_sub(l.generated + 1);
+            let k = s.adapt.choose(&self.config, left);
+            if k == 0 {
+                continue;
+            }
+            // A draft model catches up with the tokens it has not seen
+            // (the whole prompt at first) outside the timed draft, so the
+            // controller weighs what a guess costs, not the prompt.
+            if s.drafter.prefill(history).is_err() {
+                failed.push(id);
+                continue;
+            }
+            let t = Instant::now();
+            if s.drafter.draft(history, k, &mut self.drafts).is_err() {
+                // The draft model failed: this sequence decodes plainly.
+                failed.push(id);
+                continue;
+            }
+            if self.model {
+                s.adapt
+                    .draft_time(self.drafts.len(), t.elapsed().as_secs_f64());
+            }
+            if self.drafts.len() >= self.config.draft_min.max(1) {
+                sched.set_draft(id, &self.drafts);
+            }
+        }
+        for id in failed {
+            // Its session may hold anything now: it is not reused.
+            self.seqs.remove(&id);
+        }
+    }
+
+    /// After a step of `secs` that carried `plan`: the controllers learn
+    /// the step's cost and this step's verifications, and the counters
+    /// count them.
+    fn record(&mut self, plan: &[super::scheduler::Slot], secs: f64, shared: &Shared) {
+        for p in plan {
+            if let Some(s) = self.seqs.get_mut(&p.id) {
+                if p.samples {
+                    s.adapt.step_time(p.tokens, secs);
+                }
+            }
+        }
+        for &(id, drafted, kept) in &self.verified {
+            if let Some(s) = self.seqs.get_mut(&id) {
+                s.adapt.verified(drafted, kept);
+            }
+            shared
+                .tokens_drafted_total
+                .fetch_add(drafted as u64, Ordering::Relaxed);
+            shared
+                .tokens_accepted_total
+                .fetch_add(kept as u64, Ordering::Relaxed);
+        }
+    }
+}
+
 /// The engine thread: admits, schedules, steps, samples, retires, until the
 /// last handle is dropped.
 fn engine_loop(
     session: &mut Session,
     mut embed: Option<&mut Session>,
+    mut spec: Option<&mut SpecEngine>,
     parallel: usize,
     shared: &Shared,
 ) {
@@ -762,7 +1016,9 @@ fn engine_loop(
     let mut next_id: SeqId = 0;
     let mut batch = Batch::with_capacity(session.exec.max_chunk(), parallel, geom.n_blocks);
     let mut plan = Vec::with_capacity(parallel);
-    let mut sampled: Vec<(SeqId, u32)> = Vec::with_capacity(parallel);
+    // (sequence, token, whether it was a kept guess: already accepted by
+    // the sampler before the next row was sampled).
+    let mut sampled: Vec<(SeqId, u32, bool)> = Vec::with_capacity(parallel);
     let mut gone: Vec<SeqId> = Vec::with_capacity(parallel);
     let mut failed: Vec<(SeqId, String)> = Vec::new();
     let mut rate = Throughput {
@@ -770,6 +1026,9 @@ fn engine_loop(
         busy: Duration::ZERO,
     };
     loop {
+        if let Some(sp) = spec.as_deref_mut() {
+            sp.reclaim(&live);
+        }
         // Admit queued requests while a sequence can start; wait when idle.
         {
             let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
@@ -799,6 +1058,9 @@ fn engine_loop(
                         Ok(mut sampler) if sched.admit(id, &job.req.prompt, job.req.max_tokens) => {
                             for &t in &job.req.prompt {
                                 sampler.accept(t);
+                            }
+                            if let Some(sp) = spec.as_deref_mut() {
+                                sp.admit(id, &job.extras);
                             }
                             shared.in_flight.fetch_add(1, Ordering::Relaxed);
                             shared
@@ -857,6 +1119,10 @@ fn engine_loop(
             let end = live.get(&id).map_or(Finish::Cancelled, Live::gone_finish);
             retire(&mut sched, &mut live, id, Ok(end), shared);
         }
+        if let Some(sp) = spec.as_deref_mut() {
+            sp.draft(&mut sched, &live);
+            sp.verified.clear();
+        }
         plan.clear();
         plan.extend_from_slice(sched.schedule(&mut batch));
         if plan.is_empty() {
@@ -866,29 +1132,54 @@ fn engine_loop(
         sampled.clear();
         // Here alone, or over every stage of the pipeline this session
         // leads: the same logits rows either way.
+        let mut verified = spec.as_deref_mut().map(|s| &mut s.verified);
         let stepped = session.step(&batch).map(|logits| {
             for (j, slot) in plan.iter().enumerate() {
                 if let (true, Some(l)) = (slot.samples, live.get_mut(&slot.id)) {
-                    let row = logits.row(j);
-                    let tok = match l.constraint.as_mut() {
-                        None => l.sampler.sample(row),
-                        Some(c) => match c.sample(&mut l.sampler, row) {
-                            Ok(t) => t,
-                            Err(e) => {
-                                failed.push((slot.id, e.to_string()));
-                                continue;
-                            }
-                        },
-                    };
-                    if let Some((tx, top)) = &l.logprobs {
-                        let _ = tx.send(l.sampler.logprobs(row, tok, *top));
+                    // A sequence that feeds guesses after its newest token
+                    // has a row for each: row `i` follows guess `i`, and is
+                    // the row a plain step gets only if guess `i` is the
+                    // token sampled from row `i - 1`.
+                    let rows = batch.logit_rows_of(j);
+                    let n_rows = rows.len();
+                    let entry = &batch.seq_table()[SEQ_TABLE_COLS * j..];
+                    let end = (entry[0] + entry[1]) as usize;
+                    let guesses = &batch.tokens()[end + 1 - n_rows..end];
+                    let mut kept = 0;
+                    for (i, r) in rows.enumerate() {
+                        let row = logits.row(r);
+                        let tok = match l.constraint.as_mut() {
+                            None => l.sampler.sample(row),
+                            Some(c) => match c.sample(&mut l.sampler, row) {
+                                Ok(t) => t,
+                                Err(e) => {
+                                    failed.push((slot.id, e.to_string()));
+                                    break;
+                                }
+                            },
+                        };
+                        if let Some((tx, top)) = &l.logprobs {
+                            let _ = tx.send(l.sampler.logprobs(row, tok, *top));
+                        }
+                        if l.generated == 0 && i == 0 {
+                            l.shared
+                                .cached
+                                .store(sched.reused_of(slot.id), Ordering::Relaxed);
+                        }
+                        let more = i + 1 < n_rows
+                            && guesses[i] as u32 == tok
+                            && !l.stop_tokens.contains(&tok)
+                            && l.generated + i + 1 < l.max_tokens;
+                        sampled.push((slot.id, tok, more));
+                        if !more {
+                            break;
+                        }
+                        l.sampler.accept(tok);
+                        kept += 1;
                     }
-                    if l.generated == 0 {
-                        l.shared
-                            .cached
-                            .store(sched.reused_of(slot.id), Ordering::Relaxed);
+                    if let (true, Some(v)) = (n_rows > 1, verified.as_deref_mut()) {
+                        v.push((slot.id, n_rows - 1, kept));
                     }
-                    sampled.push((slot.id, tok));
                 }
             }
         });
@@ -907,10 +1198,7 @@ fn engine_loop(
             continue;
         }
         sched.advance();
-        for (id, msg) in failed.drain(..) {
-            retire(&mut sched, &mut live, id, Err(msg), shared);
-        }
-        for &(id, tok) in &sampled {
+        for &(id, tok, accepted) in &sampled {
             let Some(l) = live.get_mut(&id) else {
                 continue;
             };
@@ -925,13 +1213,28 @@ fn engine_loop(
             } else if l.generated >= l.max_tokens {
                 Some(Finish::Length)
             } else {
-                l.sampler.accept(tok);
+                if !accepted {
+                    l.sampler.accept(tok);
+                }
                 sched.push_token(id, tok);
                 None
             };
             if let Some(f) = end {
                 retire(&mut sched, &mut live, id, Ok(f), shared);
             }
+        }
+        // After the tokens sampled before the failure (the kept guesses
+        // of a step that verified some), as plain steps would have sent
+        // them.
+        for (id, msg) in failed.drain(..) {
+            retire(&mut sched, &mut live, id, Err(msg), shared);
+        }
+        if let Some(sp) = spec.as_deref_mut() {
+            // Positions computed on guesses not kept are forgotten.
+            for &(id, _, _) in &sp.verified {
+                sched.rollback(id);
+            }
+            sp.record(&plan, t0.elapsed().as_secs_f64(), shared);
         }
         publish_kv(&sched, shared);
         shared

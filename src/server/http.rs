@@ -17,7 +17,7 @@ use super::engine::{
 };
 use super::text::TextStream;
 use super::tools::{self, CallDetector, ToolCall, ToolChoice, ToolFormat};
-use crate::generate::chat::ChatFormat;
+use crate::generate::chat::{ChatFormat, ContextPolicy};
 use crate::generate::constraint::{Constraint, GrammarSpec, Grammars};
 use crate::generate::sampler::Rng;
 use crate::generate::sampler::TokenLogprobs;
@@ -58,6 +58,10 @@ pub struct ServerOptions {
     /// How long a streaming response may stay silent (a long prefill)
     /// before an SSE comment line keeps the connection alive.
     pub sse_keepalive: Duration,
+    /// A chat whose messages leave too little of the context for the
+    /// reply: `Shift` drops its oldest turns after the system messages
+    /// (see [`ChatFormat::fit`]), `Refuse` answers 400 with the numbers.
+    pub context_full: ContextPolicy,
 }
 
 /// The model, once loaded: the engine plus what turns text into ids and back.
@@ -605,6 +609,18 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Result<Response, ApiError> {
         st.preemptions_total.to_string(),
     );
     metric(
+        "drafted_tokens_total",
+        "counter",
+        "Guessed tokens verified by a step (speculative decoding).",
+        st.tokens_drafted_total.to_string(),
+    );
+    metric(
+        "accepted_tokens_total",
+        "counter",
+        "Guessed tokens that were the tokens sampled (speculative decoding).",
+        st.tokens_accepted_total.to_string(),
+    );
+    metric(
         "kv_usage_ratio",
         "gauge",
         "KV-cache cells in use over cells in all.",
@@ -721,12 +737,14 @@ async fn chat_completions(
             ));
         };
         let format = ToolFormat::of(Some(source));
-        let msgs = format.messages(&r.messages_json()?, offered);
-        let listed = (format.template_renders_tools() && !offered.is_empty())
-            .then(|| Value::Array(r.tools.clone().unwrap_or_default()));
+        let (msgs, listed) = format.template_inputs(
+            &r.messages_json()?,
+            r.tools.as_deref().unwrap_or(&[]),
+            offered,
+        );
         let prompt = l
             .chat
-            .tokens_json(l.tokenizer, &Value::Array(msgs), listed.as_ref())
+            .tokens_json(l.tokenizer, &msgs, listed.as_ref())
             .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
         if !offered.is_empty() {
             output.tools = Some(format);
@@ -743,15 +761,49 @@ async fn chat_completions(
         }
         prompt
     } else {
-        l.chat
+        let prompt = l
+            .chat
             .tokens(l.tokenizer, &messages)
-            .map_err(|e| ApiError::invalid("messages", e.to_string()))?
+            .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+        match s.opts.context_full {
+            ContextPolicy::Refuse => prompt,
+            ContextPolicy::Shift => shift_messages(l, &messages, checked.max_tokens, prompt),
+        }
     };
     if let Some((g, field)) = &spec {
         output.constraint = Some(s.constraint(g, field)?);
     }
     let field = r.max_tokens().map(|(_, f)| f).unwrap_or("max_tokens");
     start(&s, l, Endpoint::Chat, prompt, checked, field, output).await
+}
+
+/// With the `shift` policy: the chat's tokens with its oldest turns
+/// dropped until `max_tokens` (a quarter of the context when not given)
+/// fit after them. Where no dropping makes them fit, the whole prompt is
+/// kept and refused later with the numbers.
+fn shift_messages(
+    l: &Loaded,
+    messages: &[crate::generate::chat::Message],
+    max_tokens: Option<usize>,
+    prompt: Vec<u32>,
+) -> Vec<u32> {
+    let context = l.engine.limits().context;
+    let reserve = max_tokens.unwrap_or(context / 4).max(1);
+    if prompt.len().saturating_add(reserve) <= context {
+        return prompt;
+    }
+    let target = context.saturating_sub(reserve);
+    match l.chat.fit(
+        l.tokenizer,
+        messages,
+        context,
+        reserve,
+        target,
+        ContextPolicy::Shift,
+    ) {
+        Ok(f) => f.tokens,
+        Err(_) => prompt,
+    }
 }
 
 async fn completions(State(s): State<Arc<AppState>>, req: Request) -> Result<Response, ApiError> {
@@ -863,6 +915,7 @@ async fn start(
                 penalties: c.penalties.clone(),
                 logprobs: c.logprobs,
                 constraint: output.constraint.clone(),
+                speculative: c.speculative,
             };
             (req, extras)
         })
@@ -899,6 +952,7 @@ async fn start(
             text: TextStream::new(l.tokenizer, c.stop.clone()),
             logprobs: c.logprobs.is_some(),
             received: 0,
+            cached: None,
             pending: Vec::new(),
             offset: 0,
             completion_tokens: 0,
@@ -950,10 +1004,14 @@ struct Choice {
     text: TextStream<'static>,
     logprobs: bool,
     received: usize,
+    /// Prompt positions the sequence took from the prefix cache or another
+    /// sequence, read at its first event (its first token, or its end when
+    /// that token was a stop token).
+    cached: Option<usize>,
     /// Logprobs of tokens received but not yet sent.
     pending: Vec<TokenLogprobs>,
-    /// Bytes of token text before the pending tokens (completions'
-    /// `text_offset`).
+    /// Characters of the choice's text begun before the pending tokens
+    /// (completions' `text_offset`).
     offset: usize,
     completion_tokens: usize,
     finish: Option<&'static str>,
@@ -974,6 +1032,11 @@ enum Step {
 impl Choice {
     /// Applies one event of the choice's stream.
     fn apply(&mut self, ev: Option<GenEvent>) -> Step {
+        if self.cached.is_none() {
+            // The engine stores it when it samples the first token, before
+            // that token's event or the end it causes is sent.
+            self.cached = self.gen.as_ref().map(GenStream::cached_tokens);
+        }
         match ev {
             Some(GenEvent::Token(t)) => {
                 self.received += 1;
@@ -1011,8 +1074,10 @@ impl Choice {
         }
     }
 
-    fn cached_tokens(&self) -> usize {
-        self.gen.as_ref().map_or(0, |g| g.cached_tokens())
+    /// The prompt's cached tokens for `usage`: the first choice's (the
+    /// later ones take the prompt from it, which is not the cache's doing).
+    fn usage_cached(choices: &[Choice]) -> usize {
+        choices.first().and_then(|c| c.cached).unwrap_or(0)
     }
 }
 
@@ -1039,8 +1104,13 @@ impl Reply {
     }
 
     /// The `logprobs` object of `lps`: chat's `{content: [...]}`, or
-    /// completions' `{tokens, token_logprobs, top_logprobs, text_offset}`
-    /// (byte offsets into the choice's text from `offset`).
+    /// completions' `{tokens, token_logprobs, top_logprobs, text_offset}`.
+    /// `text_offset` is OpenAI's: each token's offset in characters (code
+    /// points, as Python counts them) into the choice's text, the first
+    /// token at 0 (echo, which would count the prompt, is refused), going
+    /// on across stream chunks from `offset` (the characters begun so
+    /// far). A token that starts inside a character split between tokens
+    /// is at that character's offset.
     fn logprobs(&self, lps: &[TokenLogprobs], offset: &mut usize) -> Value {
         let tok = self.tokenizer;
         match self.endpoint {
@@ -1069,8 +1139,10 @@ impl Reply {
                 let mut offsets = Vec::with_capacity(lps.len());
                 for lp in lps {
                     let (text, bytes) = token_text(tok, lp.token);
-                    offsets.push(*offset);
-                    *offset += bytes.len();
+                    let continues = |b: &u8| (0x80..0xc0).contains(b);
+                    let inside = bytes.first().is_some_and(continues);
+                    offsets.push(offset.saturating_sub(usize::from(inside)));
+                    *offset += bytes.iter().filter(|b| !continues(b)).count();
                     tokens.push(Value::from(text));
                     values.push(lp_value(lp.logprob));
                     let mut top = serde_json::Map::new();
@@ -1265,7 +1337,6 @@ async fn whole_response(reply: Reply, mut choices: Vec<Choice>) -> Result<Respon
     // Every choice's sequence runs at once in the engine; their events
     // wait in their channels while an earlier choice is read.
     let mut out = Vec::with_capacity(choices.len());
-    let mut cached = None;
     for c in &mut choices {
         let mut text = String::new();
         loop {
@@ -1273,9 +1344,6 @@ async fn whole_response(reply: Reply, mut choices: Vec<Choice>) -> Result<Respon
                 Some(g) => g.next().await,
                 None => None,
             };
-            if cached.is_none() && c.received == 0 && matches!(ev, Some(GenEvent::Token(_))) {
-                cached = Some(c.cached_tokens());
-            }
             match c.apply(ev) {
                 Step::Text(t) => text.push_str(&t),
                 Step::End(t) => {
@@ -1288,7 +1356,7 @@ async fn whole_response(reply: Reply, mut choices: Vec<Choice>) -> Result<Respon
         out.push(reply.whole_choice(c, text));
     }
     let completion = choices.iter().map(|c| c.completion_tokens).sum();
-    let v = reply.whole(out, completion, cached.unwrap_or(0));
+    let v = reply.whole(out, completion, Choice::usage_cached(&choices));
     Ok(axum::Json(v).into_response())
 }
 
@@ -1301,7 +1369,6 @@ struct Streamer {
     keepalive: Duration,
     /// Where the next poll starts, so that no choice starves the others.
     turn: usize,
-    cached: Option<usize>,
     started: bool,
     done: bool,
 }
@@ -1314,7 +1381,11 @@ impl Streamer {
         let mut out = String::new();
         if self.include_usage {
             let completion = self.choices.iter().map(|c| c.completion_tokens).sum();
-            out.push_str(&self.reply.usage_chunk(completion, self.cached.unwrap_or(0)));
+            out.push_str(
+                &self
+                    .reply
+                    .usage_chunk(completion, Choice::usage_cached(&self.choices)),
+            );
         }
         out.push_str("data: [DONE]\n\n");
         out
@@ -1376,10 +1447,6 @@ impl Streamer {
                 // which clients skip, keeps the connection alive.
                 return Some(Bytes::from_static(b": keep-alive\n\n"));
             };
-            let first = self.choices[i].received == 0 && matches!(ev, Some(GenEvent::Token(_)));
-            if first && self.cached.is_none() && i == 0 {
-                self.cached = Some(self.choices[0].cached_tokens());
-            }
             let step = self.choices[i].apply(ev);
             let reply = &self.reply;
             let c = &mut self.choices[i];
@@ -1440,7 +1507,6 @@ fn stream_response(
         include_usage,
         keepalive: keepalive.max(Duration::from_millis(1)),
         turn: 0,
-        cached: None,
         started: false,
         done: false,
     };

@@ -38,8 +38,12 @@
 //! copied instead ([`Batch::copy_block`], at the start of the step), into
 //! the younger sequence's own block, when the older one has already fed
 //! them. The younger one is fed from the first position past the shared
-//! tokens. A sequence only writes past its fed positions, so no block is
-//! written while another sequence reads it.
+//! tokens. A prefix-cache entry (below) is a donor too, at that first
+//! step: a sequence that waited for an older one which then finished
+//! before it started (an `n` choice ending on its first token) takes the
+//! prompt from the KV that sequence left in the cache. A sequence only
+//! writes past its fed positions, so no block is written while another
+//! sequence reads it.
 //!
 //! **Prefix cache.** A sequence that ends normally ([`Scheduler::finish`])
 //! keeps its KV blocks as a cache entry: the tokens whose positions it fed
@@ -57,6 +61,15 @@
 //! tokens were chunked, a reused or shared position holds exactly the
 //! values feeding it again would write, so the generated tokens do not
 //! change.
+//!
+//! **Speculative decoding.** Before a step, the engine may give a decoding
+//! sequence guesses of its next tokens ([`Scheduler::set_draft`]). The
+//! decode pass then feeds its newest token and the guesses (as many as the
+//! step's token budget and the pool allow without preempting anyone; none
+//! otherwise) and asks logits for all of them; KV blocks are reserved for
+//! every guessed position. After the step the engine appends the tokens
+//! it kept and [`Scheduler::rollback`] forgets the positions computed on
+//! guesses that were not kept, giving back the blocks past them.
 
 use crate::exec::{Batch, KvPool};
 use std::collections::VecDeque;
@@ -121,6 +134,9 @@ struct Seq {
     /// Prompt positions it took from the prefix cache or another sequence
     /// since it was (re)admitted.
     reused: usize,
+    /// Guesses of its next tokens for the next step (see
+    /// [`Scheduler::set_draft`]).
+    draft: Vec<u32>,
 }
 
 /// The continuous-batching scheduler (see the module documentation).
@@ -145,6 +161,8 @@ pub struct Scheduler {
     /// Prompt positions whose KV came from the cache or from another
     /// running sequence (statistics, tests).
     reused: u64,
+    /// A decode token and its guesses, as one step feeds them.
+    scratch: Vec<u32>,
 }
 
 impl Scheduler {
@@ -165,6 +183,7 @@ impl Scheduler {
             pool,
             preemptions: 0,
             reused: 0,
+            scratch: Vec::new(),
         }
     }
 
@@ -240,6 +259,7 @@ impl Scheduler {
             blocks: Vec::with_capacity(self.pool.blocks_for(prompt.len() + max_tokens)),
             max_len: prompt.len() + max_tokens,
             reused: 0,
+            draft: Vec::new(),
         };
         // The cache entry sharing the longest prefix with the prompt (its
         // last token is fed in any case, for the logits).
@@ -286,6 +306,8 @@ impl Scheduler {
             return self.remove(id);
         };
         let mut s = self.running.remove(i);
+        // Positions computed on guesses that were not kept are not cached.
+        s.fed = s.fed.min(s.tokens.len());
         s.tokens.truncate(s.fed);
         self.pool.truncate(&mut s.blocks, s.fed);
         if s.fed == 0 {
@@ -368,6 +390,11 @@ impl Scheduler {
                     i += 1;
                     continue;
                 }
+                if decode && self.plan_draft(i, budget, batch) {
+                    budget -= self.plan.last().map_or(0, |p| p.tokens);
+                    i += 1;
+                    continue;
+                }
                 let pending = self.running[i].tokens.len() - self.running[i].fed;
                 let want = pending.min(budget);
                 // Only decode tokens may preempt: in the decode pass the
@@ -393,7 +420,88 @@ impl Scheduler {
                 }
             }
         }
+        // Guesses are for this step alone.
+        for s in &mut self.running {
+            s.draft.clear();
+        }
         &self.plan
+    }
+
+    /// Gives decoding sequence `id` guesses of the tokens after its newest
+    /// one, for the next [`Self::schedule`] only: it feeds its newest token
+    /// and the guesses in one slot that asks a logits row for each (see
+    /// [`Batch::logit_rows_of`]). Guesses past its token budget are
+    /// dropped. False (nothing changes) if it is unknown or not decoding.
+    pub fn set_draft(&mut self, id: SeqId, draft: &[u32]) -> bool {
+        let Some(s) = self.running.iter_mut().find(|s| s.id == id) else {
+            return false;
+        };
+        if !s.started || s.tokens.len() != s.fed + 1 {
+            return false;
+        }
+        // Each kept guess is followed by one more sampled token.
+        let room = s.max_len.saturating_sub(s.tokens.len() + 1);
+        s.draft.clear();
+        s.draft.extend_from_slice(&draft[..draft.len().min(room)]);
+        true
+    }
+
+    /// The tokens (prompt, then generated) of a running sequence whose
+    /// newest token is the only one not in the KV cache (it decodes).
+    pub fn decoding(&self, id: SeqId) -> Option<&[u32]> {
+        self.running
+            .iter()
+            .find(|s| s.id == id && s.started && s.tokens.len() == s.fed + 1)
+            .map(|s| s.tokens.as_slice())
+    }
+
+    /// After a step and the tokens it kept ([`Self::push_token`]): forgets
+    /// sequence `id`'s positions computed on guesses that were not kept
+    /// (all but its newest token are in the KV cache again) and gives back
+    /// the blocks past them. Nothing for an unknown sequence.
+    pub fn rollback(&mut self, id: SeqId) {
+        if let Some(s) = self.running.iter_mut().find(|s| s.id == id) {
+            let keep = s.tokens.len().saturating_sub(1);
+            if s.fed > keep {
+                s.fed = keep;
+                self.pool.truncate(&mut s.blocks, keep);
+            }
+        }
+    }
+
+    /// Plans running sequence `i`'s newest token with its guesses, if it
+    /// has any, the budget holds at least one, and the pool holds their
+    /// positions while still giving every younger running sequence one
+    /// more block (guesses never cause a preemption). True if planned.
+    fn plan_draft(&mut self, i: usize, budget: usize, batch: &mut Batch) -> bool {
+        let s = &self.running[i];
+        let k = s.draft.len().min(budget.saturating_sub(1));
+        if k == 0 {
+            return false;
+        }
+        let target = s.fed + 1 + k;
+        let need = self.pool.blocks_for(target).saturating_sub(s.blocks.len());
+        let younger = self.running.len() - i - 1;
+        if need > 0 && need + younger > self.available_blocks() {
+            return false;
+        }
+        let mut blocks = std::mem::take(&mut self.running[i].blocks);
+        let ok = self.reserve(&mut blocks, target);
+        let s = &mut self.running[i];
+        s.blocks = blocks;
+        if !ok {
+            return false;
+        }
+        self.scratch.clear();
+        self.scratch.push(s.tokens[s.fed]);
+        self.scratch.extend_from_slice(&s.draft[..k]);
+        batch.push_rows(&self.scratch, s.fed, &s.blocks, k + 1);
+        self.plan.push(Slot {
+            id: s.id,
+            tokens: k + 1,
+            samples: true,
+        });
+        true
     }
 
     /// The plan of the last [`Self::schedule`] call.
@@ -526,15 +634,20 @@ impl Scheduler {
     }
 
     /// For running sequence `i`, which no step has fed yet (it may hold
-    /// positions from the prefix cache): the older running sequences whose
-    /// tokens share a prefix with its own (its last token aside, which is
-    /// fed in any case). While one of them has yet to feed whole blocks of
-    /// shared tokens beyond what sequence `i` holds and another offers now,
-    /// sequence `i` waits. Otherwise, if an older sequence has fed more
-    /// shared positions than sequence `i` holds, it takes the most: that
-    /// sequence's whole blocks for them and, for the rest, a copy of its
-    /// next block into sequence `i`'s own (see [`Batch::copy_block`]); it
-    /// is then fed from the first position past them.
+    /// positions from the prefix cache): the older running sequences and
+    /// the prefix-cache entries whose tokens share a prefix with its own
+    /// (its last token aside, which is fed in any case). While an older
+    /// sequence has yet to feed whole blocks of shared tokens beyond what
+    /// sequence `i` holds and no one offers them now, sequence `i` waits.
+    /// Otherwise, if an older sequence or a cache entry holds more shared
+    /// positions than sequence `i` does, it takes the most: that donor's
+    /// whole blocks for them and, for the rest, a copy of its next block
+    /// into sequence `i`'s own (see [`Batch::copy_block`]); it is then fed
+    /// from the first position past them. A cache entry stays in the cache
+    /// (its blocks are read by one more sequence): this is how a sequence
+    /// that waited for an older one gets the prompt KV that sequence left
+    /// when it finished before the waiting one started (an `n` choice
+    /// whose first token is a stop token).
     fn share_prefix(&mut self, i: usize, batch: &mut Batch) -> Share {
         let bs = self.pool.block_size();
         let me = &self.running[i];
@@ -543,21 +656,29 @@ impl Scheduler {
         }
         let (own, held) = (me.tokens.len() - 1, me.fed);
         // The shared positions in whole blocks, and the most shared
-        // positions an older sequence has fed.
-        let (mut whole, mut best) = (0, None::<(usize, usize)>);
+        // positions a donor holds.
+        let (mut whole, mut best) = (0, None::<(usize, Donor)>);
+        let mut offer = |have: usize, d: Donor| {
+            if have > best.map_or(held, |(n, _)| n) {
+                best = Some((have, d));
+            }
+        };
         for (j, d) in self.running[..i].iter().enumerate() {
             let common = common_prefix(&d.tokens, &me.tokens).min(own);
             whole = whole.max(common / bs * bs);
-            let have = common.min(d.fed);
-            if have > best.map_or(held, |(n, _)| n) {
-                best = Some((have, j));
-            }
+            offer(common.min(d.fed), Donor::Running(j));
+        }
+        for (j, c) in self.cache.iter().enumerate() {
+            offer(
+                common_prefix(&c.tokens, &me.tokens).min(own),
+                Donor::Cached(j),
+            );
         }
         let have = best.map_or(held, |(n, _)| n);
         if have < whole {
             return Share::Wait;
         }
-        let Some((n, j)) = best else {
+        let Some((n, d)) = best else {
             return Share::None;
         };
         // Blocks below `held / bs` already hold the right positions; the
@@ -568,16 +689,23 @@ impl Scheduler {
         let (k0, k) = (held / bs, n / bs);
         // Both lists are the scheduler's; take the donor's ids out while
         // the pool rewrites the sequence's.
-        let donor = std::mem::take(&mut self.running[j].blocks);
+        let donor = match d {
+            Donor::Running(j) => std::mem::take(&mut self.running[j].blocks),
+            Donor::Cached(j) => std::mem::take(&mut self.cache[j].blocks),
+        };
         self.pool
             .share(&donor[k0..k], &mut self.running[i].blocks[k0..k]);
         if n > k * bs {
-            // The donor has fed positions k·bs..n. Copies apply in order,
+            // The donor holds positions k·bs..n. Copies apply in order,
             // so a donor whose own block k is a copy made in this step
-            // passes on its contents.
+            // passes on its contents. (A cache entry evicted later in this
+            // step may see the block reused, but only after the copies.)
             batch.copy_block(donor[k], self.running[i].blocks[k]);
         }
-        self.running[j].blocks = donor;
+        match d {
+            Donor::Running(j) => self.running[j].blocks = donor,
+            Donor::Cached(j) => self.cache[j].blocks = donor,
+        }
         self.running[i].fed = n;
         self.running[i].reused += n - held;
         self.reused += (n - held) as u64;
@@ -600,11 +728,21 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
+/// Where a sequence takes shared prompt positions from.
+#[derive(Debug, Clone, Copy)]
+enum Donor {
+    /// An older running sequence (its index).
+    Running(usize),
+    /// A prefix-cache entry (its index).
+    Cached(usize),
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Share {
-    /// No older sequence shares a token the sequence can take.
+    /// No older sequence or cache entry shares a token the sequence can
+    /// take.
     None,
-    /// The sequence now reads an older one's blocks for its first positions.
+    /// The sequence now reads a donor's blocks for its first positions.
     Shared,
     /// The older sequence has yet to feed the shared positions.
     Wait,
@@ -906,6 +1044,41 @@ mod tests {
     }
 
     #[test]
+    fn a_waiting_sequence_takes_the_prompt_its_donor_left_in_the_cache() {
+        // Blocks of 4. Sequences 1 and 2 arrive together with the same 10
+        // tokens: 2 waits while 1 feeds them; 1 ends on its first sampled
+        // token (an `n` choice stopping at once) before 2 has started.
+        let mut s = sched(4, 64, 16);
+        let mut b = Batch::default();
+        let p: Vec<u32> = (1..=10).collect();
+        assert!(s.admit(1, &p, 4));
+        assert!(s.admit(2, &p, 4));
+        let plan = step(&mut s, &mut b);
+        assert_eq!(plan.iter().map(|x| x.id).collect::<Vec<_>>(), [1]);
+        assert!(s.finish(1));
+        // 2 reads the entry's two whole blocks, copies the third (positions
+        // 8..9) into its own, and feeds its last prompt token alone.
+        let plan = step(&mut s, &mut b);
+        assert_eq!(
+            plan,
+            [Slot {
+                id: 2,
+                tokens: 1,
+                samples: true
+            }]
+        );
+        assert_eq!(b.seq_table()[2], 9, "fed from position 9");
+        assert_eq!((s.reused_of(2), s.reused_tokens()), (9, 9));
+        assert_eq!(b.copy_table().len(), 2, "one block copied");
+        // The entry stays in the cache; its blocks are freed only when
+        // both let go.
+        assert!(s.finish(2));
+        s.clear_cache();
+        assert_eq!((s.kv_used(), s.kv_cached()), (0, 0));
+        assert!(s.can_admit(16 * 4 - 4), "every block is free again");
+    }
+
+    #[test]
     fn a_short_pool_preempts_the_youngest_and_feeds_it_again() {
         // 6 blocks of 4 positions; two sequences of 8-token prompts that
         // each want 8 more tokens: 16 positions each, 32 in all, 24 held.
@@ -945,5 +1118,70 @@ mod tests {
             .count();
         assert_eq!(restarts, 1 + s.preemptions() as usize);
         assert_eq!(s.kv_used(), 0);
+    }
+
+    #[test]
+    fn guesses_ride_with_their_token_are_rolled_back_and_never_preempt() {
+        // 6 blocks of 4 positions; two sequences of 6 prompt tokens.
+        let mut s = sched(2, 16, 6);
+        let mut b = Batch::default();
+        assert!(s.admit(1, &[1; 6], 12));
+        assert!(!s.set_draft(1, &[7]), "not decoding yet");
+        assert!(s.admit(2, &[2; 6], 12));
+        step(&mut s, &mut b);
+        assert_eq!(s.kv_used(), 16);
+        // Sequence 1 feeds its newest token and 4 guesses, with a row for
+        // each; sequence 2 its one token.
+        assert!(s.set_draft(1, &[7, 8, 9, 10]));
+        assert_eq!(s.decoding(1), Some(&[1, 1, 1, 1, 1, 1, 101][..]));
+        let plan = s.schedule(&mut b).to_vec();
+        assert_eq!(
+            plan,
+            [
+                Slot {
+                    id: 1,
+                    tokens: 5,
+                    samples: true
+                },
+                Slot {
+                    id: 2,
+                    tokens: 1,
+                    samples: true
+                }
+            ]
+        );
+        assert_eq!(&b.tokens()[..5], &[101, 7, 8, 9, 10]);
+        assert_eq!((b.logit_rows_of(0), b.logit_rows_of(1)), (0..5, 5..6));
+        assert_eq!(s.kv_used(), 20, "a block for the guessed positions");
+        s.advance();
+        // No guess was kept: the block past the kept positions goes back.
+        s.push_token(1, 50);
+        s.push_token(2, 102);
+        s.rollback(1);
+        s.rollback(2);
+        assert_eq!(s.kv_used(), 16);
+        assert_eq!(s.decoding(1), Some(&[1, 1, 1, 1, 1, 1, 101, 50][..]));
+        // Two guesses kept, then a third token sampled: positions up to
+        // the newest token stay.
+        assert!(s.set_draft(1, &[7, 8, 9]));
+        s.schedule(&mut b);
+        s.advance();
+        for t in [7, 8, 60] {
+            s.push_token(1, t);
+        }
+        s.push_token(2, 102);
+        s.rollback(1);
+        s.rollback(2);
+        assert_eq!(s.decoding(1).map(<[u32]>::len), Some(11));
+        assert_eq!(s.kv_used(), 20);
+        // One block is free and sequence 2 needs it for its next token:
+        // sequence 1's guesses would take it and preempt sequence 2, so
+        // they are dropped and it feeds its newest token alone.
+        assert!(s.set_draft(1, &[1, 2]));
+        let plan = s.schedule(&mut b).to_vec();
+        assert_eq!(plan.len(), 2);
+        assert_eq!(plan[0].tokens, 1);
+        assert_eq!(b.tokens()[0], 60);
+        assert_eq!(s.preemptions(), 0);
     }
 }

@@ -22,7 +22,7 @@
 //! [`crate::generate::constraint`]) whose arguments follow each function's
 //! `parameters` schema; `none` renders no tools and parses nothing.
 
-use super::api::ApiError;
+use super::api::{only_keys, ApiError};
 use crate::generate::constraint::GrammarSpec;
 use serde_json::{json, Value};
 
@@ -63,6 +63,7 @@ pub fn parse_tools(tools: &[Value]) -> Result<Vec<Tool>, ApiError> {
     let mut out: Vec<Tool> = Vec::with_capacity(tools.len());
     for (i, t) in tools.iter().enumerate() {
         let at = |f: &str| format!("tools[{i}]{f}");
+        only_keys(t, &at(""), &["type", "function"])?;
         let kind = t.get("type").and_then(Value::as_str).unwrap_or("function");
         if kind != "function" {
             return Err(ApiError::invalid(
@@ -76,6 +77,13 @@ pub fn parse_tools(tools: &[Value]) -> Result<Vec<Tool>, ApiError> {
                 format!("`{}` is missing", at(".function")),
             )
         })?;
+        // `strict` asks that arguments follow `parameters` exactly: they
+        // always do here (the call grammar enforces the schema).
+        only_keys(
+            f,
+            &at(".function"),
+            &["name", "description", "parameters", "strict"],
+        )?;
         let name = f
             .get("name")
             .and_then(Value::as_str)
@@ -136,6 +144,10 @@ pub fn parse_tool_choice(choice: Option<&Value>, tools: &[Tool]) -> Result<ToolC
             }
         },
         Some(v) => {
+            only_keys(v, "tool_choice", &["type", "function"])?;
+            if let Some(f) = v.get("function") {
+                only_keys(f, "tool_choice.function", &["name"])?;
+            }
             let name = v
                 .get("function")
                 .and_then(|f| f.get("name"))
@@ -182,6 +194,21 @@ impl ToolFormat {
             ToolFormat::TemplateJson => "{",
             ToolFormat::SmolLm2 => "<tool_call>",
         }
+    }
+
+    /// What the chat template is given when tools are in play: the
+    /// messages (as [`super::api::ChatRequest::messages_json`] gives them)
+    /// in this format, and the request's `tools` list (`tools_json`) when
+    /// the template renders it itself and some are offered.
+    pub fn template_inputs(
+        self,
+        messages: &[Value],
+        tools_json: &[Value],
+        offered: &[Tool],
+    ) -> (Value, Option<Value>) {
+        let listed = (self.template_renders_tools() && !offered.is_empty())
+            .then(|| Value::Array(tools_json.to_vec()));
+        (Value::Array(self.messages(messages, offered)), listed)
     }
 
     /// The messages as the chat template reads them: tool calls and tool
@@ -458,6 +485,39 @@ mod tests {
 
     fn tools() -> Vec<Tool> {
         parse_tools(&[json!({"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}})]).unwrap()
+    }
+
+    #[test]
+    fn unknown_keys_in_tools_and_tool_choice_are_refused_by_name() {
+        let f = json!({"name": "f", "parameters": {"type": "object"}});
+        for (tools, want) in [
+            (
+                json!([{"type": "function", "function": f, "cache": true}]),
+                "tools[0].cache",
+            ),
+            (
+                json!([{"type": "function", "function": {"name": "f", "examples": []}}]),
+                "tools[0].function.examples",
+            ),
+            (json!(["f"]), "tools[0]"),
+        ] {
+            let e = parse_tools(tools.as_array().unwrap()).unwrap_err();
+            assert_eq!((e.status, e.param.as_deref()), (400, Some(want)), "{tools}");
+        }
+        let tools = parse_tools(&[json!({"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}, "strict": true}})]).unwrap();
+        for (choice, want) in [
+            (
+                json!({"type": "function", "function": {"name": "f"}, "why": 1}),
+                "tool_choice.why",
+            ),
+            (
+                json!({"type": "function", "function": {"name": "f", "arguments": {}}}),
+                "tool_choice.function.arguments",
+            ),
+        ] {
+            let e = parse_tool_choice(Some(&choice), &tools).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(want), "{choice}");
+        }
     }
 
     #[test]

@@ -49,6 +49,26 @@ pub struct GgufTokenizerParts {
     pub add_space_prefix: Option<bool>,
 }
 
+impl From<&crate::weights::gguf::TokenizerParts> for GgufTokenizerParts {
+    /// The tokenizer keys a GGUF reader found.
+    fn from(t: &crate::weights::gguf::TokenizerParts) -> Self {
+        GgufTokenizerParts {
+            model: t.model.clone(),
+            pre: t.pre.clone(),
+            tokens: t.tokens.iter().map(|s| s.as_bytes().to_vec()).collect(),
+            scores: t.scores.clone(),
+            token_types: t.token_type.clone(),
+            merges: t.merges.clone(),
+            bos_id: t.bos_token_id,
+            eos_id: t.eos_token_id,
+            eot_id: t.eot_token_id,
+            unk_id: t.unknown_token_id,
+            add_bos: t.add_bos_token,
+            add_space_prefix: t.add_space_prefix,
+        }
+    }
+}
+
 /// Texts llama.cpp treats as end-of-generation tokens.
 const EOG_TEXTS: [&str; 9] = [
     "<|eot_id|>",
@@ -72,18 +92,36 @@ pub(crate) enum PreTok {
     DigitsGpt2,
     /// Llama 3 pattern.
     Llama3,
+    /// Qwen2 pattern (Llama 3's with single digits).
+    Qwen2,
+}
+
+impl PreTok {
+    /// The `tokenizer.ggml.pre` name llama.cpp gives this split (what
+    /// `convert` writes; every one of them loads in llama.cpp).
+    pub(crate) fn llama_cpp_name(self) -> &'static str {
+        match self {
+            PreTok::Gpt2 => "gpt-2",
+            PreTok::DigitsGpt2 => "smollm",
+            PreTok::Llama3 => "llama-bpe",
+            PreTok::Qwen2 => "qwen2",
+        }
+    }
 }
 
 /// Map `tokenizer.ggml.pre` to a split. Only names whose llama.cpp regexes
 /// are known to equal one of ours are accepted. A missing value falls back to
-/// the plain GPT-2 pattern (llama.cpp's "default" differs slightly).
+/// the plain GPT-2 pattern (llama.cpp's "default" differs slightly). `gpt2`
+/// is not a name llama.cpp knows (its name is `gpt-2`), but files written by
+/// earlier versions of `convert` carry it, so it is read as `gpt-2`.
 fn pre_tok(name: Option<&str>) -> Result<PreTok, String> {
     Ok(match name {
-        None | Some("gpt2") => PreTok::Gpt2,
+        None | Some("gpt-2" | "phi-2" | "gpt2") => PreTok::Gpt2,
         Some(
             "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva",
         ) => PreTok::DigitsGpt2,
         Some("llama3" | "llama-v3" | "llama-bpe") => PreTok::Llama3,
+        Some("qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2") => PreTok::Qwen2,
         Some(other) => return Err(format!("pre-tokenizer {other:?} is not supported")),
     })
 }
@@ -116,6 +154,9 @@ pub(crate) struct Gpt2Model {
     /// `llama-bpe`): the bytes of every normal token, so that a piece that is
     /// itself a token is taken whole instead of merged.
     whole: Option<FxHashMap<Vec<u8>, u32>>,
+    /// Unicode NFC before splitting (a `tokenizer.json` `NFC` normalizer,
+    /// as Qwen's files have; GGUF files never ask for it).
+    nfc: bool,
 }
 
 impl Gpt2Model {
@@ -130,15 +171,36 @@ impl Gpt2Model {
             byte_ids,
             merges,
             whole,
+            nfc: false,
         }
     }
 
+    /// Normalize each segment to NFC first.
+    pub(crate) fn with_nfc(mut self, nfc: bool) -> Self {
+        self.nfc = nfc;
+        self
+    }
+
+    /// The split this model runs.
+    pub(crate) fn pre(&self) -> PreTok {
+        self.pre
+    }
+
     pub(crate) fn encode_ordinary(&self, text: &str, out: &mut Vec<u32>) {
+        use unicode_normalization::{is_nfc_quick, IsNormalized, UnicodeNormalization};
+        let normalized: String;
+        let text = if self.nfc && is_nfc_quick(text.chars()) != IsNormalized::Yes {
+            normalized = text.nfc().collect();
+            normalized.as_str()
+        } else {
+            text
+        };
         let mut pieces = Vec::new();
         match self.pre {
             PreTok::Gpt2 => pretok::split_gpt2(text, 0, &mut pieces),
             PreTok::DigitsGpt2 => pretok::split_digits_then_gpt2(text, &mut pieces),
             PreTok::Llama3 => pretok::split_llama3(text, &mut pieces),
+            PreTok::Qwen2 => pretok::split_qwen2(text, &mut pieces),
         }
         for (a, b) in pieces {
             if let Some(&id) = self
@@ -322,6 +384,7 @@ impl Tokenizer {
                         byte_ids,
                         merges,
                         whole,
+                        nfc: false,
                     })),
                     texts: p.tokens.clone(),
                     decode,
@@ -358,10 +421,47 @@ impl Tokenizer {
                     let name = format!("<0x{b:02X}>");
                     p.tokens.iter().any(|t| t == name.as_bytes())
                 });
+                // Gemma's files store its whitespace-run tokens ("  ", ...)
+                // as user-defined tokens spelled with real spaces. Its own
+                // tokenizer (and transformers reading the GGUF) treats them
+                // as the ordinary pieces "▁▁", ... that BPE reaches by
+                // merging; matched whole in the raw text (as llama.cpp does)
+                // they cut long space runs differently. So they are spelled
+                // with "▁" and merged like any piece.
+                let mut spm_texts = p.tokens.clone();
+                let mut spm_types = types.clone();
+                // Without a prefix space (Gemma), the stored scores do not
+                // follow the merge order, the order of the vocabulary does
+                // (what transformers assumes too when it reads such a GGUF).
+                let by_position = p.add_space_prefix == Some(false);
+                let mut spm_scores: Vec<f32> = if by_position {
+                    (0..n).map(|i| -(i as f32)).collect()
+                } else {
+                    scores.clone()
+                };
+                {
+                    let known: std::collections::HashSet<&[u8]> =
+                        p.tokens.iter().map(|t| t.as_slice()).collect();
+                    for (i, t) in p.tokens.iter().enumerate() {
+                        let spaces = !t.is_empty() && t.iter().all(|&b| b == b' ');
+                        if spaces && types[i] == TokenType::UserDefined {
+                            let respelled = "\u{2581}".repeat(t.len()).into_bytes();
+                            if !known.contains(respelled.as_slice()) {
+                                spm_texts[i] = respelled;
+                                spm_types[i] = TokenType::Normal;
+                                // Their stored score (0) would merge them
+                                // first; their place in the vocabulary is
+                                // their merge rank, as for Gemma's other
+                                // pieces.
+                                spm_scores[i] = -(i as f32);
+                            }
+                        }
+                    }
+                }
                 let model = SpmModel::new(SpmSpec {
-                    texts: &p.tokens,
-                    types: &types,
-                    scores,
+                    texts: &spm_texts,
+                    types: &spm_types,
+                    scores: &spm_scores,
                     unk_id: unk,
                     byte_fallback: has_bytes,
                     remove_extra_whitespaces: false,
@@ -381,7 +481,7 @@ impl Tokenizer {
                     model: Model::SentencePiece(model),
                     texts: p.tokens.clone(),
                     decode,
-                    types,
+                    types: spm_types,
                     bos,
                     eos,
                     eot,

@@ -38,6 +38,10 @@ const MAX_VOCAB: u64 = 1 << 24;
 /// Llama 3's pre-tokenizer regex, as its `tokenizer.json` spells it.
 pub const LLAMA3_SPLIT: &str = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 
+/// Qwen2's pre-tokenizer regex (Qwen2, Qwen2.5, Qwen3), as its
+/// `tokenizer.json` spells it: Llama 3's with `\p{N}` for `\p{N}{1,3}`.
+pub const QWEN2_SPLIT: &str = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+
 fn herr(msg: impl Into<String>) -> TokenizerError {
     TokenizerError::HfJson(msg.into())
 }
@@ -52,6 +56,9 @@ enum Spaces {
     /// then a `▁` is prepended unless the segment already starts with one;
     /// `First` only for the segment at the start of the text.
     Metaspace { first_only: bool, prepend: bool },
+    /// Normalizer `Replace(" ", "▁")` alone (Gemma): spaces become `▁`,
+    /// nothing is prepended.
+    ReplaceOnly,
 }
 
 /// SentencePiece-style BPE over characters, merges by rank.
@@ -85,6 +92,9 @@ impl HfSpmModel {
                 if prepend && (!first_only || at_start) && !s.starts_with('\u{2581}') {
                     s.insert(0, '\u{2581}');
                 }
+            }
+            Spaces::ReplaceOnly => {
+                s.extend(text.chars().map(|c| if c == ' ' { '\u{2581}' } else { c }));
             }
         }
         if self.split {
@@ -198,7 +208,8 @@ fn flag(v: &Value, key: &str) -> Option<bool> {
 
 /// What the pre-tokenization part of the file asks for.
 enum Front {
-    Bytes(PreTok),
+    /// Byte-level BPE: the split, and whether an NFC normalizer runs first.
+    Bytes(PreTok, bool),
     Spm(Spaces, bool),
 }
 
@@ -216,40 +227,58 @@ fn byte_level_ok(v: &Value, want_regex: bool) -> Result<(), TokenizerError> {
 }
 
 fn front(normalizer: &Value, pre: &Value) -> Result<Front, TokenizerError> {
-    let norm_kind = match normalizer {
-        Value::Null => None,
-        n => Some(n),
+    let parts = match normalizer {
+        Value::Null => vec![],
+        n if obj_type(n) == Some("Sequence") => {
+            n["normalizers"].as_array().cloned().unwrap_or_default()
+        }
+        n => vec![n.clone()],
     };
-    if let Some(n) = norm_kind {
-        // Sequence[Prepend("▁"), Replace(" ", "▁")], nothing else.
-        let parts = match obj_type(n) {
-            Some("Sequence") => n["normalizers"].as_array().cloned().unwrap_or_default(),
-            _ => vec![n.clone()],
-        };
-        let is_prepend =
-            |p: &Value| obj_type(p) == Some("Prepend") && p["prepend"].as_str() == Some("\u{2581}");
-        let is_replace = |p: &Value| {
-            obj_type(p) == Some("Replace")
-                && p["pattern"]["String"].as_str() == Some(" ")
-                && p["content"].as_str() == Some("\u{2581}")
-        };
-        let ok = parts.len() == 2 && is_prepend(&parts[0]) && is_replace(&parts[1]);
-        if !ok {
-            return Err(herr(format!(
-                "normalizer {} is not supported (only Prepend(\"\u{2581}\") + Replace(\" \", \"\u{2581}\"))",
-                short(n)
-            )));
+    let is_prepend =
+        |p: &Value| obj_type(p) == Some("Prepend") && p["prepend"].as_str() == Some("\u{2581}");
+    let is_replace = |p: &Value| {
+        obj_type(p) == Some("Replace")
+            && p["pattern"]["String"].as_str() == Some(" ")
+            && p["content"].as_str() == Some("\u{2581}")
+    };
+    // Split(" ", MergedWithPrevious) after spaces became "▁" splits nothing
+    // (Gemma's tokenizer.json).
+    let is_space_split = |p: &Value| {
+        obj_type(p) == Some("Split")
+            && p["pattern"]["String"].as_str() == Some(" ")
+            && flag(p, "invert") != Some(true)
+    };
+    let nfc = match &parts[..] {
+        [] => false,
+        [n] if obj_type(n) == Some("NFC") => true,
+        [a, b] if is_prepend(a) && is_replace(b) => {
+            if !pre.is_null() {
+                return Err(herr(format!(
+                    "pre-tokenizer {} after a Prepend/Replace normalizer is not supported",
+                    short(pre)
+                )));
+            }
+            return Ok(Front::Spm(Spaces::PrependEvery, false));
         }
-        if !pre.is_null() {
-            return Err(herr(format!(
-                "pre-tokenizer {} after a Prepend/Replace normalizer is not supported",
-                short(pre)
-            )));
+        [r] if is_replace(r) => {
+            if !pre.is_null() && !is_space_split(pre) {
+                return Err(herr(format!(
+                    "pre-tokenizer {} after a Replace normalizer is not supported",
+                    short(pre)
+                )));
+            }
+            return Ok(Front::Spm(Spaces::ReplaceOnly, false));
         }
-        return Ok(Front::Spm(Spaces::PrependEvery, false));
-    }
+        _ => {
+            return Err(herr(format!(
+                "normalizer {} is not supported (only NFC, Replace(\" \", \"\u{2581}\"), or Prepend(\"\u{2581}\") + Replace(\" \", \"\u{2581}\"))",
+                short(normalizer)
+            )))
+        }
+    };
+    let byte_level = |pre: PreTok| Ok(Front::Bytes(pre, nfc));
     match obj_type(pre) {
-        Some("Metaspace") => {
+        Some("Metaspace") if !nfc => {
             if pre["replacement"].as_str() != Some("\u{2581}") {
                 return Err(herr("Metaspace with a replacement other than \u{2581}"));
             }
@@ -280,7 +309,7 @@ fn front(normalizer: &Value, pre: &Value) -> Result<Front, TokenizerError> {
         }
         Some("ByteLevel") => {
             byte_level_ok(pre, true)?;
-            Ok(Front::Bytes(PreTok::Gpt2))
+            byte_level(PreTok::Gpt2)
         }
         Some("Sequence") => {
             let parts = pre["pretokenizers"].as_array().cloned().unwrap_or_default();
@@ -290,21 +319,25 @@ fn front(normalizer: &Value, pre: &Value) -> Result<Front, TokenizerError> {
                         return Err(herr("Digits without individual_digits is not supported"));
                     }
                     byte_level_ok(b, true)?;
-                    Ok(Front::Bytes(PreTok::DigitsGpt2))
+                    byte_level(PreTok::DigitsGpt2)
                 }
                 [a, b] if obj_type(a) == Some("Split") && obj_type(b) == Some("ByteLevel") => {
-                    let pat = a["pattern"]["Regex"].as_str().unwrap_or_default();
-                    if pat != LLAMA3_SPLIT
-                        || a["behavior"].as_str() != Some("Isolated")
-                        || flag(a, "invert") == Some(true)
-                    {
+                    let split = match a["pattern"]["Regex"].as_str().unwrap_or_default() {
+                        LLAMA3_SPLIT => Some(PreTok::Llama3),
+                        QWEN2_SPLIT => Some(PreTok::Qwen2),
+                        _ => None,
+                    };
+                    let Some(split) = split.filter(|_| {
+                        a["behavior"].as_str() == Some("Isolated")
+                            && flag(a, "invert") != Some(true)
+                    }) else {
                         return Err(herr(format!(
-                            "Split pre-tokenizer {} is not supported (only Llama 3's regex, Isolated)",
+                            "Split pre-tokenizer {} is not supported (only Llama 3's or Qwen2's regex, Isolated)",
                             short(a)
                         )));
-                    }
+                    };
                     byte_level_ok(b, false)?;
-                    Ok(Front::Bytes(PreTok::Llama3))
+                    byte_level(split)
                 }
                 _ => Err(herr(format!(
                     "pre-tokenizer {} is not supported",
@@ -313,8 +346,13 @@ fn front(normalizer: &Value, pre: &Value) -> Result<Front, TokenizerError> {
             }
         }
         _ => Err(herr(format!(
-            "pre-tokenizer {} is not supported (with no normalizer)",
-            short(pre)
+            "pre-tokenizer {} is not supported{}",
+            short(pre),
+            if nfc {
+                " after an NFC normalizer"
+            } else {
+                " (with no normalizer)"
+            }
         ))),
     }
 }
@@ -506,7 +544,7 @@ impl Tokenizer {
         let ignore_merges = flag(model, "ignore_merges") == Some(true);
 
         let (kind, m, decode, strip) = match front {
-            Front::Bytes(pre) => {
+            Front::Bytes(pre, nfc) => {
                 let alphabet = bytes_to_unicode();
                 let mut byte_ids = [None; 256];
                 let mut inverse: FxHashMap<char, u8> = FxHashMap::default();
@@ -540,7 +578,7 @@ impl Tokenizer {
                 } else {
                     None
                 };
-                let m = Gpt2Model::new(pre, byte_ids, merges, whole);
+                let m = Gpt2Model::new(pre, byte_ids, merges, whole).with_nfc(nfc);
                 (
                     TokenizerKind::Gpt2Bpe,
                     Model::Gpt2(Box::new(m)),
@@ -582,7 +620,11 @@ impl Tokenizer {
                         _ => t.as_bytes().to_vec(),
                     })
                     .collect();
-                let strip = !matches!(spaces, Spaces::Metaspace { prepend: false, .. });
+                // The decoder's Strip takes back the `▁` the encoder put first.
+                let strip = matches!(
+                    spaces,
+                    Spaces::PrependEvery | Spaces::Metaspace { prepend: true, .. }
+                );
                 let m = HfSpmModel {
                     spaces,
                     split,

@@ -234,6 +234,16 @@ impl Tokenizer {
         self.kind
     }
 
+    /// For byte-level BPE: the `tokenizer.ggml.pre` name llama.cpp gives
+    /// this tokenizer's split (`gpt-2`, `smollm`, `llama-bpe`, `qwen2`);
+    /// `None` for the other kinds.
+    pub fn llama_cpp_pre(&self) -> Option<&'static str> {
+        match &self.model {
+            Model::Gpt2(m) => Some(m.pre().llama_cpp_name()),
+            _ => None,
+        }
+    }
+
     /// Number of token ids (base vocabulary plus special tokens).
     pub fn n_vocab(&self) -> usize {
         self.decode.len()

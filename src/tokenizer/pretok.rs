@@ -120,18 +120,34 @@ fn is_nl(c: char) -> bool {
 ///
 /// Appends the byte ranges of the pieces of `s` to `out`.
 pub(crate) fn split_llama3(s: &str, out: &mut Vec<(usize, usize)>) {
+    split_cl100k(s, 3, out)
+}
+
+/// Qwen2's pattern (Qwen2, Qwen2.5, Qwen3; llama.cpp `qwen2`): Llama 3's
+/// with `\p{N}` instead of `\p{N}{1,3}`, so every digit is its own piece:
+///
+/// ```text
+/// (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}
+/// | ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
+/// ```
+pub(crate) fn split_qwen2(s: &str, out: &mut Vec<(usize, usize)>) {
+    split_cl100k(s, 1, out)
+}
+
+/// The cl100k-shaped pattern with runs of at most `max_digits` numbers.
+fn split_cl100k(s: &str, max_digits: usize, out: &mut Vec<(usize, usize)>) {
     let t = Chars::new(s);
     let n = t.len();
     let mut i = 0;
     while i < n {
-        let end = llama3_match(&t, i);
+        let end = llama3_match(&t, i, max_digits);
         debug_assert!(end > i);
         out.push((t.offs[i], t.offs[end]));
         i = end;
     }
 }
 
-fn llama3_match(t: &Chars, i: usize) -> usize {
+fn llama3_match(t: &Chars, i: usize, max_digits: usize) -> usize {
     let n = t.len();
     let c = t.cs[i];
     let at = |j: usize| if j < n { Some(t.cs[j]) } else { None };
@@ -163,10 +179,10 @@ fn llama3_match(t: &Chars, i: usize) -> usize {
     if k != Class::Number && !is_nl(c) && i + 1 < n && t.cl[i + 1] == Class::Letter {
         return t.run(i + 1, Class::Letter);
     }
-    // \p{N}{1,3}
+    // \p{N}{1,3} (Llama 3), \p{N} (Qwen2)
     if k == Class::Number {
         let mut j = i + 1;
-        while j < n && j < i + 3 && t.cl[j] == Class::Number {
+        while j < n && j < i + max_digits && t.cl[j] == Class::Number {
             j += 1;
         }
         return j;
@@ -307,6 +323,13 @@ mod tests {
         assert_eq!(l3("WE'LL"), ["WE", "'LL"]);
         assert_eq!(l3("a+=b;\n"), ["a", "+=", "b", ";\n"]);
         assert_eq!(l3(" !!x"), [" !!", "x"]);
+    }
+
+    #[test]
+    fn qwen2_digits_alone() {
+        let q = |s| pieces(split_qwen2, s);
+        assert_eq!(q("x 12345"), ["x", " ", "1", "2", "3", "4", "5"]);
+        assert_eq!(q("I'M a+=b;\n"), ["I", "'M", " a", "+=", "b", ";\n"]);
     }
 
     #[test]

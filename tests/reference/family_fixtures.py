@@ -9,10 +9,11 @@ For each family (qwen2, qwen3, mistral, phi3, gemma3) writes tests/fixtures/fami
                   tests/fixtures/tokenizer/spm_bpe.model, given to it for the run only)
   expected.json   transformers on hf/ (float32 compute, eager attention): a 40-token
                   prompt, 20 greedy steps, top-10 logits per step (the step format of
-                  tests/reference/README.md). For mistral also the same run with the
-                  sliding window off ("no_window"): llama.cpp's converter writes a
-                  Mistral checkpoint as plain `llama` without its window, so that is what
-                  the GGUF computes.
+                  tests/reference/README.md). For mistral and phi3 also the same run
+                  with the sliding window off ("no_window"): llama.cpp's converter writes
+                  a Mistral checkpoint as plain `llama` without its window, so that is
+                  what the GGUF computes; llama.cpp runs Phi-3 without its window
+                  ("Phi SWA is currently disabled") though the GGUF states it.
 
 Every model is tiny (hidden 64, 4 heads, 2 KV heads, vocabulary 800) and exercises its
 family's features: qwen2 Q/K/V biases; qwen3 Q/K norm and head_dim 32 != 64/4; mistral a
@@ -23,7 +24,7 @@ post-norms, (1 + w) norms, GELU-tanh, embedding scale, head_dim 32.
 Versions (pinned; a venv of its own):
   python3 -m venv /work/helpers/venv-h-family
   /work/helpers/venv-h-family/bin/pip install torch==2.15.0 transformers==5.23.0 \
-      gguf==0.19.0 numpy==2.4.6 sentencepiece==0.2.3 protobuf
+      gguf==0.19.0 numpy==2.4.6 sentencepiece==0.2.3 protobuf accelerate==1.15.0
 Re-run from the repo root (~1 min):
   /work/helpers/venv-h-family/bin/python tests/reference/family_fixtures.py [family ...]
 """
@@ -177,7 +178,7 @@ def make(family):
         "steps": steps,
         "min_top2_gap": min(s["top2_gap"] for s in steps),
     }
-    if family == "mistral":
+    if family in ("mistral", "phi3"):
         plain = cls.from_pretrained(
             hf_dir, dtype=torch.float32, attn_implementation="eager", sliding_window=None
         ).eval()

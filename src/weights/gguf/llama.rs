@@ -147,6 +147,9 @@ pub struct TokenizerParts {
     pub padding_token_id: Option<u32>,
     pub add_bos_token: Option<bool>,
     pub add_eos_token: Option<bool>,
+    /// `tokenizer.ggml.add_space_prefix` (SentencePiece-style vocabularies;
+    /// false for Gemma).
+    pub add_space_prefix: Option<bool>,
     /// `tokenizer.chat_template` (Jinja source).
     pub chat_template: Option<String>,
 }
@@ -408,6 +411,7 @@ impl TokenizerParts {
             padding_token_id: id("tokenizer.ggml.padding_token_id")?,
             add_bos_token: f.opt("tokenizer.ggml.add_bos_token", GgufFile::get_bool)?,
             add_eos_token: f.opt("tokenizer.ggml.add_eos_token", GgufFile::get_bool)?,
+            add_space_prefix: f.opt("tokenizer.ggml.add_space_prefix", GgufFile::get_bool)?,
             chat_template: f
                 .opt("tokenizer.chat_template", GgufFile::get_str)?
                 .map(str::to_string),
@@ -557,8 +561,19 @@ fn family_layout(m: &LlamaGgufMeta, store: &mut WeightStore) -> Result<(), GgufE
     let terr = |name: &str, msg: String| bad(name, msg);
     let hd = m.head_dim;
     let (q, kv) = (m.n_heads * hd, m.n_kv_heads * hd);
+    if m.family != Family::Phi3 && !m.family.gguf_neox_rows() {
+        return Ok(());
+    }
     for i in 0..m.n_layers {
         let p = format!("layers.{i}");
+        // The layers the file has (`block_count` comes from the file: a
+        // huge one must cost nothing; validation names the missing tensor).
+        if !store
+            .tensors
+            .contains_key(&format!("{p}.attention_norm.weight"))
+        {
+            break;
+        }
         if m.family == Family::Phi3 {
             let fused = format!("{p}.{FUSED_QKV}");
             if let Some(t) = store.tensors.remove(&fused) {

@@ -276,6 +276,21 @@ pub fn meta_to_hf_rows(t: &WeightTensor, n_heads: usize) -> Result<WeightTensor,
     permute_rows(t, n_heads, false)
 }
 
+/// The inverse of [`hf_to_meta_any`]: a matrix's rows, or a vector's
+/// entries, from Meta's order to Hugging Face's.
+pub fn meta_to_hf_any(t: &WeightTensor, n_heads: usize) -> Result<WeightTensor, String> {
+    if t.shape.len() != 1 {
+        return meta_to_hf_rows(t, n_heads);
+    }
+    let col = WeightTensor {
+        shape: vec![t.shape[0], 1],
+        ..t.clone()
+    };
+    let mut r = meta_to_hf_rows(&col, n_heads)?;
+    r.shape = t.shape.clone();
+    Ok(r)
+}
+
 /// The safetensors files of a directory: the shards named by
 /// `model.safetensors.index.json`, or `model.safetensors`.
 pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, HfError> {
@@ -484,8 +499,8 @@ pub fn open_hf_checkpoint(dir: &Path) -> Result<HfCheckpoint, HfError> {
                 return Err(HfError::Tensor {
                     tensor: name,
                     message: format!(
-                        "not a tensor of the {} architecture config.json names",
-                        family.name()
+                        "not a tensor of {} (another architecture?)",
+                        family.hf_class()
                     ),
                 })
             }
