@@ -29,6 +29,7 @@ pub mod isa;
 pub mod kv;
 pub mod matmul;
 pub mod quantized;
+pub(crate) mod simd;
 pub mod table;
 #[cfg(test)]
 pub(crate) mod testutil;

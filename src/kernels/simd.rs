@@ -45,7 +45,7 @@ pub(crate) trait F32Vec: Copy {
     unsafe fn exp(self) -> Self;
 }
 
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(test, target_arch = "x86_64"))]
 pub(crate) use x86::exp_ps;
 
 #[cfg(target_arch = "x86_64")]

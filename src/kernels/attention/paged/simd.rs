@@ -75,11 +75,7 @@ unsafe fn qk_tile<V: F32Vec, const NK: usize, const NC: usize>(
             for (j, aj) in a.iter().enumerate() {
                 for (c, ajc) in aj.iter().enumerate() {
                     let p = st.add(j * rp + l * c);
-                    let v = if e0 == 0 {
-                        *ajc
-                    } else {
-                        V::load(p).add(*ajc)
-                    };
+                    let v = if e0 == 0 { *ajc } else { V::load(p).add(*ajc) };
                     v.store(p);
                 }
             }
@@ -380,11 +376,7 @@ impl<
                 }
                 for (v, av) in a.iter().enumerate().take(nv) {
                     let p = sp.add(l * v);
-                    let x = if e0 == 0 {
-                        *av
-                    } else {
-                        V::load(p).add(*av)
-                    };
+                    let x = if e0 == 0 { *av } else { V::load(p).add(*av) };
                     x.store(p);
                 }
                 e0 = e1;
