@@ -149,83 +149,53 @@ macro_rules! x8_consts {
     };
 }
 
-impl X8Fmt for FQ8_0 {
-    x8_consts!(DType::Q8_0, 255);
-    #[inline(always)]
-    unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m256; 8]) {
-        unsafe { one_unit_scales::<Self>(x, d, m) }
-    }
-    #[inline(always)]
-    unsafe fn quad(x: &[u8], _u: usize, j: usize) -> __m256i {
-        unsafe { _mm256_xor_si256(word8(x, off::<Self>(1), j), _mm256_set1_epi8(-128)) }
-    }
-}
-
-impl X8Fmt for FQ4_0 {
-    x8_consts!(DType::Q4_0, 15);
-    #[inline(always)]
-    unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m256; 8]) {
-        unsafe { one_unit_scales::<Self>(x, d, m) }
-    }
-    #[inline(always)]
-    unsafe fn quad(x: &[u8], _u: usize, j: usize) -> __m256i {
-        unsafe { nibble(word8(x, off::<Self>(1), j % 4), j >= 4) }
-    }
-}
-
-impl X8Fmt for FIq4Nl {
-    x8_consts!(DType::IQ4_NL, 241);
-    #[inline(always)]
-    unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m256; 8]) {
-        unsafe { one_unit_scales::<Self>(x, d, m) }
-    }
-    #[inline(always)]
-    unsafe fn quad(x: &[u8], _u: usize, j: usize) -> __m256i {
-        unsafe { iq4_u(nibble(word8(x, off::<Self>(1), j % 4), j >= 4)) }
-    }
-}
-
-impl X8Fmt for FQ4_1 {
-    x8_consts!(DType::Q4_1, 15);
-    #[inline(always)]
-    unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m256; 8]) {
-        unsafe { one_unit_scales::<Self>(x, d, m) }
-    }
-    #[inline(always)]
-    unsafe fn quad(x: &[u8], _u: usize, j: usize) -> __m256i {
-        unsafe { nibble(word8(x, off::<Self>(2), j % 4), j >= 4) }
-    }
-}
-
-impl X8Fmt for FQ5_0 {
-    x8_consts!(DType::Q5_0, 31);
-    #[inline(always)]
-    unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m256; 8]) {
-        unsafe { one_unit_scales::<Self>(x, d, m) }
-    }
-    #[inline(always)]
-    unsafe fn quad(x: &[u8], _u: usize, j: usize) -> __m256i {
-        unsafe {
-            let nib = nibble(word8(x, off::<Self>(2), j % 4), j >= 4);
-            _mm256_or_si256(nib, q5_high(word8(x, off::<Self>(1), 0), j))
+/// An [`X8Fmt`] whose scales are `$scales` and whose quads are `$quad`
+/// (of `x`, the unit and the quad index).
+macro_rules! x8_fmt {
+    ($f:ident, $dt:expr, $umax:expr, $scales:ident, |$x:ident, $u:ident, $j:ident| $quad:expr) => {
+        impl X8Fmt for $f {
+            x8_consts!($dt, $umax);
+            #[inline(always)]
+            unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m256; 8]) {
+                // SAFETY: as the caller's.
+                unsafe { $scales::<Self>(x, d, m) }
+            }
+            #[inline(always)]
+            unsafe fn quad($x: &[u8], $u: usize, $j: usize) -> __m256i {
+                // SAFETY: as the caller's.
+                unsafe { $quad }
+            }
         }
-    }
+    };
 }
 
-impl X8Fmt for FQ5_1 {
-    x8_consts!(DType::Q5_1, 31);
-    #[inline(always)]
-    unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m256; 8]) {
-        unsafe { one_unit_scales::<Self>(x, d, m) }
-    }
-    #[inline(always)]
-    unsafe fn quad(x: &[u8], _u: usize, j: usize) -> __m256i {
-        unsafe {
-            let nib = nibble(word8(x, off::<Self>(3), j % 4), j >= 4);
-            _mm256_or_si256(nib, q5_high(word8(x, off::<Self>(2), 0), j))
-        }
-    }
-}
+x8_fmt!(FQ8_0, DType::Q8_0, 255, one_unit_scales, |x, _u, j| {
+    _mm256_xor_si256(word8(x, off::<Self>(1), j), _mm256_set1_epi8(-128))
+});
+
+x8_fmt!(FQ4_0, DType::Q4_0, 15, one_unit_scales, |x, _u, j| nibble(
+    word8(x, off::<Self>(1), j % 4),
+    j >= 4
+));
+
+x8_fmt!(FIq4Nl, DType::IQ4_NL, 241, one_unit_scales, |x, _u, j| {
+    iq4_u(nibble(word8(x, off::<Self>(1), j % 4), j >= 4))
+});
+
+x8_fmt!(FQ4_1, DType::Q4_1, 15, one_unit_scales, |x, _u, j| nibble(
+    word8(x, off::<Self>(2), j % 4),
+    j >= 4
+));
+
+x8_fmt!(FQ5_0, DType::Q5_0, 31, one_unit_scales, |x, _u, j| {
+    let nib = nibble(word8(x, off::<Self>(2), j % 4), j >= 4);
+    _mm256_or_si256(nib, q5_high(word8(x, off::<Self>(1), 0), j))
+});
+
+x8_fmt!(FQ5_1, DType::Q5_1, 31, one_unit_scales, |x, _u, j| {
+    let nib = nibble(word8(x, off::<Self>(3), j % 4), j >= 4);
+    _mm256_or_si256(nib, q5_high(word8(x, off::<Self>(2), 0), j))
+});
 
 /// The Q4_K/Q5_K scales of the 8 rows: `d·sc` and `−(dmin·m)` per unit,
 /// from the three words of 6-bit values (parts 0, 1, 2 = d, dmin, scales).
@@ -263,32 +233,15 @@ unsafe fn k_scales8<F: X8Fmt>(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m25
     }
 }
 
-impl X8Fmt for FQ4K {
-    x8_consts!(DType::Q4_K, 15);
-    #[inline(always)]
-    unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m256; 8]) {
-        unsafe { k_scales8::<Self>(x, d, m) }
-    }
-    #[inline(always)]
-    unsafe fn quad(x: &[u8], u: usize, j: usize) -> __m256i {
-        unsafe { nibble(word8(x, off::<Self>(3), 8 * (u / 2) + j), u % 2 == 1) }
-    }
-}
+x8_fmt!(FQ4K, DType::Q4_K, 15, k_scales8, |x, u, j| nibble(
+    word8(x, off::<Self>(3), 8 * (u / 2) + j),
+    u % 2 == 1
+));
 
-impl X8Fmt for FQ5K {
-    x8_consts!(DType::Q5_K, 31);
-    #[inline(always)]
-    unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m256; 8]) {
-        unsafe { k_scales8::<Self>(x, d, m) }
-    }
-    #[inline(always)]
-    unsafe fn quad(x: &[u8], u: usize, j: usize) -> __m256i {
-        unsafe {
-            let nib = nibble(word8(x, off::<Self>(4), 8 * (u / 2) + j), u % 2 == 1);
-            _mm256_or_si256(nib, bit_to(word8(x, off::<Self>(3), j), u, 16))
-        }
-    }
-}
+x8_fmt!(FQ5K, DType::Q5_K, 31, k_scales8, |x, u, j| {
+    let nib = nibble(word8(x, off::<Self>(4), 8 * (u / 2) + j), u % 2 == 1);
+    _mm256_or_si256(nib, bit_to(word8(x, off::<Self>(3), j), u, 16))
+});
 
 impl X8Fmt for FQ6K {
     x8_consts!(DType::Q6_K, 63);
