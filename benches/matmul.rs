@@ -194,7 +194,7 @@ fn attention_bench() {
             let mut work = AttnWork::new(&geom, h / hkv, s, 1, threads);
             let tf = time_it(Duration::from_millis(300), || {
                 let (k, v) = (kc.view(), vc.view());
-                let isa = Isa::current();
+                let isa = llama_graph::kernels::Kernels::current().isa();
                 attention_paged(
                     &pool,
                     isa,
@@ -344,7 +344,7 @@ fn main() {
     let isa = if portable {
         Isa::Scalar
     } else {
-        Isa::current()
+        llama_graph::kernels::Kernels::current().isa()
     };
     for &(n, k) in sizes {
         let wf: Vec<f32> = (0..n * k)
@@ -379,7 +379,17 @@ fn main() {
                     for &dot in dots {
                         let t = time_it(budget, || {
                             if dot {
-                                matmul_bf16_dot(&pool, &x, s, k, w, n, Epilogue::None, &mut y)
+                                matmul_bf16_dot(
+                                    &pool,
+                                    llama_graph::kernels::Kernels::current().isa(),
+                                    &x,
+                                    s,
+                                    k,
+                                    w,
+                                    n,
+                                    Epilogue::None,
+                                    &mut y,
+                                )
                             } else {
                                 matmul_with(&pool, isa, &x, s, k, w, n, Epilogue::None, &mut y)
                             }

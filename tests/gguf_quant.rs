@@ -3,8 +3,9 @@
 
 use llama_graph::ir::DType;
 use llama_graph::kernels::quantized::{
-    dequantize_row, dot_row, dot_row_scalar, dot_row_simd, quantize_row, simd_available,
+    dequantize_row, dot_row_at, dot_row_scalar, dot_row_simd, quantize_row, simd_available,
 };
+use llama_graph::kernels::Isa;
 use serde_json::Value;
 
 fn fixture() -> Value {
@@ -126,7 +127,10 @@ fn dot_matches_dequantize_then_multiply() {
         } else {
             eprintln!("note: no AVX2/FMA/F16C on this CPU; SIMD kernels not exercised");
         }
-        assert_eq!(dot_row(dt, &bytes, &x), simd.unwrap_or(scalar));
+        assert_eq!(
+            dot_row_at(Isa::detect(), dt, &bytes, &x),
+            simd.unwrap_or(scalar)
+        );
     }
 }
 
@@ -195,7 +199,7 @@ fn quantize_matches_gguf_py() {
 #[test]
 #[should_panic(expected = "dot_row")]
 fn dot_row_rejects_wrong_length() {
-    let _ = dot_row(DType::Q4_0, &[0u8; 17], &[0f32; 32]);
+    let _ = dot_row_at(Isa::detect(), DType::Q4_0, &[0u8; 17], &[0f32; 32]);
 }
 
 /// Throughput of the row kernels (run with `cargo test --release --test gguf_quant -- --ignored --nocapture`).

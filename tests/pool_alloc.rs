@@ -5,7 +5,7 @@
 
 use llama_graph::ir::DType;
 use llama_graph::kernels::{
-    attention_paged, matmul, rmsnorm, AttnWork, Epilogue, Isa, KvGeom, KvStore, RopeTable,
+    attention_paged, matmul_with, rmsnorm, AttnWork, Epilogue, Kernels, KvGeom, KvStore, RopeTable,
     StepSeqs, WeightRef,
 };
 use llama_graph::pool::ThreadPool;
@@ -71,14 +71,19 @@ fn run_and_kernels_do_not_allocate() {
     // Sleep so workers park, exercising the condvar wake path too.
     std::thread::sleep(std::time::Duration::from_millis(30));
 
+    // The level is resolved once per process, before the measured loop (with
+    // LLAMA_GRAPH_ISA set, reading the variable allocates).
+    let isa = Kernels::current().isa();
+
     let before = ALLOCS.load(Ordering::SeqCst);
     for round in 0..1000 {
         pool.run(16, &|i| {
             sum.fetch_add(i, Ordering::Relaxed);
         });
         if round % 100 == 0 {
-            matmul(
+            matmul_with(
                 &pool,
+                isa,
                 &x,
                 s,
                 k,
@@ -89,7 +94,6 @@ fn run_and_kernels_do_not_allocate() {
             )
             .unwrap();
             let kv = kc.view();
-            let isa = Isa::current();
             attention_paged(&pool, isa, &q, kv, kv, &geom, 2, &seqs, &mut att, &mut work).unwrap();
             rope.apply(&mut qr, s, 4, 3).unwrap();
             rmsnorm(&x, k, None, 1e-5, &mut normed).unwrap();

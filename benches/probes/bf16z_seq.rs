@@ -17,6 +17,7 @@ mod decode_step;
 use decode_step::{huge, median, n_out};
 
 fn main() {
+    let isa = llama_graph::kernels::Kernels::current().isa();
     let args: Vec<String> = std::env::args().collect();
     let threads: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(2);
     let reps: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(8);
@@ -90,13 +91,13 @@ fn main() {
             let w = WeightRef::new(DType::BF16, &plain[off..off + n * k * 2]);
             off += n * k * 2;
             let n_out = n_out(n, &ep);
-            gemv::gemv(&pool, &x[..k], k, w, n, ep, &mut y[..n_out]).expect("gemv");
+            gemv::gemv_at(isa, &pool, &x[..k], k, w, n, ep, &mut y[..n_out]).expect("gemv");
         }
     };
     let step_z = |y: &mut [f32]| {
         for (&(n, k, ep), v) in ops.iter().zip(&views) {
             let n_out = n_out(n, &ep);
-            bf16z::gemv(&pool, &x[..k], *v, ep, &mut y[..n_out]).expect("gemv");
+            bf16z::gemv_at(isa, &pool, &x[..k], *v, ep, &mut y[..n_out]).expect("gemv");
         }
     };
     let words = decode_step::words(&plain);
@@ -140,6 +141,7 @@ fn main() {
 /// Compute rate with the weights resident in L2 (`plain`: 128 rows of 2048
 /// bf16), one thread: what each kernel could do if memory kept up.
 fn l2_rate(plain: &[u8], x: &[f32]) {
+    let isa = llama_graph::kernels::Kernels::current().isa();
     let one = ThreadPool::new(1);
     let (n, k) = (128, 2048);
     let zb = bf16z::encode(plain, n, k).expect("encode");
@@ -149,10 +151,10 @@ fn l2_rate(plain: &[u8], x: &[f32]) {
     let (mut bp, mut bz) = (f64::MAX, f64::MAX);
     for _ in 0..3000 {
         let t = Instant::now();
-        gemv::gemv(&one, &x[..k], k, w, n, Epilogue::None, &mut y).expect("gemv");
+        gemv::gemv_at(isa, &one, &x[..k], k, w, n, Epilogue::None, &mut y).expect("gemv");
         bp = bp.min(t.elapsed().as_secs_f64());
         let t = Instant::now();
-        bf16z::gemv(&one, &x[..k], v, Epilogue::None, &mut y2).expect("gemv");
+        bf16z::gemv_at(isa, &one, &x[..k], v, Epilogue::None, &mut y2).expect("gemv");
         bz = bz.min(t.elapsed().as_secs_f64());
     }
     let wps = |t: f64| (n * k) as f64 / t / 1e9;

@@ -8,7 +8,7 @@
 
 use llama_graph::ir::DType;
 use llama_graph::kernels::matmul::{flops, matmul_with};
-use llama_graph::kernels::{Epilogue, Isa, WeightRef};
+use llama_graph::kernels::{Epilogue, WeightRef};
 use llama_graph::pool::ThreadPool;
 use std::time::Instant;
 
@@ -38,7 +38,10 @@ fn main() {
             .wrapping_add(1442695040888963407);
         ((seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
     };
-    println!("isa {:?}, threads {threads}, s {s}", Isa::current());
+    println!(
+        "isa {:?}, threads {threads}, s {s}",
+        llama_graph::kernels::Kernels::current().isa()
+    );
     for (name, n, k, swiglu) in [
         ("tiny 64x256", 64, 256, false),
         // SmolLM2-135M's 30 gate+up matrices stacked, and its output head:
@@ -75,7 +78,18 @@ fn main() {
             };
             let mut y = vec![0f32; s * n_out];
             let mut call = || {
-                matmul_with(&pool, Isa::current(), &x, s, k, w, n, ep(), &mut y).unwrap();
+                matmul_with(
+                    &pool,
+                    llama_graph::kernels::Kernels::current().isa(),
+                    &x,
+                    s,
+                    k,
+                    w,
+                    n,
+                    ep(),
+                    &mut y,
+                )
+                .unwrap();
             };
             call();
             let mut v = Vec::new();

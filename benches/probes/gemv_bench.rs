@@ -21,6 +21,7 @@ use std::time::Instant;
 const STREAM_BYTES: usize = 256 << 20;
 
 fn main() {
+    let isa = llama_graph::kernels::Kernels::current().isa();
     let args: Vec<String> = std::env::args().collect();
     let threads: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(1);
     let dtype = match args.get(2).map(String::as_str).unwrap_or("bf16") {
@@ -89,7 +90,7 @@ fn main() {
             let pass = |y: &mut [f32]| {
                 for c in 0..copies {
                     let w = WeightRef::new(dtype, &map[c * bytes..(c + 1) * bytes]);
-                    gemv::gemv(&pool, &x, k, w, n, ep, y).unwrap();
+                    gemv::gemv_at(isa, &pool, &x, k, w, n, ep, y).unwrap();
                 }
             };
             pass(&mut y);

@@ -9,11 +9,11 @@
 //! VNNI), interleaved in rounds; the figures are medians over the rounds.
 
 use llama_graph::ir::DType;
-use llama_graph::kernels::dispatch::{matmul_any, MatmulMode};
+use llama_graph::kernels::dispatch::MatmulMode;
 use llama_graph::kernels::quantized::fast::{self as qfast, Layout, Q8Act};
 use llama_graph::kernels::quantized::quantize_row;
-use llama_graph::kernels::Isa;
 use llama_graph::kernels::{Epilogue, WeightRef};
+use llama_graph::kernels::{Isa, Kernels};
 use llama_graph::pool::ThreadPool;
 use std::time::Instant;
 
@@ -120,12 +120,16 @@ fn main() {
             let w = WeightRef::new(dtype, &wq);
             let mut y = vec![0f32; s * n];
             for mode in [MatmulMode::Exact, MatmulMode::Fast] {
-                matmul_any(&pool, &x, s, k, w, n, Epilogue::None, &mut y, mode).unwrap();
+                Kernels::current()
+                    .matmul_any(&pool, &x, s, k, w, n, Epilogue::None, &mut y, mode)
+                    .unwrap();
                 let reps = if s > 1 { 5 } else { 100 };
                 let t = Instant::now();
                 let c0 = thread_cpu_s();
                 for _ in 0..reps {
-                    matmul_any(&pool, &x, s, k, w, n, Epilogue::None, &mut y, mode).unwrap();
+                    Kernels::current()
+                        .matmul_any(&pool, &x, s, k, w, n, Epilogue::None, &mut y, mode)
+                        .unwrap();
                 }
                 let wall = t.elapsed().as_secs_f64() / reps as f64;
                 let cpu = (thread_cpu_s() - c0) / reps as f64;

@@ -88,7 +88,7 @@ fuzz_target!(|data: &[u8]| {
                 .flat_map(|t| x.iter().map(move |v| v * (1.0 + t as f32)))
                 .collect();
             let mut got = [vec![0f32; s], vec![0f32; s]];
-            for (i, isa) in [Isa::Scalar, Isa::current()].into_iter().enumerate() {
+            for (i, isa) in [Isa::Scalar, llama_graph::kernels::Kernels::current().isa()].into_iter().enumerate() {
                 let need = scratch_len_for(isa, dtype, s, n).expect("whole blocks");
                 let mut scratch = vec![Q8Act::default(); need];
                 qmatmul_fast_with(isa, pool, &xs, s, n, w, 1, Epilogue::None, &mut got[i], &mut scratch)
@@ -123,7 +123,7 @@ fuzz_target!(|data: &[u8]| {
             let mut got = [vec![0f32; s * x8::G], vec![0f32; s * x8::G]];
             let ws = [
                 (Isa::Scalar, WeightRef::new(dtype, &rows)),
-                (Isa::current(), WeightRef::new(dtype, &inter).with_layout(Layout::X8)),
+                (llama_graph::kernels::Kernels::current().isa(), WeightRef::new(dtype, &inter).with_layout(Layout::X8)),
             ];
             for (i, (isa, w)) in ws.into_iter().enumerate() {
                 let need = scratch_len_for(isa, dtype, s, n).expect("whole blocks");

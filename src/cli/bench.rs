@@ -366,7 +366,7 @@ pub fn run(a: BenchArgs) -> super::CliResult {
                 samples_ts: ts,
                 load_s,
                 exact: a.exact,
-                isa: llama_graph::kernels::Isa::current().to_string(),
+                isa: llama_graph::kernels::Kernels::current().isa().to_string(),
                 stages,
                 in_flight: if matches!(test, Test::Gen(_)) {
                     a.in_flight

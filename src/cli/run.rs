@@ -102,7 +102,10 @@ pub struct RunArgs {
 /// The instruction-set level the kernels run at, and what the CPU has.
 pub fn isa_line() -> String {
     use llama_graph::kernels::isa::{Isa, ISA_ENV};
-    let (cur, best) = (Isa::current(), Isa::detect());
+    let (cur, best) = (
+        llama_graph::kernels::Kernels::current().isa(),
+        Isa::detect(),
+    );
     if cur == best {
         format!("kernels: {cur} instruction set (the best this CPU has; {ISA_ENV} can lower it)")
     } else {

@@ -1,12 +1,11 @@
 //! The forms the executor calls: dispatch on the weight dtype (plain or
-//! block-quantized), per-token RoPE angles and in-place elementwise ops.
+//! block-quantized) through a [`Kernels`] table, per-token RoPE angles and in-place elementwise ops.
 
 use super::elementwise::rope::{rope_freq, RopeScaling};
-use super::matmul::{gemv, matmul, Epilogue};
+use super::matmul::{gemv, Epilogue};
 use super::quantized::dequantize_row;
-use super::quantized::exact::qmatmul;
 use super::quantized::fast::{self as qfast, Q8Act};
-use super::Isa;
+use super::Kernels;
 use super::{check_len, embedding_rows, mul_dims, KernelError, WeightRef};
 use crate::ir::WeightLayout;
 use crate::pool::ThreadPool;
@@ -36,14 +35,15 @@ impl From<crate::ir::RopeScaling> for RopeScaling {
 /// How quantized matmuls treat the activations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MatmulMode {
-    /// f32 activations, weights dequantized in registers ([`qmatmul`]).
+    /// f32 activations, weights dequantized in registers
+    /// ([`qmatmul_with`](super::quantized::exact::qmatmul_with)).
     #[default]
     Exact,
     /// Activations quantized once per row into blocks of 8-bit quants and
     /// 8-bit remainders ([`qfast::Q8Act`]), and integer
-    /// block dot products ([`qfast::qmatmul_fast`]) for the weight dtypes
+    /// block dot products ([`qfast::qmatmul_fast_with`]) for the weight dtypes
     /// [`qfast::supports`] (every block type but Q2_K); single-row products over F32/F16/BF16 weights use
-    /// [`gemv::gemv`] (exact arithmetic, another summation order); other
+    /// [`gemv::gemv_at`] (exact arithmetic, another summation order); other
     /// cases use the exact kernels.
     Fast,
 }
@@ -85,51 +85,56 @@ fn with_gguf_rows<R>(
     })
 }
 
-/// `y = x·Wᵀ` for any weight dtype in the given mode.
-#[allow(clippy::too_many_arguments)]
-pub fn matmul_any(
-    pool: &ThreadPool,
-    x: &[f32],
-    s: usize,
-    k: usize,
-    w: WeightRef<'_>,
-    n: usize,
-    epilogue: Epilogue<'_>,
-    y: &mut [f32],
-    mode: MatmulMode,
-) -> Result<(), KernelError> {
-    if w.dtype == crate::ir::DType::BF16Z {
-        // Exact in both modes, as for plain bf16.
-        return super::matmul::bf16z::matmul(pool, x, s, k, w.bytes, n, epilogue, y);
-    }
-    if w.layout == WeightLayout::X8 && !(mode == MatmulMode::Fast && qfast::supports(w.dtype)) {
-        return with_gguf_rows("matmul", w, n, |w| {
-            matmul_any(pool, x, s, k, w, n, epilogue, y, mode)
-        });
-    }
-    if mode == MatmulMode::Fast && qfast::supports(w.dtype) {
-        if let Some(need) = qfast::scratch_len_for(Isa::current(), w.dtype, s, k) {
-            return ACT_SCRATCH.with(|cell| {
-                let mut scratch = cell.borrow_mut();
-                if scratch.len() < need {
-                    scratch.resize(need, Q8Act::default());
-                }
-                qfast::qmatmul_fast(pool, x, s, k, w, n, epilogue, y, &mut scratch)
-            });
+impl Kernels {
+    /// `y = x·Wᵀ` for any weight dtype in the given mode, with this
+    /// table's kernels.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_any(
+        &self,
+        pool: &ThreadPool,
+        x: &[f32],
+        s: usize,
+        k: usize,
+        w: WeightRef<'_>,
+        n: usize,
+        epilogue: Epilogue<'_>,
+        y: &mut [f32],
+        mode: MatmulMode,
+    ) -> Result<(), KernelError> {
+        if w.dtype == crate::ir::DType::BF16Z {
+            // Exact in both modes, as for plain bf16.
+            return (self.bf16z_matmul)(pool, x, s, k, w.bytes, n, epilogue, y);
         }
-        if w.layout == WeightLayout::X8 {
+        let fast = mode == MatmulMode::Fast && qfast::supports(w.dtype);
+        if w.layout == WeightLayout::X8 && !fast {
             return with_gguf_rows("matmul", w, n, |w| {
-                matmul_any(pool, x, s, k, w, n, epilogue, y, mode)
+                self.matmul_any(pool, x, s, k, w, n, epilogue, y, mode)
             });
         }
-    }
-    if mode == MatmulMode::Fast && s == 1 && gemv::supports(w.dtype) {
-        return gemv::gemv(pool, x, k, w, n, epilogue, y);
-    }
-    if w.dtype.is_quantized() {
-        qmatmul(pool, x, s, k, w, n, epilogue, y)
-    } else {
-        matmul(pool, x, s, k, w, n, epilogue, y)
+        if fast {
+            if let Some(need) = (self.qfast_scratch_len)(w.dtype, s, k) {
+                return ACT_SCRATCH.with(|cell| {
+                    let mut scratch = cell.borrow_mut();
+                    if scratch.len() < need {
+                        scratch.resize(need, Q8Act::default());
+                    }
+                    (self.qmatmul_fast)(pool, x, s, k, w, n, epilogue, y, &mut scratch)
+                });
+            }
+            if w.layout == WeightLayout::X8 {
+                return with_gguf_rows("matmul", w, n, |w| {
+                    self.matmul_any(pool, x, s, k, w, n, epilogue, y, mode)
+                });
+            }
+        }
+        if mode == MatmulMode::Fast && s == 1 && gemv::supports(w.dtype) {
+            return (self.gemv)(pool, x, k, w, n, epilogue, y);
+        }
+        if w.dtype.is_quantized() {
+            (self.qmatmul)(pool, x, s, k, w, n, epilogue, y)
+        } else {
+            (self.matmul)(pool, x, s, k, w, n, epilogue, y)
+        }
     }
 }
 

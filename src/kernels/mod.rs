@@ -1,8 +1,10 @@
 //! Compute kernels, separate from scheduling.
 //!
 //! One directory per family, each with its scalar reference and its SIMD
-//! variants side by side; every family dispatches on one instruction-set
-//! level, [`Isa`] (probed once, cappable with `LLAMA_GRAPH_ISA`):
+//! variants side by side; every family's entry points take one
+//! instruction-set level, [`Isa`], and [`Kernels`] binds them per level into
+//! one table, resolved once per process (the CPU's best, cappable with
+//! `LLAMA_GRAPH_ISA`) and held by the executor:
 //!
 //! | family | what |
 //! | --- | --- |
@@ -11,7 +13,7 @@
 //! | [`attention`] | over the paged KV pool: reference scores/softmax/values and the fused, batch-invariant kernel (`paged`: tiled items for prefill, key-split items for decode) |
 //! | [`elementwise`] | add, mul, SiLU/SwiGLU, RMSNorm (`norm`), RoPE (`rope`) |
 //! | [`embedding`], [`kv`] | token-row gather; the KV pool's layout, the step's sequence table, KV writes |
-//! | [`dispatch`] | the forms the executor calls: dispatch on weight dtype and mode |
+//! | [`table`], [`dispatch`] | the table of entry points per level; the forms the executor calls: dispatch on weight dtype and mode |
 //!
 //! Conventions: row-major; activations are `f32`; weights are raw
 //! little-endian bytes in their stored dtype (see [`WeightRef`]), read with
@@ -27,6 +29,8 @@ pub mod isa;
 pub mod kv;
 pub mod matmul;
 pub mod quantized;
+pub(crate) mod simd;
+pub mod table;
 #[cfg(test)]
 pub(crate) mod testutil;
 
@@ -34,7 +38,7 @@ pub use attention::{
     attention_paged, attn_scores, attn_scores_windowed, attn_values, softmax_rows, AttnWork,
     TILED_MIN_S,
 };
-pub use dispatch::{embedding_any, matmul_any, MatmulMode};
+pub use dispatch::{embedding_any, MatmulMode};
 pub use elementwise::norm::rmsnorm;
 pub use elementwise::rope::{rope_reference, RopeScaling, RopeTable};
 pub use elementwise::{
@@ -44,8 +48,9 @@ pub use elementwise::{
 pub use embedding::embedding_rows;
 pub use isa::Isa;
 pub use kv::{kv_write_rows, CacheType, KvGeom, KvHalf, KvStore, KvView, SeqSpan, StepSeqs};
-pub use matmul::{gemv, matmul, matmul_with, Epilogue};
+pub use matmul::{gemv, matmul_with, Epilogue};
 pub use quantized::dequantize_row;
+pub use table::Kernels;
 
 use crate::ir::{DType, WeightLayout};
 use thiserror::Error;

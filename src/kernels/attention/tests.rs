@@ -375,7 +375,7 @@ fn bad_steps_are_refused() {
     let (k, v, g) = (pool.k.view(), pool.v.view(), &pool.geom);
     assert!(attention_paged(
         &tp,
-        Isa::current(),
+        crate::kernels::Kernels::current().isa(),
         &q[1..],
         k,
         v,
@@ -388,7 +388,7 @@ fn bad_steps_are_refused() {
     .is_err());
     assert!(attention_paged(
         &tp,
-        Isa::current(),
+        crate::kernels::Kernels::current().isa(),
         &q,
         KvView::F32(&[]),
         v,
@@ -399,7 +399,19 @@ fn bad_steps_are_refused() {
         &mut work
     )
     .is_err());
-    assert!(attention_paged(&tp, Isa::current(), &q, k, v, g, 2, &s, &mut out, &mut work).is_ok());
+    assert!(attention_paged(
+        &tp,
+        crate::kernels::Kernels::current().isa(),
+        &q,
+        k,
+        v,
+        g,
+        2,
+        &s,
+        &mut out,
+        &mut work
+    )
+    .is_ok());
     let mut scores = vec![0.0; 4 * 6 * 10];
     assert!(
         attn_scores(&tp, &q, k, g, 2, &s, 10, &mut scores).is_err(),
@@ -436,7 +448,7 @@ fn avx2_exp_accuracy() {
                 unsafe {
                     _mm256_storeu_ps(
                         out.as_mut_ptr(),
-                        paged::x86_exp_ps_for_tests(_mm256_loadu_ps(x.as_ptr())),
+                        crate::kernels::simd::exp_ps(_mm256_loadu_ps(x.as_ptr())),
                     )
                 }
             }

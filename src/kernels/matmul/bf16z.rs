@@ -86,11 +86,19 @@ pub fn encoded_len(n: usize, k: usize, n_exceptions: usize) -> Option<usize> {
         .checked_add(n_exceptions.checked_mul(ENTRY_BYTES)?)
 }
 
+/// True when the codec (encoding, row decoding) may use its AVX2 code. The
+/// codec is exact: both paths give the same bytes (tested below), so it
+/// takes the CPU's best rather than the kernels' level; the products take
+/// their level as an argument.
+fn simd_codec() -> bool {
+    Isa::detect().avx2()
+}
+
 /// Exceptions in one block of 32 bf16 values (64 little-endian bytes).
 fn block_exceptions(b: &[u8]) -> u32 {
     let b = &b[..2 * BLOCK];
     #[cfg(target_arch = "x86_64")]
-    if Isa::current().avx2() {
+    if simd_codec() {
         // SAFETY: avx2 checked; 64 readable bytes; the block is only read
         // (no output pointer).
         return unsafe { avx2::encode_block(b.as_ptr(), None) }.count_ones();
@@ -206,7 +214,7 @@ pub fn encode_into<'a>(
         let mut at = 0;
         let mut exc = Vec::new();
         let mut w = [0u16; BLOCK];
-        let simd = Isa::current().avx2();
+        let simd = simd_codec();
         for r in r0..r1 {
             let src = &row(r)[..2 * k];
             for b in 0..nb {
@@ -361,7 +369,7 @@ impl<'a> Bf16z<'a> {
     /// Row `r` as bf16 values (exact).
     pub fn decode_row(&self, r: usize, out: &mut [u16]) {
         #[cfg(target_arch = "x86_64")]
-        if Isa::current().avx2() {
+        if simd_codec() {
             let out = &mut out[..self.k];
             // SAFETY: avx2 checked; the row holds k/32 blocks and `out` k values.
             unsafe { avx2::decode(self.row_blocks(r), out) };
@@ -518,18 +526,8 @@ std::thread_local! {
 }
 
 /// `y = x·Wᵀ` with `epilogue` for one activation row and an encoded `W`
-/// (`[n, k]`); the same contract as [`super::gemv::gemv`].
-pub fn gemv(
-    pool: &ThreadPool,
-    x: &[f32],
-    w: Bf16z<'_>,
-    epilogue: Epilogue<'_>,
-    y: &mut [f32],
-) -> Result<(), KernelError> {
-    gemv_at(Isa::current(), pool, x, w, epilogue, y)
-}
-
-/// [`gemv`] with the kernels of `isa` (lowered to what the CPU supports):
+/// (`[n, k]`), the same contract as [`super::gemv::gemv_at`], with the
+/// kernels of `isa` (lowered to what the CPU supports):
 /// the portable kernel at [`Isa::Scalar`], the AVX2 kernel at every SIMD
 /// level (there is no AVX-512 one).
 ///
@@ -611,22 +609,8 @@ std::thread_local! {
 }
 
 /// `y = x·Wᵀ` with `epilogue` for `s` activation rows and an encoded `W`
-/// (`bytes`, `[n, k]`); the contract of [`super::matmul`](super::matmul()).
-#[allow(clippy::too_many_arguments)]
-pub fn matmul(
-    pool: &ThreadPool,
-    x: &[f32],
-    s: usize,
-    k: usize,
-    bytes: &[u8],
-    n: usize,
-    epilogue: Epilogue<'_>,
-    y: &mut [f32],
-) -> Result<(), KernelError> {
-    matmul_at(Isa::current(), pool, x, s, k, bytes, n, epilogue, y)
-}
-
-/// [`matmul`] with the kernels of `isa`. One row goes to [`gemv_at`]. More
+/// (`bytes`, `[n, k]`); the contract of [`super::matmul_with`], with the
+/// kernels of `isa`. One row goes to [`gemv_at`]. More
 /// rows are multiplied `GROUP` (256) output rows at a time: the group's
 /// weight rows (gate and up rows for SwiGLU) are decoded to their coded
 /// bf16 values, in the order the single-token kernel multiplies them (x
@@ -725,480 +709,7 @@ pub fn matmul_at(
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use super::super::avx2::x86::{hsum, hsum4};
-    use super::{BLOCK, BLOCK_BYTES};
-    use std::arch::x86_64::*;
-
-    /// `sign << 7 | e` for each nibble `sign << 3 | e`, in both lanes.
-    static TABLE: [u8; 32] = {
-        let mut t = [0u8; 32];
-        let mut i = 0;
-        while i < 32 {
-            let n = (i % 16) as u8;
-            t[i] = (n & 8) << 4 | (n & 7);
-            i += 1;
-        }
-        t
-    };
-
-    /// The bf16 words of the block at `q`: weights 0-7 and 16-23, then 8-15
-    /// and 24-31 (see [`dot`]).
-    ///
-    /// # Safety
-    /// `q` points to [`BLOCK_BYTES`] readable bytes.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn words(
-        q: *const u8,
-        table: __m256i,
-        halves: __m256i,
-        lo4: __m256i,
-    ) -> (__m256i, __m256i) {
-        // SAFETY: the block's bytes (caller); unaligned loads. Byte 0 is the
-        // broadcast high bits, 1..17 the nibbles (in both lanes), 17.. the
-        // low bytes.
-        let (f, nib, low) = unsafe {
-            (
-                _mm256_set1_epi8(*q as i8),
-                _mm256_broadcastsi128_si256(_mm_loadu_si128(q.add(1) as *const __m128i)),
-                _mm256_loadu_si256(q.add(17) as *const __m256i),
-            )
-        };
-        let nibs = _mm256_and_si256(_mm256_srlv_epi32(nib, halves), lo4);
-        let hi = _mm256_add_epi8(_mm256_shuffle_epi8(table, nibs), f);
-        (_mm256_unpacklo_epi8(low, hi), _mm256_unpackhi_epi8(low, hi))
-    }
-
-    /// The constants of [`words`]: the table, the lane shifts, the nibble mask.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn consts() -> (__m256i, __m256i, __m256i) {
-        // SAFETY: TABLE is 32 bytes; unaligned load.
-        let table = unsafe { _mm256_loadu_si256(TABLE.as_ptr() as *const __m256i) };
-        (
-            table,
-            _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4),
-            _mm256_set1_epi8(0x0f),
-        )
-    }
-
-    /// The blocks of one row as bf16 values in natural order (exceptions
-    /// still coded).
-    ///
-    /// # Safety
-    /// The CPU must support avx2/fma; `out` holds 32 values per block.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn decode(blocks: &[u8], out: &mut [u16]) {
-        let (table, halves, lo4) = consts();
-        let p = blocks.as_ptr();
-        let nb = blocks.len() / BLOCK_BYTES;
-        for (b, o) in out.chunks_exact_mut(BLOCK).take(nb).enumerate() {
-            // SAFETY: block b lies within `blocks`; `o` holds 32 u16 (64
-            // bytes). Unaligned loads and stores.
-            unsafe {
-                let q = p.add(b * BLOCK_BYTES);
-                let (wa, wb) = words(q, table, halves, lo4);
-                let d = o.as_mut_ptr() as *mut __m256i;
-                _mm256_storeu_si256(d, _mm256_permute2x128_si256::<0x20>(wa, wb));
-                _mm256_storeu_si256(d.add(1), _mm256_permute2x128_si256::<0x31>(wa, wb));
-            }
-        }
-    }
-
-    /// [`dot`] for four rows of the same length, sharing each load of
-    /// `xp`; one accumulator per row, as in [`dot`].
-    ///
-    /// # Safety
-    /// As [`dot`], for each row.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot4(rows: [&[u8]; 4], xp: &[f32]) -> [f32; 4] {
-        let nb = rows[0].len() / BLOCK_BYTES;
-        let xp = &xp[..nb * BLOCK];
-        // One bounds check per row here instead of one per block below.
-        let p = rows.map(|r| r[..nb * BLOCK_BYTES].as_ptr());
-        let (table, halves, lo4) = consts();
-        let odd = _mm256_set1_epi32(0xffff_0000_u32 as i32);
-        let mut acc = [_mm256_setzero_ps(); 4];
-        for (b, x) in xp.chunks_exact(BLOCK).enumerate() {
-            // SAFETY: 32 f32; unaligned loads.
-            let xv = unsafe {
-                [
-                    _mm256_loadu_ps(x.as_ptr()),
-                    _mm256_loadu_ps(x.as_ptr().add(8)),
-                    _mm256_loadu_ps(x.as_ptr().add(16)),
-                    _mm256_loadu_ps(x.as_ptr().add(24)),
-                ]
-            };
-            for r in 0..4 {
-                // SAFETY: block b < nb of a row checked to hold nb blocks.
-                let (wa, wb) = unsafe {
-                    let q = p[r].add(b * BLOCK_BYTES);
-                    words(q, table, halves, lo4)
-                };
-                let e0 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wa));
-                let o0 = _mm256_castsi256_ps(_mm256_and_si256(wa, odd));
-                let e1 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wb));
-                let o1 = _mm256_castsi256_ps(_mm256_and_si256(wb, odd));
-                let a = _mm256_fmadd_ps(e0, xv[0], acc[r]);
-                let a = _mm256_fmadd_ps(o0, xv[1], a);
-                let a = _mm256_fmadd_ps(e1, xv[2], a);
-                acc[r] = _mm256_fmadd_ps(o1, xv[3], a);
-            }
-        }
-        let v = hsum4(acc[0], acc[1], acc[2], acc[3]);
-        let mut out = [0f32; 4];
-        // SAFETY: 4 floats.
-        unsafe { _mm_storeu_ps(out.as_mut_ptr(), v) };
-        out
-    }
-
-    /// The blocks of one row as coded bf16 values, each block of 32 in
-    /// [`super::ORDER`] (the order in which [`dot`] multiplies them).
-    ///
-    /// # Safety
-    /// The CPU must support avx2/fma; `out` holds 32 values per block.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn decode_permuted(blocks: &[u8], out: &mut [u16]) {
-        let (table, halves, lo4) = consts();
-        // Per 128-bit lane: the even words, then the odd ones.
-        let split = _mm256_setr_epi8(
-            0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13, 2, 3,
-            6, 7, 10, 11, 14, 15,
-        );
-        let p = blocks.as_ptr();
-        let nb = blocks.len() / BLOCK_BYTES;
-        for (b, o) in out.chunks_exact_mut(BLOCK).take(nb).enumerate() {
-            // SAFETY: block b lies within `blocks`; `o` holds 32 u16 (64
-            // bytes). Unaligned loads and stores.
-            unsafe {
-                let q = p.add(b * BLOCK_BYTES);
-                let (wa, wb) = words(q, table, halves, lo4);
-                // wa: weights 0-7 | 16-23; as 64-bit quarters after the
-                // split: (0,2,4,6) (1,3,5,7) (16,..,22) (17,..,23); 0xD8
-                // orders them evens 0-6, evens 16-22, odds 1-7, odds 17-23.
-                let pa = _mm256_permute4x64_epi64::<0xD8>(_mm256_shuffle_epi8(wa, split));
-                let pb = _mm256_permute4x64_epi64::<0xD8>(_mm256_shuffle_epi8(wb, split));
-                let d = o.as_mut_ptr() as *mut __m256i;
-                _mm256_storeu_si256(d, pa);
-                _mm256_storeu_si256(d.add(1), pb);
-            }
-        }
-    }
-
-    /// Encodes the 32 bf16 values at `src` (64 bytes) into the 49-byte
-    /// block at `out` when given, and returns the mask of the weights below
-    /// the window (exceptions; the caller re-encodes such a block with the
-    /// portable encoder, which lists them, and writes the same bytes).
-    ///
-    /// # Safety
-    /// The CPU must support avx2; `src` points to 64 readable bytes and
-    /// `out`, if given, to 49 writable ones.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn encode_block(src: *const u8, out: Option<*mut u8>) -> u32 {
-        // SAFETY: as documented; unaligned loads.
-        let (a, b) = unsafe {
-            (
-                _mm256_loadu_si256(src as *const __m256i),
-                _mm256_loadu_si256(src.add(32) as *const __m256i),
-            )
-        };
-        // packus works per 128-bit lane; 0xD8 puts the quarters back in order.
-        let pack =
-            |x: __m256i, y: __m256i| _mm256_permute4x64_epi64::<0xD8>(_mm256_packus_epi16(x, y));
-        let hib = pack(_mm256_srli_epi16::<8>(a), _mm256_srli_epi16::<8>(b));
-        let hi7 = _mm256_and_si256(hib, _mm256_set1_epi8(0x7f));
-        let m = _mm_max_epu8(
-            _mm256_castsi256_si128(hi7),
-            _mm256_extracti128_si256::<1>(hi7),
-        );
-        let m = _mm_max_epu8(m, _mm_srli_si128::<8>(m));
-        let m = _mm_max_epu8(m, _mm_srli_si128::<4>(m));
-        let m = _mm_max_epu8(m, _mm_srli_si128::<2>(m));
-        let m = _mm_max_epu8(m, _mm_srli_si128::<1>(m));
-        let f = (_mm_cvtsi128_si32(m) as u8).saturating_sub(7);
-        let fv = _mm256_set1_epi8(f as i8);
-        let below = _mm256_movemask_epi8(_mm256_cmpgt_epi8(fv, hi7)) as u32;
-        if let Some(out) = out {
-            let low = _mm256_set1_epi16(0xff);
-            let lows = pack(_mm256_and_si256(a, low), _mm256_and_si256(b, low));
-            let sign = _mm256_srli_epi16::<4>(_mm256_and_si256(hib, _mm256_set1_epi8(-128)));
-            let nib = _mm256_or_si256(_mm256_subs_epu8(hi7, fv), sign);
-            let nibs = _mm_or_si128(
-                _mm256_castsi256_si128(nib),
-                _mm_slli_epi16::<4>(_mm256_extracti128_si256::<1>(nib)),
-            );
-            // SAFETY: `out` has 49 writable bytes; unaligned stores.
-            unsafe {
-                *out = f;
-                _mm_storeu_si128(out.add(1) as *mut __m128i, nibs);
-                _mm256_storeu_si256(out.add(17) as *mut __m256i, lows);
-            }
-        }
-        below
-    }
-
-    /// One row's blocks · `xp` (x permuted by `permute_x`).
-    ///
-    /// Per block: the 16 nibble bytes, loaded into both 128-bit lanes and
-    /// shifted right by 0 in the low lane and 4 in the high one, give the
-    /// nibbles of weights 0-15 and 16-31; a fixed table (`vpshufb`) turns
-    /// each into `sign << 7 | e`, and adding `f` makes the high bytes.
-    /// Interleaving with the low bytes gives bf16 words: weights 0-7 and
-    /// 16-23 in one register, 8-15 and 24-31 in the other (the unpacks work
-    /// per 128-bit lane). Each 32-bit lane then holds a pair, widened by
-    /// shift (even) and mask (odd), hence `permute_x`'s order. The four
-    /// vectors are multiply-added into one 8-lane accumulator in that order
-    /// and summed by the tiles' tree: exactly the 8-lane tile order of
-    /// [`crate::kernels::matmul::tiles`] over the permuted values.
-    ///
-    /// # Safety
-    /// The CPU must support avx2/fma; `blocks` is whole blocks and `xp`
-    /// holds 32 elements per block.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot(blocks: &[u8], xp: &[f32]) -> f32 {
-        let nb = blocks.len() / BLOCK_BYTES;
-        let xp = &xp[..nb * BLOCK];
-        let (table, halves, lo4) = consts();
-        let odd = _mm256_set1_epi32(0xffff_0000_u32 as i32);
-        let mut acc = _mm256_setzero_ps();
-        let p = blocks.as_ptr();
-        for (b, x) in xp.chunks_exact(BLOCK).enumerate() {
-            // SAFETY: block b < nb lies within `blocks` (49 bytes from q);
-            // x holds 32 f32. Unaligned loads.
-            let ((wa, wb), xv) = unsafe {
-                (
-                    words(p.add(b * BLOCK_BYTES), table, halves, lo4),
-                    [
-                        _mm256_loadu_ps(x.as_ptr()),
-                        _mm256_loadu_ps(x.as_ptr().add(8)),
-                        _mm256_loadu_ps(x.as_ptr().add(16)),
-                        _mm256_loadu_ps(x.as_ptr().add(24)),
-                    ],
-                )
-            };
-            let ws = [
-                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wa)),
-                _mm256_castsi256_ps(_mm256_and_si256(wa, odd)),
-                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wb)),
-                _mm256_castsi256_ps(_mm256_and_si256(wb, odd)),
-            ];
-            for u in 0..4 {
-                acc = _mm256_fmadd_ps(ws[u], xv[u], acc);
-            }
-        }
-        hsum(acc)
-    }
-}
+mod avx2;
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::ir::DType;
-    use crate::kernels::testutil::{encode as encode_dtype, Rng};
-
-    fn bf16s(b: &[u8]) -> Vec<u16> {
-        b.chunks_exact(2)
-            .map(|c| u16::from_le_bytes([c[0], c[1]]))
-            .collect()
-    }
-
-    #[test]
-    fn round_trips_exactly_with_exceptions() {
-        let mut rng = Rng::new(11);
-        let (n, k) = (7, 96);
-        let mut wf = rng.vec(n * k);
-        // Exceptions: zeros, a tiny value next to a large one, negatives.
-        wf[3] = 0.0;
-        wf[5] = -0.0;
-        wf[40] = 1e-30;
-        wf[41] = 3.0;
-        wf[100] = -1e-12;
-        let wb = encode_dtype(&wf, DType::BF16);
-        let z = encode(&wb, n, k).unwrap();
-        let v = Bf16z::parse(&z, n, k).unwrap();
-        assert!(v.n_exceptions() >= 4, "{}", v.n_exceptions());
-        let want = bf16s(&wb);
-        let mut row = vec![0u16; k];
-        for r in 0..n {
-            v.decode_row(r, &mut row);
-            assert_eq!(row, want[r * k..(r + 1) * k], "row {r}");
-            v.decode_row_scalar(r, &mut row);
-            assert_eq!(row, want[r * k..(r + 1) * k], "row {r}, portable");
-            let mut rf = vec![0f32; k];
-            v.decode_row_f32(r, &mut rf);
-            let wf: Vec<f32> = want[r * k..(r + 1) * k]
-                .iter()
-                .map(|&b| crate::kernels::bf16_to_f32(b))
-                .collect();
-            assert_eq!(rf, wf, "row {r}, as f32");
-        }
-        assert_eq!(z.len(), encoded_len(n, k, v.n_exceptions()).unwrap());
-    }
-
-    #[test]
-    fn gemv_matches_bf16_gemv_on_every_kernel() {
-        let pool = ThreadPool::new(2);
-        let mut rng = Rng::new(12);
-        for (n, k) in [(6, 32), (38, 160), (22, 4128)] {
-            let x = rng.vec(k);
-            let mut wf = rng.vec(n * k);
-            wf[k + 1] = 0.0;
-            wf[2 * k + 7] = 1e-20;
-            let r = rng.vec(n);
-            let wb = encode_dtype(&wf, DType::BF16);
-            let z = encode(&wb, n, k).unwrap();
-            let v = Bf16z::parse(&z, n, k).unwrap();
-            let w = crate::kernels::WeightRef::new(DType::BF16, &wb);
-            let mut want = vec![0f32; n];
-            crate::kernels::gemv::gemv(&pool, &x, k, w, n, Epilogue::AddResidual(&r), &mut want)
-                .unwrap();
-            let mut want_g = vec![0f32; n / 2];
-            crate::kernels::gemv::gemv(&pool, &x, k, w, n, Epilogue::SwiGlu, &mut want_g).unwrap();
-            for isa in Isa::supported_levels() {
-                let mut y = vec![0f32; n];
-                gemv_at(isa, &pool, &x, v, Epilogue::AddResidual(&r), &mut y).unwrap();
-                for j in 0..n {
-                    assert!(
-                        (y[j] - want[j]).abs() < 1e-4 * (1.0 + want[j].abs()),
-                        "{isa} n={n} k={k} j={j}: {} vs {}",
-                        y[j],
-                        want[j]
-                    );
-                }
-                let mut g = vec![0f32; n / 2];
-                gemv_at(isa, &pool, &x, v, Epilogue::SwiGlu, &mut g).unwrap();
-                for j in 0..n / 2 {
-                    assert!((g[j] - want_g[j]).abs() < 1e-4 * (1.0 + want_g[j].abs()));
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn matmul_matches_bf16_matmul_for_every_epilogue() {
-        let pool = ThreadPool::new(2);
-        let mut rng = Rng::new(14);
-        // One partial group, and several groups with a partial last one
-        // (600 rows; 300 for SwiGLU); s = 1 and s > 1.
-        for (s, n, k) in [(1, 150, 64), (3, 150, 64), (5, 140, 96), (3, 600, 64)] {
-            let x = rng.vec(s * k);
-            let mut wf = rng.vec(n * k);
-            wf[7] = 0.0;
-            wf[k + 3] = 1e-25;
-            let wb = encode_dtype(&wf, DType::BF16);
-            let z = encode(&wb, n, k).unwrap();
-            let w = crate::kernels::WeightRef::new(DType::BF16, &wb);
-            let r = rng.vec(s * n);
-            let eps = [
-                Epilogue::None,
-                Epilogue::Accumulate,
-                Epilogue::AddResidual(&r),
-                Epilogue::SwiGlu,
-            ];
-            for ep in eps {
-                let n_out = if matches!(ep, Epilogue::SwiGlu) {
-                    n / 2
-                } else {
-                    n
-                };
-                let init = rng.vec(s * n_out);
-                let mut want = init.clone();
-                crate::kernels::matmul::matmul(&pool, &x, s, k, w, n, ep, &mut want).unwrap();
-                let mut got = init.clone();
-                matmul(&pool, &x, s, k, &z, n, ep, &mut got).unwrap();
-                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                    assert!(
-                        (a - b).abs() < 1e-4 * (1.0 + b.abs()),
-                        "s={s} n={n} {ep:?} [{i}]: {a} vs {b}"
-                    );
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn batch_invariant_at_every_level() {
-        // Several groups of 256 rows (600; 300 for SwiGLU), K over 4096,
-        // exceptions in both.
-        for (i, &(k, n)) in [(64, 600), (4128, 10)].iter().enumerate() {
-            let mut rng = Rng::new(500 + i as u64);
-            let x = rng.vec(64 * k);
-            let mut wf = rng.vec(n * k);
-            wf[7] = 0.0;
-            wf[k + 3] = 1e-25;
-            wf[(n - 1) * k + 5] = -1e-30;
-            let z = encode(&encode_dtype(&wf, DType::BF16), n, k).unwrap();
-            assert!(Bf16z::parse(&z, n, k).unwrap().n_exceptions() >= 3);
-            let r = rng.vec(64 * n);
-            for isa in Isa::supported_levels() {
-                let mm = |pool: &ThreadPool, x: &[f32], s, ep: Epilogue<'_>, y: &mut [f32]| {
-                    matmul_at(isa, pool, x, s, k, &z, n, ep, y).unwrap()
-                };
-                crate::kernels::matmul::tests::check_batch_invariance(
-                    &mm,
-                    &x,
-                    k,
-                    n,
-                    &r,
-                    &format!("bf16z {isa} k={k} n={n}"),
-                );
-            }
-        }
-    }
-
-    /// The SIMD encoder writes the portable encoder's bytes and finds the
-    /// same exceptions, block by block.
-    #[test]
-    fn simd_encoder_matches_the_portable_one() {
-        if !crate::kernels::Isa::detect().avx2() {
-            return;
-        }
-        let mut rng = Rng::new(15);
-        let mut wf = rng.vec(32 * 40);
-        for i in (0..wf.len()).step_by(37) {
-            wf[i] = [0.0, -0.0, 1e-30, -1e-12, 65504.0, -3.0][i % 6];
-        }
-        let wb = encode_dtype(&wf, DType::BF16);
-        let mut seen = 0;
-        for blk in wb.chunks_exact(64) {
-            let w: Vec<u16> = bf16s(blk);
-            let (mut want, mut exc) = (vec![0u8; BLOCK_BYTES], Vec::new());
-            encode_block(&w, &mut want, &mut exc);
-            let mut got = vec![0u8; BLOCK_BYTES];
-            // SAFETY: avx2 checked; 64 bytes in, 49 out.
-            let mask = unsafe { avx2::encode_block(blk.as_ptr(), Some(got.as_mut_ptr())) };
-            assert_eq!(mask.count_ones() as usize, exc.len());
-            assert_eq!(mask.count_ones(), block_exceptions(blk));
-            if exc.is_empty() {
-                assert_eq!(got, want);
-            } else {
-                seen += 1;
-            }
-        }
-        assert!(seen > 0, "no block with exceptions was tried");
-    }
-
-    #[test]
-    fn parse_rejects_bad_tables() {
-        let mut rng = Rng::new(13);
-        let (n, k) = (3, 64);
-        let mut wf = rng.vec(n * k);
-        wf[1] = 0.0;
-        let z = encode(&encode_dtype(&wf, DType::BF16), n, k).unwrap();
-        assert!(Bf16z::parse(&z, n, k).is_ok());
-        assert!(Bf16z::parse(&z[..z.len() - 1], n, k).is_err());
-        assert!(Bf16z::parse(&z, n, 48).is_err());
-        assert!(Bf16z::parse(&z, n + 1, k).is_err());
-        // A column past k.
-        let mut bad = z.clone();
-        let e0 = n * (k / BLOCK) * BLOCK_BYTES + (n + 1) * 4;
-        bad[e0..e0 + 4].copy_from_slice(&(k as u32).to_le_bytes());
-        assert!(Bf16z::parse(&bad, n, k).is_err());
-        // Row starts out of order.
-        let mut bad = z.clone();
-        let s1 = n * (k / BLOCK) * BLOCK_BYTES + 4;
-        bad[s1..s1 + 4].copy_from_slice(&99u32.to_le_bytes());
-        assert!(Bf16z::parse(&bad, n, k).is_err());
-    }
-}
+mod tests;

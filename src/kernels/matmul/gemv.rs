@@ -62,22 +62,8 @@ pub fn dot_scalar(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
 }
 
 /// `y = x·Wᵀ` with `epilogue` for one activation row (`x`: `[k]`) and a
-/// plain-dtype `W` `[n, k]`. Same contract as [`super::matmul`](super::matmul()) with `s = 1`.
-#[allow(clippy::too_many_arguments)]
-pub fn gemv(
-    pool: &ThreadPool,
-    x: &[f32],
-    k: usize,
-    w: WeightRef<'_>,
-    n: usize,
-    epilogue: Epilogue<'_>,
-    y: &mut [f32],
-) -> Result<(), KernelError> {
-    gemv_at(Isa::current(), pool, x, k, w, n, epilogue, y)
-}
-
-/// [`gemv`] at a chosen level (lowered to what the CPU supports), for
-/// tests and benchmarks.
+/// plain-dtype `W` `[n, k]` with the kernels of `isa` (lowered to what the
+/// CPU supports). Same contract as [`super::matmul_with`] with `s = 1`.
 #[allow(clippy::too_many_arguments)]
 pub fn gemv_at(
     isa: Isa,

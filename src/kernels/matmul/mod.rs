@@ -62,8 +62,8 @@ enum Mode {
     /// Activations rounded to bf16 and `VDPBF16PS` (about 2× the
     /// arithmetic rate; results differ by the activation rounding, as in
     /// llama.cpp's BF16 path), for BF16 weights on CPUs with AVX-512 BF16;
-    /// otherwise as `Level(Isa::current())`.
-    Bf16Dot,
+    /// otherwise as `Level` of the same level.
+    Bf16Dot(Isa),
 }
 
 /// The tile implementation chosen for one call.
@@ -75,28 +75,14 @@ enum Path {
     Bf16Dot,
 }
 
-/// Computes `x·Wᵀ` with `epilogue` into `y`.
+/// Computes `x·Wᵀ` with `epilogue` into `y` with the kernels of `isa` (a
+/// level above what this CPU supports runs the best one it has); the
+/// runtime calls it through [`Kernels::matmul`](crate::kernels::Kernels).
 ///
 /// * `x`: `[s, k]` f32; `w`: `[n, k]` in its stored dtype;
 /// * `y`: `[s, n]`, or `[s, n/2]` for [`Epilogue::SwiGlu`] (then `n` must be even).
 ///
 /// No scratch is needed; nothing is allocated.
-#[allow(clippy::too_many_arguments)]
-pub fn matmul(
-    pool: &ThreadPool,
-    x: &[f32],
-    s: usize,
-    k: usize,
-    w: WeightRef<'_>,
-    n: usize,
-    epilogue: Epilogue<'_>,
-    y: &mut [f32],
-) -> Result<(), KernelError> {
-    matmul_with(pool, Isa::current(), x, s, k, w, n, epilogue, y)
-}
-
-/// [`matmul`] with the kernels of `isa` (tests, benches); a level above
-/// what this CPU supports runs the best one it has.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_with(
     pool: &ThreadPool,
@@ -112,12 +98,13 @@ pub fn matmul_with(
     matmul_mode(pool, Mode::Level(isa), x, s, k, w, n, epilogue, y)
 }
 
-/// [`matmul`] with activations rounded to bf16 and the AVX-512 BF16 dot
-/// product for BF16 weights, where the CPU has it (an opt-in trade of
-/// accuracy for speed); otherwise exactly [`matmul`].
+/// [`matmul_with`] with activations rounded to bf16 and the AVX-512 BF16 dot
+/// product for BF16 weights, where `isa` and the CPU have it (an opt-in trade of
+/// accuracy for speed); otherwise exactly [`matmul_with`].
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_bf16_dot(
     pool: &ThreadPool,
+    isa: Isa,
     x: &[f32],
     s: usize,
     k: usize,
@@ -126,7 +113,7 @@ pub fn matmul_bf16_dot(
     epilogue: Epilogue<'_>,
     y: &mut [f32],
 ) -> Result<(), KernelError> {
-    matmul_mode(pool, Mode::Bf16Dot, x, s, k, w, n, epilogue, y)
+    matmul_mode(pool, Mode::Bf16Dot(isa), x, s, k, w, n, epilogue, y)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -182,11 +169,10 @@ fn matmul_mode(
         return Ok(());
     }
     let isa = match mode {
-        Mode::Level(l) => l.min(Isa::detect()),
-        Mode::Bf16Dot => Isa::current(),
+        Mode::Level(l) | Mode::Bf16Dot(l) => l.min(Isa::detect()),
     };
     let path = match mode {
-        Mode::Bf16Dot if w.dtype == DType::BF16 && isa.avx512_bf16() => Path::Bf16Dot,
+        Mode::Bf16Dot(_) if w.dtype == DType::BF16 && isa.avx512_bf16() => Path::Bf16Dot,
         _ if s == 1 => return gemv::gemv_at(isa, pool, x, k, w, n, epilogue, y),
         _ if isa.avx512() => Path::Avx512,
         _ if isa.avx2() => Path::Avx2,
@@ -476,6 +462,22 @@ pub(crate) mod tests {
     use crate::ir::DType;
     use crate::kernels::testutil::{assert_close, decoded, encode, Rng};
 
+    /// [`matmul_with`] at the level the tests run at (`LLAMA_GRAPH_ISA`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn matmul(
+        pool: &ThreadPool,
+        x: &[f32],
+        s: usize,
+        k: usize,
+        w: WeightRef<'_>,
+        n: usize,
+        epilogue: Epilogue<'_>,
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let isa = crate::kernels::Kernels::current().isa();
+        matmul_with(pool, isa, x, s, k, w, n, epilogue, y)
+    }
+
     fn naive(x: &[f32], s: usize, k: usize, w: &[f32], n: usize) -> Vec<f64> {
         let mut y = vec![0f64; s * n];
         for i in 0..s {
@@ -687,7 +689,8 @@ pub(crate) mod tests {
         // AVX-512 BF16 the call falls back to the exact path, which must
         // then match the unrounded-x reference instead.
         let pool = ThreadPool::new(2);
-        let has = Isa::current().avx512_bf16();
+        let isa = crate::kernels::Kernels::current().isa();
+        let has = isa.avx512_bf16();
         for (i, &(s, k, n)) in [
             (1, 576, 72),
             (5, 67, 20),
@@ -710,7 +713,7 @@ pub(crate) mod tests {
             let want = naive(&xr, s, k, &decoded(&wf, DType::BF16), n);
             let mut y = vec![f32::NAN; s * n];
             let w = WeightRef::new(DType::BF16, &wb);
-            matmul_bf16_dot(&pool, &x, s, k, w, n, Epilogue::None, &mut y).unwrap();
+            matmul_bf16_dot(&pool, isa, &x, s, k, w, n, Epilogue::None, &mut y).unwrap();
             assert_close(
                 &y,
                 &want,
@@ -721,7 +724,7 @@ pub(crate) mod tests {
             // SwiGLU epilogue through the same path.
             let mut ys = vec![f32::NAN; s * n / 2];
             if n % 2 == 0 {
-                matmul_bf16_dot(&pool, &x, s, k, w, n, Epilogue::SwiGlu, &mut ys).unwrap();
+                matmul_bf16_dot(&pool, isa, &x, s, k, w, n, Epilogue::SwiGlu, &mut ys).unwrap();
                 let f = n / 2;
                 for t in 0..s {
                     for j in 0..f {
@@ -741,6 +744,7 @@ pub(crate) mod tests {
         let mut y = vec![0.0; 8];
         matmul_bf16_dot(
             &pool,
+            isa,
             &x,
             2,
             9,

@@ -1,6 +1,6 @@
 //! Linear layers over block-quantized weights (the exact path): each output
 //! is one weight row dotted with one activation row by
-//! [`super::dot_row`], which dequantizes in registers.
+//! [`super::dot_row_at`], which dequantizes in registers.
 //! The weights stay quantized in memory. Work is split over output columns.
 
 use super::dot_row_at;
@@ -12,24 +12,10 @@ use crate::pool::{SyncPtr, ThreadPool};
 const COLS_PER_CHUNK: usize = 16;
 
 /// `y = x·Wᵀ` with `epilogue`, for a quantized `W` `[n, k]`. Same contract
-/// as [`matmul`](crate::kernels::matmul()). Every output is one row's dot
+/// as [`matmul_with`](crate::kernels::matmul_with), with the kernels of
+/// `isa` (lowered to what the CPU supports). Every output is one row's dot
 /// product computed alone, so a row's result does not depend on the other
 /// rows of `x` (batch invariance).
-#[allow(clippy::too_many_arguments)]
-pub fn qmatmul(
-    pool: &ThreadPool,
-    x: &[f32],
-    s: usize,
-    k: usize,
-    w: WeightRef<'_>,
-    n: usize,
-    epilogue: Epilogue<'_>,
-    y: &mut [f32],
-) -> Result<(), KernelError> {
-    qmatmul_with(Isa::current(), pool, x, s, k, w, n, epilogue, y)
-}
-
-/// [`qmatmul`] with the kernels of `isa` (tests, benchmarks).
 #[allow(clippy::too_many_arguments)]
 pub fn qmatmul_with(
     isa: Isa,
@@ -74,6 +60,7 @@ mod tests {
     use super::*;
     use crate::ir::DType;
     use crate::kernels::quantized::{dequantize_row, quantize_row};
+    use crate::kernels::Kernels;
 
     #[test]
     fn matches_dequantize_then_multiply() {
@@ -113,7 +100,18 @@ mod tests {
                 |t: usize, j: usize| (0..k).map(|i| x[t * k + i] * wd[j * k + i]).sum::<f32>();
             let wr = WeightRef::new(dtype, &wq);
             let mut y = vec![0f32; s * n];
-            qmatmul(&pool, &x, s, k, wr, n, Epilogue::AddResidual(&r), &mut y).unwrap();
+            qmatmul_with(
+                Kernels::current().isa(),
+                &pool,
+                &x,
+                s,
+                k,
+                wr,
+                n,
+                Epilogue::AddResidual(&r),
+                &mut y,
+            )
+            .unwrap();
             for t in 0..s {
                 for j in 0..n {
                     assert!(
@@ -123,7 +121,18 @@ mod tests {
                 }
             }
             let mut g = vec![0f32; s * n / 2];
-            qmatmul(&pool, &x, s, k, wr, n, Epilogue::SwiGlu, &mut g).unwrap();
+            qmatmul_with(
+                Kernels::current().isa(),
+                &pool,
+                &x,
+                s,
+                k,
+                wr,
+                n,
+                Epilogue::SwiGlu,
+                &mut g,
+            )
+            .unwrap();
             for t in 0..s {
                 for j in 0..n / 2 {
                     let want =

@@ -3,7 +3,7 @@
 //! ggml's reference and the `gguf` Python package) are in [`blocks`]; the exact
 //! f32-activation matmul is [`exact`], the integer fast path [`fast`].
 //!
-//! [`dot_row`] multiplies one quantized row with an f32 vector without materialising the
+//! [`dot_row_at`] multiplies one quantized row with an f32 vector without materialising the
 //! row: an AVX2+FMA+F16C kernel when the CPU has them (runtime detection), else the scalar
 //! reference [`dot_row_scalar`]. The two agree up to f32 summation order.
 
@@ -128,16 +128,8 @@ pub fn dot_row_simd(dtype: DType, row: &[u8], x: &[f32]) -> Option<f32> {
 }
 
 /// Dot product of a stored row with `x`, dequantizing in registers: the AVX2
-/// kernel at the [`Isa::Avx2`] level and above ([`Isa::current`]), else the
-/// scalar reference.
-///
-/// # Panics
-/// As [`dot_row_scalar`].
-pub fn dot_row(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
-    dot_row_at(Isa::current(), dtype, row, x)
-}
-
-/// [`dot_row`] with the kernels of `isa` (lowered to what the CPU supports).
+/// kernel at the [`Isa::Avx2`] level and above (lowered to what the CPU
+/// supports), else the scalar reference.
 ///
 /// # Panics
 /// As [`dot_row_scalar`].
