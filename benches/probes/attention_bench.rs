@@ -70,7 +70,14 @@ fn main() {
                 let (kc, vc) = (fill(), fill());
                 let mut table = Vec::new();
                 for j in 0..n_seqs {
-                    table.extend([(j * s) as i32, s as i32, pos as i32, (j * per_seq) as i32]);
+                    // First token, count, start position, block list offset, logit rows.
+                    table.extend([
+                        (j * s) as i32,
+                        s as i32,
+                        pos as i32,
+                        (j * per_seq) as i32,
+                        1,
+                    ]);
                 }
                 let blocks: Vec<i32> = (0..geom.n_blocks as i32).collect();
                 let seqs = StepSeqs::new(&table, &blocks, s * n_seqs, &geom).unwrap();
