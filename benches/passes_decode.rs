@@ -115,13 +115,13 @@ fn main() {
         );
         sessions.push(s);
     }
-    let per_layer = |s: &Session| s.graph.nodes_per_layer().into_iter().max().unwrap_or(0);
+    let per_layer = |s: &Session| s.graph().nodes_per_layer().into_iter().max().unwrap_or(0);
     for ((label, _), s) in configs.iter().zip(&sessions) {
         println!(
             "{label:>6}: {} nodes per layer, {} nodes, {} kernel calls per step",
             per_layer(s),
-            s.graph.node_count(),
-            s.exec.n_steps()
+            s.graph().node_count(),
+            s.exec().n_steps()
         );
     }
     let prompt: Vec<u32> = (0..8u32).map(|i| 1000 + 37 * i).collect();
@@ -147,10 +147,10 @@ fn main() {
     }
     if std::env::var_os("BENCH_PROFILE").is_some() {
         for ((label, _), sess) in configs.iter().zip(sessions.iter_mut()) {
-            sess.exec.set_profiling(true);
+            sess.exec_mut().set_profiling(true);
             decode(sess, &prompt, n_decode);
             let mut by: std::collections::BTreeMap<&str, (u64, f64)> = Default::default();
-            for p in sess.exec.profile().unwrap_or(&[]) {
+            for p in sess.exec().profile().unwrap_or(&[]) {
                 let e = by.entry(p.op).or_default();
                 e.0 += p.calls;
                 e.1 += p.total.as_secs_f64();
@@ -159,7 +159,7 @@ fn main() {
             for (op, (calls, t)) in by {
                 println!("  {op:<14} {calls:>7} calls {:>9.1} ms", t * 1e3);
             }
-            sess.exec.set_profiling(false);
+            sess.exec_mut().set_profiling(false);
         }
     }
     let ratios = |i: usize, speeds: &[Vec<f64>]| -> Vec<f64> {

@@ -1,16 +1,15 @@
-//! Opening a model and running it: the layer between the CLI and the
-//! compiler/executor.
+//! Running a model: the layer between the CLI and the compiler/executor.
 //!
-//! [`Model::open`] reads a Meta checkpoint directory (`params.json`,
-//! `consolidated.*.pth`), a Hugging Face directory (`config.json`,
-//! `*.safetensors`) or a GGUF file into model arguments and a weight store,
-//! always under Meta's tensor names and with Meta's Q/K row order.
-//! [`Session::new`] builds the graph for those arguments, compiles it into a
+//! A [`Model`] comes from [`crate::weights::open`] (re-exported here, with
+//! [`Model::open`], for the callers that know it by this path).
+//! [`Session::new`] builds the graph for its arguments, compiles it into a
 //! plan, binds the weights and prepares an executor with its KV pool.
 //! [`Session::feed`] runs one sequence (the CLI's case: a batch of one
 //! sequence per step) and keeps its position across calls; a batching
-//! engine drives [`Session::exec`] with batches of several sequences whose
-//! blocks it takes from [`Session::pool`].
+//! engine drives [`Session::exec_mut`] with batches of several sequences
+//! whose blocks it takes from [`Session::pool_mut`]. A session that leads a
+//! pipeline forwards each step through its [`PipelineLink`]
+//! ([`crate::dist`]).
 #![warn(missing_docs)]
 
 use crate::dist::stage::{PipelineLink, StepHeader};
@@ -18,73 +17,15 @@ use crate::exec::{
     bind_weights, materialize_packed, store_dtypes, Batch, BindError, ExecError, Executor, KvPool,
     Logits,
 };
-use crate::ir::{DType, Graph, GraphError, LogitRows, Pooling};
+use crate::ir::{Graph, GraphError, LogitRows, Pooling};
 pub use crate::kernels::kv::CacheType;
 use crate::model::llama::BuildError;
-use crate::model::{build_llama, BuildOptions, ModelArgs, ParamsError};
+use crate::model::{build_llama, BuildOptions};
 use crate::passes::{partition, run_pipeline, PassError, PassList, PipelineReport, StagePlan};
 use crate::plan::{compile, ExecPlan, PlanLimits};
-use crate::tokenizer::gguf::GgufTokenizerParts;
-use crate::tokenizer::{Tokenizer, TokenizerError};
-use crate::weights::gguf::{GgufError, LlamaGguf};
-use crate::weights::hf::{load_hf_checkpoint, HfError};
-use crate::weights::pth::{load_meta_checkpoint, merge_shards, open_pth, shard_paths, PthError};
-use crate::weights::WeightStore;
-use std::collections::{BTreeMap, BTreeSet};
+pub use crate::weights::{LoadError, Model, ModelFormat, TensorSelector};
 use std::ops::Range;
-use std::path::{Path, PathBuf};
 use thiserror::Error;
-
-/// Why a model could not be opened; every message names the file.
-#[derive(Debug, Error)]
-pub enum LoadError {
-    /// The path is missing, unreadable or not a model in a known layout.
-    #[error("{path}: {message}")]
-    Path {
-        /// The path given.
-        path: String,
-        /// What is wrong with it and what to do.
-        message: String,
-    },
-    /// `params.json` (or the arguments derived from `config.json` or GGUF
-    /// metadata) is invalid.
-    #[error("{path}: {source}")]
-    Params {
-        /// The file the arguments came from.
-        path: String,
-        /// The field at fault.
-        #[source]
-        source: ParamsError,
-    },
-    /// A Meta `.pth` checkpoint could not be read.
-    #[error(transparent)]
-    Pth(#[from] PthError),
-    /// A Hugging Face directory could not be read.
-    #[error(transparent)]
-    Hf(#[from] HfError),
-    /// A GGUF file could not be read.
-    #[error("{path}: {source}")]
-    Gguf {
-        /// The GGUF file.
-        path: String,
-        /// What the reader found.
-        #[source]
-        source: GgufError,
-    },
-    /// The tokenizer could not be read.
-    #[error("{path}: {source}")]
-    Tokenizer {
-        /// The tokenizer's file.
-        path: String,
-        /// What the tokenizer reader found.
-        #[source]
-        source: TokenizerError,
-    },
-    /// The arguments' `vocab_size` disagrees with the tokenizer or the
-    /// embedding table.
-    #[error("vocab_size disagrees: {0}")]
-    Vocab(String),
-}
 
 /// Why a session could not be compiled or a step could not run.
 #[derive(Debug, Error)]
@@ -111,475 +52,6 @@ pub enum SessionError {
     /// A pipeline stage or its link failed.
     #[error("pipeline: {0}")]
     Pipeline(String),
-}
-
-/// The graph variant of a GGUF's architecture (llama.cpp's `llm_build_*` for
-/// it): Qwen2's Q/K/V biases, the Q/K norm of Qwen3 and Gemma 3, Gemma 3's
-/// embedding scale, post-norms, GELU-tanh gate and local layers (a window on
-/// five of every six layers, RoPE base 10000 there: llama.cpp's
-/// `set_swa_pattern(6)` and `rope_freq_base_train_swa`), and the sliding
-/// window the file states.
-fn gguf_variant(
-    m: &crate::weights::gguf::LlamaGgufMeta,
-    has_qkv_bias: bool,
-    has_qk_norm: bool,
-) -> crate::model::Variant {
-    use crate::model::{Family, GateAct, Variant};
-    let mut v = Variant {
-        family: m.family,
-        head_dim: (m.head_dim * m.n_heads != m.dim).then_some(m.head_dim),
-        qkv_bias: has_qkv_bias,
-        qk_norm: has_qk_norm,
-        sliding_window: m.sliding_window,
-        ..Variant::default()
-    };
-    if m.family == Family::Llama && m.sliding_window.is_some() {
-        v.family = Family::Mistral;
-    }
-    if m.family == Family::Gemma3 {
-        v.post_norms = true;
-        v.embed_scale = true;
-        v.gate_act = GateAct::GeluTanh;
-        if m.sliding_window.is_some() {
-            v.global_every = Some(m.swa_pattern.unwrap_or(6));
-            v.local_rope_theta = Some(shortest_f64(m.rope_freq_base_swa.unwrap_or(10000.0)));
-        }
-    }
-    v
-}
-
-/// Chooses the checkpoint tensors to load from the model's arguments and
-/// the dtypes of all its tensors (see [`Model::open_only`]).
-pub type TensorSelector<'a> =
-    dyn Fn(&ModelArgs, &BTreeMap<String, DType>) -> Result<BTreeSet<String>, String> + 'a;
-
-/// The format a model was found in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ModelFormat {
-    /// Meta's distribution: params.json + consolidated.*.pth (+ tokenizer.model).
-    MetaDir,
-    /// A GGUF file.
-    Gguf,
-    /// Hugging Face's layout: config.json + *.safetensors (+ tokenizer files).
-    HfDir,
-}
-
-/// A model's arguments, weights and (when it has one) tokenizer.
-pub struct Model {
-    /// The path it was opened from.
-    pub path: PathBuf,
-    /// Which of the three layouts it is.
-    pub format: ModelFormat,
-    /// The architecture's arguments (Meta's `params.json` names).
-    pub args: ModelArgs,
-    /// Every tensor, by Meta's names, as views of the file mapping where
-    /// possible.
-    pub weights: WeightStore,
-    /// The tokenizer, when the model ships one.
-    pub tokenizer: Option<Tokenizer>,
-    /// The model's own Jinja chat template (GGUF `tokenizer.chat_template`).
-    pub chat_template: Option<String>,
-    /// The model's name, where the file gives one.
-    pub name: Option<String>,
-    /// The file's declared quantization (GGUF `general.file_type`), e.g.
-    /// `Q4_K_M`, where the file gives one.
-    pub file_type: Option<String>,
-}
-
-impl Model {
-    /// Opens a Meta checkpoint directory or a GGUF file, whichever `path` is.
-    pub fn open(path: &Path) -> Result<Model, LoadError> {
-        let perr = |message: String| LoadError::Path {
-            path: path.display().to_string(),
-            message,
-        };
-        let meta = std::fs::metadata(path).map_err(|e| perr(format!("cannot open: {e}")))?;
-        if meta.is_dir() {
-            if path.join("config.json").is_file() {
-                return Model::open_hf_dir(path);
-            }
-            if path.join("params.json").is_file() {
-                return Model::open_meta_dir(path);
-            }
-            return Err(perr(
-                "is a directory, but neither a Meta checkpoint (params.json + consolidated.*.pth) \
-                 nor a Hugging Face one (config.json + model.safetensors)"
-                    .into(),
-            ));
-        }
-        let mut magic = [0u8; 4];
-        use std::io::Read;
-        std::fs::File::open(path)
-            .and_then(|mut f| f.read_exact(&mut magic))
-            .map_err(|e| perr(format!("cannot read: {e}")))?;
-        if &magic == b"GGUF" {
-            return Model::open_gguf(path);
-        }
-        Err(perr(
-            "neither a GGUF file nor a checkpoint directory (Meta: params.json + consolidated.*.pth; \
-             Hugging Face: config.json + model.safetensors)"
-                .into(),
-        ))
-    }
-
-    /// Opens a GGUF file (llama architecture).
-    pub fn open_gguf(path: &Path) -> Result<Model, LoadError> {
-        Model::open_gguf_file(path)
-    }
-
-    /// Opens a model keeping only the tensors `select` names (a pipeline
-    /// stage's): the others are dropped from the store before anything
-    /// reads their pages, and the shards of a Meta checkpoint are merged
-    /// only for the selected tensors.
-    pub fn open_only(path: &Path, select: &TensorSelector<'_>) -> Result<Model, LoadError> {
-        let perr = |message: String| LoadError::Path {
-            path: path.display().to_string(),
-            message,
-        };
-        if std::fs::metadata(path).is_ok_and(|m| m.is_dir()) && path.join("params.json").is_file() {
-            return Model::open_meta_dir_with(path, Some(select));
-        }
-        let mut model = Model::open(path)?;
-        let keep = select(&model.args, &store_dtypes(&model.weights)).map_err(perr)?;
-        model.weights.tensors.retain(|k, _| keep.contains(k));
-        Ok(model)
-    }
-
-    fn open_gguf_file(path: &Path) -> Result<Model, LoadError> {
-        let gerr = |source| LoadError::Gguf {
-            path: path.display().to_string(),
-            source,
-        };
-        let g = LlamaGguf::open(path).map_err(gerr)?;
-        let m = &g.meta;
-        let perr = |message: String| LoadError::Path {
-            path: path.display().to_string(),
-            message,
-        };
-        if m.rope_dim != m.head_dim {
-            return Err(perr(format!(
-                "partial rotary embeddings (RoPE over {} of {} dims) are not supported",
-                m.rope_dim, m.head_dim
-            )));
-        }
-        if m.head_dim * m.n_heads != m.dim && m.family == crate::model::Family::Llama {
-            return Err(perr(format!(
-                "unsupported geometry: head_dim {} x {} heads != dim {}",
-                m.head_dim, m.n_heads, m.dim
-            )));
-        }
-        let has = |suffix: &str| g.store.tensors.contains_key(&format!("layers.0.{suffix}"));
-        if g.store
-            .tensors
-            .keys()
-            .any(|k| k.starts_with("rope_factors"))
-        {
-            return Err(perr(
-                "per-frequency RoPE factors (rope_factors_long/short: Phi-3 LongRoPE) are not supported"
-                    .into(),
-            ));
-        }
-        let rope_scaling = match (&m.rope_scaling, m.has_rope_freqs) {
-            (None, false) => None,
-            // llama.cpp stores Llama 3.1's per-frequency factors in
-            // `rope_freqs.weight`; they come from the same formula.
-            (None, true) => {
-                let factors = g
-                    .store
-                    .tensors
-                    .get("rope_freqs.weight")
-                    .filter(|t| t.dtype == crate::ir::DType::F32)
-                    .map(|t| {
-                        t.data
-                            .as_bytes()
-                            .chunks_exact(4)
-                            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                            .collect::<Vec<f32>>()
-                    })
-                    .unwrap_or_default();
-                let s = crate::weights::gguf::llama::llama3_scaling_from_rope_freqs(
-                    &factors,
-                    m.head_dim,
-                    m.rope_theta,
-                )
-                .ok_or_else(|| {
-                    perr(
-                        "rope_freqs.weight holds per-frequency RoPE factors that are not \
-                         Llama 3.x scaling (low 1, high 4, original context 8192); not supported"
-                            .into(),
-                    )
-                })?;
-                Some(s)
-            }
-            (Some(s), false) if s.kind == "linear" => match s.factor {
-                Some(f) if f.is_finite() && f > 0.0 => Some(crate::ir::RopeScaling::Linear {
-                    factor: f64::from(f),
-                }),
-                _ => {
-                    return Err(perr(
-                        "RoPE scaling type `linear` needs a positive llama.rope.scaling.factor"
-                            .into(),
-                    ))
-                }
-            },
-            (Some(s), _) => {
-                return Err(perr(format!(
-                    "RoPE scaling type `{}` is not supported",
-                    s.kind
-                )))
-            }
-        };
-        let args = ModelArgs {
-            dim: m.dim,
-            n_layers: m.n_layers,
-            n_heads: m.n_heads,
-            n_kv_heads: m.n_kv_heads,
-            vocab_size: Some(m.vocab_size),
-            multiple_of: 1,
-            ffn_dim_multiplier: None,
-            ffn_hidden_dim: m.ffn_dim,
-            // The f32 in the file, as its shortest decimal (1e-5, not
-            // 9.99999974738e-6): the same f32 value, and the same graph as
-            // the checkpoint the file was converted from.
-            norm_eps: shortest_f64(m.norm_eps),
-            rope_theta: shortest_f64(m.rope_theta),
-            rope_scaling,
-            max_context: Some(m.context_length).filter(|&c| c > 0),
-            tied_embeddings: g.tied_output,
-            variant: gguf_variant(m, has("attention.wq.bias"), has("attention.q_norm.weight")),
-        };
-        args.validate().map_err(|e| perr(e.to_string()))?;
-        let t = &g.tokenizer;
-        let tokenizer = if t.tokens.is_empty() {
-            None
-        } else {
-            let parts = GgufTokenizerParts::from(t);
-            Some(
-                Tokenizer::from_gguf_parts(parts).map_err(|source| LoadError::Tokenizer {
-                    path: path.display().to_string(),
-                    source,
-                })?,
-            )
-        };
-        // The metadata (vocabulary, merges, template) now lives in owned
-        // values; its file pages need not stay resident.
-        g.file.release_header_pages();
-        Ok(Model {
-            path: path.to_path_buf(),
-            format: ModelFormat::Gguf,
-            args,
-            chat_template: g.tokenizer.chat_template.clone(),
-            name: g.meta.name.clone(),
-            file_type: g.meta.file_type.map(|t| {
-                format!(
-                    "{} (general.file_type {t})",
-                    crate::weights::gguf::file_type_name(t)
-                )
-            }),
-            weights: g.store,
-            tokenizer,
-        })
-    }
-
-    /// Opens a Hugging Face checkpoint directory (`config.json`,
-    /// `model.safetensors` or shards).
-    pub fn open_hf_dir(dir: &Path) -> Result<Model, LoadError> {
-        let ck = load_hf_checkpoint(dir)?;
-        let args = ck.config.args.clone();
-        let (tokenizer, chat_template) = Model::hf_tokenizer(dir, &ck.config)?;
-        Ok(Model {
-            path: dir.to_path_buf(),
-            format: ModelFormat::HfDir,
-            args,
-            weights: ck.weights,
-            tokenizer,
-            chat_template,
-            name: None,
-            file_type: None,
-        })
-    }
-
-    /// The tokenizer of a Hugging Face directory: `tokenizer.json` with
-    /// `tokenizer_config.json` (BOS/EOS, `add_bos_token`, the chat template,
-    /// or `chat_template.jinja` beside it), else a `tokenizer.model`. Stop
-    /// ids: the EOS plus config.json's and generation_config.json's
-    /// `eos_token_id` (one id or a list).
-    fn hf_tokenizer(
-        dir: &Path,
-        config: &crate::weights::hf::HfConfig,
-    ) -> Result<(Option<Tokenizer>, Option<String>), LoadError> {
-        let read = |name: &str| -> Result<Option<String>, LoadError> {
-            let p = dir.join(name);
-            if !p.is_file() {
-                return Ok(None);
-            }
-            std::fs::read_to_string(&p)
-                .map(Some)
-                .map_err(|e| LoadError::Path {
-                    path: p.display().to_string(),
-                    message: format!("cannot read: {e}"),
-                })
-        };
-        let terr = |name: &str, source| LoadError::Tokenizer {
-            path: dir.join(name).display().to_string(),
-            source,
-        };
-        let tcfg = match read("tokenizer_config.json")? {
-            Some(t) => Some(
-                crate::tokenizer::HfTokenizerConfig::parse(&t)
-                    .map_err(|e| terr("tokenizer_config.json", e))?,
-            ),
-            None => None,
-        };
-        let template = match read("chat_template.jinja")? {
-            Some(t) => Some(t),
-            None => tcfg.as_ref().and_then(|c| c.chat_template.clone()),
-        };
-        let mut tok = match read("tokenizer.json")? {
-            Some(json) => Some(
-                Tokenizer::from_hf_json(json.as_bytes(), tcfg.as_ref())
-                    .map_err(|e| terr("tokenizer.json", e))?,
-            ),
-            None => Model::tokenizer_model_file(dir, &config.args)?,
-        };
-        if let Some(t) = &mut tok {
-            if let Some(v) = config.args.vocab_size {
-                if t.n_vocab() > v {
-                    return Err(LoadError::Vocab(format!(
-                        "the tokenizer has {} tokens but config.json's vocab_size is {v}",
-                        t.n_vocab()
-                    )));
-                }
-            }
-            let mut stop = config.eos_token_ids.clone();
-            if let Some(g) = read("generation_config.json")? {
-                if let Ok(v) = serde_json::from_str::<serde_json::Value>(&g) {
-                    match &v["eos_token_id"] {
-                        serde_json::Value::Array(a) => {
-                            stop.extend(a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32))
-                        }
-                        x => stop.extend(x.as_u64().map(|x| x as u32)),
-                    }
-                }
-            }
-            let eos = t.eos_id().or(config.eos_token_ids.first().copied());
-            t.set_special_ids(t.bos_id().or(config.bos_token_id), eos, &stop);
-        }
-        Ok((tok, template))
-    }
-
-    /// The `tokenizer.model` of a directory (SentencePiece or tiktoken),
-    /// where there is one.
-    fn tokenizer_model_file(dir: &Path, args: &ModelArgs) -> Result<Option<Tokenizer>, LoadError> {
-        let tok_path = dir.join("tokenizer.model");
-        if !tok_path.exists() {
-            return Ok(None);
-        }
-        let data = std::fs::read(&tok_path).map_err(|e| LoadError::Path {
-            path: tok_path.display().to_string(),
-            message: e.to_string(),
-        })?;
-        // SentencePiece files are protobuf (first field tag 0x0a);
-        // Llama 3's tiktoken file is base64 text.
-        let t = if data.first() == Some(&0x0a) {
-            Tokenizer::from_sentencepiece_bytes(&data)
-        } else {
-            Tokenizer::from_tiktoken_bytes(&data)
-        }
-        .map_err(|source| LoadError::Tokenizer {
-            path: tok_path.display().to_string(),
-            source,
-        })?;
-        if let Some(v) = args.vocab_size {
-            if t.n_vocab() > v {
-                return Err(LoadError::Vocab(format!(
-                    "the tokenizer has {} tokens but the model's vocabulary is {v}",
-                    t.n_vocab()
-                )));
-            }
-        }
-        Ok(Some(t))
-    }
-
-    /// Opens a Meta checkpoint directory.
-    pub fn open_meta_dir(dir: &Path) -> Result<Model, LoadError> {
-        Model::open_meta_dir_with(dir, None)
-    }
-
-    fn open_meta_dir_with(
-        dir: &Path,
-        select: Option<&TensorSelector<'_>>,
-    ) -> Result<Model, LoadError> {
-        let pj = dir.join("params.json");
-        let text = std::fs::read_to_string(&pj).map_err(|e| LoadError::Path {
-            path: pj.display().to_string(),
-            message: format!("cannot read params.json: {e}"),
-        })?;
-        let mut args = ModelArgs::from_params_json(&text).map_err(|source| LoadError::Params {
-            path: pj.display().to_string(),
-            source,
-        })?;
-        let emb_rows_of = |w: &WeightStore| {
-            w.tensors
-                .get("tok_embeddings.weight")
-                .and_then(|t| t.shape.first().copied())
-        };
-        let (weights, emb_rows) = match select {
-            None => {
-                let w = load_meta_checkpoint(dir)?;
-                let rows = emb_rows_of(&w);
-                (w, rows)
-            }
-            Some(select) => {
-                // Shards are views until merged; merge only what is kept.
-                // Meta splits the embedding along its columns, so shard 0
-                // has every row.
-                let mut shards = shard_paths(dir)?
-                    .iter()
-                    .map(|p| open_pth(p))
-                    .collect::<Result<Vec<_>, _>>()?;
-                let rows = shards.first().and_then(emb_rows_of);
-                let mut a = args.clone();
-                if a.vocab_size.is_none() {
-                    a.vocab_size = rows;
-                }
-                let dtypes = shards.first().map(store_dtypes).unwrap_or_default();
-                let keep = select(&a, &dtypes).map_err(|message| LoadError::Path {
-                    path: dir.display().to_string(),
-                    message,
-                })?;
-                for s in &mut shards {
-                    s.tensors.retain(|k, _| keep.contains(k));
-                }
-                (merge_shards(shards)?, rows)
-            }
-        };
-        match (args.vocab_size, emb_rows) {
-            (None, Some(rows)) => args.vocab_size = Some(rows),
-            (Some(v), Some(rows)) if v != rows => {
-                return Err(LoadError::Vocab(format!(
-                    "params.json says {v}, tok_embeddings.weight has {rows} rows"
-                )))
-            }
-            _ => {}
-        }
-        let tokenizer = Model::tokenizer_model_file(dir, &args)?;
-        Ok(Model {
-            path: dir.to_path_buf(),
-            format: ModelFormat::MetaDir,
-            args,
-            weights,
-            tokenizer,
-            chat_template: None,
-            name: None,
-            file_type: None,
-        })
-    }
-}
-
-/// An f32 read from a file as the f64 its shortest decimal spells.
-fn shortest_f64(x: f32) -> f64 {
-    x.to_string().parse().unwrap_or(f64::from(x))
 }
 
 /// How to compile a session.
@@ -648,21 +120,21 @@ impl Default for SessionOptions {
 /// A compiled model with its KV cache.
 pub struct Session {
     /// The executor: the bound weights, the arena and the worker pool.
-    pub exec: Executor,
+    exec: Executor,
     /// The schedule and the arena's buffer plan.
-    pub plan: ExecPlan,
+    plan: ExecPlan,
     /// The compiled graph (after the passes).
-    pub graph: Graph,
+    graph: Graph,
     /// What the passes did.
-    pub passes: PipelineReport,
+    passes: PipelineReport,
     /// Checkpoint tensors the graph does not read.
-    pub unused_weights: Vec<String>,
+    unused_weights: Vec<String>,
     /// The KV pool's block allocator.
-    pub pool: KvPool,
+    pool: KvPool,
     /// The blocks of the session's own sequence ([`Session::feed`]).
     blocks: Vec<u32>,
     /// For a pipeline stage: its index, the number of stages and its layers.
-    pub stage: Option<(usize, usize, Range<usize>)>,
+    stage: Option<(usize, usize, Range<usize>)>,
     /// On rank 0 of a pipeline: the link to the later stages; `feed` runs
     /// stage 0 here and gets the logits back from the last stage.
     link: Option<PipelineLink>,
@@ -1002,6 +474,54 @@ impl Session {
         Ok(out)
     }
 
+    /// The executor: the bound weights, the arena and the worker pool.
+    pub fn exec(&self) -> &Executor {
+        &self.exec
+    }
+
+    /// The executor, to run steps the caller builds ([`Executor::step`]) or
+    /// to switch its profiling and debugging knobs.
+    pub fn exec_mut(&mut self) -> &mut Executor {
+        &mut self.exec
+    }
+
+    /// The schedule and the arena's buffer plan.
+    pub fn plan(&self) -> &ExecPlan {
+        &self.plan
+    }
+
+    /// The compiled graph (after the passes; a stage's graph for a stage).
+    pub fn graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    /// What the passes did.
+    pub fn passes(&self) -> &PipelineReport {
+        &self.passes
+    }
+
+    /// Checkpoint tensors the graph does not read.
+    pub fn unused_weights(&self) -> &[String] {
+        &self.unused_weights
+    }
+
+    /// The KV pool's block allocator.
+    pub fn pool(&self) -> &KvPool {
+        &self.pool
+    }
+
+    /// The KV pool's block allocator, for a caller that runs sequences of
+    /// its own through [`Session::exec_mut`] (take their blocks here, give
+    /// them back when done).
+    pub fn pool_mut(&mut self) -> &mut KvPool {
+        &mut self.pool
+    }
+
+    /// For a pipeline stage: its index, the number of stages and its layers.
+    pub fn stage(&self) -> Option<(usize, usize, Range<usize>)> {
+        self.stage.clone()
+    }
+
     /// Tokens already in the KV cache.
     pub fn position(&self) -> usize {
         self.pos
@@ -1169,23 +689,12 @@ fn run_step<'a>(
         return Ok(Some(exec.step(batch)?));
     };
     let out = exec.step(batch)?;
-    let perr = |e: crate::dist::DistError| SessionError::Pipeline(e.to_string());
-    link.forward(&StepHeader { want_logits }, batch, out.data)
-        .map_err(perr)?;
-    if !want_logits {
+    let Some(l) = link
+        .relay_step(batch, out.data, want_logits, vocab)
+        .map_err(|e| SessionError::Pipeline(e.to_string()))?
+    else {
         return Ok(None);
-    }
-    let l = link.recv_logits().map_err(perr)?;
-    if l.width != vocab || l.rows == 0 || l.rows > batch.n_tokens() {
-        return Err(SessionError::Pipeline(format!(
-            "the last stage sent {} x {} logits for a step of {} sequences and {} tokens, expected rows of {}",
-            l.rows,
-            l.width,
-            batch.n_seqs(),
-            batch.n_tokens(),
-            vocab
-        )));
-    }
+    };
     *remote = l.data;
     Ok(Some(Logits {
         rows: l.rows,

@@ -68,7 +68,7 @@ fn logits_of(
     steps: &[Step],
 ) -> BTreeMap<(usize, usize), Vec<f32>> {
     let mut s = Session::new(model, opts).unwrap();
-    let geom = s.exec.kv_geom();
+    let geom = s.exec().kv_geom();
     let mut pool = KvPool::new(geom.n_blocks, geom.block);
     let mut blocks: BTreeMap<usize, (Vec<u32>, usize)> = BTreeMap::new();
     let mut batch = Batch::default();
@@ -81,7 +81,7 @@ fn logits_of(
             batch.push(toks, *pos, bl);
             *pos += toks.len();
         }
-        let logits = s.exec.step(&batch).unwrap();
+        let logits = s.exec_mut().step(&batch).unwrap();
         let all = opts.logit_rows == LogitRows::All;
         assert_eq!(logits.rows, if all { batch.n_tokens() } else { step.len() });
         let mut r = 0;

@@ -99,7 +99,7 @@ fn unused_tensors_are_reported() {
         ..SessionOptions::default()
     };
     let s = Session::new(&m, &opts).unwrap();
-    assert_eq!(s.unused_weights, vec!["rope.freqs".to_string()]);
+    assert_eq!(s.unused_weights(), vec!["rope.freqs".to_string()]);
 }
 
 #[test]

@@ -94,7 +94,7 @@ fn batched_steps_do_not_allocate() {
         ..SessionOptions::default()
     };
     let mut sess = Session::new(&model, &opts).unwrap();
-    let geom = sess.exec.kv_geom();
+    let geom = sess.exec().kv_geom();
     let mut sched = Scheduler::new(
         SchedulerConfig {
             parallel: 4,
@@ -118,7 +118,7 @@ fn batched_steps_do_not_allocate() {
     }
     let mut step = |sched: &mut Scheduler, sess: &mut Session, samplers: &mut [Sampler]| {
         let n = sched.schedule(&mut batch).len();
-        let logits = sess.exec.step(&batch).unwrap();
+        let logits = sess.exec_mut().step(&batch).unwrap();
         let mut next = [(0u64, 0u32); 4];
         let mut k = 0;
         for j in 0..n {

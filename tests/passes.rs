@@ -128,7 +128,7 @@ fn run_mode(
     };
     let mut s = Session::new(model, &opts).unwrap();
     if let Some(w) = serial_attention_work {
-        s.exec.set_serial_attention_work(w);
+        s.exec_mut().set_serial_attention_work(w);
     }
     let prompt: Vec<u32> = (0..13).map(|i| (i * 37 + 11) % 256).collect();
     let mut out = vec![s.feed(&prompt).unwrap().to_vec()];
@@ -185,7 +185,7 @@ fn each_fusion_matches_the_unfused_graph() {
         let (want, _) = run(&model, "none", LogitRows::Last);
         for c in &configs {
             let (got, sess) = run(&model, c, LogitRows::Last);
-            let rewrites: usize = sess.passes.passes.iter().map(|p| p.rewrites).sum();
+            let rewrites: usize = sess.passes().passes.iter().map(|p| p.rewrites).sum();
             // dead_code has nothing to remove in the builder's graph.
             if c != "dead_code" {
                 assert!(rewrites > 0, "{c} rewrote nothing");
@@ -193,7 +193,7 @@ fn each_fusion_matches_the_unfused_graph() {
             // The bf16 model's packed weights are stored compressed.
             if dtype == DType::BF16 && (c == "all" || c.contains("compress_weights")) {
                 let compressed = sess
-                    .passes
+                    .passes()
                     .passes
                     .iter()
                     .find(|p| p.name == "compress_weights");
@@ -225,13 +225,13 @@ fn fast_path_logits_do_not_depend_on_the_weight_layout() {
         let model = random_model(&tiny_args(false), dtype, 11);
         let (want, s0) = run_mode(&model, &rows_only, LogitRows::Last, None, false);
         assert!(!s0
-            .passes
+            .passes()
             .passes
             .iter()
             .any(|p| p.name == "interleave_weights"));
         let (got, sess) = run_mode(&model, "all", LogitRows::Last, None, false);
         let x8 = sess
-            .passes
+            .passes()
             .passes
             .iter()
             .find(|p| p.name == "interleave_weights")
@@ -249,7 +249,7 @@ fn fast_path_logits_do_not_depend_on_the_weight_layout() {
         assert_eq!(got.len(), want.len());
         let (_, exact) = run_mode(&model, "all", LogitRows::Last, None, true);
         assert!(!exact
-            .passes
+            .passes()
             .passes
             .iter()
             .any(|p| p.name == "interleave_weights"));
@@ -261,8 +261,8 @@ fn all_logit_rows_skip_last_logits_and_match() {
     let model = random_model(&tiny_args(false), DType::F32, 7);
     let (want, _) = run(&model, "none", LogitRows::All);
     let (got, sess) = run(&model, "all", LogitRows::All);
-    assert!(!sess.passes.passes.iter().any(|p| p.name == "last_logits"));
-    assert_eq!(count_kind(&sess.graph, "LastRows"), 0);
+    assert!(!sess.passes().passes.iter().any(|p| p.name == "last_logits"));
+    assert_eq!(count_kind(sess.graph(), "LastRows"), 0);
     assert_close(&got, &want, "rows=All");
 }
 

@@ -310,7 +310,7 @@ fn with_pipeline<R>(
             let (model, plan) = open_stage_model(&path, n, k, counts.as_deref()).unwrap();
             let mut s = Session::new_stage(&model, &o, &plan, k).unwrap();
             agree(&mut t, Ok(())).unwrap();
-            serve_stage(&mut s.exec, &mut t).unwrap()
+            serve_stage(s.exec_mut(), &mut t).unwrap()
         }));
     }
     let mut t0 = ts.pop().unwrap();
@@ -530,7 +530,7 @@ fn block_copies_reach_every_stage() {
     // A's block 1 (positions 16..19 of the prompt) into its own block 3
     // and is fed from position 19. `copy` false leaves block 3 as it was.
     let shared = |s: &mut Session, copy: bool| {
-        let bs = s.exec.kv_geom().block;
+        let bs = s.exec().kv_geom().block;
         assert!(
             bs < 19 && 19 < 2 * bs,
             "position 19 lies in the second block"
@@ -570,7 +570,7 @@ fn block_copies_reach_every_stage() {
 fn bad_block_copies_are_refused() {
     let (path, o) = two_sequences();
     let mut s = Session::new(&Model::open(&path).unwrap(), &o).unwrap();
-    let nb = s.exec.kv_geom().n_blocks as u32;
+    let nb = s.exec().kv_geom().n_blocks as u32;
     for (src, dst) in [(1, nb), (nb + 5, 0), (2, 2)] {
         let mut batch = Batch::default();
         batch.copy_block(src, dst);

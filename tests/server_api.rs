@@ -146,20 +146,20 @@ impl Reference {
     /// as the server's engine runs it (same step size, sequences and pool).
     fn embedding(&self, input: &[u32]) -> Vec<f32> {
         let o = options();
-        let block = self.session.exec.kv_geom().block;
+        let block = self.session.exec().kv_geom().block;
         let opts = SessionOptions {
             context: Some(o.batch + o.parallel * block),
             parallel: 4,
             ..o
         };
         let mut e = Session::new_embedding(&self.model, &opts, Pooling::Mean).unwrap();
-        let g = e.exec.kv_geom();
+        let g = e.exec().kv_geom();
         let mut pool = KvPool::new(g.n_blocks, g.block);
         let mut blocks = Vec::new();
         assert!(pool.reserve(&mut blocks, input.len()));
         let mut batch = Batch::default();
         batch.push(input, 0, &blocks);
-        let mut v = e.exec.step(&batch).unwrap().row(0).to_vec();
+        let mut v = e.exec_mut().step(&batch).unwrap().row(0).to_vec();
         let norm = v
             .iter()
             .map(|&x| f64::from(x) * f64::from(x))

@@ -241,11 +241,11 @@ fn drive(arrivals: &[Arrival], parallel: usize) -> (Vec<Vec<u32>>, Vec<usize>) {
     let mut o = options(512);
     o.parallel = parallel;
     let mut session = Session::new(&m, &o).unwrap();
-    let g = session.exec.kv_geom();
+    let g = session.exec().kv_geom();
     let mut sched = Scheduler::new(
         SchedulerConfig {
             parallel,
-            step_tokens: session.exec.max_chunk(),
+            step_tokens: session.exec().max_chunk(),
             context: session.context(),
         },
         KvPool::new(g.n_blocks, g.block),
@@ -340,7 +340,7 @@ fn identical_prompts_share_their_kv_with_unchanged_tokens() {
     let n = 10;
     let bs = Session::new(&model(), &options(512))
         .unwrap()
-        .exec
+        .exec()
         .kv_geom()
         .block;
     assert_eq!(bs, 16, "the lengths below are chosen around blocks of 16");

@@ -352,7 +352,7 @@ fn verifying_is_an_ordinary_step_of_the_same_graph() {
     let m = meta("gqa_scaled");
     let plain = Session::new(&m, &options(false, LogitRows::Last)).unwrap();
     let spec = Session::new(&m, &options(false, LogitRows::Tail { max: 9 })).unwrap();
-    let dump = |s: &Session| llama_graph::ir::print::dump(&s.graph).unwrap();
+    let dump = |s: &Session| llama_graph::ir::print::dump(s.graph()).unwrap();
     assert_eq!(dump(&plain), dump(&spec));
     let d = dump(&spec);
     assert!(
@@ -360,7 +360,7 @@ fn verifying_is_an_ordinary_step_of_the_same_graph() {
         "{d}"
     );
     assert_eq!(
-        (plain.exec.max_logit_rows(), spec.exec.max_logit_rows()),
+        (plain.exec().max_logit_rows(), spec.exec().max_logit_rows()),
         (1, 9)
     );
     // A step asking for more rows than planned is refused by name.

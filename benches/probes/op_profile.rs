@@ -31,7 +31,7 @@ fn main() {
     } else {
         batched(&model, steps, threads, seqs)
     };
-    let prof = s.exec.profile().unwrap();
+    let prof = s.exec().profile().unwrap();
     let mut by_op: std::collections::BTreeMap<&str, f64> = Default::default();
     for p in prof {
         *by_op.entry(p.op).or_default() += p.total.as_secs_f64() / steps as f64;
@@ -68,7 +68,7 @@ fn single(model: &Model, steps: usize, threads: usize) -> (Session, f64) {
     };
     let mut s = Session::new(model, &opts).unwrap();
     let mut tok = argmax(s.feed(&[1, 2, 3, 4]).unwrap()) as u32;
-    s.exec.set_profiling(true);
+    s.exec_mut().set_profiling(true);
     let t0 = std::time::Instant::now();
     for _ in 0..steps {
         tok = argmax(s.feed(&[tok]).unwrap()) as u32;
@@ -88,7 +88,7 @@ fn prompt(model: &Model, steps: usize, threads: usize, n: usize) -> (Session, f6
     let mut s = Session::new(model, &opts).unwrap();
     let toks: Vec<u32> = (0..n as u32).map(|i| 100 + 7 * i).collect();
     s.feed(&toks).unwrap();
-    s.exec.set_profiling(true);
+    s.exec_mut().set_profiling(true);
     let t0 = std::time::Instant::now();
     for _ in 0..steps {
         s.reset();
@@ -108,7 +108,7 @@ fn batched(model: &Model, steps: usize, threads: usize, seqs: usize) -> (Session
         ..SessionOptions::default()
     };
     let mut s = Session::new(model, &opts).unwrap();
-    let geom = s.exec.kv_geom();
+    let geom = s.exec().kv_geom();
     let mut pool = KvPool::new(geom.n_blocks, geom.block);
     let prompt = 40;
     let mut blocks: Vec<Vec<u32>> = vec![Vec::new(); seqs];
@@ -119,7 +119,7 @@ fn batched(model: &Model, steps: usize, threads: usize, seqs: usize) -> (Session
             prompt + steps + 3
         );
     }
-    let mut batch = Batch::with_capacity(s.exec.max_chunk(), seqs, geom.n_blocks);
+    let mut batch = Batch::with_capacity(s.exec().max_chunk(), seqs, geom.n_blocks);
     let mut next = vec![0u32; seqs];
     for (j, b) in blocks.iter().enumerate() {
         let toks: Vec<u32> = (0..prompt as u32)
@@ -143,7 +143,7 @@ fn batched(model: &Model, steps: usize, threads: usize, seqs: usize) -> (Session
     };
     // Two warm-up steps, then the measured ones.
     run(&mut s, 0, 2);
-    s.exec.set_profiling(true);
+    s.exec_mut().set_profiling(true);
     let t0 = std::time::Instant::now();
     run(&mut s, 2, steps);
     (s, t0.elapsed().as_secs_f64() / steps as f64)

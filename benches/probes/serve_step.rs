@@ -50,7 +50,7 @@ fn main() {
             "step" => {
                 let mut sn = Session::new(&model, &optsn).unwrap();
                 let mut blocks = Vec::new();
-                assert!(sn.pool.reserve(&mut blocks, prompt.len() + n));
+                assert!(sn.pool_mut().reserve(&mut blocks, prompt.len() + n));
                 let mut b = llama_graph::exec::Batch::with_capacity(512, parallel, 4096);
                 b.push(&prompt, 0, &blocks);
                 let mut tok = argmax(sn.step(&b).unwrap().row(0)) as u32;
@@ -114,7 +114,7 @@ fn main() {
         let run = t0.elapsed().as_secs_f64() / (n - 1) as f64;
         // step through a multi-sequence session
         let mut blocks = Vec::new();
-        assert!(sn.pool.reserve(&mut blocks, prompt.len() + n));
+        assert!(sn.pool_mut().reserve(&mut blocks, prompt.len() + n));
         let mut b = llama_graph::exec::Batch::with_capacity(512, parallel, 4096);
         b.push(&prompt, 0, &blocks);
         let mut tok = argmax(sn.step(&b).unwrap().row(0)) as u32;
@@ -125,7 +125,7 @@ fn main() {
             tok = argmax(sn.step(&b).unwrap().row(0)) as u32;
         }
         let step = t0.elapsed().as_secs_f64() / (n - 1) as f64;
-        sn.pool.release(&mut blocks);
+        sn.pool_mut().release(&mut blocks);
         // the engine
         let mut st = engine
             .submit(llama_graph::server::engine::GenRequest {

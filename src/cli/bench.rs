@@ -304,7 +304,7 @@ pub fn run(a: BenchArgs) -> super::CliResult {
         let stages = session.pipeline().map_or(1, |l| l.n_stages());
         eprintln!("{}", session.kv_summary());
         let kv_types = session
-            .exec
+            .exec()
             .kv_types()
             .unwrap_or(opts_for_threads(threads)?.kv_types());
         let load_s = open_s + t0.elapsed().as_secs_f64();
@@ -375,8 +375,8 @@ pub fn run(a: BenchArgs) -> super::CliResult {
                 },
                 type_k: kv_types.0.to_string(),
                 type_v: kv_types.1.to_string(),
-                kv_bytes_per_pos: (session.exec.kv_bytes()
-                    / session.exec.kv_geom().capacity().max(1))
+                kv_bytes_per_pos: (session.exec().kv_bytes()
+                    / session.exec().kv_geom().capacity().max(1))
                     as u64,
             };
             if matches!(a.output, OutputFormat::Md) {

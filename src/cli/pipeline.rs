@@ -113,7 +113,7 @@ fn open(
         model.args.n_layers,
         plan.describe(),
         weights as f64 / 1048576.0,
-        session.exec.kv_bytes() as f64 / 1048576.0
+        session.exec().kv_bytes() as f64 / 1048576.0
     );
     Ok(Staged { model, session })
 }
@@ -174,7 +174,7 @@ pub fn work(
         (Ok(s), Ok(())) => s,
         (_, Err(e)) | (Err(e), Ok(())) => fail_everywhere(t, &e),
     };
-    match serve_stage(&mut staged.session.exec, t.as_mut()) {
+    match serve_stage(staged.session.exec_mut(), t.as_mut()) {
         Ok(reason) => {
             if let Some(mib) = peak_rss_mib() {
                 eprintln!("pipeline: rank {rank}: peak RSS {mib:.1} MiB");

@@ -259,22 +259,22 @@ pub fn run(a: RunArgs) -> super::CliResult {
         eprintln!("{}", isa_line());
     }
     if a.verbose {
-        let b = &session.plan.buffers;
+        let b = &session.plan().buffers;
         eprintln!(
             "plan: {} kernel calls per step, arena {:.1} MiB (naive {:.1} MiB), {} in-place",
-            session.exec.n_steps(),
+            session.exec().n_steps(),
             b.arena_bytes as f64 / 1048576.0,
             b.naive_activation_bytes as f64 / 1048576.0,
             b.in_place
         );
-        if !session.unused_weights.is_empty() {
-            eprintln!("unused tensors: {}", session.unused_weights.join(", "));
+        if !session.unused_weights().is_empty() {
+            eprintln!("unused tensors: {}", session.unused_weights().join(", "));
         }
     }
     if a.debug {
         let f = std::fs::File::create("debug.log").map_err(|e| format!("debug.log: {e}"))?;
         session
-            .exec
+            .exec_mut()
             .set_trace(Some(Box::new(std::io::BufWriter::new(f))));
         eprintln!("debug: writing every op to debug.log");
     }

@@ -22,18 +22,23 @@
 //! `q4_k_m`, `q5_k_m`, `q6_k`: each tensor gets the type llama-quantize
 //! gives it (see `target_type`) and blocks bit-identical to
 //! llama-quantize's (see [`crate::kernels::quantized::quantize`]).
+//!
+//! The `tokenizer.*` keys the output carries are made in `tokenizer.rs`.
 
 use crate::ir::{DType, RopeScaling};
 use crate::kernels::quantized::{dequantize_row, quantize::quantize_row};
 use crate::model::ModelArgs;
-use crate::tokenizer::{HfTokenizerConfig, TokenizerError};
+use crate::tokenizer::HfTokenizerConfig;
 use crate::weights::gguf::writer::{GgufStreamWriter, StreamTensor};
-use crate::weights::gguf::{ggml_from_dtype, GgufArray, GgufValue, LlamaGguf};
+use crate::weights::gguf::{ggml_from_dtype, GgufValue, LlamaGguf};
 use crate::weights::hf::{open_hf_checkpoint, HfCheckpoint, HfError};
 use crate::weights::pth::{load_meta_checkpoint, PthError};
 use crate::weights::{WeightStore, WeightTensor};
 use std::path::{Path, PathBuf};
 use thiserror::Error;
+
+mod tokenizer;
+use tokenizer::{hf_json_tokenizer_kvs, spm_tokenizer_kvs, tiktoken_tokenizer_kvs};
 
 /// The target type of `convert`: a plain type, or one of llama.cpp's
 /// mixes (`Q4_K_M`: mostly Q4_K, more bits where llama-quantize puts them).
@@ -536,239 +541,6 @@ fn hyper_kvs(a: &ModelArgs, name: &str, ty: OutType) -> Vec<(String, GgufValue)>
     kv
 }
 
-/// The `tokenizer.*` keys for a tokenizer.json (+ tokenizer_config.json).
-fn hf_json_tokenizer_kvs(
-    json: &[u8],
-    cfg: Option<&HfTokenizerConfig>,
-) -> Result<Vec<(String, GgufValue)>, ConvertError> {
-    let terr = |m: String| ConvertError::Tokenizer(format!("tokenizer.json: {m}"));
-    // Built once to validate the file and to resolve ids the same way the
-    // runtime does.
-    let tok = crate::tokenizer::Tokenizer::from_hf_json(json, cfg)
-        .map_err(|e: TokenizerError| ConvertError::Tokenizer(e.to_string()))?;
-    let v: serde_json::Value = serde_json::from_slice(json).map_err(|e| terr(e.to_string()))?;
-    let model = &v["model"];
-    let n = tok.n_vocab();
-    let mut tokens = vec![String::new(); n];
-    for (t, id) in model["vocab"].as_object().into_iter().flatten() {
-        if let Some(i) = id.as_u64() {
-            tokens[i as usize] = t.clone();
-        }
-    }
-    let mut special = vec![0u8; n];
-    for a in v["added_tokens"].as_array().into_iter().flatten() {
-        if let (Some(i), Some(c)) = (a["id"].as_u64(), a["content"].as_str()) {
-            tokens[i as usize] = c.to_string();
-            special[i as usize] = if a["special"].as_bool() == Some(true) {
-                3
-            } else {
-                4
-            };
-        }
-    }
-    let merges: Vec<String> = model["merges"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|m| match m {
-            serde_json::Value::String(s) => Some(s.clone()),
-            serde_json::Value::Array(p) => Some(format!("{} {}", p[0].as_str()?, p[1].as_str()?)),
-            _ => None,
-        })
-        .collect();
-    let mut kv = Vec::new();
-    match tok.kind() {
-        crate::tokenizer::TokenizerKind::Gpt2Bpe => {
-            // llama.cpp's name for the split the tokenizer runs (`gpt-2`,
-            // `smollm`, `llama-bpe`, `qwen2`): a name llama.cpp does not
-            // know makes it refuse the file.
-            let pre = tok
-                .llama_cpp_pre()
-                .expect("byte-level tokenizers have a split");
-            kv.push(("tokenizer.ggml.model".into(), s("gpt2")));
-            kv.push(("tokenizer.ggml.pre".into(), s(pre)));
-            let types: Vec<i32> = special
-                .iter()
-                .map(|&t| if t == 0 { 1 } else { t as i32 })
-                .collect();
-            kv.push((
-                "tokenizer.ggml.tokens".into(),
-                GgufValue::Array(GgufArray::String(tokens)),
-            ));
-            kv.push((
-                "tokenizer.ggml.token_type".into(),
-                GgufValue::Array(GgufArray::I32(types)),
-            ));
-            kv.push((
-                "tokenizer.ggml.merges".into(),
-                GgufValue::Array(GgufArray::String(merges)),
-            ));
-        }
-        _ => {
-            // SentencePiece-style: llama.cpp's `llama` model merges the
-            // adjacent pair whose concatenation scores highest, so the score
-            // of a token made by merge #r is -r (earlier merges first).
-            let mut scores = vec![0f32; n];
-            let ids: std::collections::HashMap<&str, usize> = tokens
-                .iter()
-                .enumerate()
-                .map(|(i, t)| (t.as_str(), i))
-                .collect();
-            for (r, m) in merges.iter().enumerate() {
-                if let Some(&i) = ids.get(m.replacen(' ', "", 1).as_str()) {
-                    if scores[i] == 0.0 {
-                        scores[i] = -(r as f32) - 1.0;
-                    }
-                }
-            }
-            let unk = model["unk_token"]
-                .as_str()
-                .or(Some("<unk>"))
-                .and_then(|u| tok.token_to_id(u));
-            let types: Vec<i32> = (0..n)
-                .map(|i| match special[i] {
-                    _ if Some(i as u32) == unk => 2,
-                    0 if tok.token_type(i as u32) == Some(crate::tokenizer::TokenType::Byte) => 6,
-                    0 => 1,
-                    t => t as i32,
-                })
-                .collect();
-            kv.push(("tokenizer.ggml.model".into(), s("llama")));
-            kv.push(("tokenizer.ggml.pre".into(), s("default")));
-            kv.push((
-                "tokenizer.ggml.tokens".into(),
-                GgufValue::Array(GgufArray::String(tokens)),
-            ));
-            kv.push((
-                "tokenizer.ggml.scores".into(),
-                GgufValue::Array(GgufArray::F32(scores)),
-            ));
-            kv.push((
-                "tokenizer.ggml.token_type".into(),
-                GgufValue::Array(GgufArray::I32(types)),
-            ));
-            if let Some(u) = unk {
-                kv.push(("tokenizer.ggml.unknown_token_id".into(), GgufValue::U32(u)));
-            }
-        }
-    }
-    if let Some(b) = tok.bos_id() {
-        kv.push(("tokenizer.ggml.bos_token_id".into(), GgufValue::U32(b)));
-    }
-    if let Some(e) = tok.eos_id() {
-        kv.push(("tokenizer.ggml.eos_token_id".into(), GgufValue::U32(e)));
-    }
-    kv.push((
-        "tokenizer.ggml.add_bos_token".into(),
-        GgufValue::Bool(tok.add_bos_default()),
-    ));
-    kv.push((
-        "tokenizer.ggml.add_eos_token".into(),
-        GgufValue::Bool(false),
-    ));
-    Ok(kv)
-}
-
-/// The `tokenizer.*` keys for a SentencePiece `tokenizer.model`.
-fn spm_tokenizer_kvs(data: &[u8]) -> Result<Vec<(String, GgufValue)>, ConvertError> {
-    let m = crate::tokenizer::sentencepiece::parse_model_proto(data)
-        .map_err(|e| ConvertError::Tokenizer(e.to_string()))?;
-    let tokens: Vec<String> = m.pieces.iter().map(|p| p.piece.clone()).collect();
-    let scores: Vec<f32> = m.pieces.iter().map(|p| p.score).collect();
-    let types: Vec<i32> = m.pieces.iter().map(|p| p.kind as i32).collect();
-    let n = tokens.len();
-    let id = |i: i32| (i >= 0 && (i as usize) < n).then_some(i as u32);
-    let mut kv = vec![
-        ("tokenizer.ggml.model".to_string(), s("llama")),
-        ("tokenizer.ggml.pre".into(), s("default")),
-        (
-            "tokenizer.ggml.tokens".into(),
-            GgufValue::Array(GgufArray::String(tokens)),
-        ),
-        (
-            "tokenizer.ggml.scores".into(),
-            GgufValue::Array(GgufArray::F32(scores)),
-        ),
-        (
-            "tokenizer.ggml.token_type".into(),
-            GgufValue::Array(GgufArray::I32(types)),
-        ),
-    ];
-    for (k, v) in [
-        ("tokenizer.ggml.bos_token_id", id(m.bos_id)),
-        ("tokenizer.ggml.eos_token_id", id(m.eos_id)),
-        ("tokenizer.ggml.unknown_token_id", id(m.unk_id)),
-    ] {
-        if let Some(v) = v {
-            kv.push((k.into(), GgufValue::U32(v)));
-        }
-    }
-    kv.push(("tokenizer.ggml.add_bos_token".into(), GgufValue::Bool(true)));
-    kv.push((
-        "tokenizer.ggml.add_eos_token".into(),
-        GgufValue::Bool(false),
-    ));
-    Ok(kv)
-}
-
-/// The `tokenizer.*` keys for a Llama 3 tiktoken `tokenizer.model`: the
-/// byte-level vocabulary llama.cpp's `gpt2` model reads (tokens in GPT-2's
-/// byte alphabet, Meta's 256 special tokens as control tokens), the merges
-/// recovered from the ranks ([`crate::tokenizer::tiktoken::merges_from_ranks`])
-/// and Llama 3's pre-tokenizer (`llama-bpe`, with which llama.cpp also takes
-/// a piece that is a token whole, as tiktoken does).
-fn tiktoken_tokenizer_kvs(data: &[u8]) -> Result<Vec<(String, GgufValue)>, ConvertError> {
-    use crate::tokenizer::tiktoken::{
-        llama3_special_tokens, merges_from_ranks, parse_tiktoken_bpe,
-    };
-    let base = parse_tiktoken_bpe(data).map_err(|e| ConvertError::Tokenizer(e.to_string()))?;
-    let alphabet = crate::tokenizer::gguf::bytes_to_unicode();
-    let spell = |b: &[u8]| -> String { b.iter().map(|&x| alphabet[x as usize]).collect() };
-    let mut tokens: Vec<String> = base.iter().map(|t| spell(t)).collect();
-    let merges: Vec<String> = merges_from_ranks(&base)
-        .into_iter()
-        .map(|(l, r)| format!("{} {}", tokens[l as usize], tokens[r as usize]))
-        .collect();
-    let n_base = tokens.len();
-    let mut types = vec![1i32; n_base];
-    for t in llama3_special_tokens() {
-        tokens.push(t);
-        types.push(3);
-    }
-    let id = |name: &str| tokens.iter().position(|t| t == name).map(|i| i as u32);
-    let (bos, eos) = (id("<|begin_of_text|>"), id("<|end_of_text|>"));
-    let mut kv = vec![
-        ("tokenizer.ggml.model".to_string(), s("gpt2")),
-        ("tokenizer.ggml.pre".into(), s("llama-bpe")),
-    ];
-    for (k, v) in [
-        ("tokenizer.ggml.bos_token_id", bos),
-        ("tokenizer.ggml.eos_token_id", eos),
-    ] {
-        if let Some(v) = v {
-            kv.push((k.into(), GgufValue::U32(v)));
-        }
-    }
-    kv.push((
-        "tokenizer.ggml.tokens".into(),
-        GgufValue::Array(GgufArray::String(tokens)),
-    ));
-    kv.push((
-        "tokenizer.ggml.token_type".into(),
-        GgufValue::Array(GgufArray::I32(types)),
-    ));
-    kv.push((
-        "tokenizer.ggml.merges".into(),
-        GgufValue::Array(GgufArray::String(merges)),
-    ));
-    kv.push(("tokenizer.ggml.add_bos_token".into(), GgufValue::Bool(true)));
-    kv.push((
-        "tokenizer.ggml.add_eos_token".into(),
-        GgufValue::Bool(false),
-    ));
-    Ok(kv)
-}
-
 fn read_opt(p: &Path) -> Result<Option<Vec<u8>>, ConvertError> {
     if !p.is_file() {
         return Ok(None);
@@ -838,7 +610,7 @@ pub fn convert(
         source = Source::Store(store);
     } else {
         let g = LlamaGguf::open(src).map_err(|e| src_err(src, e.to_string()))?;
-        let m = crate::session::Model::open_gguf(src).map_err(|e| src_err(src, e.to_string()))?;
+        let m = crate::weights::Model::open_gguf(src).map_err(|e| src_err(src, e.to_string()))?;
         args = m.args;
         if let Some(n) = m.name {
             dir_name = n;
@@ -1043,160 +815,7 @@ fn convert_tensor(t: &WeightTensor, dt: DType) -> Result<Vec<u8>, String> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn mix(n_layers: usize, is_70b: bool) -> MixInfo {
-        MixInfo {
-            n_layers,
-            is_70b,
-            tied: false,
-        }
-    }
-
-    /// The layers whose attn_v llama-quantize's Q4_K_M gives Q6_K.
-    fn q6_layers(m: MixInfo) -> Vec<usize> {
-        (0..m.n_layers)
-            .filter(|i| {
-                target_type(
-                    OutType::Q4_K_M,
-                    &format!("blk.{i}.attn_v.weight"),
-                    &[1024, 4096],
-                    m,
-                ) == DType::Q6_K
-            })
-            .collect()
-    }
-
-    #[test]
-    fn q4_k_m_mix() {
-        // use_more_bits over 32 layers (Llama 3 8B): the first and last
-        // 4, and every third from layer 6.
-        assert_eq!(
-            q6_layers(mix(32, false)),
-            vec![0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
-        );
-        let m70 = mix(80, true);
-        let m = mix(8, false);
-        let tied = MixInfo { tied: true, ..m };
-        use DType::*;
-        const Q4_K_M: OutType = OutType::Q4_K_M;
-        #[rustfmt::skip]
-        let cases: &[(OutType, &str, &[usize], MixInfo, DType)] = &[
-            // 70B-shaped: the other attn_v are Q5_K, ffn_down unchanged.
-            (Q4_K_M, "blk.40.attn_v.weight", &[1024, 8192], m70, Q5_K),
-            (Q4_K_M, "blk.12.attn_v.weight", &[1024, 8192], m70, Q6_K),
-            (Q4_K_M, "blk.40.ffn_down.weight", &[8192, 28672], m70, Q4_K),
-            // Phi-3's fused QKV is an attn_v to llama-quantize.
-            (Q4_K_M, "blk.0.attn_qkv.weight", &[1536, 512], m, Q6_K),
-            (Q4_K_M, "blk.4.attn_qkv.weight", &[1536, 512], m, Q4_K),
-            // Fallbacks by row length.
-            (Q4_K_M, "blk.4.attn_q.weight", &[576, 576], m, Q5_0),
-            (Q4_K_M, "blk.0.ffn_down.weight", &[576, 1536], m, Q6_K),
-            (Q4_K_M, "blk.0.ffn_down.weight", &[576, 704], m, Q8_0),
-            (Q4_K_M, "blk.4.attn_q.weight", &[48, 48], m, F16),
-            (Q4_K_M, "output.weight", &[800, 576], m, Q8_0),
-            (Q4_K_M, "output.weight", &[800, 512], m, Q6_K),
-            (Q4_K_M, "output_norm.weight", &[512], m, F32),
-            // The tied embedding is the head.
-            (Q4_K_M, "token_embd.weight", &[800, 512], tied, Q6_K),
-            (Q4_K_M, "token_embd.weight", &[800, 512], m, Q4_K),
-            // Q8_0 keeps its head; F16 files are F16.
-            (OutType::Q8_0, "output.weight", &[800, 512], m, Q8_0),
-            (OutType::F16, "output.weight", &[800, 512], m, F16),
-        ];
-        for &(file, name, shape, info, want) in cases {
-            assert_eq!(
-                target_type(file, name, shape, info),
-                want,
-                "{file:?} {name} {shape:?}"
-            );
-        }
-    }
-}
+mod tests;
 
 #[cfg(test)]
-mod writable_tests {
-    use super::*;
-    use crate::model::{Family, GateAct, Variant};
-
-    fn args(variant: Variant) -> ModelArgs {
-        let mut a = ModelArgs::from_params_json(
-            r#"{"dim": 64, "n_layers": 6, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 800, "norm_eps": 1e-6}"#,
-        )
-        .unwrap();
-        a.variant = variant;
-        a
-    }
-
-    /// What llama.cpp's architecture for a family cannot state is refused
-    /// by name; each family as transformers configures it is written.
-    #[test]
-    fn check_writable_refuses_what_the_architecture_cannot_state() {
-        let gemma = Variant {
-            family: Family::Gemma3,
-            qk_norm: true,
-            post_norms: true,
-            embed_scale: true,
-            gate_act: GateAct::GeluTanh,
-            sliding_window: Some(8),
-            global_every: Some(6),
-            local_rope_theta: Some(1e4),
-            ..Default::default()
-        };
-        let ok = [
-            Variant::default(),
-            Variant {
-                family: Family::Qwen2,
-                qkv_bias: true,
-                ..Default::default()
-            },
-            Variant {
-                family: Family::Phi3,
-                sliding_window: Some(8),
-                ..Default::default()
-            },
-            gemma.clone(),
-        ];
-        for v in ok {
-            assert_eq!(check_writable(&args(v.clone())), Ok(()), "{v:?}");
-        }
-        let refused = [
-            (
-                Variant {
-                    family: Family::Qwen2,
-                    sliding_window: Some(8),
-                    ..Default::default()
-                },
-                "sliding window",
-            ),
-            (
-                Variant {
-                    global_every: Some(4),
-                    ..gemma.clone()
-                },
-                "every 4 layers",
-            ),
-            (
-                Variant {
-                    post_norms: false,
-                    ..gemma.clone()
-                },
-                "without post-norms",
-            ),
-            (
-                Variant {
-                    family: Family::Qwen3,
-                    qk_norm: true,
-                    embed_scale: true,
-                    ..Default::default()
-                },
-                "with the embedding scale",
-            ),
-        ];
-        for (v, want) in refused {
-            let e = check_writable(&args(v)).unwrap_err();
-            assert!(e.contains(want), "{e}");
-        }
-    }
-}
+mod writable_tests;

@@ -170,7 +170,7 @@ pub fn open_stage_model(
         *plan.borrow_mut() = Some(p);
         Ok(names)
     };
-    let model = crate::session::Model::open_only(path, &select).map_err(|e| e.to_string())?;
+    let model = crate::weights::open_only(path, &select).map_err(|e| e.to_string())?;
     let plan = plan
         .into_inner()
         .ok_or_else(|| "the stage plan was not made".to_string())?;

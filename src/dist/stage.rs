@@ -283,6 +283,35 @@ impl PipelineLink {
         decode_logits(&b, last)
     }
 
+    /// One pipelined step as rank 0 sees it: stage 0's output `hidden` for
+    /// `batch` goes on to rank 1 and, when `want_logits`, the last stage's
+    /// logits come back, checked (rows of `vocab`, one to
+    /// `batch.n_tokens()` of them). Without `want_logits`, `None`.
+    pub fn relay_step(
+        &mut self,
+        batch: &Batch,
+        hidden: &[f32],
+        want_logits: bool,
+        vocab: usize,
+    ) -> Result<Option<LogitsMsg>, DistError> {
+        self.forward(&StepHeader { want_logits }, batch, hidden)?;
+        if !want_logits {
+            return Ok(None);
+        }
+        let l = self.recv_logits()?;
+        if l.width != vocab || l.rows == 0 || l.rows > batch.n_tokens() {
+            return Err(DistError::Transport(format!(
+                "the last stage sent {} x {} logits for a step of {} sequences and {} tokens, expected rows of {}",
+                l.rows,
+                l.width,
+                batch.n_seqs(),
+                batch.n_tokens(),
+                vocab
+            )));
+        }
+        Ok(Some(l))
+    }
+
     /// Tells every rank to stop (`reason` empty: cleanly), then ends this
     /// rank's part of the job.
     pub fn stop(&mut self, reason: &str) -> Result<(), DistError> {

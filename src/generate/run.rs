@@ -276,9 +276,9 @@ pub fn generate_constrained(
     let mut drafts: Vec<u32> = Vec::new();
     // Guesses verified per step: what the session's logit rows allow.
     let max_drafts = session
-        .exec
+        .exec()
         .max_logit_rows()
-        .min(session.exec.max_chunk())
+        .min(session.exec().max_chunk())
         .saturating_sub(1);
     if let Some(sp) = spec.as_mut() {
         history.extend_from_slice(sp.before);

@@ -9,21 +9,43 @@
 //!
 //! Fused ops are variants of the closed [`Op`](crate::ir::Op) enum; the unfused graph
 //! (no passes) remains a complete reference path.
+//!
+//! One file per pass, named after it (`fuse_qkv.rs` holds `fuse_qkv`);
+//! `rewrite.rs` holds the helpers the rewriting passes share, and
+//! `partition.rs` the cut into pipeline stages (not a pass of the list).
 
-mod fuse;
-mod pack;
+mod compress_weights;
+mod dead_code;
+mod fold_norm_weight;
+mod fold_rope_table;
+mod fuse_attention;
+mod fuse_gate_up;
+mod fuse_qkv;
+mod fuse_residual;
+mod fuse_rope_cache;
+mod interleave_weights;
+mod last_logits;
+mod pack_weights;
 pub mod partition;
+mod rewrite;
 
 use crate::ir::{Graph, GraphError};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use thiserror::Error;
 
-pub use fuse::{
-    dead_code, fold_norm_weight, fold_rope_table, fuse_attention, fuse_gate_up, fuse_qkv,
-    fuse_residual, fuse_rope_cache, last_logits,
-};
-pub use pack::{compress_weights, interleave_weights, pack_weights, PACKED_SUFFIX};
+pub use compress_weights::compress_weights;
+pub use dead_code::dead_code;
+pub use fold_norm_weight::fold_norm_weight;
+pub use fold_rope_table::fold_rope_table;
+pub use fuse_attention::fuse_attention;
+pub use fuse_gate_up::fuse_gate_up;
+pub use fuse_qkv::fuse_qkv;
+pub use fuse_residual::fuse_residual;
+pub use fuse_rope_cache::fuse_rope_cache;
+pub use interleave_weights::interleave_weights;
+pub use last_logits::last_logits;
+pub use pack_weights::{pack_weights, PACKED_SUFFIX};
 pub use partition::{partition, Partition, Stage, StagePlan};
 
 /// What one pass did.

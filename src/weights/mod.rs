@@ -2,10 +2,17 @@
 //! with the `hf` directory layout), all feeding one [`WeightStore`]:
 //! named tensors whose bytes are, where possible, views into a memory-mapped
 //! file (zero-copy).
+//!
+//! [`open`] is the one entry point that turns a path into a [`Model`]: it
+//! detects the layout ([`detect`]) and reads arguments, weights and
+//! tokenizer (`open/`: one file per layout).
 
 pub mod gguf;
 pub mod hf;
 pub mod safetensors;
+
+mod open;
+pub use open::{detect, open, open_only, LoadError, Model, ModelFormat, TensorSelector};
 
 use crate::ir::DType;
 
