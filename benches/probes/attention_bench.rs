@@ -92,6 +92,7 @@ fn main() {
                                 v,
                                 &geom,
                                 h / hkv,
+                                None,
                                 &seqs,
                                 &mut out,
                                 &mut work,
