@@ -203,6 +203,7 @@ fn attention_bench() {
                     v,
                     &geom,
                     h / hkv,
+                    None,
                     &seqs,
                     &mut out,
                     &mut work,

@@ -19,7 +19,7 @@
 mod common;
 
 use llama_graph::convert::{convert, OutType};
-use llama_graph::ir::{print, LogitRows};
+use llama_graph::ir::{print, LogitRows, Op};
 use llama_graph::model::{build_llama, BuildOptions, Family, GateAct};
 use llama_graph::passes::{count_kind, run_pipeline, PassList};
 use llama_graph::session::{Model, Session, SessionOptions};
@@ -196,17 +196,30 @@ fn fused_graphs_match_the_unfused_ones() {
         let prompt = ids(&e["prompt_tokens"]);
         let want = ids(&e["generated_tokens"]);
         let (hf, _) = open(name);
-        // What the fusions did: Q/K/V bias and the Q/K norm join the
-        // QKV/RoPE/cache epilogue on the layers the streaming attention
-        // kernel runs (the windowed layers keep the unfused attention).
+        // What the fusions did: every layer's attention, windowed or not,
+        // runs the streaming attention kernel (keeping its window), and
+        // Q/K/V bias and the Q/K norm join the QKV/RoPE/cache epilogue.
         let mut g = build_llama(&hf.args, &BuildOptions::new(128)).unwrap();
         run_pipeline(&mut g, &PassList::all(), |_, _| {}).unwrap();
-        let fused = count_kind(&g, "QkvRopeCache");
-        let full_layers = (0..hf.args.n_layers)
-            .filter(|&i| hf.args.layer_window(i).is_none())
+        let n = hf.args.n_layers;
+        assert_eq!(count_kind(&g, "QkvRopeCache"), n, "{name}");
+        assert_eq!(count_kind(&g, "AttnScores"), 0, "{name}");
+        let windowed = g
+            .node_ids()
+            .filter(|&id| {
+                matches!(
+                    g.node(id).op,
+                    Op::Attention {
+                        window: Some(_),
+                        ..
+                    }
+                )
+            })
             .count();
-        assert_eq!(fused, full_layers, "{name}");
-        assert_eq!(count_kind(&g, "AttnScores"), hf.args.n_layers - full_layers);
+        let want_windowed = (0..n)
+            .filter(|&i| hf.args.layer_window(i).is_some())
+            .count();
+        assert_eq!(windowed, want_windowed, "{name}");
         let dump = print::dump(&g).unwrap();
         if family == Family::Qwen2 {
             assert!(dump.contains("epilogue=bias+rope+cache_write"), "{name}");

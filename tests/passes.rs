@@ -438,11 +438,92 @@ fn pass_lists_parse_in_declared_order() {
     );
 }
 
+/// A windowed layer's attention is fused and keeps its window (Gemma 3:
+/// five windowed layers, then a global one), and its Q/K/V, RoPE and cache
+/// writes fuse around it as a global layer's do.
+#[test]
+fn windowed_attention_is_fused_and_keeps_its_window() {
+    let arch = "gemma-3-270m";
+    let args = common::graph_params(arch);
+    let n = args.n_layers;
+    let windows: Vec<Option<usize>> = (0..n).map(|i| args.layer_window(i)).collect();
+    assert!(windows.iter().any(|w| w.is_some()) && windows.iter().any(|w| w.is_none()));
+    let layer_windows = |g: &Graph| -> Vec<(usize, Option<usize>)> {
+        let mut v: Vec<_> = g
+            .node_ids()
+            .filter_map(|id| match g.node(id).op {
+                Op::AttnScores { window, .. } | Op::Attention { window, .. } => {
+                    Some((g.node(id).layer.unwrap(), window))
+                }
+                _ => None,
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let want: Vec<(usize, Option<usize>)> = windows.iter().copied().enumerate().collect();
+    let before = build(arch);
+    assert_eq!(layer_windows(&before), want);
+    let mut g = before.clone();
+    let r = run_pipeline(
+        &mut g,
+        &PassList::parse("fuse_attention").unwrap(),
+        |_, _| {},
+    )
+    .unwrap();
+    assert_eq!(r.passes[0].rewrites, n, "every layer, windowed or not");
+    assert_eq!(count_kind(&g, "AttnScores"), 0);
+    assert_eq!(count_kind(&g, "Attention"), n);
+    assert_eq!(layer_windows(&g), want);
+    let g = optimised(arch);
+    assert_eq!(count_kind(&g, "QkvRopeCache"), n);
+    assert_eq!(count_kind(&g, "KvWrite"), 0);
+    assert_eq!(layer_windows(&g), want);
+}
+
+/// A windowed tiny model (window 5, shorter than the 13-token prompt):
+/// the fused windowed attention gives the unfused graph's logits.
+#[test]
+fn windowed_fusion_matches_the_unfused_graph() {
+    let mut args = tiny_args(false);
+    args.variant.sliding_window = Some(5);
+    for dtype in [DType::F32, DType::Q8_0] {
+        let model = random_model(&args, dtype, 5);
+        let (want, _) = run(&model, "none", LogitRows::Last);
+        for c in [
+            "fuse_attention",
+            "fuse_qkv,fuse_attention,fuse_rope_cache",
+            "all",
+        ] {
+            let (got, sess) = run(&model, c, LogitRows::Last);
+            assert_eq!(count_kind(sess.graph(), "AttnScores"), 0, "{c}");
+            assert_close(&got, &want, &format!("windowed {dtype} {c}"));
+        }
+        let (got, _) = run_with(&model, "all", LogitRows::Last, Some(0));
+        assert_close(
+            &got,
+            &want,
+            &format!("windowed {dtype} all, pooled attention"),
+        );
+        // The window is honoured: without it the logits differ.
+        let (full, _) = run(
+            &random_model(&tiny_args(false), dtype, 5),
+            "all",
+            LogitRows::Last,
+        );
+        let diff = full[0]
+            .iter()
+            .zip(&want[0])
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(diff > 1e-3, "the window changes nothing ({diff})");
+    }
+}
+
 #[test]
 fn snapshots_of_optimised_graphs() {
     let settings = common::snapshot_settings();
     settings.bind(|| {
-        for arch in ["llama-3.1-8b", "smollm2-135m"] {
+        for arch in ["llama-3.1-8b", "smollm2-135m", "gemma-3-270m"] {
             let g = optimised(arch);
             insta::assert_snapshot!(format!("graph_{arch}_optimised"), print::dump(&g).unwrap());
         }
@@ -682,7 +763,11 @@ fn fused_ops_check_their_inputs() {
     let v = TensorMeta::new(Shape::constant(&[2, 2, 16, 8]), DType::F16);
     let seqs = TensorMeta::new(Shape(vec![Dim::N, c(SEQ_TABLE_COLS)]), DType::I32);
     let blocks = TensorMeta::new(Shape::constant(&[2]), DType::I32);
-    let attn = |n_rep| Op::Attention { n_rep, scale: 0.35 };
+    let attn = |n_rep| Op::Attention {
+        n_rep,
+        scale: 0.35,
+        window: None,
+    };
     let ok = infer(&attn(2), &[&q, &k, &v, &seqs, &blocks], None).unwrap();
     assert_eq!(ok.to_string(), "f32[S, 4, 8]");
     let e = infer(&attn(3), &[&q, &k, &v, &seqs, &blocks], None).unwrap_err();

@@ -94,7 +94,10 @@ fn run_and_kernels_do_not_allocate() {
             )
             .unwrap();
             let kv = kc.view();
-            attention_paged(&pool, isa, &q, kv, kv, &geom, 2, &seqs, &mut att, &mut work).unwrap();
+            attention_paged(
+                &pool, isa, &q, kv, kv, &geom, 2, None, &seqs, &mut att, &mut work,
+            )
+            .unwrap();
             rope.apply(&mut qr, s, 4, 3).unwrap();
             rmsnorm(&x, k, None, 1e-5, &mut normed).unwrap();
         }

@@ -99,6 +99,7 @@ fn main() {
                                 v,
                                 &geom,
                                 h / hkv,
+                                None,
                                 &seqs,
                                 &mut out,
                                 &mut work,

@@ -499,10 +499,17 @@ pub fn infer(
                 Dim::Const(*head_dim),
             ]))
         }
-        Op::Attention { n_rep, scale } => {
+        Op::Attention {
+            n_rep,
+            scale,
+            window,
+        } => {
             let (q, k, v, seqs, blocks) = (inputs[0], inputs[1], inputs[2], inputs[3], inputs[4]);
             if !(*scale > 0.0 && scale.is_finite()) {
                 return Err(format!("scale must be positive, got {scale}"));
+            }
+            if *window == Some(0) {
+                return Err("a sliding window must hold at least one position".into());
             }
             let (nb, hkv, d) = check_kv_pair(("k (input 1)", k), ("v (input 2)", v))?;
             let h = check_q("q (input 0)", q, hkv, d, *n_rep)?;

@@ -329,12 +329,16 @@ pub enum Op {
     /// Fused causal GQA attention with a streaming softmax (never
     /// materialises `[H, S, T]`): (`q[S, H, D]`, `k` cache, `v` cache,
     /// `seqs i32[N, 5]`, `blocks i32[NB]`) -> `[S, H, D]`; each query reads
-    /// its own sequence's positions up to its own.
+    /// its own sequence's positions up to its own, and with a sliding
+    /// `window` only those `t > p - window` (as [`Op::AttnScores`]).
     Attention {
         /// Query heads per KV head.
         n_rep: usize,
         /// Factor on every score (`1/sqrt(D)`).
         scale: f64,
+        /// The sliding attention window, if any.
+        #[serde(default)]
+        window: Option<usize>,
     },
 
     // ---- pipeline stage boundary (created by `crate::passes::partition`) ----
@@ -509,9 +513,16 @@ impl Op {
                     "heads={n_heads}, kv_heads={n_kv_heads}, head_dim={head_dim}, epilogue={e}rope+cache_write"
                 )
             }
-            Op::Attention { n_rep, scale } => {
-                format!("n_rep={n_rep}, scale={scale:.6}, causal, online_softmax")
-            }
+            Op::Attention {
+                n_rep,
+                scale,
+                window: None,
+            } => format!("n_rep={n_rep}, scale={scale:.6}, causal, online_softmax"),
+            Op::Attention {
+                n_rep,
+                scale,
+                window: Some(w),
+            } => format!("n_rep={n_rep}, scale={scale:.6}, causal, window={w}, online_softmax"),
             Op::RmsNorm { eps } => format!("eps={eps:e}"),
             Op::AttnScores {
                 n_rep,

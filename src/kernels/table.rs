@@ -79,6 +79,7 @@ pub type AttentionFn = fn(
     KvView<'_>,
     &KvGeom,
     usize,
+    Option<usize>,
     &StepSeqs<'_>,
     &mut [f32],
     &mut AttnWork,
@@ -123,8 +124,8 @@ macro_rules! level_table {
             },
             qfast_scratch_len: |dtype, s, k| qfast::scratch_len_for($isa, dtype, s, k),
             bf16z_matmul: |p, x, s, k, b, n, e, y| bf16z::matmul_at($isa, p, x, s, k, b, n, e, y),
-            attention: |p, q, kc, vc, g, r, seqs, out, work| {
-                attention_paged(p, $isa, q, kc, vc, g, r, seqs, out, work)
+            attention: |p, q, kc, vc, g, r, w, seqs, out, work| {
+                attention_paged(p, $isa, q, kc, vc, g, r, w, seqs, out, work)
             },
         }
     };

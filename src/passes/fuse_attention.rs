@@ -5,8 +5,9 @@ use super::PassStats;
 use crate::ir::{Graph, GraphError, Op};
 
 /// `fuse_attention`: `AttnValues(Softmax(AttnScores(q, k)), v)` ->
-/// `Attention(q, k, v)` (the streaming-softmax kernel). Only for the
-/// standard `1/sqrt(head_dim)` scale, which the fused kernel applies.
+/// `Attention(q, k, v)` (the streaming-softmax kernel), keeping the
+/// scores' sliding window if any. Only for the standard `1/sqrt(head_dim)`
+/// scale, which the fused kernel applies.
 pub fn fuse_attention(g: &mut Graph) -> Result<PassStats, GraphError> {
     let mut n = 0;
     for values in nodes_where(g, |o| matches!(o, Op::AttnValues { .. })) {
@@ -22,12 +23,10 @@ pub fn fuse_attention(g: &mut Graph) -> Result<PassStats, GraphError> {
             continue;
         }
         let scores = g.inputs(probs)[0];
-        // A windowed layer keeps the unfused path: the streaming kernel
-        // attends every position up to the query's own.
         let Op::AttnScores {
             n_rep: r2,
             scale,
-            window: None,
+            window,
         } = *op(g, scores)
         else {
             continue;
@@ -53,7 +52,11 @@ pub fn fuse_attention(g: &mut Graph) -> Result<PassStats, GraphError> {
         };
         let new = g.add_op(
             name,
-            Op::Attention { n_rep, scale },
+            Op::Attention {
+                n_rep,
+                scale,
+                window,
+            },
             &[si[0], si[1], vi[1], si[2], si[3]],
             layer,
         )?;

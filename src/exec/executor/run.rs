@@ -247,8 +247,8 @@ impl Executor {
                 let wr = kernels::WeightRef::from_f32(v);
                 kernels::rmsnorm(input(0)?, d, Some(wr), *eps as f32, out_fresh()?)?;
             }
-            Op::Attention { n_rep, .. } => {
-                let n_rep = *n_rep;
+            Op::Attention { n_rep, window, .. } => {
+                let (n_rep, window) = (*n_rep, *window);
                 let (Loc::Cache(ck), Loc::Cache(cv)) = (st.ins[1].0, st.ins[2].0) else {
                     return Err(RunError::Unsupported(
                         "attention reads the two caches".into(),
@@ -257,7 +257,11 @@ impl Executor {
                 let d = self.geom.head_dim;
                 // Multiply-adds of q·K and p·V: below the threshold the call
                 // is cheaper on this thread than a hand-off to the pool.
-                let work: usize = seqs.iter().map(|q| q.count * q.keys()).sum::<usize>()
+                // (A windowed query reads at most its window.)
+                let keys = |q: &kernels::SeqSpan<'_>| {
+                    q.keys().min(window.map_or(usize::MAX, |w| w + q.count))
+                };
+                let work: usize = seqs.iter().map(|q| q.count * keys(&q)).sum::<usize>()
                     * 2
                     * self.geom.n_kv_heads
                     * n_rep
@@ -280,6 +284,7 @@ impl Executor {
                     self.caches[cv].view(),
                     &self.geom,
                     n_rep,
+                    window,
                     seqs,
                     out,
                     attn,

@@ -2,14 +2,19 @@
 //! sequences in a step, with results that do not depend on the batch.
 //!
 //! Each query row `(token, head)` attends its own sequence's positions
-//! `0..=pos`. Its result is computed by one fixed sequence of operations,
+//! `0..=pos`, or with a sliding window of `w` positions only `pos+1-w..=pos`
+//! ([`window_start`]). Its result is computed by one fixed sequence of operations,
 //! whatever else is in the step, however the sequence's prompt was chunked
 //! and however many threads run:
 //!
 //! * keys are walked in **tiles of [`BK`] positions aligned to absolute
 //!   positions** (`0..64`, `64..128`, ...), the last one cut at the row's
 //!   own position (keys after it are masked to `-inf`, which adds exact
-//!   zeros);
+//!   zeros); with a sliding window the walk starts at the tile holding the
+//!   window's first position, keys below it masked to `-inf` the same way
+//!   (a tile with no visible key leaves a row's running sums as they are,
+//!   so a row's result depends only on its own position and window, never
+//!   on where the walk of its item started);
 //! * tiles are grouped in **spans of [`SPAN`] positions**, each span's
 //!   online softmax starts fresh, and the spans' partial results are merged
 //!   **in span order** with one formula ([`merge_span`]);
@@ -134,8 +139,17 @@ impl AttnWork {
     }
 }
 
+/// The first position a query at `pos` sees: 0, or with a sliding window
+/// of `w` positions `pos + 1 - w` (its own position included).
+#[inline]
+pub fn window_start(window: Option<usize>, pos: usize) -> usize {
+    window.map_or(0, |w| (pos + 1).saturating_sub(w))
+}
+
 /// Fused attention of a step: `q` `[S, H, D]` (the step's tokens, each
-/// sequence's contiguous), `out` the same shape; `k`, `v` one layer's pool.
+/// sequence's contiguous), `out` the same shape; `k`, `v` one layer's pool;
+/// with a sliding `window` a query at `p` reads only positions `t > p -
+/// window` (the tiles below the window are not read).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_paged(
     pool: &ThreadPool,
@@ -145,6 +159,7 @@ pub fn attention_paged(
     v: KvView<'_>,
     geom: &KvGeom,
     n_rep: usize,
+    window: Option<usize>,
     seqs: &StepSeqs<'_>,
     out: &mut [f32],
     work: &mut AttnWork,
@@ -152,6 +167,12 @@ pub fn attention_paged(
     const OP: &str = "attention";
     let (d, hkv) = (geom.head_dim, geom.n_kv_heads);
     let h = hkv * n_rep;
+    if window == Some(0) {
+        return Err(KernelError::Invalid {
+            op: OP,
+            what: "a sliding window must hold at least one position",
+        });
+    }
     if n_rep == 0 || d == 0 || hkv == 0 || geom.block == 0 || !BK.is_multiple_of(geom.block) {
         return Err(KernelError::Invalid {
             op: OP,
@@ -195,7 +216,8 @@ pub fn attention_paged(
         if s.count >= TILED_MIN_S {
             continue;
         }
-        for span in 0..s.keys().div_ceil(SPAN) {
+        // Spans wholly below the first query's window are not visited.
+        for span in window_start(window, s.start) / SPAN..s.keys().div_ceil(SPAN) {
             for g in 0..hkv {
                 work.items.push(WorkItem::Decode {
                     seq: j as u32,
@@ -223,6 +245,7 @@ pub fn attention_paged(
         geom,
         n_rep,
         h,
+        window,
     };
     pool.run_indexed(items.len(), &|c, tid| {
         // SAFETY: thread `tid` is the only user of its scratch slice during
@@ -253,7 +276,8 @@ pub fn attention_paged(
         if s.count >= TILED_MIN_S {
             continue;
         }
-        let n_spans = s.keys().div_ceil(SPAN);
+        let first_span = window_start(window, s.start) / SPAN;
+        let n_spans = s.keys().div_ceil(SPAN) - first_span;
         let rows = s.count * n_rep;
         let rmax = decode_rows(n_rep);
         for g in 0..hkv {
@@ -281,11 +305,12 @@ pub fn attention_paged(
 
 /// Folds one span's partial result `(m, l, a)` of a row into its running
 /// total `(mm, ll, aa)`, in f32, the same in every kernel: the first span
-/// with any key is taken as it is; a span without keys (`m = -inf`) changes
-/// nothing; otherwise both are rescaled to the common maximum and added.
+/// with any key is taken as it is; a span without visible keys (`m = -inf`,
+/// or `l = 0` when its keys were all masked) changes nothing; otherwise
+/// both are rescaled to the common maximum and added.
 #[inline]
 pub fn merge_span(mm: &mut f32, ll: &mut f32, aa: &mut [f32], m: f32, l: f32, a: &[f32]) {
-    if m == f32::NEG_INFINITY {
+    if m == f32::NEG_INFINITY || l == 0.0 {
         return;
     }
     if *mm == f32::NEG_INFINITY {
@@ -312,6 +337,8 @@ struct Ctx<'a> {
     n_rep: usize,
     /// Query heads.
     h: usize,
+    /// The sliding window, if any.
+    window: Option<usize>,
 }
 
 impl Ctx<'_> {
@@ -341,6 +368,10 @@ struct Item<'a> {
     t_diag: usize,
     /// One past the last key of the item.
     t_end: usize,
+    /// The first query's first visible key (the earliest of the item).
+    lo: usize,
+    /// The sliding window, if any.
+    window: Option<usize>,
 }
 
 impl<'a> Item<'a> {
@@ -355,6 +386,8 @@ impl<'a> Item<'a> {
             rp: rows.next_multiple_of(16),
             t_diag: seq.start + q0,
             t_end: seq.start + q1,
+            lo: window_start(ctx.window, seq.start + q0),
+            window: ctx.window,
         }
     }
 }
@@ -453,6 +486,17 @@ fn mask_block(st: &mut [f32], it: &Item<'_>, t0: usize, nk: usize) {
         }
         let first_visible = ((t - it.t_diag) * it.n_rep).min(it.rows);
         st[k * it.rp..k * it.rp + first_visible].fill(f32::NEG_INFINITY);
+    }
+}
+
+/// Sets the scores of tile `t0..t0+nk` below each row's sliding window to
+/// `-inf`: row `r` (query at `t_diag + r / n_rep`) sees keys `>= t_diag + r
+/// / n_rep + 1 - window`. Padding rows stay.
+fn mask_below_window(st: &mut [f32], it: &Item<'_>, w: usize, t0: usize, nk: usize) {
+    for k in 0..nk {
+        // Key t is below the window of queries at positions >= t + w.
+        let first_masked = ((t0 + k + w).saturating_sub(it.t_diag) * it.n_rep).min(it.rows);
+        st[k * it.rp + first_masked..k * it.rp + it.rows].fill(f32::NEG_INFINITY);
     }
 }
 
@@ -562,13 +606,17 @@ unsafe fn drive_tiled<B: BlockSteps>(
     pack_q(ctx, it, qt);
     let multi_span = it.t_end > SPAN;
     mm.fill(f32::NEG_INFINITY);
-    let mut s0 = 0;
+    // Spans and tiles wholly below every row's window are skipped; the
+    // rest stay aligned to absolute positions.
+    let mut s0 = it.lo / SPAN * SPAN;
+    // The last row's window start: tiles from here on need no lower mask.
+    let lo_last = it.window.map_or(0, |w| it.t_end.saturating_sub(w));
     while s0 < it.t_end {
         let s1 = (s0 + SPAN).min(it.t_end);
         acc.fill(0.0);
         m.fill(f32::NEG_INFINITY);
         l.fill(0.0);
-        let mut t0 = s0;
+        let mut t0 = s0.max(it.lo / BK * BK);
         while t0 < s1 {
             let nk = BK.min(s1 - t0);
             gather_k::<B::Cvt>(ctx, &it.seq, it.g, t0, nk, kt);
@@ -577,6 +625,9 @@ unsafe fn drive_tiled<B: BlockSteps>(
             unsafe { B::qk(qt, rp, kt, nk, d, st) };
             if t0 + nk - 1 > it.t_diag {
                 mask_block(st, it, t0, nk);
+            }
+            if let Some(w) = it.window.filter(|_| t0 < lo_last) {
+                mask_below_window(st, it, w, t0, nk);
             }
             // SAFETY: as above.
             unsafe {
@@ -657,14 +708,16 @@ unsafe fn drive_decode<B: BlockSteps>(
     l.fill(0.0);
     let s0 = span * SPAN;
     let s1 = (s0 + SPAN).min(seq.keys());
-    let mut t0 = s0;
+    // Tiles wholly below the first query's window are not read.
+    let mut t0 = s0.max(window_start(ctx.window, seq.start) / BK * BK);
     while t0 < s1 {
         let nk = BK.min(s1 - t0);
         gather_k::<B::Cvt>(ctx, seq, g, t0, nk, kt);
         gather_v::<B::Cvt>(ctx, seq, g, t0, nk, vt);
         for r in 0..rows {
             let limit = seq.start + r / n_rep;
-            if limit < t0 {
+            let first = window_start(ctx.window, limit);
+            if limit < t0 || first >= t0 + nk {
                 // No key of this tile is visible: a masked tile changes
                 // nothing (correction 1, nothing added).
                 continue;
@@ -673,7 +726,7 @@ unsafe fn drive_decode<B: BlockSteps>(
             // SAFETY: the features of B are available (this function's contract).
             unsafe { B::row_qk(&qs[r * d..(r + 1) * d], kt, nk, d, srow) };
             for (k, x) in srow.iter_mut().enumerate().take(nk) {
-                if t0 + k > limit {
+                if t0 + k > limit || t0 + k < first {
                     *x = f32::NEG_INFINITY;
                 }
             }
@@ -779,7 +832,9 @@ impl BlockSteps for Portable {
     ) {
         for r in 0..rp {
             let mx = (0..nk).fold(f32::NEG_INFINITY, |a, k| a.max(st[k * rp + r]));
-            let m_new = m[r].max(mx);
+            // A row with no visible key yet (all `-inf`, below its sliding
+            // window) keeps a finite maximum: zeros, not NaN.
+            let m_new = m[r].max(mx).max(f32::MIN);
             let cr = (m[r] - m_new).exp();
             let mut sum = 0f32;
             for k in 0..nk {

@@ -111,6 +111,12 @@ fn q_for(pool: &Pool, parts: &[(usize, usize, usize)]) -> Vec<f32> {
 
 /// Causal attention of the step in f64.
 fn naive(pool: &Pool, q: &[f32], s: &StepSeqs<'_>) -> Vec<f64> {
+    naive_windowed(pool, q, s, None)
+}
+
+/// Causal attention of the step in f64, a query at `p` seeing positions
+/// `t > p - window`.
+fn naive_windowed(pool: &Pool, q: &[f32], s: &StepSeqs<'_>, window: Option<usize>) -> Vec<f64> {
     let (d, h_n) = (pool.geom.head_dim, pool.h());
     let bs = pool.geom.block;
     let mut out = vec![0f64; q.len()];
@@ -118,6 +124,7 @@ fn naive(pool: &Pool, q: &[f32], s: &StepSeqs<'_>) -> Vec<f64> {
         for i in 0..sq.count {
             let row = sq.first + i;
             let n_t = sq.start + i + 1;
+            let t0 = window.map_or(0, |w| n_t.saturating_sub(w));
             for h in 0..h_n {
                 let g = h / pool.n_rep;
                 let qv = &q[(row * h_n + h) * d..][..d];
@@ -127,7 +134,7 @@ fn naive(pool: &Pool, q: &[f32], s: &StepSeqs<'_>) -> Vec<f64> {
                         .get(pool.geom.k_index(sq.block_of(t, bs), t % bs, g, e))
                         as f64
                 };
-                let sc: Vec<f64> = (0..n_t)
+                let sc: Vec<f64> = (t0..n_t)
                     .map(|t| {
                         (0..d).map(|e| qv[e] as f64 * key(t, e)).sum::<f64>() / (d as f64).sqrt()
                     })
@@ -135,7 +142,7 @@ fn naive(pool: &Pool, q: &[f32], s: &StepSeqs<'_>) -> Vec<f64> {
                 let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let ex: Vec<f64> = sc.iter().map(|v| (v - mx).exp()).collect();
                 let z: f64 = ex.iter().sum();
-                for (t, &w) in ex.iter().enumerate() {
+                for (t, &w) in (t0..n_t).zip(&ex) {
                     let base = pool.geom.v_index(sq.block_of(t, bs), t % bs, g, 0);
                     for e in 0..d {
                         out[(row * h_n + h) * d + e] += w / z * pool.v.view().get(base + e) as f64;
@@ -148,6 +155,17 @@ fn naive(pool: &Pool, q: &[f32], s: &StepSeqs<'_>) -> Vec<f64> {
 }
 
 fn fused(pool: &Pool, isa: Isa, threads: usize, st: &Step, q: &[f32]) -> Vec<f32> {
+    fused_windowed(pool, isa, threads, st, q, None)
+}
+
+fn fused_windowed(
+    pool: &Pool,
+    isa: Isa,
+    threads: usize,
+    st: &Step,
+    q: &[f32],
+    window: Option<usize>,
+) -> Vec<f32> {
     let tp = ThreadPool::new(threads);
     let s = StepSeqs::new(&st.table, &st.blocks, st.tokens, &pool.geom).unwrap();
     let mut work = AttnWork::new(&pool.geom, pool.n_rep, st.tokens, s.len(), threads);
@@ -160,6 +178,7 @@ fn fused(pool: &Pool, isa: Isa, threads: usize, st: &Step, q: &[f32]) -> Vec<f32
         pool.v.view(),
         &pool.geom,
         pool.n_rep,
+        window,
         &s,
         &mut out,
         &mut work,
@@ -169,12 +188,17 @@ fn fused(pool: &Pool, isa: Isa, threads: usize, st: &Step, q: &[f32]) -> Vec<f32
 }
 
 fn unfused(pool: &Pool, st: &Step, q: &[f32]) -> Vec<f32> {
+    unfused_windowed(pool, st, q, None)
+}
+
+/// The reference path: `attn_scores_windowed`, `softmax_rows`, `attn_values`.
+fn unfused_windowed(pool: &Pool, st: &Step, q: &[f32], window: Option<usize>) -> Vec<f32> {
     let tp = ThreadPool::new(2);
     let s = StepSeqs::new(&st.table, &st.blocks, st.tokens, &pool.geom).unwrap();
     let t_n = s.max_keys() + 3; // longer than needed: the tail is masked
     let mut scores = vec![0f32; pool.h() * st.tokens * t_n];
     let (g, r) = (&pool.geom, pool.n_rep);
-    attn_scores(&tp, q, pool.k.view(), g, r, &s, t_n, &mut scores).unwrap();
+    attn_scores_windowed(&tp, q, pool.k.view(), g, r, &s, t_n, window, &mut scores).unwrap();
     softmax_rows(&tp, &mut scores, t_n).unwrap();
     let mut out = vec![f32::NAN; q.len()];
     attn_values(&tp, &scores, pool.v.view(), g, r, &s, t_n, &mut out).unwrap();
@@ -222,17 +246,69 @@ fn both_forms_match_the_reference() {
 }
 
 #[test]
+fn windowed_fused_matches_the_windowed_reference() {
+    // Windows smaller than a KV block (16 positions), equal to one,
+    // straddling blocks, equal to a tile, and longer than a span; steps of
+    // several sequences mixing prefill chunks (tiled items, one crossing
+    // the span boundary at 256) and decode queries (decode items).
+    let steps = [
+        mixed_parts(),
+        vec![(0, 250, 30), (1, 370, 1), (2, 100, 3), (3, 200, 64)],
+    ];
+    for (hkv, d, n_rep, ty) in [
+        (3, 64, 3, CacheType::F16),
+        (2, 32, 2, CacheType::F32),
+        (1, 20, 4, CacheType::Bf16),
+        (2, 32, 1, CacheType::Q8_0),
+    ] {
+        let pool = Pool::new(4 * 24, hkv, d, n_rep, ty, 17);
+        let seqs = seqs_in(&pool, 4, 24, 3);
+        for parts in &steps {
+            let st = step(&seqs, parts);
+            let q = q_for(&pool, parts);
+            let s = StepSeqs::new(&st.table, &st.blocks, st.tokens, &pool.geom).unwrap();
+            for w in [1, 5, 16, 23, 40, 64, 100, 300] {
+                let window = Some(w);
+                let what = format!("hkv {hkv} d {d} n_rep {n_rep} {ty} window {w}");
+                let want = naive_windowed(&pool, &q, &s, window);
+                let reference = unfused_windowed(&pool, &st, &q, window);
+                assert_close(&reference, &want, 2e-5, 2e-4, &format!("unfused {what}"));
+                let reference: Vec<f64> = reference.iter().map(|&x| x as f64).collect();
+                for isa in Isa::supported_levels() {
+                    for threads in [1, 2] {
+                        let got = fused_windowed(&pool, isa, threads, &st, &q, window);
+                        assert_close(
+                            &got,
+                            &reference,
+                            2e-5,
+                            2e-4,
+                            &format!("fused {isa:?} {what}"),
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn rows_do_not_depend_on_the_batch() {
     // Sequence 0 has 600 positions (three spans); its queries at 560..580
     // are computed in five groupings, beside other sequences or alone, on
     // one or two threads: every row must be bitwise the same.
-    for (hkv, d, n_rep, ty) in [
-        (3, 64, 3, CacheType::F16),
-        (2, 20, 2, CacheType::F16),
-        (3, 64, 3, CacheType::F32),
-        (3, 64, 3, CacheType::Bf16),
-        (3, 64, 3, CacheType::Q8_0),
-        (2, 32, 2, CacheType::Q4_0),
+    // With a sliding window too: 57 puts the windows' starts (504..523)
+    // across a tile and span boundary (512), so some rows of an item see
+    // nothing of its first tile and span; 300 spans two spans.
+    for (hkv, d, n_rep, ty, window) in [
+        (3, 64, 3, CacheType::F16, None),
+        (2, 20, 2, CacheType::F16, None),
+        (3, 64, 3, CacheType::F32, None),
+        (3, 64, 3, CacheType::Bf16, None),
+        (3, 64, 3, CacheType::Q8_0, None),
+        (2, 32, 2, CacheType::Q4_0, None),
+        (3, 64, 3, CacheType::F16, Some(57)),
+        (2, 20, 1, CacheType::F32, Some(57)),
+        (2, 20, 2, CacheType::F16, Some(300)),
     ] {
         let pool = Pool::new(160, hkv, d, n_rep, ty, 21);
         let seqs = seqs_in(&pool, 4, 40, 9);
@@ -263,7 +339,7 @@ fn rows_do_not_depend_on_the_batch() {
                     for parts in grouping {
                         let st = step(&seqs, parts);
                         let q = q_for(&pool, parts);
-                        let out = fused(&pool, isa, threads, &st, &q);
+                        let out = fused_windowed(&pool, isa, threads, &st, &q, window);
                         let row_len = pool.h() * d;
                         let mut first = 0;
                         for &(j, start, count) in parts {
@@ -284,8 +360,8 @@ fn rows_do_not_depend_on_the_batch() {
                                 let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
                                 assert!(
                                     same,
-                                    "{isa:?} {ty} d {d}: grouping {gi} on {threads} threads \
-                                     changes the row at position {}",
+                                    "{isa:?} {ty} d {d} window {window:?}: grouping {gi} on \
+                                     {threads} threads changes the row at position {}",
                                     560 + p
                                 );
                             }
@@ -314,22 +390,41 @@ fn causal_mask_exact() {
     let seqs = vec![Seq {
         blocks: blocks.iter().map(|&b| b as i32).collect(),
     }];
-    for parts in [vec![(0, 3, 20)], vec![(0, 3, 2)], vec![(0, 30, 1)]] {
+    // With a sliding window w, the average of rows p+1-w..=p.
+    let windows = [None, Some(1), Some(5), Some(16), Some(19)];
+    for (parts, window) in [vec![(0, 3, 20)], vec![(0, 3, 2)], vec![(0, 30, 1)]]
+        .into_iter()
+        .flat_map(|p| windows.map(|w| (p.clone(), w)))
+    {
         let st = step(&seqs, &parts);
         let q = vec![0.5f32; st.tokens * n_rep * d];
-        let mut outs = vec![("unfused".to_string(), unfused(&pool, &st, &q))];
+        let mut outs = vec![(
+            "unfused".to_string(),
+            unfused_windowed(&pool, &st, &q, window),
+        )];
         for isa in Isa::supported_levels() {
-            outs.push((format!("{isa:?}"), fused(&pool, isa, 2, &st, &q)));
+            outs.push((
+                format!("{isa:?}"),
+                fused_windowed(&pool, isa, 2, &st, &q, window),
+            ));
         }
         let (_, start, count) = parts[0];
         for (what, out) in outs {
             for i in 0..count {
                 let p = start + i;
+                let first = window.map_or(0, |w| (p + 1).saturating_sub(w));
                 for h in 0..n_rep {
                     let o = &out[(i * n_rep + h) * d..][..d];
                     for (t, &x) in o.iter().enumerate() {
-                        let want = if t <= p { 1.0 / (p + 1) as f32 } else { 0.0 };
-                        assert!((x - want).abs() < 1e-6, "{what} p {p} t {t}: {x} vs {want}");
+                        let want = if (first..=p).contains(&t) {
+                            1.0 / (p + 1 - first) as f32
+                        } else {
+                            0.0
+                        };
+                        assert!(
+                            (x - want).abs() < 1e-6,
+                            "{what} window {window:?} p {p} t {t}: {x} vs {want}"
+                        );
                     }
                 }
             }
@@ -381,6 +476,7 @@ fn bad_steps_are_refused() {
         v,
         g,
         2,
+        None,
         &s,
         &mut out,
         &mut work
@@ -394,6 +490,7 @@ fn bad_steps_are_refused() {
         v,
         g,
         2,
+        None,
         &s,
         &mut out,
         &mut work
@@ -407,11 +504,29 @@ fn bad_steps_are_refused() {
         v,
         g,
         2,
+        None,
         &s,
         &mut out,
         &mut work
     )
     .is_ok());
+    assert!(
+        attention_paged(
+            &tp,
+            crate::kernels::Kernels::current().isa(),
+            &q,
+            k,
+            v,
+            g,
+            2,
+            Some(0),
+            &s,
+            &mut out,
+            &mut work
+        )
+        .is_err(),
+        "an empty window"
+    );
     let mut scores = vec![0.0; 4 * 6 * 10];
     assert!(
         attn_scores(&tp, &q, k, g, 2, &s, 10, &mut scores).is_err(),

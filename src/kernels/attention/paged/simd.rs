@@ -294,7 +294,9 @@ impl<
                     mx = mx.max(V::load(sp.add(k * rp + r0)));
                 }
                 let m_old = V::load(m.as_ptr().add(r0));
-                let m_new = m_old.max(mx);
+                // A row with no visible key yet (all `-inf`, below its
+                // sliding window) keeps a finite maximum: zeros, not NaN.
+                let m_new = m_old.max(mx).max(V::splat(f32::MIN));
                 let cr = m_old.sub(m_new).exp();
                 let mut s0 = V::zero();
                 let mut s1 = V::zero();
