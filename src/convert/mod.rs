@@ -4,7 +4,7 @@
 //! template.
 //!
 //! Families: each is written in the layout llama.cpp's `convert_hf_to_gguf.py`
-//! gives it (see [`tensor_layout`]): `llama` for Llama and Mistral (whose
+//! gives it (see `tensor_layout`): `llama` for Llama and Mistral (whose
 //! window llama.cpp's converter drops too), and `qwen2`, `qwen3`, `gemma3`,
 //! `phi3` with their extra tensors (Q/K/V biases, Q/K norms, post-norms,
 //! Phi-3's fused `attn_qkv` and gate/up `ffn_up`), Q/K rows in Hugging Face's
@@ -759,7 +759,7 @@ pub fn convert(
     Ok(summary)
 }
 
-/// One tensor of the written file (see [`tensor_layout`]).
+/// One tensor of the written file (see `tensor_layout`).
 struct Planned {
     gguf: String,
     /// The Meta tensors whose rows it holds, in order.

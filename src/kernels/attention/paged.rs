@@ -38,7 +38,7 @@
 //! same per-row arithmetic, and a test checks that rows computed either
 //! way are bitwise equal. Keys and values are read from the pool (any
 //! cache type, [`KvView`]) one tile at a time into f32 scratch (widened or
-//! dequantized by [`super::widen`], the same values at every level): keys
+//! dequantized by `super::widen`, the same values at every level): keys
 //! dims-major `[D][BK]`, values key-major `[BK][D]`.
 
 use crate::kernels::kv::{KvGeom, KvView, SeqSpan, StepSeqs};

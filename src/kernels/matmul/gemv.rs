@@ -4,7 +4,7 @@
 //! token: four rows at a time, one accumulator each (four independent FMA
 //! chains, one load of x for four rows), weights widened in registers. The
 //! arithmetic per row is exactly that of the multi-token product
-//! ([`super::matmul`](super::matmul())), so a token's outputs do not depend
+//! (`matmul` in this module's parent), so a token's outputs do not depend
 //! on how many tokens share a step (batch invariance). Exact: f32
 //! activations, f32 accumulation.
 
@@ -39,7 +39,7 @@ impl Level {
     }
 }
 
-/// True for the dtypes [`gemv`] handles.
+/// True for the dtypes this GEMV handles.
 pub fn supports(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
 }

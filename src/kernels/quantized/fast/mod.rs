@@ -9,7 +9,7 @@
 //! IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, all seen as 32-element units of
 //! small integer quants with one scale per unit or per 16-element half and
 //! an additive term ([`units`]). Q2_K (a minimum per 16 elements) and the
-//! float types go through the exact path ([`super::exact::qmatmul`]).
+//! float types go through the exact path (`super::exact`).
 //!
 //! Accuracy: the only approximation is the activation quantization. With
 //! `c = max|x| / 127` per block, an activation `x` is `c · v` with
