@@ -436,7 +436,11 @@ impl Executor {
                 kernels::softmax_rows(pool, out_from_input0()?, row)?;
             }
             Op::Silu => kernels::dispatch::silu_inplace(out_from_input0()?),
-            Op::GeluTanh => kernels::gelu_tanh_inplace(out_from_input0()?),
+            Op::GeluTanh => kernels::elementwise::gelu::gelu_tanh_inplace_at(
+                self.kernels.isa(),
+                pool,
+                out_from_input0()?,
+            ),
             Op::Scale { factor } => kernels::scale_inplace(out_from_input0()?, *factor as f32),
             Op::Add => match st.ins[1].0 {
                 Loc::Weight(w) => {

@@ -1,6 +1,7 @@
 //! Elementwise kernels and argmax. These are memory-bound and cheap next to
 //! the matmuls, so they run on the calling thread.
 
+pub mod gelu;
 pub mod norm;
 pub mod rope;
 pub mod silu;
