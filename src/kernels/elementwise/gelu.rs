@@ -2,7 +2,7 @@
 //!
 //! `0.5·v·(1 + tanh(u))` with `u = sqrt(2/π)·(v + 0.044715·v³)` equals
 //! `v / (1 + e^(-2u))` (as `1 + tanh(u) = 2 / (1 + e^(-2u))`), which the
-//! SIMD levels compute with the SwiGLU's vector `e^x` ([`super::silu`]): a
+//! SIMD levels compute with the SwiGLU's vector `e^x` ([`super::silu`](mod@super::silu)): a
 //! few ulp from the scalar [`super::gelu_tanh_f32`]. Every element is
 //! computed by the same operations whatever its place in the slice (a tail
 //! shorter than a vector is padded, not computed by the scalar formula), and
