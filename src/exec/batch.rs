@@ -432,29 +432,43 @@ mod tests {
         assert_eq!(r.held_from(20), 0);
         assert!(r.can_resume(97, 80) && r.can_resume(87, 80) && r.can_resume(0, 80));
         assert!(!r.can_resume(86, 80) && !r.can_resume(10, 80));
-        // Simulate the ring: every step of up to 5 tokens writes its
-        // positions, then each query reads its window; no position read
-        // was overwritten by a later one.
+        // Simulated, for several windows, chunk sizes and block sizes, the
+        // ring keeps every position a query reads; one too small does not.
+        for (w, s, bs) in [(8, 5, 16), (8, 9, 4), (64, 24, 16), (3, 1, 1), (40, 7, 16)] {
+            let r = WindowRing::new(w, s, bs);
+            assert_eq!(simulate(r, s), Ok(()), "{r:?}");
+            let small = WindowRing {
+                ring: (w + s - 1).div_ceil(bs) - 1,
+                ..r
+            };
+            if small.ring > 0 {
+                assert!(simulate(small, s).is_err(), "{small:?} is too small");
+            }
+        }
+    }
+
+    /// Feeds one sequence in steps of 1 to `max` tokens (every third
+    /// step's last two rejected, as rolled-back guesses) through ring `r`
+    /// and checks that each query's window still holds its own positions.
+    fn simulate(r: WindowRing, max: usize) -> Result<(), String> {
         let mut slot_pos = vec![usize::MAX; r.positions()];
         let slot = |p: usize| (p / r.block) % r.ring * r.block + p % r.block;
         let mut start = 0;
-        for (i, n) in [5usize, 1, 3, 5, 5, 2, 5, 5, 5, 4, 1, 5]
-            .iter()
-            .cycle()
-            .take(60)
-            .enumerate()
-        {
+        for i in 0..3 * (r.positions() + r.window) {
+            let n = 1 + (i * 7 + 3) % max;
             for p in start..start + n {
                 slot_pos[slot(p)] = p;
             }
             for q in start..start + n {
                 for t in (q + 1).saturating_sub(r.window)..=q {
-                    assert_eq!(slot_pos[slot(t)], t, "step {i}: query {q} reads {t}");
+                    if slot_pos[slot(t)] != t {
+                        return Err(format!("step {i}: query {q} reads {t}, gone"));
+                    }
                 }
             }
-            // Every third step, its last two guesses are rejected.
-            start += if i % 3 == 0 && *n > 2 { n - 2 } else { *n };
+            start += if i % 3 == 0 && n > 2 { n - 2 } else { n };
         }
+        Ok(())
     }
 
     #[test]
