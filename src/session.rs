@@ -598,8 +598,14 @@ impl Session {
             .map_or(("-".into(), "-".into()), |(k, v)| {
                 (k.to_string(), v.to_string())
             });
+        let ring = self.window.as_ref().map_or(String::new(), |w| {
+            format!(
+                " (window layers: their last {} per sequence; --swa-full keeps all)",
+                w.layout.positions()
+            )
+        });
         format!(
-            "KV cache: {} positions, keys {k}, values {v}, {:.2} MiB{}",
+            "KV cache: {} positions{ring}, keys {k}, values {v}, {:.2} MiB{}",
             self.exec.kv_geom().capacity(),
             self.exec.kv_bytes() as f64 / 1048576.0,
             if self.stage.is_some() {
