@@ -13,6 +13,7 @@
 #![warn(missing_docs)]
 
 use crate::dist::stage::{PipelineLink, StepHeader};
+use crate::exec::batch::WindowRing;
 use crate::exec::{
     bind_weights, materialize_packed, store_dtypes, Batch, BindError, ExecError, Executor, KvPool,
     Logits,
@@ -82,6 +83,9 @@ pub struct SessionOptions {
     pub cache_type_k: Option<CacheType>,
     /// How the KV pool stores values (`-ctv`); `None` as for keys.
     pub cache_type_v: Option<CacheType>,
+    /// Sliding-window layers keep every position, as the other layers do
+    /// (`--swa-full`), instead of a ring holding only their window.
+    pub swa_full: bool,
 }
 
 impl SessionOptions {
@@ -113,6 +117,7 @@ impl Default for SessionOptions {
             exact: false,
             cache_type_k: None,
             cache_type_v: None,
+            swa_full: false,
         }
     }
 }
@@ -144,6 +149,19 @@ pub struct Session {
     vocab: usize,
     /// The current step, reused across calls.
     batch: Batch,
+    /// When the window layers keep only their window: their pool and the
+    /// session's own sequence's ring in it.
+    window: Option<SessionRing>,
+}
+
+/// The window layers' pool of a session and its own sequence's ring.
+#[derive(Debug)]
+struct SessionRing {
+    layout: WindowRing,
+    pool: KvPool,
+    ring: Vec<u32>,
+    /// Positions from here to the sequence's end are held by the ring.
+    held_from: usize,
 }
 
 impl Session {
@@ -228,6 +246,20 @@ impl Session {
         let (kt, vt) = opts.kv_types();
         bo.kv_dtype = kt.dtype();
         bo.kv_v_dtype = vt.dtype();
+        // Window layers keep a ring of blocks per sequence instead of every
+        // position, where that is smaller (not for embeddings, whose
+        // sequences are fed whole in one step).
+        let widest = (0..model.args.n_layers)
+            .filter_map(|i| model.args.layer_window(i))
+            .max();
+        let ring = match widest {
+            Some(w) if !opts.swa_full && pooling.is_none() => {
+                let r = WindowRing::new(w, opts.batch, bo.kv_block);
+                (r.ring * opts.parallel < bo.kv_blocks()).then_some(r)
+            }
+            _ => None,
+        };
+        bo.window_blocks = ring.map(|r| r.ring * opts.parallel);
         let mut graph = build_llama(&model.args, &bo)?;
         let stage_graph = |g: &Graph| -> Result<Graph, SessionError> {
             match stage {
@@ -281,6 +313,12 @@ impl Session {
             pos: 0,
             vocab,
             batch: Batch::with_capacity(max.s, max.n, geom.n_blocks),
+            window: ring.map(|layout| SessionRing {
+                layout,
+                pool: KvPool::new(layout.ring * opts.parallel, layout.block),
+                ring: Vec::with_capacity(layout.ring),
+                held_from: 0,
+            }),
         })
     }
 
@@ -384,9 +422,15 @@ impl Session {
             )));
         }
         let mut blocks: Vec<Vec<u32>> = vec![Vec::new(); m];
-        let result = self.decode_in_flight_with(starts, n, &mut blocks);
+        let mut rings: Vec<Vec<u32>> = vec![Vec::new(); m];
+        let result = self.decode_in_flight_with(starts, n, &mut blocks, &mut rings);
         for b in &mut blocks {
             self.pool.release(b);
+        }
+        if let Some(w) = self.window.as_mut() {
+            for r in &mut rings {
+                w.pool.release(r);
+            }
         }
         result
     }
@@ -396,8 +440,19 @@ impl Session {
         starts: &[u32],
         n: usize,
         blocks: &mut [Vec<u32>],
+        rings: &mut [Vec<u32>],
     ) -> Result<Vec<Vec<u32>>, SessionError> {
         let m = starts.len();
+        if let Some(w) = self.window.as_mut() {
+            for r in rings.iter_mut() {
+                if !w.pool.reserve(r, w.layout.positions()) {
+                    return Err(SessionError::Invalid(format!(
+                        "the window layers' pool holds rings for {} sequences, not {m} (use -np {m} or --swa-full)",
+                        w.pool.total_blocks() / w.layout.ring
+                    )));
+                }
+            }
+        }
         for b in blocks.iter_mut() {
             if !self.pool.reserve(b, n) {
                 return Err(SessionError::Invalid(format!(
@@ -450,7 +505,8 @@ impl Session {
                     }
                 }
                 self.batch.clear();
-                self.batch.push(&[next[j]], i, &blocks[j]);
+                self.batch
+                    .push_ring(&[next[j]], i, &blocks[j], &rings[j], 1);
                 let step = self.exec.step(&self.batch)?;
                 match self.link.as_mut() {
                     None => {
@@ -542,8 +598,14 @@ impl Session {
             .map_or(("-".into(), "-".into()), |(k, v)| {
                 (k.to_string(), v.to_string())
             });
+        let ring = self.window.as_ref().map_or(String::new(), |w| {
+            format!(
+                " (window layers: their last {} per sequence; --swa-full keeps all)",
+                w.layout.positions()
+            )
+        });
         format!(
-            "KV cache: {} positions, keys {k}, values {v}, {:.2} MiB{}",
+            "KV cache: {} positions{ring}, keys {k}, values {v}, {:.2} MiB{}",
             self.exec.kv_geom().capacity(),
             self.exec.kv_bytes() as f64 / 1048576.0,
             if self.stage.is_some() {
@@ -563,13 +625,51 @@ impl Session {
     pub fn reset(&mut self) {
         self.pos = 0;
         self.pool.release(&mut self.blocks);
+        if let Some(w) = self.window.as_mut() {
+            w.held_from = 0;
+        }
     }
 
     /// Forgets every cached position from `pos` on (to re-feed a changed
-    /// suffix, as a chat does when the template re-renders a turn).
-    pub fn rewind(&mut self, pos: usize) {
+    /// suffix, as a chat does when the template re-renders a turn), and
+    /// returns the position the session goes on from: `pos` (or the
+    /// current one, if lower), or 0 when the model's window layers no
+    /// longer hold the window before `pos` (they keep only a ring of their
+    /// latest positions), so the whole sequence must be fed again.
+    pub fn rewind(&mut self, pos: usize) -> usize {
         self.pos = self.pos.min(pos);
+        if let Some(w) = self.window.as_mut() {
+            if !w.layout.can_resume(self.pos, w.held_from) {
+                self.pos = 0;
+            }
+            if self.pos == 0 {
+                w.held_from = 0;
+            }
+        }
         self.pool.truncate(&mut self.blocks, self.pos);
+        self.pos
+    }
+
+    /// The window layers' ring, when they keep only their window: blocks
+    /// per sequence, the widest window and the block size.
+    pub fn window_ring(&self) -> Option<WindowRing> {
+        self.window.as_ref().map(|w| w.layout)
+    }
+
+    /// Makes `tokens` the current step of the session's own sequence (the
+    /// KV blocks must be reserved) and moves its position past them.
+    fn push_own(&mut self, tokens: &[u32], rows: usize) {
+        self.batch.clear();
+        let ring = match self.window.as_mut() {
+            Some(w) => {
+                w.held_from = w.held_from.max(w.layout.held_from(self.pos + tokens.len()));
+                w.ring.as_slice()
+            }
+            None => &[],
+        };
+        self.batch
+            .push_ring(tokens, self.pos, &self.blocks, ring, rows);
+        self.pos += tokens.len();
     }
 
     /// Feeds `tokens` (at most the batch size) as one step and returns all
@@ -584,9 +684,7 @@ impl Session {
             .into());
         }
         self.check_and_reserve(tokens)?;
-        self.batch.clear();
-        self.batch.push(tokens, self.pos, &self.blocks);
-        self.pos += tokens.len();
+        self.push_own(tokens, 1);
         Ok(self.exec.step(&self.batch)?)
     }
 
@@ -606,9 +704,7 @@ impl Session {
             .into());
         }
         self.check_and_reserve(tokens)?;
-        self.batch.clear();
-        self.batch.push_rows(tokens, self.pos, &self.blocks, rows);
-        self.pos += tokens.len();
+        self.push_own(tokens, rows);
         run_step(
             &mut self.exec,
             self.link.as_mut(),
@@ -640,6 +736,16 @@ impl Session {
                 self.vocab
             )));
         }
+        if let Some(w) = self.window.as_mut() {
+            let need = w.layout.positions();
+            if !w.pool.reserve(&mut w.ring, need) {
+                return Err(SessionError::Invalid(format!(
+                    "the window layers' pool has {} free blocks, too few for a ring of {}",
+                    w.pool.free_blocks(),
+                    w.layout.ring
+                )));
+            }
+        }
         if !self.pool.reserve(&mut self.blocks, self.pos + tokens.len()) {
             return Err(SessionError::Invalid(format!(
                 "the KV pool has {} free blocks of {} positions, too few for {} more tokens",
@@ -659,15 +765,11 @@ impl Session {
         let n_chunks = tokens.len().div_ceil(chunk);
         let mut chunks = tokens.chunks(chunk);
         for c in chunks.by_ref().take(n_chunks - 1) {
-            self.batch.clear();
-            self.batch.push(c, self.pos, &self.blocks);
-            self.pos += c.len();
+            self.push_own(c, 1);
             self.run_batch(false)?;
         }
         let c = chunks.next().unwrap_or_default();
-        self.batch.clear();
-        self.batch.push(c, self.pos, &self.blocks);
-        self.pos += c.len();
+        self.push_own(c, 1);
         self.run_batch(true)?
             .ok_or_else(|| SessionError::Pipeline("no logits came back".into()))
     }

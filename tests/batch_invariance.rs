@@ -173,6 +173,7 @@ fn check_logits(
             logit_rows: rows,
             cache_type_k: kv.map(|t| t.0),
             cache_type_v: kv.map(|t| t.1),
+            swa_full: false,
             ..options(exact, batch, parallel, threads)
         };
         let reference = logits_of(model, &with(64, 1, 2), &alone(&ps, 64, &decode));

@@ -64,6 +64,7 @@ fn opts(passes: PassList) -> SessionOptions {
         exact: true,
         cache_type_k: None,
         cache_type_v: None,
+        swa_full: false,
     }
 }
 
@@ -506,5 +507,68 @@ fn convert_writes_each_family_for_llama_cpp() {
                 );
             }
         }
+    }
+}
+
+/// The window layers keep a ring of their latest positions instead of
+/// every position (the default; `--swa-full` keeps them all): the same bits
+/// at every step, through prefill chunks that wrap the ring, in less KV
+/// memory; a rewind past what the ring holds goes back to position 0.
+#[test]
+fn window_layers_keep_only_their_window() {
+    for name in ["gemma3", "mistral"] {
+        let e = expected(name);
+        let prompt = ids(&e["prompt_tokens"]);
+        let (hf, _) = open(name);
+        let o = SessionOptions {
+            batch: 5,
+            ..opts(PassList::all())
+        };
+        let mut ring = Session::new(&hf, &o).unwrap();
+        let mut full = Session::new(
+            &hf,
+            &SessionOptions {
+                swa_full: true,
+                ..o.clone()
+            },
+        )
+        .unwrap();
+        let r = ring
+            .window_ring()
+            .expect("a ring for window 8 in a 128 context");
+        assert!(full.window_ring().is_none());
+        // Window 8, chunks of 5, blocks of 16: a ring of 2 blocks.
+        assert_eq!((r.window, r.ring, r.block), (8, 2, 16), "{name}");
+        assert!(
+            ring.exec().kv_bytes() < full.exec().kv_bytes(),
+            "{name}: {} vs {} bytes",
+            ring.exec().kv_bytes(),
+            full.exec().kv_bytes()
+        );
+        let step = |s: &mut Session, t: &[u32]| s.feed(t).unwrap().to_vec();
+        let mut a = step(&mut ring, &prompt);
+        assert_eq!(a, step(&mut full, &prompt), "{name}: after the prompt");
+        // 60 greedy tokens: positions 40..100 wrap the 32-position ring.
+        for i in 0..60 {
+            let t = top10(&a)[0].0 as u32;
+            a = step(&mut ring, &[t]);
+            assert_eq!(a, step(&mut full, &[t]), "{name}: token {i}");
+        }
+        let pos = ring.position();
+        // Back within the ring: the session goes on from there.
+        assert_eq!(ring.rewind(pos - 3), pos - 3);
+        full.rewind(pos - 3);
+        let t = [1u32, 2, 3];
+        assert_eq!(
+            step(&mut ring, &t),
+            step(&mut full, &t),
+            "{name}: after a short rewind"
+        );
+        // Back past it: positions 2..10 are long gone from the ring.
+        assert_eq!(ring.rewind(10), 0, "{name}");
+        assert_eq!(full.rewind(10), 10);
+        let a = step(&mut ring, &prompt[..15]);
+        full.rewind(0);
+        assert_eq!(a, step(&mut full, &prompt[..15]), "{name}: fed again");
     }
 }

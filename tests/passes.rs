@@ -772,13 +772,17 @@ fn fused_ops_check_their_inputs() {
     assert_eq!(ok.to_string(), "f32[S, 4, 8]");
     let e = infer(&attn(3), &[&q, &k, &v, &seqs, &blocks], None).unwrap_err();
     assert!(e.contains("q (input 0)"), "{e}");
-    // Values in the keys' layout, a block table of another pool, a
+    // Values in the keys' layout, a block table shorter than the pool, a
     // per-token table where the sequence table belongs.
     let e = infer(&attn(2), &[&q, &k, &k, &seqs, &blocks], None).unwrap_err();
     assert!(e.contains("v (input 2)"), "{e}");
-    let three = TensorMeta::new(Shape::constant(&[3]), DType::I32);
-    let e = infer(&attn(2), &[&q, &k, &v, &seqs, &three], None).unwrap_err();
+    let one = TensorMeta::new(Shape::constant(&[1]), DType::I32);
+    let e = infer(&attn(2), &[&q, &k, &v, &seqs, &one], None).unwrap_err();
     assert!(e.contains("blocks (input 4)"), "{e}");
+    // A longer table is a window layer's: its own, smaller pool, with the
+    // table laid out as the shared pool's.
+    let three = TensorMeta::new(Shape::constant(&[3]), DType::I32);
+    infer(&attn(2), &[&q, &k, &v, &seqs, &three], None).unwrap();
     let per_token = TensorMeta::new(Shape(vec![Dim::S]), DType::I32);
     let e = infer(&attn(2), &[&q, &k, &v, &per_token, &blocks], None).unwrap_err();
     assert!(e.contains("seqs (input 3)"), "{e}");

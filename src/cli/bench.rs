@@ -256,6 +256,7 @@ pub fn run(a: BenchArgs) -> super::CliResult {
             passes: PassList::parse(&a.passes)?,
             cache_type_k: a.cache.cache_type_k,
             cache_type_v: a.cache.cache_type_v,
+            swa_full: a.cache.swa_full,
             ..SessionOptions::default()
         })
     };

@@ -122,7 +122,9 @@ pub fn run(a: ChatArgs) -> super::CliResult {
             .take_while(|(a, b)| a == b)
             .count()
             .min(full.len() - 1);
-        session.rewind(keep);
+        // (A model whose window layers keep only a ring may need the whole
+        // conversation fed again.)
+        let keep = session.rewind(keep);
         // The reply stops at the context's end at the latest.
         let room = context - full.len();
         let gen = GenOptions {

@@ -60,6 +60,15 @@ pub struct CacheTypeFlags {
     /// KV cache type of the values (also -ctv): as for --cache-type-k.
     #[arg(long = "cache-type-v", value_name = "TYPE", value_parser = parse_cache_type)]
     pub cache_type_v: Option<CacheType>,
+    /// Keep every position in the sliding-window layers too (Gemma 3's
+    /// local layers, Mistral 7B v0.1), as llama.cpp's --swa-full does.
+    /// Without it those layers keep a ring holding only their window plus
+    /// one batch (the memory printed at start), and `serve` does not reuse
+    /// cached prompt prefixes for such a model (the positions before the
+    /// window are gone); a chat that rewinds past the ring is fed again
+    /// from its start.
+    #[arg(long = "swa-full")]
+    pub swa_full: bool,
 }
 
 /// Parses a KV cache type by llama.cpp's name.
@@ -89,6 +98,7 @@ impl RuntimeFlags {
             exact: self.exact,
             cache_type_k: self.cache.cache_type_k,
             cache_type_v: self.cache.cache_type_v,
+            swa_full: self.cache.swa_full,
         })
     }
 

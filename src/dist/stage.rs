@@ -47,7 +47,7 @@ const KIND_STOP: u32 = 2;
 const KIND_ECHO: u32 = 3;
 /// kind, flags, token count, sequence-table values, block count,
 /// copy-table values, hidden values.
-const HEADER_WORDS: usize = 7;
+const HEADER_WORDS: usize = 8;
 const HEADER_BYTES: usize = 4 * HEADER_WORDS;
 
 fn put_u32(out: &mut Vec<u8>, v: u32) {
@@ -78,29 +78,23 @@ fn u32_at(b: &[u8], i: usize) -> u32 {
 }
 
 /// Bytes of a step message: the header, the batch's tables (4 bytes per
-/// token, 20 per sequence, 4 per block, 8 per block copy) and the hidden
-/// state.
-pub fn step_bytes(
-    tokens: usize,
-    seqs: usize,
-    blocks: usize,
-    copies: usize,
-    hidden: usize,
-) -> usize {
-    HEADER_BYTES + 4 * (tokens + crate::ir::SEQ_TABLE_COLS * seqs + blocks + 2 * copies + hidden)
+/// token, 20 per sequence, 4 per block, 8 per block copy, 4 per entry of
+/// the window layers' block table) and the hidden state.
+pub fn step_bytes(batch: &Batch, hidden: usize) -> usize {
+    HEADER_BYTES
+        + 4 * (batch.tokens().len()
+            + batch.seq_table().len()
+            + batch.block_table().len()
+            + batch.copy_table().len()
+            + batch.window_block_table().len()
+            + hidden)
 }
 
 /// Encodes a step.
 pub fn encode_step(h: &StepHeader, batch: &Batch, hidden: &[f32]) -> Vec<u8> {
     let (t, q, bl) = (batch.tokens(), batch.seq_table(), batch.block_table());
-    let cp = batch.copy_table();
-    let mut out = Vec::with_capacity(step_bytes(
-        t.len(),
-        q.len() / crate::ir::SEQ_TABLE_COLS,
-        bl.len(),
-        cp.len() / 2,
-        hidden.len(),
-    ));
+    let (cp, wb) = (batch.copy_table(), batch.window_block_table());
+    let mut out = Vec::with_capacity(step_bytes(batch, hidden.len()));
     for w in [
         KIND_STEP,
         u32::from(h.want_logits),
@@ -108,11 +102,12 @@ pub fn encode_step(h: &StepHeader, batch: &Batch, hidden: &[f32]) -> Vec<u8> {
         q.len() as u32,
         bl.len() as u32,
         cp.len() as u32,
+        wb.len() as u32,
         hidden.len() as u32,
     ] {
         put_u32(&mut out, w);
     }
-    for v in t.iter().chain(q).chain(bl).chain(cp) {
+    for v in t.iter().chain(q).chain(bl).chain(cp).chain(wb) {
         out.extend_from_slice(&v.to_le_bytes());
     }
     f32s_to_bytes(&mut out, hidden);
@@ -162,12 +157,13 @@ pub fn decode_stage(b: &[u8], peer: usize) -> Result<StageMsg, DistError> {
                 .and_then(|w| w.checked_add(HEADER_BYTES));
             if want != Some(b.len()) {
                 return Err(bad(format!(
-                    "{} tokens, {} sequence-table values, {} blocks, {} copy-table values and {} hidden values announced, {} bytes follow",
+                    "{} tokens, {} sequence-table values, {} blocks, {} copy-table values, {} window blocks and {} hidden values announced, {} bytes follow",
                     n[0],
                     n[1],
                     n[2],
                     n[3],
                     n[4],
+                    n[5],
                     b.len() - HEADER_BYTES
                 )));
             }
@@ -181,13 +177,14 @@ pub fn decode_stage(b: &[u8], peer: usize) -> Result<StageMsg, DistError> {
             let seqs = bytes_to_i32s(take(n[1]));
             let blocks = bytes_to_i32s(take(n[2]));
             let copies = bytes_to_i32s(take(n[3]));
-            let hidden = bytes_to_f32s(take(n[4]));
+            let window = bytes_to_i32s(take(n[4]));
+            let hidden = bytes_to_f32s(take(n[5]));
             let h = StepHeader {
                 want_logits: u32_at(b, 1) & 1 == 1,
             };
             Ok(StageMsg::Step(
                 h,
-                Batch::from_parts(tokens, seqs, blocks, copies),
+                Batch::from_parts(tokens, seqs, blocks, copies).with_window_table(window),
                 hidden,
             ))
         }
@@ -452,12 +449,16 @@ mod tests {
     fn step_and_logits_round_trip() {
         let h = StepHeader { want_logits: true };
         let mut batch = Batch::with_capacity(8, 2, 4);
-        batch.push(&[5, 6], 17, &[3, 1]);
+        batch.push_ring(&[5, 6], 17, &[3, 1], &[7], 1);
         batch.push(&[9], 4, &[0]);
         batch.copy_block(2, 0);
+        assert_eq!(batch.window_block_table(), &[7, 7]);
         let v = [1.5f32, -0.25, 3.0, f32::MIN_POSITIVE, 0.0, 7.0];
         let b = encode_step(&h, &batch, &v);
-        assert_eq!(b.len(), step_bytes(3, 2, 3, 1, 6));
+        // 8 header words; 3 tokens, 2 sequence rows of 5, 3 blocks, one
+        // copy, 2 window blocks, 6 hidden values.
+        assert_eq!(b.len(), 4 * 8 + 4 * (3 + 10 + 3 + 2 + 2 + 6));
+        assert_eq!(b.len(), step_bytes(&batch, 6));
         assert_eq!(
             decode_stage(&b, 0).unwrap(),
             StageMsg::Step(h, batch, v.to_vec())

@@ -29,6 +29,9 @@ pub struct Batch {
     blocks: Vec<i32>,
     /// `[C, 2]`: source block, destination block.
     copies: Vec<i32>,
+    /// The window layers' block table, laid out as `blocks` (empty unless
+    /// the model's window layers keep a ring: [`Batch::push_ring`]).
+    window_blocks: Vec<i32>,
 }
 
 impl Batch {
@@ -40,6 +43,7 @@ impl Batch {
             seqs: Vec::with_capacity(max_seqs * SEQ_TABLE_COLS),
             blocks: Vec::with_capacity(max_blocks),
             copies: Vec::with_capacity(2 * max_seqs),
+            window_blocks: Vec::new(),
         }
     }
 
@@ -58,7 +62,16 @@ impl Batch {
             seqs,
             blocks,
             copies,
+            window_blocks: Vec::new(),
         }
+    }
+
+    /// The batch with the window layers' block table `window` (as
+    /// [`Batch::window_block_table`] gives it; a pipeline stage receives it
+    /// from the previous one).
+    pub fn with_window_table(mut self, window: Vec<i32>) -> Self {
+        self.window_blocks = window;
+        self
     }
 
     /// Empties the batch (keeps its buffers).
@@ -67,6 +80,7 @@ impl Batch {
         self.seqs.clear();
         self.blocks.clear();
         self.copies.clear();
+        self.window_blocks.clear();
     }
 
     /// Copies KV block `src` onto block `dst` (every layer's keys and
@@ -90,8 +104,32 @@ impl Batch {
     /// (clamped to 1..=`tokens.len()`): a sequence verifying `k` drafted
     /// tokens feeds `k + 1` tokens and asks for `k + 1` rows.
     pub fn push_rows(&mut self, tokens: &[u32], start: usize, blocks: &[u32], rows: usize) {
+        self.push_ring(tokens, start, blocks, &[], rows);
+    }
+
+    /// [`Batch::push_rows`] for a model whose window layers keep only their
+    /// window: `ring` is the sequence's ring of blocks in the window layers'
+    /// pool, and position `p` of those layers lives in ring block
+    /// `(p / BS) mod ring.len()` (an empty ring adds no window entries).
+    pub fn push_ring(
+        &mut self,
+        tokens: &[u32],
+        start: usize,
+        blocks: &[u32],
+        ring: &[u32],
+        rows: usize,
+    ) {
         if tokens.is_empty() {
             return;
+        }
+        if !ring.is_empty() {
+            // The window table keeps the block table's offsets: pad a
+            // sequence pushed without a ring before this one.
+            let pad = self.blocks.len().saturating_sub(self.window_blocks.len());
+            self.window_blocks.extend(std::iter::repeat_n(-1, pad));
+            self.window_blocks.extend(
+                (0..blocks.len()).map(|i| i32::try_from(ring[i % ring.len()]).unwrap_or(i32::MAX)),
+            );
         }
         let clamp = |x: usize| i32::try_from(x).unwrap_or(i32::MAX);
         self.seqs.extend([
@@ -143,6 +181,12 @@ impl Batch {
     }
     pub fn block_table(&self) -> &[i32] {
         &self.blocks
+    }
+    /// The window layers' block table: entry `i` of a sequence's list (at
+    /// its block-table offset) is the ring block holding its positions
+    /// `i·BS..(i+1)·BS` in those layers; empty without rings.
+    pub fn window_block_table(&self) -> &[i32] {
+        &self.window_blocks
     }
     /// The block copies, `C` rows of (source, destination).
     pub fn copy_table(&self) -> &[i32] {
@@ -256,6 +300,58 @@ impl KvPool {
     }
 }
 
+/// The window layers' own pool, when they keep only their window: each
+/// sequence holds a ring of `ring` blocks there, and position `p` lives in
+/// ring block `(p / BS) mod ring` (see [`Batch::push_ring`]).
+///
+/// A query at `p` reads positions `p - window + 1..=p`. A step feeds a
+/// sequence at most `max_chunk` positions, so between the oldest position a
+/// query of the step still reads and the newest one the step writes lie at
+/// most `window + max_chunk - 2` positions: with `ring` blocks of `BS`
+/// spanning more than that plus one block, no position is overwritten
+/// while a query can still read it (nor by a step whose guesses are then
+/// rolled back).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowRing {
+    /// The widest window of the model's layers.
+    pub window: usize,
+    /// Blocks per sequence.
+    pub ring: usize,
+    /// Positions per block.
+    pub block: usize,
+}
+
+impl WindowRing {
+    /// The ring for `window` when steps feed a sequence at most
+    /// `max_chunk` tokens, in blocks of `block` positions.
+    pub fn new(window: usize, max_chunk: usize, block: usize) -> Self {
+        let block = block.max(1);
+        WindowRing {
+            window: window.max(1),
+            ring: (window + max_chunk).div_ceil(block) + 1,
+            block,
+        }
+    }
+    /// Positions one ring holds.
+    pub fn positions(&self) -> usize {
+        self.ring * self.block
+    }
+    /// The first position still held once positions below `high` have
+    /// been written (every block within `ring` blocks of the newest).
+    pub fn held_from(&self, high: usize) -> usize {
+        if high == 0 {
+            return 0;
+        }
+        let newest = (high - 1) / self.block;
+        (newest + 1).saturating_sub(self.ring) * self.block
+    }
+    /// Whether a sequence whose positions from `held_from` on are held can
+    /// go on from position `pos` (its queries there read back `window`).
+    pub fn can_resume(&self, pos: usize, held_from: usize) -> bool {
+        pos == 0 || (pos + 1).saturating_sub(self.window) >= held_from
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -324,5 +420,66 @@ mod tests {
         b.clear();
         assert!(b.is_empty());
         assert!(b.copy_table().is_empty());
+    }
+
+    #[test]
+    fn a_window_ring_holds_every_position_a_query_still_reads() {
+        let r = WindowRing::new(8, 5, 16);
+        assert_eq!((r.ring, r.positions()), (2, 32));
+        // Written up to 100: blocks 5 and 6 (80..112) are held.
+        assert_eq!(r.held_from(100), 80);
+        assert_eq!(r.held_from(0), 0);
+        assert_eq!(r.held_from(20), 0);
+        assert!(r.can_resume(97, 80) && r.can_resume(87, 80) && r.can_resume(0, 80));
+        assert!(!r.can_resume(86, 80) && !r.can_resume(10, 80));
+        // Simulated, for several windows, chunk sizes and block sizes, the
+        // ring keeps every position a query reads; one too small does not.
+        for (w, s, bs) in [(8, 5, 16), (8, 9, 4), (64, 24, 16), (3, 1, 1), (40, 7, 16)] {
+            let r = WindowRing::new(w, s, bs);
+            assert_eq!(simulate(r, s), Ok(()), "{r:?}");
+            let small = WindowRing {
+                ring: (w + s - 1).div_ceil(bs) - 1,
+                ..r
+            };
+            if small.ring > 0 {
+                assert!(simulate(small, s).is_err(), "{small:?} is too small");
+            }
+        }
+    }
+
+    /// Feeds one sequence in steps of 1 to `max` tokens (every third
+    /// step's last two rejected, as rolled-back guesses) through ring `r`
+    /// and checks that each query's window still holds its own positions.
+    fn simulate(r: WindowRing, max: usize) -> Result<(), String> {
+        let mut slot_pos = vec![usize::MAX; r.positions()];
+        let slot = |p: usize| (p / r.block) % r.ring * r.block + p % r.block;
+        let mut start = 0;
+        for i in 0..3 * (r.positions() + r.window) {
+            let n = 1 + (i * 7 + 3) % max;
+            for p in start..start + n {
+                slot_pos[slot(p)] = p;
+            }
+            for q in start..start + n {
+                for t in (q + 1).saturating_sub(r.window)..=q {
+                    if slot_pos[slot(t)] != t {
+                        return Err(format!("step {i}: query {q} reads {t}, gone"));
+                    }
+                }
+            }
+            start += if i % 3 == 0 && n > 2 { n - 2 } else { n };
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_ring_fills_the_window_table_at_the_block_table_offsets() {
+        let mut b = Batch::with_capacity(8, 3, 8);
+        b.push_ring(&[1, 2], 0, &[4], &[0, 1], 1);
+        b.push_ring(&[3], 40, &[5, 6, 7], &[2, 3], 1);
+        assert_eq!(b.block_table(), &[4, 5, 6, 7]);
+        // Position p of the second sequence is in ring block (p / 16) mod 2.
+        assert_eq!(b.window_block_table(), &[0, 2, 3, 2]);
+        b.clear();
+        assert!(b.window_block_table().is_empty());
     }
 }

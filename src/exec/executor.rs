@@ -80,6 +80,9 @@ struct Step {
     ins: Vec<(Loc, Shape)>,
     out: Loc,
     shape: Shape,
+    /// It reads or writes the window layers' own pool (its inputs include
+    /// the window slots or block table).
+    windowed: bool,
 }
 
 /// Per-step timing, when profiling is on.
@@ -136,6 +139,11 @@ pub struct Executor {
     /// The KV pool: one store per (layer, K/V), index `2 * layer + kind`.
     caches: Vec<KvStore>,
     geom: KvGeom,
+    /// The window layers' own pool, when they keep only their window
+    /// (same heads and block size as `geom`, fewer blocks).
+    window_geom: Option<KvGeom>,
+    /// Which stores (by cache index) are in the window layers' pool.
+    window_store: Vec<bool>,
     /// Constant-folded RoPE tables, computed once here.
     tables: Vec<kernels::RopeTable>,
     /// Scratch of the fused attention kernel (sized for the largest step).
@@ -143,6 +151,8 @@ pub struct Executor {
     /// Each token's position and KV slot in the current step.
     positions: Vec<i32>,
     slots: Vec<i32>,
+    /// Each token's slot in the window layers' pool.
+    window_slots: Vec<i32>,
     /// Scratch holding the packed `[S, (H + 2Hkv)·D]` result of a fused
     /// QKV projection before its epilogue scatters it.
     qkv_scratch: Vec<f32>,
@@ -206,6 +216,22 @@ impl Executor {
             head_dim: 0,
             block: 0,
         };
+        let mut window_geom = geom;
+        // Blocks of the shared pool (the block table's length), and whether
+        // window layers keep a pool of their own.
+        let table_len = |want: fn(&Op) -> bool| {
+            graph
+                .node_ids()
+                .find(|&i| want(&graph.node(i).op))
+                .and_then(|i| graph.node(i).meta.shape.const_numel())
+        };
+        // (The window table has the shared one's length: the only one left
+        // when every layer is a window layer.)
+        let window_len = table_len(|o| matches!(o, Op::WindowBlockTable));
+        let shared_blocks = table_len(|o| matches!(o, Op::BlockTable))
+            .or(window_len)
+            .unwrap_or(0);
+        let window_table = window_len.is_some();
         // Constants first: every RoPE table, computed once.
         let mut tables = Vec::new();
         let mut table_index: HashMap<String, usize> = HashMap::new();
@@ -281,12 +307,20 @@ impl Executor {
                             block: d[2],
                         },
                     };
-                    if geom.n_blocks != 0 && g != geom {
+                    // The shared pool has the block table's length in
+                    // blocks; a window layer's pool may have fewer.
+                    let windowed = window_table && g.n_blocks != shared_blocks;
+                    let seen = if windowed {
+                        &mut window_geom
+                    } else {
+                        &mut geom
+                    };
+                    if seen.n_blocks != 0 && g != *seen {
                         return Err(unsupported(format!(
-                            "every layer's cache must have one geometry, got {g:?} and {geom:?}"
+                            "every layer's cache must have one geometry, got {g:?} and {seen:?}"
                         )));
                     }
-                    geom = g;
+                    *seen = g;
                     let slot = 2 * layer + 1;
                     if caches.len() <= slot {
                         caches.resize(slot + 1, KvStore::F32(Vec::new()));
@@ -301,9 +335,9 @@ impl Executor {
                         ))
                     })?;
                     // Keys: two dims of one key are BS elements apart.
-                    let run = if *kind == CacheKind::K { geom.block } else { 1 };
-                    caches[c] = KvStore::new(ty, geom.elems(), run)
-                        .map_err(|e| unsupported(e.to_string()))?;
+                    let run = if *kind == CacheKind::K { g.block } else { 1 };
+                    caches[c] =
+                        KvStore::new(ty, g.elems(), run).map_err(|e| unsupported(e.to_string()))?;
                     continue;
                 }
                 Op::Weight { .. } => {
@@ -340,13 +374,28 @@ impl Executor {
                     ))
                 })
                 .collect::<Result<Vec<_>, ExecError>>()?;
+            let windowed = ins.iter().any(|(l, _)| {
+                matches!(
+                    l,
+                    Loc::Input(StepInput::WindowSlots | StepInput::WindowBlockTable)
+                )
+            });
             steps.push(Step {
                 name: node.name.clone(),
                 op: node.op.clone(),
                 ins,
                 out,
                 shape: node.meta.shape.clone(),
+                windowed,
             });
+        }
+        if geom.n_blocks == 0 && window_geom.n_blocks != 0 {
+            // Every layer is a window layer (Mistral 7B v0.1): the shared
+            // pool holds no layer, but its blocks still count positions.
+            geom = KvGeom {
+                n_blocks: shared_blocks,
+                ..window_geom
+            };
         }
         // Scratch for the fused ops, sized once for the largest step.
         let mut attn_work = None;
@@ -368,6 +417,25 @@ impl Executor {
                 _ => {}
             }
         }
+        // The stores window steps touch are the window pool's.
+        let mut window_store = vec![false; caches.len()];
+        for st in steps.iter().filter(|st| st.windowed) {
+            for (l, _) in &st.ins {
+                if let Loc::Cache(c) = *l {
+                    window_store[c] = true;
+                }
+            }
+        }
+        let window_geom = if window_table {
+            // Equal in size to the shared pool, its stores look shared.
+            Some(if window_geom.n_blocks == 0 {
+                geom
+            } else {
+                window_geom
+            })
+        } else {
+            None
+        };
         let out_id = *graph.outputs().first().ok_or(ExecError::NoOutput)?;
         let output = (
             loc_of(&plan.values[&out_id]).map_err(|m| ExecError::Unsupported {
@@ -383,10 +451,13 @@ impl Executor {
             vectors,
             caches,
             geom,
+            window_geom,
+            window_store,
             tables,
             attn_work,
             positions: vec![0; max_chunk],
             slots: vec![0; max_chunk],
+            window_slots: vec![0; max_chunk],
             qkv_scratch: vec![0.0; qkv_len],
             exact: true,
             kernels: Kernels::current(),
@@ -537,7 +608,22 @@ impl Executor {
                 max: self.max_rows,
             });
         }
+        let window_seqs = match self.window_geom {
+            Some(wg) => {
+                let w = StepSeqs::new(batch.seq_table(), batch.window_block_table(), s, &wg)
+                    .map_err(|e| {
+                        ExecError::Batch(format!(
+                            "the window layers' block table (Batch::push_ring): {e}"
+                        ))
+                    })?;
+                Some(w)
+            }
+            None => None,
+        };
         self.copy_blocks(batch.copy_table())?;
+        if let Some(w) = &window_seqs {
+            w.fill_positions_and_slots(&mut self.positions[..s], &mut self.window_slots[..s]);
+        }
         seqs.fill_positions_and_slots(&mut self.positions[..s], &mut self.slots[..s]);
         let b = Bindings::new(s, n, seqs.max_keys()).with_rows(r);
         let arena = self.arena.base();
@@ -561,7 +647,7 @@ impl Executor {
                     st.shape.eval(&b)
                 );
             }
-            self.run_step(i, arena, batch, hidden, &seqs, &b)
+            self.run_step(i, arena, batch, hidden, (&seqs, window_seqs.as_ref()), &b)
                 .map_err(|e| match e {
                     RunError::Kernel(source) => ExecError::Kernel {
                         node: self.steps[i].name.clone(),
@@ -615,8 +701,15 @@ impl Executor {
             }
         }
         for c in copies.chunks_exact(2) {
-            // A pipeline stage's stores of other stages' layers are empty.
-            for store in self.caches.iter_mut().filter(|c| !c.is_empty()) {
+            // A pipeline stage's stores of other stages' layers are empty;
+            // the window layers' own pool is not the one the ids name.
+            let window = &self.window_store;
+            for (_, store) in self
+                .caches
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, c)| !c.is_empty() && !window.get(*i).copied().unwrap_or(false))
+            {
                 store.copy_block(&self.geom, c[0] as usize, c[1] as usize);
             }
         }

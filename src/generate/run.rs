@@ -379,8 +379,14 @@ pub fn generate_constrained(
             adapt.step_time(fed.len(), step_secs);
         }
         // Roll back the positions computed on rejected guesses.
-        if kept < rows.rows {
-            session.rewind(base + kept);
+        if kept < rows.rows && session.rewind(base + kept) != base + kept {
+            // A window layer's ring spans a step's guesses (see
+            // `exec::batch::WindowRing`), so this cannot happen.
+            return Err(SessionError::Invalid(format!(
+                "rolling back rejected guesses to position {} lost the window layers' positions",
+                base + kept
+            ))
+            .into());
         }
         first = false;
         let Some(tok) = next else {

@@ -146,7 +146,7 @@ impl Drafter {
         if let Drafter::Model { session, fed } = self {
             let head = &tokens[..tokens.len().saturating_sub(1)];
             let common = fed.iter().zip(head).take_while(|(a, b)| a == b).count();
-            session.rewind(common);
+            let common = session.rewind(common);
             fed.truncate(common);
             if common < head.len() {
                 session.feed(&head[common..])?;
@@ -182,7 +182,7 @@ impl Drafter {
                     .take_while(|(a, b)| a == b)
                     .count()
                     .min(history.len() - 1);
-                session.rewind(common);
+                let common = session.rewind(common);
                 fed.truncate(common);
                 let room = session.context() - session.position();
                 let k = k.min(room.saturating_sub(history.len() - common));

@@ -103,11 +103,16 @@ fn check_groups(what: &str, m: &TensorMeta, d: usize) -> Result<(), String> {
     Ok(())
 }
 
-/// The block table `i32[NB]` of a pool of `nb` blocks.
+/// The block table over a pool of `nb` blocks: `i32[NB]`, or longer for
+/// the window layers' own smaller pool, whose table is laid out as the
+/// shared pool's ([`Op::WindowBlockTable`]).
 fn check_blocks(what: &str, m: &TensorMeta, nb: usize) -> Result<(), String> {
-    let want = Shape::constant(&[nb]);
-    if m.dtype != DType::I32 || m.shape != want {
-        return Err(format!("{what}: expected i32{want}, got {m}"));
+    let n = match m.shape.dims() {
+        [d] => d.as_const(),
+        _ => None,
+    };
+    if m.dtype != DType::I32 || n.is_none_or(|n| n < nb) {
+        return Err(format!("{what}: expected i32[{nb}] or longer, got {m}"));
     }
     Ok(())
 }
@@ -168,18 +173,26 @@ pub fn infer(
     }
     let f32m = |shape: Shape| Ok(TensorMeta::new(shape, DType::F32));
     match op {
-        Op::Tokens | Op::Positions | Op::KvSlots | Op::SeqTable | Op::BlockTable => {
+        Op::Tokens
+        | Op::Positions
+        | Op::KvSlots
+        | Op::SeqTable
+        | Op::BlockTable
+        | Op::WindowSlots
+        | Op::WindowBlockTable => {
             let d = declared.ok_or("a step input needs a declared type")?;
             let ok = d.dtype == DType::I32
                 && match op {
                     Op::SeqTable => d.shape == Shape(vec![Dim::N, Dim::Const(SEQ_TABLE_COLS)]),
-                    Op::BlockTable => d.shape.rank() == 1 && d.shape.const_numel().is_some(),
+                    Op::BlockTable | Op::WindowBlockTable => {
+                        d.shape.rank() == 1 && d.shape.const_numel().is_some()
+                    }
                     _ => d.shape == Shape(vec![Dim::S]),
                 };
             if !ok {
                 let want = match op {
                     Op::SeqTable => "i32[N, 5]",
-                    Op::BlockTable => "i32[NB] (a constant)",
+                    Op::BlockTable | Op::WindowBlockTable => "i32[NB] (a constant)",
                     _ => "i32[S]",
                 };
                 return Err(format!("{} must be {want}, declared {d}", op.kind()));

@@ -134,6 +134,10 @@ pub enum StepInput {
     SeqTable,
     /// [`Op::BlockTable`].
     BlockTable,
+    /// [`Op::WindowSlots`].
+    WindowSlots,
+    /// [`Op::WindowBlockTable`].
+    WindowBlockTable,
 }
 
 /// Columns of a [`Op::SeqTable`] row.
@@ -168,6 +172,17 @@ pub enum Op {
     /// position order (block `i` of a list holds positions `i·BS..`):
     /// `i32[NB]` (at most every block of the pool).
     BlockTable,
+    /// The KV slot of each token in the sliding-window layers' own, smaller
+    /// pool (`block · BS + position % BS`, the block taken from
+    /// [`Op::WindowBlockTable`]): `i32[S]`. Only graphs whose window layers
+    /// keep a ring of blocks have it (see [`Op::WindowBlockTable`]).
+    WindowSlots,
+    /// The sequences' blocks in the sliding-window layers' pool, laid out as
+    /// [`Op::BlockTable`] (each list at the same offset, as long): a window
+    /// layer keeps only the positions its queries can still read, so a
+    /// sequence owns a ring of `R` blocks there and entry `i` of its list
+    /// is ring block `i mod R`: `i32[NBW]`.
+    WindowBlockTable,
 
     // ---- other sources ----
     /// A weight tensor, bound by its checkpoint name to the loaded model.
@@ -370,6 +385,8 @@ impl Op {
             Op::KvSlots => "KvSlots",
             Op::SeqTable => "SeqTable",
             Op::BlockTable => "BlockTable",
+            Op::WindowSlots => "WindowSlots",
+            Op::WindowBlockTable => "WindowBlockTable",
             Op::Weight { .. } => "Weight",
             Op::KvCache { .. } => "KvCache",
             Op::RopeFreqs(_) => "RopeFreqs",
@@ -411,6 +428,8 @@ impl Op {
             | Op::KvSlots
             | Op::SeqTable
             | Op::BlockTable
+            | Op::WindowSlots
+            | Op::WindowBlockTable
             | Op::Weight { .. }
             | Op::KvCache { .. }
             | Op::RopeTable { .. }
@@ -445,6 +464,8 @@ impl Op {
             Op::KvSlots => StepInput::KvSlots,
             Op::SeqTable => StepInput::SeqTable,
             Op::BlockTable => StepInput::BlockTable,
+            Op::WindowSlots => StepInput::WindowSlots,
+            Op::WindowBlockTable => StepInput::WindowBlockTable,
             _ => return None,
         })
     }

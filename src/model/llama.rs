@@ -84,6 +84,12 @@ pub struct BuildOptions {
     /// (`PoolRows` of the final norm, `[N, E]`) instead of logits; every
     /// sequence must then be fed whole in one step.
     pub pooling: Option<Pooling>,
+    /// When set, the sliding-window layers keep their keys and values in a
+    /// pool of their own of this many blocks, where each sequence owns a
+    /// ring of blocks holding only the positions its queries can still
+    /// read ([`Op::WindowBlockTable`]); otherwise they use the shared pool
+    /// as every other layer (llama.cpp's `--swa-full`).
+    pub window_blocks: Option<usize>,
 }
 
 impl BuildOptions {
@@ -97,6 +103,7 @@ impl BuildOptions {
             weight_dtypes: BTreeMap::new(),
             logit_rows: LogitRows::All,
             pooling: None,
+            window_blocks: None,
         }
     }
 }
@@ -244,6 +251,26 @@ pub fn build_llama(args: &ModelArgs, opts: &BuildOptions) -> Result<Graph, Build
         TensorMeta::new(Shape::constant(&[nb]), DType::I32),
         None,
     )?;
+    // The window layers' own pool, when they keep only their window.
+    let any_window = (0..args.n_layers).any(|i| args.layer_window(i).is_some());
+    let window_pool = match opts.window_blocks {
+        Some(nbw) if any_window => {
+            let wslots = b.g.add_source(
+                "kv.window_slots",
+                Op::WindowSlots,
+                TensorMeta::new(Shape(vec![Dim::S]), DType::I32),
+                None,
+            )?;
+            let wblocks = b.g.add_source(
+                "kv.window_blocks",
+                Op::WindowBlockTable,
+                TensorMeta::new(Shape::constant(&[nb]), DType::I32),
+                None,
+            )?;
+            Some((nbw, wslots, wblocks))
+        }
+        _ => None,
+    };
     let emb_w = b.weight("tok_embeddings.weight", &[vocab, dim], None)?;
     let mut h = b.op(
         "tok_embeddings".into(),
@@ -325,6 +352,11 @@ pub fn build_llama(args: &ModelArgs, opts: &BuildOptions) -> Result<Graph, Build
         }
         let q = b.op(format!("{a}.q_rope"), Op::Rope, &[q, freqs], l)?;
         let k = b.op(format!("{a}.k_rope"), Op::Rope, &[k, freqs], l)?;
+        // A window layer with a pool of its own writes and reads there.
+        let (nb, slots, blocks) = match (args.layer_window(i), window_pool) {
+            (Some(_), Some((nbw, ws, wb))) => (nbw, ws, wb),
+            _ => (nb, slots, blocks),
+        };
         let ck = b.g.add_source(
             format!("{a}.cache_k"),
             Op::KvCache {

@@ -8,7 +8,8 @@ use crate::ir::{CacheKind, DType, Graph, GraphError, Op, Shape, TensorMeta};
 /// `RopeTable` constant over every position the KV pool can hold (Llama 3.1
 /// scaling included) and a `GatherRows` of each token's row of it.
 pub fn fold_rope_table(g: &mut Graph) -> Result<PassStats, GraphError> {
-    let capacity = g
+    // (blocks, block size) of each layer's keys.
+    let pools: Vec<(usize, usize)> = g
         .node_ids()
         .filter(|&i| {
             matches!(
@@ -21,9 +22,18 @@ pub fn fold_rope_table(g: &mut Graph) -> Result<PassStats, GraphError> {
         })
         .filter_map(|i| {
             let d = const_dims(&g.node(i).meta)?;
-            (d.len() == 4).then(|| d[0] * d[3])
+            (d.len() == 4).then(|| (d[0], d[3]))
         })
-        .max();
+        .collect();
+    // A position may be as far as the block table reaches: window layers
+    // keep a smaller pool, but their positions run as far as the others'.
+    let table = g
+        .node_ids()
+        .filter(|&i| matches!(op(g, i), Op::BlockTable | Op::WindowBlockTable))
+        .filter_map(|i| g.node(i).meta.shape.const_numel())
+        .max()
+        .unwrap_or(0);
+    let capacity = pools.iter().map(|&(nb, bs)| nb.max(table) * bs).max();
     let Some(capacity) = capacity else {
         return Ok(PassStats::default());
     };

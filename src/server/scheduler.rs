@@ -71,6 +71,7 @@
 //! it kept and [`Scheduler::rollback`] forgets the positions computed on
 //! guesses that were not kept, giving back the blocks past them.
 
+use crate::exec::batch::WindowRing;
 use crate::exec::{Batch, KvPool};
 use std::collections::VecDeque;
 
@@ -137,6 +138,9 @@ struct Seq {
     /// Guesses of its next tokens for the next step (see
     /// [`Scheduler::set_draft`]).
     draft: Vec<u32>,
+    /// Its ring in the window layers' pool, when they keep only their
+    /// window (see [`Scheduler::with_window`]).
+    ring: Vec<u32>,
 }
 
 /// The continuous-batching scheduler (see the module documentation).
@@ -163,6 +167,9 @@ pub struct Scheduler {
     reused: u64,
     /// A decode token and its guesses, as one step feeds them.
     scratch: Vec<u32>,
+    /// The window layers' ring layout and pool, when they keep only their
+    /// window.
+    window: Option<(WindowRing, KvPool)>,
 }
 
 impl Scheduler {
@@ -184,6 +191,36 @@ impl Scheduler {
             preemptions: 0,
             reused: 0,
             scratch: Vec::new(),
+            window: None,
+        }
+    }
+
+    /// The scheduler for a model whose window layers keep only their
+    /// window: each running sequence holds a ring of `ring.ring` blocks of
+    /// their own pool (`parallel` rings). Such a model's prompt prefixes
+    /// are neither cached nor shared: the positions before a window are
+    /// gone from those layers (llama.cpp's `--swa-full` keeps them; here
+    /// the session's `swa_full`).
+    pub fn with_window(mut self, ring: WindowRing) -> Self {
+        let pool = KvPool::new(self.cfg.parallel * ring.ring, ring.block);
+        self.window = Some((ring, pool));
+        self
+    }
+
+    /// Takes sequence `seq`'s ring in the window layers' pool, if the model
+    /// has one (always there for a running sequence: the pool holds
+    /// `parallel` rings).
+    fn take_ring(&mut self, seq: &mut Seq) -> bool {
+        match self.window.as_mut() {
+            Some((r, pool)) => pool.reserve(&mut seq.ring, r.positions()),
+            None => true,
+        }
+    }
+
+    /// Gives sequence `seq`'s ring back.
+    fn drop_ring(&mut self, seq: &mut Seq) {
+        if let Some((_, pool)) = self.window.as_mut() {
+            pool.release(&mut seq.ring);
         }
     }
 
@@ -260,6 +297,7 @@ impl Scheduler {
             max_len: prompt.len() + max_tokens,
             reused: 0,
             draft: Vec::new(),
+            ring: Vec::new(),
         };
         // The cache entry sharing the longest prefix with the prompt (its
         // last token is fed in any case, for the logits).
@@ -280,7 +318,9 @@ impl Scheduler {
                 n - n % bs
             }
         };
-        let best = best.map(|(n, i)| (writable(&self.cache[i], n), i));
+        let best = best
+            .map(|(n, i)| (writable(&self.cache[i], n), i))
+            .filter(|_| self.window.is_none());
         if let Some((n, i)) = best.filter(|&(n, _)| n > 0) {
             let mut c = self.cache.remove(i).expect("found above");
             self.cache_hold(&c.blocks, false);
@@ -290,8 +330,9 @@ impl Scheduler {
             seq.reused = n;
             self.reused += n as u64;
         }
-        if !self.reserve(&mut seq.blocks, prompt.len()) {
+        if !self.reserve(&mut seq.blocks, prompt.len()) || !self.take_ring(&mut seq) {
             self.pool.release(&mut seq.blocks);
+            self.drop_ring(&mut seq);
             return false;
         }
         self.running.push(seq);
@@ -306,6 +347,12 @@ impl Scheduler {
             return self.remove(id);
         };
         let mut s = self.running.remove(i);
+        self.drop_ring(&mut s);
+        if self.window.is_some() {
+            // Nothing to cache: the window layers kept only a ring.
+            self.pool.release(&mut s.blocks);
+            return true;
+        }
         // Positions computed on guesses that were not kept are not cached.
         s.fed = s.fed.min(s.tokens.len());
         s.tokens.truncate(s.fed);
@@ -358,11 +405,13 @@ impl Scheduler {
         if let Some(i) = self.running.iter().position(|s| s.id == id) {
             let mut s = self.running.remove(i);
             self.pool.release(&mut s.blocks);
+            self.drop_ring(&mut s);
             return true;
         }
         if let Some(i) = self.preempted.iter().position(|s| s.id == id) {
             if let Some(mut s) = self.preempted.remove(i) {
                 self.pool.release(&mut s.blocks);
+                self.drop_ring(&mut s);
             }
             return true;
         }
@@ -404,7 +453,7 @@ impl Scheduler {
                     Grow::Fits(n) => {
                         self.running[i].started = true;
                         let s = &self.running[i];
-                        batch.push(&s.tokens[s.fed..s.fed + n], s.fed, &s.blocks);
+                        batch.push_ring(&s.tokens[s.fed..s.fed + n], s.fed, &s.blocks, &s.ring, 1);
                         self.plan.push(Slot {
                             id: s.id,
                             tokens: n,
@@ -495,7 +544,7 @@ impl Scheduler {
         self.scratch.clear();
         self.scratch.push(s.tokens[s.fed]);
         self.scratch.extend_from_slice(&s.draft[..k]);
-        batch.push_rows(&self.scratch, s.fed, &s.blocks, k + 1);
+        batch.push_ring(&self.scratch, s.fed, &s.blocks, &s.ring, k + 1);
         self.plan.push(Slot {
             id: s.id,
             tokens: k + 1,
@@ -597,7 +646,8 @@ impl Scheduler {
             let mut blocks = std::mem::take(&mut s.blocks);
             let ok = self.reserve(&mut blocks, s.tokens.len());
             s.blocks = blocks;
-            debug_assert!(ok, "counted above");
+            let ring = self.take_ring(&mut s);
+            debug_assert!(ok && ring, "counted above");
             self.running.push(s);
         }
     }
@@ -651,7 +701,7 @@ impl Scheduler {
     fn share_prefix(&mut self, i: usize, batch: &mut Batch) -> Share {
         let bs = self.pool.block_size();
         let me = &self.running[i];
-        if me.started {
+        if me.started || self.window.is_some() {
             return Share::None;
         }
         let (own, held) = (me.tokens.len() - 1, me.fed);
@@ -715,6 +765,7 @@ impl Scheduler {
     fn preempt(&mut self, i: usize) {
         let mut s = self.running.remove(i);
         self.pool.release(&mut s.blocks);
+        self.drop_ring(&mut s);
         s.fed = 0;
         s.started = false;
         s.reused = 0;

@@ -20,11 +20,25 @@ impl Executor {
         arena: ArenaPtr,
         batch: &Batch,
         hidden: &[f32],
-        seqs: &StepSeqs<'_>,
+        (seqs, window_seqs): (&StepSeqs<'_>, Option<&StepSeqs<'_>>),
         b: &Bindings,
     ) -> Result<(), RunError> {
         let st = &self.steps[i];
         let s_n = b.s;
+        // A window layer that keeps only its window reads and writes its
+        // own pool, through the window block table and slots.
+        let (geom, kv_seqs) = if st.windowed {
+            match (self.window_geom, window_seqs) {
+                (Some(g), Some(w)) => (g, w),
+                _ => {
+                    return Err(RunError::Unsupported(
+                        "a window layer's pool has no block table in this step".into(),
+                    ))
+                }
+            }
+        } else {
+            (self.geom, seqs)
+        };
         // Integer step inputs.
         let ints = |k: usize| -> Result<&[i32], RunError> {
             match st.ins[k].0 {
@@ -33,6 +47,8 @@ impl Executor {
                 Loc::Input(StepInput::KvSlots) => Ok(&self.slots[..s_n]),
                 Loc::Input(StepInput::SeqTable) => Ok(batch.seq_table()),
                 Loc::Input(StepInput::BlockTable) => Ok(batch.block_table()),
+                Loc::Input(StepInput::WindowSlots) => Ok(&self.window_slots[..s_n]),
+                Loc::Input(StepInput::WindowBlockTable) => Ok(batch.window_block_table()),
                 _ => Err(RunError::Unsupported("expected a step input".into())),
             }
         };
@@ -254,16 +270,16 @@ impl Executor {
                         "attention reads the two caches".into(),
                     ));
                 };
-                let d = self.geom.head_dim;
+                let d = geom.head_dim;
                 // Multiply-adds of q·K and p·V: below the threshold the call
                 // is cheaper on this thread than a hand-off to the pool.
                 // (A windowed query reads at most its window.)
                 let keys = |q: &kernels::SeqSpan<'_>| {
                     q.keys().min(window.map_or(usize::MAX, |w| w + q.count))
                 };
-                let work: usize = seqs.iter().map(|q| q.count * keys(&q)).sum::<usize>()
+                let work: usize = kv_seqs.iter().map(|q| q.count * keys(&q)).sum::<usize>()
                     * 2
-                    * self.geom.n_kv_heads
+                    * geom.n_kv_heads
                     * n_rep
                     * d;
                 let pool = if work <= self.serial_attention_work {
@@ -282,10 +298,10 @@ impl Executor {
                     q,
                     self.caches[ck].view(),
                     self.caches[cv].view(),
-                    &self.geom,
+                    &geom,
                     n_rep,
                     window,
-                    seqs,
+                    kv_seqs,
                     out,
                     attn,
                 )?;
@@ -336,7 +352,7 @@ impl Executor {
                 let Loc::Arena(fo) = st.ins[2].0 else {
                     return Err(RunError::Unsupported("bad RoPE angles operand".into()));
                 };
-                if ck == cv || (hkv, d) != (self.geom.n_kv_heads, self.geom.head_dim) {
+                if ck == cv || (hkv, d) != (geom.n_kv_heads, geom.head_dim) {
                     return Err(RunError::Unsupported(
                         "the step does not fit the caches".into(),
                     ));
@@ -383,9 +399,9 @@ impl Executor {
                         }
                         kernels::dispatch::rope_apply_freqs(krow, 1, hkv, d, f)?;
                         let slot = slots[t] as usize;
-                        kernels::kv::kv_write_row(kc, KvHalf::K, &self.geom, slot, krow)?;
+                        kernels::kv::kv_write_row(kc, KvHalf::K, &geom, slot, krow)?;
                         let vrow = &row[qn + kn..qn + 2 * kn];
-                        kernels::kv::kv_write_row(vc, KvHalf::V, &self.geom, slot, vrow)?;
+                        kernels::kv::kv_write_row(vc, KvHalf::V, &geom, slot, vrow)?;
                     }
                 }
                 if let Some((qw, _, eps)) = norms {
@@ -409,27 +425,29 @@ impl Executor {
                 let x = unsafe { arena.slice(xo, numel(&st.ins[1].1)) };
                 let half = if c % 2 == 0 { KvHalf::K } else { KvHalf::V };
                 let slots = ints(2)?;
-                kernels::kv_write_rows(&mut self.caches[c], half, &self.geom, slots, x)?;
+                kernels::kv_write_rows(&mut self.caches[c], half, &geom, slots, x)?;
             }
             Op::AttnScores { n_rep, window, .. } => {
                 let Loc::Cache(c) = st.ins[1].0 else {
                     return Err(RunError::Unsupported("attention reads a cache".into()));
                 };
                 let cache = self.caches[c].view();
-                let (geom, t) = (&self.geom, b.t);
+                let t = b.t;
                 let x = input(0)?;
                 let out = out_fresh()?;
-                kernels::attn_scores_windowed(pool, x, cache, geom, *n_rep, seqs, t, *window, out)?;
+                kernels::attn_scores_windowed(
+                    pool, x, cache, &geom, *n_rep, kv_seqs, t, *window, out,
+                )?;
             }
             Op::AttnValues { n_rep } => {
                 let Loc::Cache(c) = st.ins[1].0 else {
                     return Err(RunError::Unsupported("attention reads a cache".into()));
                 };
                 let cache = self.caches[c].view();
-                let (geom, t) = (&self.geom, b.t);
+                let t = b.t;
                 let x = input(0)?;
                 let out = out_fresh()?;
-                kernels::attn_values(pool, x, cache, geom, *n_rep, seqs, t, out)?;
+                kernels::attn_values(pool, x, cache, &geom, *n_rep, kv_seqs, t, out)?;
             }
             Op::Softmax => {
                 let row = dim(&st.shape, st.shape.rank() - 1);
@@ -494,6 +512,8 @@ impl Executor {
             | Op::KvSlots
             | Op::SeqTable
             | Op::BlockTable
+            | Op::WindowSlots
+            | Op::WindowBlockTable
             | Op::Weight { .. }
             | Op::KvCache { .. }
             | Op::Reshape

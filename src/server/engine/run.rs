@@ -210,7 +210,7 @@ pub(super) fn engine_loop(
     });
     let mut embeds: Vec<EmbedJob> = Vec::new();
     let geom = session.exec().kv_geom();
-    let mut sched = Scheduler::new(
+    let sched = Scheduler::new(
         SchedulerConfig {
             parallel,
             step_tokens: session.exec().max_chunk(),
@@ -220,6 +220,11 @@ pub(super) fn engine_loop(
         // single-sequence allocator is not used here).
         KvPool::new(geom.n_blocks, geom.block),
     );
+    // Window layers that keep only their window: a ring per sequence.
+    let mut sched = match session.window_ring() {
+        Some(r) => sched.with_window(r),
+        None => sched,
+    };
     shared.kv_total.store(sched.kv_total(), Ordering::Relaxed);
     let mut live: HashMap<SeqId, Live> = HashMap::with_capacity(parallel);
     let mut next_id: SeqId = 0;

@@ -423,3 +423,39 @@ fn guesses_ride_with_their_token_are_rolled_back_and_never_preempt() {
     assert_eq!(b.tokens()[0], 60);
     assert_eq!(s.preemptions(), 0);
 }
+
+#[test]
+fn window_rings_are_per_sequence_and_prefixes_are_not_reused() {
+    // Window 4, steps of at most 6 tokens, blocks of 4: rings of 4 blocks.
+    let ring = WindowRing::new(4, 6, 4);
+    let mut s = sched(2, 6, 32).with_window(ring);
+    let mut batch = Batch::with_capacity(6, 2, 32);
+    let prompt = [1u32, 2, 3, 4, 5, 6, 7, 8, 9];
+    assert!(s.admit(0, &prompt, 4));
+    assert!(s.admit(1, &prompt, 4));
+    let free = |s: &Scheduler| s.window.as_ref().map(|(_, p)| p.free_blocks());
+    assert_eq!(free(&s), Some(0), "two rings of 4 fill the pool of 8");
+    step(&mut s, &mut batch);
+    // Each sequence's window entries are its own ring's blocks, in
+    // position order modulo the ring.
+    let (t, w) = (batch.seq_table(), batch.window_block_table());
+    assert_eq!(w.len(), batch.block_table().len());
+    let ring_of = |j: usize| {
+        let (off, n) = (
+            t[5 * j + 3] as usize,
+            t[5 * j + 1] as usize + t[5 * j + 2] as usize,
+        );
+        w[off..off + n.div_ceil(4)].to_vec()
+    };
+    let a = ring_of(0);
+    assert!(a.iter().all(|b| (0..8).contains(b)));
+    // The second sequence did not share the first one's prompt blocks.
+    assert_eq!(s.reused_tokens(), 0);
+    assert!(s.finish(0));
+    assert_eq!(free(&s), Some(4), "a finished sequence's ring goes back");
+    assert_eq!(s.kv_cached(), 0, "and nothing is kept for reuse");
+    assert!(s.admit(2, &prompt, 4));
+    assert_eq!(s.reused_of(2), 0);
+    assert!(s.remove(1) && s.remove(2));
+    assert_eq!(free(&s), Some(8));
+}
