@@ -92,7 +92,7 @@ pub(crate) mod x86 {
             unsafe { hsum4(a, b, c, d) }
         }
 
-        /// The F16 4×3 tile's steps, in assembly ([`f16_steps_4x3`]).
+        /// The F16 4×3 tile's steps, in assembly (`f16_steps_4x3`).
         #[inline(always)]
         unsafe fn own_steps<const DT: u8, const R: usize, const T: usize>(
             op: &Tile<'_>,

@@ -2,7 +2,7 @@
 //! [`F32Vec`] that can also load weights of every tile dtype and sum four
 //! vectors by its level's tree) and instantiated for AVX2 (`__m256`, in
 //! `matmul/avx2.rs`) and AVX-512 (`__m512`, in `matmul/avx512.rs`) by
-//! [`tiles_level!`](crate::kernels::matmul::tiles::simd::tiles_level).
+//! `tiles_level!`.
 //!
 //! The generic functions are `#[inline(always)]` and carry no
 //! `#[target_feature]`; the macro wraps each instantiation in a function
