@@ -287,8 +287,13 @@ fn prefill_ab(args: &[String]) {
                                 _ => Epilogue::AddResidual(&res),
                             };
                             let ny = if e == 1 { n / 2 } else { n };
-                            matmul_with(&pool, isa, &x[..s * k], s, k, w, n, epi, &mut y[..s * ny])
-                                .unwrap();
+                            matmul_with(
+                                &pool,
+                                isa,
+                                llama_graph::kernels::LinearArgs::new(&x[..s * k], s, k, w, n, epi),
+                                &mut y[..s * ny],
+                            )
+                            .unwrap();
                         }
                         black_box(&y);
                         if round >= 2 {
@@ -383,16 +388,30 @@ fn main() {
                                 matmul_bf16_dot(
                                     &pool,
                                     llama_graph::kernels::Kernels::current().isa(),
-                                    &x,
-                                    s,
-                                    k,
-                                    w,
-                                    n,
-                                    Epilogue::None,
+                                    llama_graph::kernels::LinearArgs::new(
+                                        &x,
+                                        s,
+                                        k,
+                                        w,
+                                        n,
+                                        Epilogue::None,
+                                    ),
                                     &mut y,
                                 )
                             } else {
-                                matmul_with(&pool, isa, &x, s, k, w, n, Epilogue::None, &mut y)
+                                matmul_with(
+                                    &pool,
+                                    isa,
+                                    llama_graph::kernels::LinearArgs::new(
+                                        &x,
+                                        s,
+                                        k,
+                                        w,
+                                        n,
+                                        Epilogue::None,
+                                    ),
+                                    &mut y,
+                                )
                             }
                             .unwrap();
                             black_box(&y);

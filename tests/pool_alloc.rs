@@ -84,12 +84,14 @@ fn run_and_kernels_do_not_allocate() {
             matmul_with(
                 &pool,
                 isa,
-                &x,
-                s,
-                k,
-                WeightRef::new(DType::BF16, &w),
-                n,
-                Epilogue::None,
+                llama_graph::kernels::LinearArgs::new(
+                    &x,
+                    s,
+                    k,
+                    WeightRef::new(DType::BF16, &w),
+                    n,
+                    Epilogue::None,
+                ),
                 &mut y,
             )
             .unwrap();

@@ -91,7 +91,13 @@ fn main() {
             let w = WeightRef::new(DType::BF16, &plain[off..off + n * k * 2]);
             off += n * k * 2;
             let n_out = n_out(n, &ep);
-            gemv::gemv_at(isa, &pool, &x[..k], k, w, n, ep, &mut y[..n_out]).expect("gemv");
+            gemv::gemv_at(
+                isa,
+                &pool,
+                llama_graph::kernels::LinearArgs::new(&x[..k], 1, k, w, n, ep),
+                &mut y[..n_out],
+            )
+            .expect("gemv");
         }
     };
     let step_z = |y: &mut [f32]| {
@@ -151,7 +157,13 @@ fn l2_rate(plain: &[u8], x: &[f32]) {
     let (mut bp, mut bz) = (f64::MAX, f64::MAX);
     for _ in 0..3000 {
         let t = Instant::now();
-        gemv::gemv_at(isa, &one, &x[..k], k, w, n, Epilogue::None, &mut y).expect("gemv");
+        gemv::gemv_at(
+            isa,
+            &one,
+            llama_graph::kernels::LinearArgs::new(&x[..k], 1, k, w, n, Epilogue::None),
+            &mut y,
+        )
+        .expect("gemv");
         bp = bp.min(t.elapsed().as_secs_f64());
         let t = Instant::now();
         bf16z::gemv_at(isa, &one, &x[..k], v, Epilogue::None, &mut y2).expect("gemv");

@@ -81,12 +81,7 @@ fn main() {
                 matmul_with(
                     &pool,
                     llama_graph::kernels::Kernels::current().isa(),
-                    &x,
-                    s,
-                    k,
-                    w,
-                    n,
-                    ep(),
+                    llama_graph::kernels::LinearArgs::new(&x, s, k, w, n, ep()),
                     &mut y,
                 )
                 .unwrap();

@@ -90,7 +90,13 @@ fn main() {
             let pass = |y: &mut [f32]| {
                 for c in 0..copies {
                     let w = WeightRef::new(dtype, &map[c * bytes..(c + 1) * bytes]);
-                    gemv::gemv_at(isa, &pool, &x, k, w, n, ep, y).unwrap();
+                    gemv::gemv_at(
+                        isa,
+                        &pool,
+                        llama_graph::kernels::LinearArgs::new(&x, 1, k, w, n, ep),
+                        y,
+                    )
+                    .unwrap();
                 }
             };
             pass(&mut y);

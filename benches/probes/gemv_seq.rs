@@ -44,7 +44,13 @@ fn main() {
             let w = WeightRef::new(dtype, &map[off..off + bytes]);
             off += bytes;
             let n_out = n_out(n, &ep);
-            gemv::gemv_at(level, &pool, &x[..k], k, w, n, ep, &mut y[..n_out]).expect("gemv");
+            gemv::gemv_at(
+                level,
+                &pool,
+                llama_graph::kernels::LinearArgs::new(&x[..k], 1, k, w, n, ep),
+                &mut y[..n_out],
+            )
+            .expect("gemv");
         }
     };
     // The same bytes summed as u64 words, in 1 MiB chunks over the threads.

@@ -66,16 +66,18 @@ fn main() {
                 llama_graph::kernels::gemv::gemv_at(
                     isa,
                     &pool,
-                    &x[..k],
-                    k,
-                    wr,
-                    n,
-                    ep,
+                    llama_graph::kernels::LinearArgs::new(&x[..k], 1, k, wr, n, ep),
                     &mut y[..no],
                 )
                 .unwrap();
             } else {
-                matmul_with(&pool, isa, &x[..s * k], s, k, wr, n, ep, &mut y[..s * no]).unwrap();
+                matmul_with(
+                    &pool,
+                    isa,
+                    llama_graph::kernels::LinearArgs::new(&x[..s * k], s, k, wr, n, ep),
+                    &mut y[..s * no],
+                )
+                .unwrap();
             }
             sum += y[0] as f64;
         }

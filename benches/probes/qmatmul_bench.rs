@@ -121,14 +121,24 @@ fn main() {
             let mut y = vec![0f32; s * n];
             for mode in [MatmulMode::Exact, MatmulMode::Fast] {
                 Kernels::current()
-                    .matmul_any(&pool, &x, s, k, w, n, Epilogue::None, &mut y, mode)
+                    .matmul_any(
+                        &pool,
+                        llama_graph::kernels::LinearArgs::new(&x, s, k, w, n, Epilogue::None),
+                        &mut y,
+                        mode,
+                    )
                     .unwrap();
                 let reps = if s > 1 { 5 } else { 100 };
                 let t = Instant::now();
                 let c0 = thread_cpu_s();
                 for _ in 0..reps {
                     Kernels::current()
-                        .matmul_any(&pool, &x, s, k, w, n, Epilogue::None, &mut y, mode)
+                        .matmul_any(
+                            &pool,
+                            llama_graph::kernels::LinearArgs::new(&x, s, k, w, n, Epilogue::None),
+                            &mut y,
+                            mode,
+                        )
                         .unwrap();
                 }
                 let wall = t.elapsed().as_secs_f64() / reps as f64;
@@ -182,12 +192,7 @@ fn main() {
                         qfast::qmatmul_fast_with(
                             level,
                             &pool,
-                            &x,
-                            s,
-                            k,
-                            wl,
-                            n,
-                            Epilogue::None,
+                            llama_graph::kernels::LinearArgs::new(&x, s, k, wl, n, Epilogue::None),
                             &mut y,
                             &mut scratch,
                         )

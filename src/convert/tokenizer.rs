@@ -6,6 +6,24 @@ use super::{s, ConvertError};
 use crate::tokenizer::{HfTokenizerConfig, TokenizerError};
 use crate::weights::gguf::{GgufArray, GgufValue};
 
+/// The `tokenizer.ggml.*` keys of a GGUF, in the order they are put.
+#[derive(Default)]
+struct Kvs(Vec<(String, GgufValue)>);
+
+impl Kvs {
+    /// `tokenizer.ggml.<key> = v`.
+    fn put(&mut self, key: &str, v: GgufValue) {
+        self.0.push((format!("tokenizer.ggml.{key}"), v));
+    }
+
+    /// `tokenizer.ggml.<key> = id`, where there is an id.
+    fn put_id(&mut self, key: &str, id: Option<u32>) {
+        if let Some(id) = id {
+            self.put(key, GgufValue::U32(id));
+        }
+    }
+}
+
 /// The `tokenizer.*` keys for a tokenizer.json (+ tokenizer_config.json).
 pub(super) fn hf_json_tokenizer_kvs(
     json: &[u8],
@@ -46,7 +64,7 @@ pub(super) fn hf_json_tokenizer_kvs(
             _ => None,
         })
         .collect();
-    let mut kv = Vec::new();
+    let mut kv = Kvs::default();
     match tok.kind() {
         crate::tokenizer::TokenizerKind::Gpt2Bpe => {
             // llama.cpp's name for the split the tokenizer runs (`gpt-2`,
@@ -55,24 +73,15 @@ pub(super) fn hf_json_tokenizer_kvs(
             let pre = tok
                 .llama_cpp_pre()
                 .expect("byte-level tokenizers have a split");
-            kv.push(("tokenizer.ggml.model".into(), s("gpt2")));
-            kv.push(("tokenizer.ggml.pre".into(), s(pre)));
+            kv.put("model", s("gpt2"));
+            kv.put("pre", s(pre));
             let types: Vec<i32> = special
                 .iter()
                 .map(|&t| if t == 0 { 1 } else { t as i32 })
                 .collect();
-            kv.push((
-                "tokenizer.ggml.tokens".into(),
-                GgufValue::Array(GgufArray::String(tokens)),
-            ));
-            kv.push((
-                "tokenizer.ggml.token_type".into(),
-                GgufValue::Array(GgufArray::I32(types)),
-            ));
-            kv.push((
-                "tokenizer.ggml.merges".into(),
-                GgufValue::Array(GgufArray::String(merges)),
-            ));
+            kv.put("tokens", GgufValue::Array(GgufArray::String(tokens)));
+            kv.put("token_type", GgufValue::Array(GgufArray::I32(types)));
+            kv.put("merges", GgufValue::Array(GgufArray::String(merges)));
         }
         _ => {
             // SentencePiece-style: llama.cpp's `llama` model merges the
@@ -103,40 +112,19 @@ pub(super) fn hf_json_tokenizer_kvs(
                     t => t as i32,
                 })
                 .collect();
-            kv.push(("tokenizer.ggml.model".into(), s("llama")));
-            kv.push(("tokenizer.ggml.pre".into(), s("default")));
-            kv.push((
-                "tokenizer.ggml.tokens".into(),
-                GgufValue::Array(GgufArray::String(tokens)),
-            ));
-            kv.push((
-                "tokenizer.ggml.scores".into(),
-                GgufValue::Array(GgufArray::F32(scores)),
-            ));
-            kv.push((
-                "tokenizer.ggml.token_type".into(),
-                GgufValue::Array(GgufArray::I32(types)),
-            ));
-            if let Some(u) = unk {
-                kv.push(("tokenizer.ggml.unknown_token_id".into(), GgufValue::U32(u)));
-            }
+            kv.put("model", s("llama"));
+            kv.put("pre", s("default"));
+            kv.put("tokens", GgufValue::Array(GgufArray::String(tokens)));
+            kv.put("scores", GgufValue::Array(GgufArray::F32(scores)));
+            kv.put("token_type", GgufValue::Array(GgufArray::I32(types)));
+            kv.put_id("unknown_token_id", unk);
         }
     }
-    if let Some(b) = tok.bos_id() {
-        kv.push(("tokenizer.ggml.bos_token_id".into(), GgufValue::U32(b)));
-    }
-    if let Some(e) = tok.eos_id() {
-        kv.push(("tokenizer.ggml.eos_token_id".into(), GgufValue::U32(e)));
-    }
-    kv.push((
-        "tokenizer.ggml.add_bos_token".into(),
-        GgufValue::Bool(tok.add_bos_default()),
-    ));
-    kv.push((
-        "tokenizer.ggml.add_eos_token".into(),
-        GgufValue::Bool(false),
-    ));
-    Ok(kv)
+    kv.put_id("bos_token_id", tok.bos_id());
+    kv.put_id("eos_token_id", tok.eos_id());
+    kv.put("add_bos_token", GgufValue::Bool(tok.add_bos_default()));
+    kv.put("add_eos_token", GgufValue::Bool(false));
+    Ok(kv.0)
 }
 
 /// The `tokenizer.*` keys for a SentencePiece `tokenizer.model`.
@@ -148,37 +136,18 @@ pub(super) fn spm_tokenizer_kvs(data: &[u8]) -> Result<Vec<(String, GgufValue)>,
     let types: Vec<i32> = m.pieces.iter().map(|p| p.kind as i32).collect();
     let n = tokens.len();
     let id = |i: i32| (i >= 0 && (i as usize) < n).then_some(i as u32);
-    let mut kv = vec![
-        ("tokenizer.ggml.model".to_string(), s("llama")),
-        ("tokenizer.ggml.pre".into(), s("default")),
-        (
-            "tokenizer.ggml.tokens".into(),
-            GgufValue::Array(GgufArray::String(tokens)),
-        ),
-        (
-            "tokenizer.ggml.scores".into(),
-            GgufValue::Array(GgufArray::F32(scores)),
-        ),
-        (
-            "tokenizer.ggml.token_type".into(),
-            GgufValue::Array(GgufArray::I32(types)),
-        ),
-    ];
-    for (k, v) in [
-        ("tokenizer.ggml.bos_token_id", id(m.bos_id)),
-        ("tokenizer.ggml.eos_token_id", id(m.eos_id)),
-        ("tokenizer.ggml.unknown_token_id", id(m.unk_id)),
-    ] {
-        if let Some(v) = v {
-            kv.push((k.into(), GgufValue::U32(v)));
-        }
-    }
-    kv.push(("tokenizer.ggml.add_bos_token".into(), GgufValue::Bool(true)));
-    kv.push((
-        "tokenizer.ggml.add_eos_token".into(),
-        GgufValue::Bool(false),
-    ));
-    Ok(kv)
+    let mut kv = Kvs::default();
+    kv.put("model", s("llama"));
+    kv.put("pre", s("default"));
+    kv.put("tokens", GgufValue::Array(GgufArray::String(tokens)));
+    kv.put("scores", GgufValue::Array(GgufArray::F32(scores)));
+    kv.put("token_type", GgufValue::Array(GgufArray::I32(types)));
+    kv.put_id("bos_token_id", id(m.bos_id));
+    kv.put_id("eos_token_id", id(m.eos_id));
+    kv.put_id("unknown_token_id", id(m.unk_id));
+    kv.put("add_bos_token", GgufValue::Bool(true));
+    kv.put("add_eos_token", GgufValue::Bool(false));
+    Ok(kv.0)
 }
 
 /// The `tokenizer.*` keys for a Llama 3 tiktoken `tokenizer.model`: the
@@ -209,34 +178,15 @@ pub(super) fn tiktoken_tokenizer_kvs(
     }
     let id = |name: &str| tokens.iter().position(|t| t == name).map(|i| i as u32);
     let (bos, eos) = (id("<|begin_of_text|>"), id("<|end_of_text|>"));
-    let mut kv = vec![
-        ("tokenizer.ggml.model".to_string(), s("gpt2")),
-        ("tokenizer.ggml.pre".into(), s("llama-bpe")),
-    ];
-    for (k, v) in [
-        ("tokenizer.ggml.bos_token_id", bos),
-        ("tokenizer.ggml.eos_token_id", eos),
-    ] {
-        if let Some(v) = v {
-            kv.push((k.into(), GgufValue::U32(v)));
-        }
-    }
-    kv.push((
-        "tokenizer.ggml.tokens".into(),
-        GgufValue::Array(GgufArray::String(tokens)),
-    ));
-    kv.push((
-        "tokenizer.ggml.token_type".into(),
-        GgufValue::Array(GgufArray::I32(types)),
-    ));
-    kv.push((
-        "tokenizer.ggml.merges".into(),
-        GgufValue::Array(GgufArray::String(merges)),
-    ));
-    kv.push(("tokenizer.ggml.add_bos_token".into(), GgufValue::Bool(true)));
-    kv.push((
-        "tokenizer.ggml.add_eos_token".into(),
-        GgufValue::Bool(false),
-    ));
-    Ok(kv)
+    let mut kv = Kvs::default();
+    kv.put("model", s("gpt2"));
+    kv.put("pre", s("llama-bpe"));
+    kv.put_id("bos_token_id", bos);
+    kv.put_id("eos_token_id", eos);
+    kv.put("tokens", GgufValue::Array(GgufArray::String(tokens)));
+    kv.put("token_type", GgufValue::Array(GgufArray::I32(types)));
+    kv.put("merges", GgufValue::Array(GgufArray::String(merges)));
+    kv.put("add_bos_token", GgufValue::Bool(true));
+    kv.put("add_eos_token", GgufValue::Bool(false));
+    Ok(kv.0)
 }

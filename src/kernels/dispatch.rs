@@ -2,11 +2,11 @@
 //! block-quantized) through a [`Kernels`] table, per-token RoPE angles and in-place elementwise ops.
 
 use super::elementwise::rope::{rope_freq, RopeScaling};
-use super::matmul::{gemv, Epilogue};
+use super::matmul::gemv;
 use super::quantized::dequantize_row;
 use super::quantized::fast::{self as qfast, Q8Act};
 use super::Kernels;
-use super::{check_len, embedding_rows, mul_dims, KernelError, WeightRef};
+use super::{check_len, embedding_rows, mul_dims, KernelError, LinearArgs, WeightRef};
 use crate::ir::WeightLayout;
 use crate::pool::ThreadPool;
 use std::cell::RefCell;
@@ -88,27 +88,22 @@ fn with_gguf_rows<R>(
 impl Kernels {
     /// `y = x·Wᵀ` for any weight dtype in the given mode, with this
     /// table's kernels.
-    #[allow(clippy::too_many_arguments)]
     pub fn matmul_any(
         &self,
         pool: &ThreadPool,
-        x: &[f32],
-        s: usize,
-        k: usize,
-        w: WeightRef<'_>,
-        n: usize,
-        epilogue: Epilogue<'_>,
+        a: LinearArgs<'_>,
         y: &mut [f32],
         mode: MatmulMode,
     ) -> Result<(), KernelError> {
+        let (s, k, w, n) = (a.s, a.k, a.w, a.n);
         if w.dtype == crate::ir::DType::BF16Z {
             // Exact in both modes, as for plain bf16.
-            return (self.bf16z_matmul)(pool, x, s, k, w.bytes, n, epilogue, y);
+            return (self.bf16z_matmul)(pool, a, y);
         }
         let fast = mode == MatmulMode::Fast && qfast::supports(w.dtype);
         if w.layout == WeightLayout::X8 && !fast {
             return with_gguf_rows("matmul", w, n, |w| {
-                self.matmul_any(pool, x, s, k, w, n, epilogue, y, mode)
+                self.matmul_any(pool, a.with_w(w), y, mode)
             });
         }
         if fast {
@@ -118,22 +113,22 @@ impl Kernels {
                     if scratch.len() < need {
                         scratch.resize(need, Q8Act::default());
                     }
-                    (self.qmatmul_fast)(pool, x, s, k, w, n, epilogue, y, &mut scratch)
+                    (self.qmatmul_fast)(pool, a, y, &mut scratch)
                 });
             }
             if w.layout == WeightLayout::X8 {
                 return with_gguf_rows("matmul", w, n, |w| {
-                    self.matmul_any(pool, x, s, k, w, n, epilogue, y, mode)
+                    self.matmul_any(pool, a.with_w(w), y, mode)
                 });
             }
         }
         if mode == MatmulMode::Fast && s == 1 && gemv::supports(w.dtype) {
-            return (self.gemv)(pool, x, k, w, n, epilogue, y);
+            return (self.gemv)(pool, a, y);
         }
         if w.dtype.is_quantized() {
-            (self.qmatmul)(pool, x, s, k, w, n, epilogue, y)
+            (self.qmatmul)(pool, a, y)
         } else {
-            (self.matmul)(pool, x, s, k, w, n, epilogue, y)
+            (self.matmul)(pool, a, y)
         }
     }
 }

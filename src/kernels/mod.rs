@@ -122,20 +122,56 @@ pub(crate) fn mul_dims(
     a.checked_mul(b).ok_or(KernelError::Invalid { op, what })
 }
 
-/// Checks the arguments of a linear layer `y = x·Wᵀ` (`x` `[s, k]`, `W`
-/// `[n, k]` in its stored dtype, `y` `[s, n]` or `[s, n/2]` for SwiGLU) and
-/// returns (bytes per weight row, output columns).
-#[allow(clippy::too_many_arguments)]
+/// The operands of a linear layer `y = x·Wᵀ`, what every linear entry point
+/// takes (the [`table`]'s `LinearFn`s, [`matmul_with`], the quantized
+/// paths): `x` `[s, k]` f32, `W` `[n, k]` in its stored dtype, and the
+/// epilogue applied to the products. The output `y` (`[s, n]`, or `[s, n/2]`
+/// for [`Epilogue::SwiGlu`]) is passed beside it.
+#[derive(Clone, Copy, Debug)]
+pub struct LinearArgs<'a> {
+    pub x: &'a [f32],
+    pub s: usize,
+    pub k: usize,
+    pub w: WeightRef<'a>,
+    pub n: usize,
+    pub epilogue: Epilogue<'a>,
+}
+
+impl<'a> LinearArgs<'a> {
+    /// The operands in their usual order.
+    pub fn new(
+        x: &'a [f32],
+        s: usize,
+        k: usize,
+        w: WeightRef<'a>,
+        n: usize,
+        epilogue: Epilogue<'a>,
+    ) -> Self {
+        LinearArgs {
+            x,
+            s,
+            k,
+            w,
+            n,
+            epilogue,
+        }
+    }
+
+    /// The same operands over other weights (e.g. a repacked copy).
+    pub fn with_w(self, w: WeightRef<'a>) -> Self {
+        LinearArgs { w, ..self }
+    }
+}
+
+/// Checks the operands `a` of a linear layer and its output `y` (`[s, n]`,
+/// or `[s, n/2]` for SwiGLU) and returns (bytes per weight row, output
+/// columns).
 pub(crate) fn check_linear(
     op: &'static str,
-    x: &[f32],
-    s: usize,
-    k: usize,
-    w: &WeightRef<'_>,
-    n: usize,
-    epilogue: &matmul::Epilogue<'_>,
+    a: &LinearArgs<'_>,
     y: &[f32],
 ) -> Result<(usize, usize), KernelError> {
+    let (x, s, k, w, n) = (a.x, a.s, a.k, a.w, a.n);
     let row_bytes = w.dtype.bytes_for(k).ok_or(KernelError::Invalid {
         op,
         what: "k is not a whole number of blocks of the weight dtype",
@@ -152,9 +188,9 @@ pub(crate) fn check_linear(
         mul_dims(op, "n*row bytes overflows", n, row_bytes)?,
         w.bytes.len(),
     )?;
-    let n_out = match epilogue {
-        matmul::Epilogue::SwiGlu if n.is_multiple_of(2) => n / 2,
-        matmul::Epilogue::SwiGlu => {
+    let n_out = match a.epilogue {
+        Epilogue::SwiGlu if n.is_multiple_of(2) => n / 2,
+        Epilogue::SwiGlu => {
             return Err(KernelError::Invalid {
                 op,
                 what: "SwiGlu needs an even number of weight rows",
@@ -168,7 +204,7 @@ pub(crate) fn check_linear(
         mul_dims(op, "s*n overflows", s, n_out)?,
         y.len(),
     )?;
-    if let matmul::Epilogue::AddResidual(r) = epilogue {
+    if let Epilogue::AddResidual(r) = a.epilogue {
         check_len(op, "residual elements", y.len(), r.len())?;
     }
     Ok((row_bytes, n_out))

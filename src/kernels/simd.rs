@@ -41,7 +41,8 @@ pub(crate) trait F32Vec: Copy {
     unsafe fn mul_add(self, b: Self, c: Self) -> Self;
     /// Lane-wise maximum (`maxps`: the second operand when either is NaN).
     unsafe fn max(self, b: Self) -> Self;
-    /// `exp` for lanes `<= ~0` (see [`exp_ps`]); lanes below -87 give 0.
+    /// `exp` for lanes `<= ~0` (one formula for every width); lanes below
+    /// -87 give 0.
     unsafe fn exp(self) -> Self;
 }
 
@@ -55,67 +56,124 @@ mod x86 {
 
     /// exp(x) for x <= ~0 (Cephes-style range reduction and degree-6
     /// polynomial, ~1 ulp); lanes below -87 (incl. -inf) give exactly 0.
+    /// The AVX2 instantiation of [`exp`], for tests.
+    #[cfg(test)]
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     pub(crate) unsafe fn exp_ps(x: __m256) -> __m256 {
-        let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.0));
-        let x = _mm256_min_ps(
-            _mm256_max_ps(x, _mm256_set1_ps(-87.0)),
-            _mm256_set1_ps(88.0),
-        );
-        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
-        );
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-        let mut p = _mm256_set1_ps(1.987_569_1e-4);
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.398_2e-3));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.333_452e-3));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.166_579_6e-2));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.166_666_65));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5));
-        let r2 = _mm256_mul_ps(r, r);
-        let y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0));
-        let pow2 = _mm256_slli_epi32::<23>(_mm256_add_epi32(
-            _mm256_cvtps_epi32(n),
-            _mm256_set1_epi32(127),
-        ));
-        _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2)))
+        // SAFETY: AVX2 and FMA are enabled here.
+        unsafe { x.exp() }
     }
 
-    /// exp(x) lane-wise for x <= ~0, the same operations as the AVX2
-    /// [`exp_ps`] (so the same results); lanes below -87 (incl. -inf) give
-    /// exactly 0.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn exp_ps512(x: __m512) -> __m512 {
-        let lo = _mm512_set1_ps(-87.0);
-        let ok = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, lo);
-        let x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.0));
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
-        );
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
-        let mut p = _mm512_set1_ps(1.987_569_1e-4);
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.398_2e-3));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.333_452e-3));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.166_579_6e-2));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.166_666_65));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5));
-        let r2 = _mm512_mul_ps(r, r);
-        let y = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
-        let pow2 = _mm512_slli_epi32::<23>(_mm512_add_epi32(
-            _mm512_cvtps_epi32(n),
-            _mm512_set1_epi32(127),
-        ));
-        _mm512_maskz_mul_ps(ok, y, _mm512_castsi512_ps(pow2))
+    /// exp(x) lane-wise for x <= ~0, written once for every width
+    /// (Cephes-style range reduction and degree-6 polynomial, ~1 ulp);
+    /// lanes below -87 (incl. -inf) give exactly 0 (see
+    /// [`Width::mul_zero_below`] for NaN lanes).
+    #[inline(always)]
+    unsafe fn exp<V: Width>(x0: V) -> V {
+        // SAFETY (whole body): the width's features are enabled (trait
+        // contract).
+        unsafe {
+            let lo = V::splat(-87.0);
+            let x = x0.max(lo).min(V::splat(88.0));
+            let n = x.mul(V::splat(std::f32::consts::LOG2_E)).round();
+            let r = n.neg_mul_add(V::splat(0.693_359_4), x);
+            let r = n.neg_mul_add(V::splat(-2.121_944_4e-4), r);
+            let mut p = V::splat(1.987_569_1e-4);
+            p = p.mul_add(r, V::splat(1.398_2e-3));
+            p = p.mul_add(r, V::splat(8.333_452e-3));
+            p = p.mul_add(r, V::splat(4.166_579_6e-2));
+            p = p.mul_add(r, V::splat(0.166_666_65));
+            p = p.mul_add(r, V::splat(0.5));
+            let r2 = r.mul(r);
+            let y = p.mul_add(r2, r).add(V::splat(1.0));
+            y.mul_zero_below(n.pow2(), x0, lo)
+        }
     }
 
-    /// One width's wrappers: `$v` the vector type, `$p` the intrinsic
-    /// prefix, `$exp` its exp.
+    /// What [`exp`] needs beyond [`F32Vec`], one width's intrinsics each.
+    trait Width: F32Vec {
+        /// Lane-wise minimum.
+        unsafe fn min(self, b: Self) -> Self;
+        /// `c - self * b`, one rounding.
+        unsafe fn neg_mul_add(self, b: Self, c: Self) -> Self;
+        /// Rounded to the nearest integer (ties to even).
+        unsafe fn round(self) -> Self;
+        /// `2^self` for integral lanes in the normal exponent range.
+        unsafe fn pow2(self) -> Self;
+        /// `self * b`, with 0 in the lanes where `x < lo`. NaN lanes of `x`
+        /// keep the product at AVX2 and give 0 at AVX-512, as the kernels
+        /// of each width always did.
+        unsafe fn mul_zero_below(self, b: Self, x: Self, lo: Self) -> Self;
+    }
+
+    impl Width for __m256 {
+        #[inline(always)]
+        unsafe fn min(self, b: Self) -> Self {
+            // SAFETY: the width's features are enabled (trait contract).
+            unsafe { _mm256_min_ps(self, b) }
+        }
+        #[inline(always)]
+        unsafe fn neg_mul_add(self, b: Self, c: Self) -> Self {
+            // SAFETY: as above.
+            unsafe { _mm256_fnmadd_ps(self, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn round(self) -> Self {
+            // SAFETY: as above.
+            unsafe { _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(self) }
+        }
+        #[inline(always)]
+        unsafe fn pow2(self) -> Self {
+            // SAFETY: as above.
+            unsafe {
+                let e = _mm256_add_epi32(_mm256_cvtps_epi32(self), _mm256_set1_epi32(127));
+                _mm256_castsi256_ps(_mm256_slli_epi32::<23>(e))
+            }
+        }
+        #[inline(always)]
+        unsafe fn mul_zero_below(self, b: Self, x: Self, lo: Self) -> Self {
+            // SAFETY: as above.
+            unsafe { _mm256_andnot_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(x, lo), _mm256_mul_ps(self, b)) }
+        }
+    }
+
+    impl Width for __m512 {
+        #[inline(always)]
+        unsafe fn min(self, b: Self) -> Self {
+            // SAFETY: the width's features are enabled (trait contract).
+            unsafe { _mm512_min_ps(self, b) }
+        }
+        #[inline(always)]
+        unsafe fn neg_mul_add(self, b: Self, c: Self) -> Self {
+            // SAFETY: as above.
+            unsafe { _mm512_fnmadd_ps(self, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn round(self) -> Self {
+            // SAFETY: as above.
+            unsafe {
+                _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(self)
+            }
+        }
+        #[inline(always)]
+        unsafe fn pow2(self) -> Self {
+            // SAFETY: as above.
+            unsafe {
+                let e = _mm512_add_epi32(_mm512_cvtps_epi32(self), _mm512_set1_epi32(127));
+                _mm512_castsi512_ps(_mm512_slli_epi32::<23>(e))
+            }
+        }
+        #[inline(always)]
+        unsafe fn mul_zero_below(self, b: Self, x: Self, lo: Self) -> Self {
+            // SAFETY: as above.
+            unsafe { _mm512_maskz_mul_ps(_mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, lo), self, b) }
+        }
+    }
+
+    /// One width's wrappers: `$v` the vector type, then its intrinsics.
     macro_rules! f32_vec {
-        ($v:ty, $lanes:expr, $exp:ident, $zero:ident, $set1:ident, $load:ident, $store:ident,
+        ($v:ty, $lanes:expr, $zero:ident, $set1:ident, $load:ident, $store:ident,
          $add:ident, $sub:ident, $mul:ident, $fma:ident, $max:ident) => {
             impl F32Vec for $v {
                 const LANES: usize = $lanes;
@@ -167,7 +225,7 @@ mod x86 {
                 #[inline(always)]
                 unsafe fn exp(self) -> Self {
                     // SAFETY: as for `zero`.
-                    unsafe { $exp(self) }
+                    unsafe { exp(self) }
                 }
             }
         };
@@ -176,7 +234,6 @@ mod x86 {
     f32_vec!(
         __m256,
         8,
-        exp_ps,
         _mm256_setzero_ps,
         _mm256_set1_ps,
         _mm256_loadu_ps,
@@ -190,7 +247,6 @@ mod x86 {
     f32_vec!(
         __m512,
         16,
-        exp_ps512,
         _mm512_setzero_ps,
         _mm512_set1_ps,
         _mm512_loadu_ps,

@@ -16,60 +16,25 @@
 use super::attention::{attention_paged, AttnWork};
 use super::isa::Isa;
 use super::kv::{KvGeom, KvView, StepSeqs};
-use super::matmul::{self, bf16z, gemv, Epilogue};
+use super::matmul::{self, bf16z, gemv};
 use super::quantized::exact::qmatmul_with;
 use super::quantized::fast::{self as qfast, Q8Act};
-use super::{KernelError, WeightRef};
+use super::{KernelError, LinearArgs};
 use crate::ir::DType;
 use crate::pool::ThreadPool;
 
-/// `y = x·Wᵀ` with an epilogue: `(pool, x [s, k], s, k, W [n, k], n, epilogue, y)`.
-pub type LinearFn = fn(
-    &ThreadPool,
-    &[f32],
-    usize,
-    usize,
-    WeightRef<'_>,
-    usize,
-    Epilogue<'_>,
-    &mut [f32],
-) -> Result<(), KernelError>;
+/// `y = x·Wᵀ` with an epilogue: `(pool, operands, y)`.
+pub type LinearFn = fn(&ThreadPool, LinearArgs<'_>, &mut [f32]) -> Result<(), KernelError>;
 
-/// One activation row: `(pool, x [k], k, W [n, k], n, epilogue, y)`.
-pub type GemvFn = fn(
-    &ThreadPool,
-    &[f32],
-    usize,
-    WeightRef<'_>,
-    usize,
-    Epilogue<'_>,
-    &mut [f32],
-) -> Result<(), KernelError>;
+/// One activation row: a [`LinearFn`] whose operands have `s = 1`.
+pub type GemvFn = LinearFn;
 
 /// The quantized fast path: a [`LinearFn`] plus activation scratch.
-pub type QFastFn = fn(
-    &ThreadPool,
-    &[f32],
-    usize,
-    usize,
-    WeightRef<'_>,
-    usize,
-    Epilogue<'_>,
-    &mut [f32],
-    &mut [Q8Act],
-) -> Result<(), KernelError>;
+pub type QFastFn =
+    fn(&ThreadPool, LinearArgs<'_>, &mut [f32], &mut [Q8Act]) -> Result<(), KernelError>;
 
-/// The bf16z product over encoded bytes: `(pool, x, s, k, bytes, n, epilogue, y)`.
-pub type Bf16zFn = fn(
-    &ThreadPool,
-    &[f32],
-    usize,
-    usize,
-    &[u8],
-    usize,
-    Epilogue<'_>,
-    &mut [f32],
-) -> Result<(), KernelError>;
+/// The bf16z product: a [`LinearFn`] whose weights are bf16z bytes.
+pub type Bf16zFn = LinearFn;
 
 /// Fused paged attention of a step (see [`attention_paged`]).
 pub type AttentionFn = fn(
@@ -113,17 +78,15 @@ macro_rules! level_table {
     ($isa:expr) => {
         Kernels {
             isa: $isa,
-            matmul: |p, x, s, k, w, n, e, y| matmul::matmul_with(p, $isa, x, s, k, w, n, e, y),
-            matmul_bf16_dot: |p, x, s, k, w, n, e, y| {
-                matmul::matmul_bf16_dot(p, $isa, x, s, k, w, n, e, y)
-            },
-            gemv: |p, x, k, w, n, e, y| gemv::gemv_at($isa, p, x, k, w, n, e, y),
-            qmatmul: |p, x, s, k, w, n, e, y| qmatmul_with($isa, p, x, s, k, w, n, e, y),
-            qmatmul_fast: |p, x, s, k, w, n, e, y, scr| {
-                qfast::qmatmul_fast_with($isa, p, x, s, k, w, n, e, y, scr)
-            },
+            matmul: |p, a, y| matmul::matmul_with(p, $isa, a, y),
+            matmul_bf16_dot: |p, a, y| matmul::matmul_bf16_dot(p, $isa, a, y),
+            gemv: |p, a, y| gemv::gemv_at($isa, p, a, y),
+            qmatmul: |p, a, y| qmatmul_with($isa, p, a, y),
+            qmatmul_fast: |p, a, y, scr| qfast::qmatmul_fast_with($isa, p, a, y, scr),
             qfast_scratch_len: |dtype, s, k| qfast::scratch_len_for($isa, dtype, s, k),
-            bf16z_matmul: |p, x, s, k, b, n, e, y| bf16z::matmul_at($isa, p, x, s, k, b, n, e, y),
+            bf16z_matmul: |p, a, y| {
+                bf16z::matmul_at($isa, p, a.x, a.s, a.k, a.w.bytes, a.n, a.epilogue, y)
+            },
             attention: |p, q, kc, vc, g, r, w, seqs, out, work| {
                 attention_paged(p, $isa, q, kc, vc, g, r, w, seqs, out, work)
             },

@@ -72,7 +72,12 @@ impl Executor {
             } else {
                 MatmulMode::Fast
             };
-            kernels.matmul_any(pool, x, s, k, w, n, e, y, mode)
+            kernels.matmul_any(
+                pool,
+                crate::kernels::LinearArgs::new(x, s, k, w, n, e),
+                y,
+                mode,
+            )
         }
         let numel = |sh: &Shape| sh.numel(b);
         let dim = |sh: &Shape, k: usize| sh.dims()[k].eval(b);

@@ -75,18 +75,25 @@ mod x86 {
         _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps::<1>(t2))
     }
 
+    /// `kl` bf16 weights of each of the rows at `w`, `wrb` bytes apart.
+    #[derive(Clone, Copy)]
+    struct Rows {
+        w: *const u8,
+        wrb: usize,
+        kl: usize,
+    }
+
     /// out[j*os + i] += dot(xb[j*KB..][..kl], w[i*wrb..][..kl]) (bf16 pairs).
     /// `xb` is zero-padded to a multiple of 32; the weight tail is masked.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2")]
     unsafe fn tile<const R: usize, const T: usize>(
         xb: *const u16,
-        w: *const u8,
-        wrb: usize,
-        kl: usize,
+        rows: Rows,
         out: *mut f32,
         os: usize,
     ) {
+        let Rows { w, wrb, kl } = rows;
         // SAFETY (whole body): xb has T rows of KB u16 (zero past kl, up to
         // the next multiple of 32), w has R rows (stride wrb bytes) of kl
         // bf16, out has T rows of stride os >= R.
@@ -147,9 +154,7 @@ mod x86 {
     unsafe fn tokens<const R: usize>(
         xb: *const u16,
         ns: usize,
-        w: *const u8,
-        wrb: usize,
-        kl: usize,
+        rows: Rows,
         out: *mut f32,
         os: usize,
     ) {
@@ -157,16 +162,16 @@ mod x86 {
         unsafe {
             let mut t = 0;
             while t + 6 <= ns {
-                tile::<R, 6>(xb.add(t * KB), w, wrb, kl, out.add(t * os), os);
+                tile::<R, 6>(xb.add(t * KB), rows, out.add(t * os), os);
                 t += 6;
             }
             let (xb, out) = (xb.add(t * KB), out.add(t * os));
             match ns - t {
-                5 => tile::<R, 5>(xb, w, wrb, kl, out, os),
-                4 => tile::<R, 4>(xb, w, wrb, kl, out, os),
-                3 => tile::<R, 3>(xb, w, wrb, kl, out, os),
-                2 => tile::<R, 2>(xb, w, wrb, kl, out, os),
-                1 => tile::<R, 1>(xb, w, wrb, kl, out, os),
+                5 => tile::<R, 5>(xb, rows, out, os),
+                4 => tile::<R, 4>(xb, rows, out, os),
+                3 => tile::<R, 3>(xb, rows, out, os),
+                2 => tile::<R, 2>(xb, rows, out, os),
+                1 => tile::<R, 1>(xb, rows, out, os),
                 _ => {}
             }
         }
@@ -222,12 +227,16 @@ mod x86 {
                 }
                 let mut r = 0;
                 while r < nr {
-                    let wp = w.add(r * wrb + k0 * 2);
+                    let rows = Rows {
+                        w: w.add(r * wrb + k0 * 2),
+                        wrb,
+                        kl,
+                    };
                     if r + 4 <= nr {
-                        tokens::<4>(xbuf_ptr, ns, wp, wrb, kl, out.add(r), nr);
+                        tokens::<4>(xbuf_ptr, ns, rows, out.add(r), nr);
                         r += 4;
                     } else {
-                        tokens::<1>(xbuf_ptr, ns, wp, wrb, kl, out.add(r), nr);
+                        tokens::<1>(xbuf_ptr, ns, rows, out.add(r), nr);
                         r += 1;
                     }
                 }

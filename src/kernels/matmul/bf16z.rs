@@ -372,7 +372,7 @@ impl<'a> Bf16z<'a> {
         if simd_codec() {
             let out = &mut out[..self.k];
             // SAFETY: avx2 checked; the row holds k/32 blocks and `out` k values.
-            unsafe { avx2::decode(self.row_blocks(r), out) };
+            unsafe { avx2::decode::<false>(self.row_blocks(r), out) };
             self.apply_exceptions(r, out);
             return;
         }
@@ -423,6 +423,12 @@ impl<'a> Bf16z<'a> {
 
     /// Rows `r0..r0 + out.len() / k` as bf16 values, decoded over the pool.
     pub fn decode_rows(&self, pool: &ThreadPool, r0: usize, out: &mut [u16]) {
+        self.for_rows(pool, out, &|r, o| self.decode_row(r0 + r, o));
+    }
+
+    /// `f(r, row r of out)` for every row of `out` (`k` values each), eight
+    /// rows per chunk of the pool.
+    fn for_rows(&self, pool: &ThreadPool, out: &mut [u16], f: &(dyn Fn(usize, &mut [u16]) + Sync)) {
         let k = self.k;
         let rows = out.len() / k;
         let op = crate::pool::SyncPtr::new(out);
@@ -430,7 +436,7 @@ impl<'a> Bf16z<'a> {
             for r in c * 8..((c + 1) * 8).min(rows) {
                 // SAFETY: chunk c alone writes rows c*8..c*8+8 of `out`.
                 let o = unsafe { op.slice(r * k, k) };
-                self.decode_row(r0 + r, o);
+                f(r, o);
             }
         });
     }
@@ -458,29 +464,22 @@ impl<'a> Bf16z<'a> {
     /// `permuted` each block of 32 in [`ORDER`], the order in which the
     /// AVX2 single-token kernel multiplies them.
     fn decode_coded_rows(&self, pool: &ThreadPool, r0: usize, out: &mut [u16], permuted: bool) {
-        let k = self.k;
-        let rows = out.len() / k;
-        let op = crate::pool::SyncPtr::new(out);
-        pool.run(rows.div_ceil(8), &|c| {
-            for r in c * 8..((c + 1) * 8).min(rows) {
-                // SAFETY: chunk c alone writes rows c*8..c*8+8 of `out`.
-                let o = unsafe { op.slice(r * k, k) };
-                let blocks = self.row_blocks(r0 + r);
-                #[cfg(target_arch = "x86_64")]
-                if permuted {
-                    // SAFETY: permuted is only asked for at the AVX2 levels
-                    // (checked by the caller); the row holds k/32 blocks
-                    // and `o` k values.
-                    unsafe { avx2::decode_permuted(blocks, o) };
-                    continue;
-                }
-                assert!(!permuted, "permuted decode needs AVX2");
-                for (blk, ob) in blocks
-                    .chunks_exact(BLOCK_BYTES)
-                    .zip(o.chunks_exact_mut(BLOCK))
-                {
-                    decode_block(blk, ob);
-                }
+        self.for_rows(pool, out, &|r, o| {
+            let blocks = self.row_blocks(r0 + r);
+            #[cfg(target_arch = "x86_64")]
+            if permuted {
+                // SAFETY: permuted is only asked for at the AVX2 levels
+                // (checked by the caller); the row holds k/32 blocks and
+                // `o` k values.
+                unsafe { avx2::decode::<true>(blocks, o) };
+                return;
+            }
+            assert!(!permuted, "permuted decode needs AVX2");
+            for (blk, ob) in blocks
+                .chunks_exact(BLOCK_BYTES)
+                .zip(o.chunks_exact_mut(BLOCK))
+            {
+                decode_block(blk, ob);
             }
         });
     }
@@ -685,7 +684,12 @@ pub fn matmul_at(
             let wr = crate::kernels::WeightRef::new(crate::ir::DType::BF16, bytes);
             let gw = per * g;
             let t = &mut tmp[..s * gw];
-            super::matmul_with(pool, level, xp, s, k, wr, gw, Epilogue::None, t)?;
+            super::matmul_with(
+                pool,
+                level,
+                crate::kernels::LinearArgs::new(xp, s, k, wr, gw, Epilogue::None),
+                t,
+            )?;
             for (tok, tr) in t.chunks_exact(gw).enumerate() {
                 let xt = &x[tok * k..(tok + 1) * k];
                 let o = tok * n_out + j0;

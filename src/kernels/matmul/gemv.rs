@@ -11,7 +11,7 @@
 use super::tiles::{self, Tiles};
 use super::Epilogue;
 use crate::ir::DType;
-use crate::kernels::{check_linear, Isa, KernelError, WeightRef};
+use crate::kernels::{check_linear, Isa, KernelError, LinearArgs};
 use crate::pool::{SyncPtr, ThreadPool};
 
 /// Weight rows per work chunk.
@@ -64,25 +64,27 @@ pub fn dot_scalar(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
 /// `y = x·Wᵀ` with `epilogue` for one activation row (`x`: `[k]`) and a
 /// plain-dtype `W` `[n, k]` with the kernels of `isa` (lowered to what the
 /// CPU supports). Same contract as [`super::matmul_with`] with `s = 1`.
-#[allow(clippy::too_many_arguments)]
 pub fn gemv_at(
     isa: Isa,
     pool: &ThreadPool,
-    x: &[f32],
-    k: usize,
-    w: WeightRef<'_>,
-    n: usize,
-    epilogue: Epilogue<'_>,
+    a: LinearArgs<'_>,
     y: &mut [f32],
 ) -> Result<(), KernelError> {
     const OP: &str = "gemv";
+    let (x, k, w, epilogue) = (a.x, a.k, a.w, a.epilogue);
     if !supports(w.dtype) {
         return Err(KernelError::DType {
             op: OP,
             dtype: w.dtype,
         });
     }
-    let (row_bytes, n_out) = check_linear(OP, x, 1, k, &w, n, &epilogue, y)?;
+    if a.s != 1 {
+        return Err(KernelError::Invalid {
+            op: OP,
+            what: "one activation row (s = 1)",
+        });
+    }
+    let (row_bytes, n_out) = check_linear(OP, &a, y)?;
     let level = Level::of(isa);
     let dt = tiles::code(w.dtype);
     let row = |j: usize| w.bytes[j * row_bytes..(j + 1) * row_bytes].as_ptr();
@@ -238,6 +240,7 @@ pub(crate) fn run_rows(
 mod tests {
     use super::*;
     use crate::kernels::testutil::{encode, Rng};
+    use crate::kernels::WeightRef;
 
     #[test]
     fn matches_naive_for_every_dtype_and_epilogue() {
@@ -281,11 +284,7 @@ mod tests {
                     gemv_at(
                         level,
                         &pool,
-                        &x,
-                        k,
-                        wr,
-                        n,
-                        Epilogue::AddResidual(&r),
+                        LinearArgs::new(&x, 1, k, wr, n, Epilogue::AddResidual(&r)),
                         &mut y,
                     )
                     .unwrap();
@@ -298,7 +297,13 @@ mod tests {
                         );
                     }
                     let mut g = vec![0f32; n / 2];
-                    gemv_at(level, &pool, &x, k, wr, n, Epilogue::SwiGlu, &mut g).unwrap();
+                    gemv_at(
+                        level,
+                        &pool,
+                        LinearArgs::new(&x, 1, k, wr, n, Epilogue::SwiGlu),
+                        &mut g,
+                    )
+                    .unwrap();
                     for (j, &got) in g.iter().enumerate() {
                         let (a, b) = (naive(j) as f32, naive(j + n / 2) as f32);
                         let want = crate::kernels::elementwise::silu_f32(a) * b;

@@ -24,7 +24,7 @@ pub(crate) mod tiles;
 
 use self::tiles::{RowLayout, Tiles};
 use super::isa::Isa;
-use super::{check_len, mul_dims, KernelError, WeightRef};
+use super::{check_len, mul_dims, KernelError, LinearArgs, WeightRef};
 use crate::ir::DType;
 use crate::pool::{SyncPtr, ThreadPool};
 
@@ -83,52 +83,35 @@ enum Path {
 /// * `y`: `[s, n]`, or `[s, n/2]` for [`Epilogue::SwiGlu`] (then `n` must be even).
 ///
 /// No scratch is needed; nothing is allocated.
-#[allow(clippy::too_many_arguments)]
 pub fn matmul_with(
     pool: &ThreadPool,
     isa: Isa,
-    x: &[f32],
-    s: usize,
-    k: usize,
-    w: WeightRef<'_>,
-    n: usize,
-    epilogue: Epilogue<'_>,
+    a: LinearArgs<'_>,
     y: &mut [f32],
 ) -> Result<(), KernelError> {
-    matmul_mode(pool, Mode::Level(isa), x, s, k, w, n, epilogue, y)
+    matmul_mode(pool, Mode::Level(isa), a, y)
 }
 
 /// [`matmul_with`] with activations rounded to bf16 and the AVX-512 BF16 dot
 /// product for BF16 weights, where `isa` and the CPU have it (an opt-in trade of
 /// accuracy for speed); otherwise exactly [`matmul_with`].
-#[allow(clippy::too_many_arguments)]
 pub fn matmul_bf16_dot(
     pool: &ThreadPool,
     isa: Isa,
-    x: &[f32],
-    s: usize,
-    k: usize,
-    w: WeightRef<'_>,
-    n: usize,
-    epilogue: Epilogue<'_>,
+    a: LinearArgs<'_>,
     y: &mut [f32],
 ) -> Result<(), KernelError> {
-    matmul_mode(pool, Mode::Bf16Dot(isa), x, s, k, w, n, epilogue, y)
+    matmul_mode(pool, Mode::Bf16Dot(isa), a, y)
 }
 
-#[allow(clippy::too_many_arguments)]
 fn matmul_mode(
     pool: &ThreadPool,
     mode: Mode,
-    x: &[f32],
-    s: usize,
-    k: usize,
-    w: WeightRef<'_>,
-    n: usize,
-    epilogue: Epilogue<'_>,
+    a: LinearArgs<'_>,
     y: &mut [f32],
 ) -> Result<(), KernelError> {
     const OP: &str = "matmul";
+    let (x, s, k, w, n, epilogue) = (a.x, a.s, a.k, a.w, a.n, a.epilogue);
     w.elem_size(OP)?;
     check_len(
         OP,
@@ -173,14 +156,14 @@ fn matmul_mode(
     };
     let path = match mode {
         Mode::Bf16Dot(_) if w.dtype == DType::BF16 && isa.avx512_bf16() => Path::Bf16Dot,
-        _ if s == 1 => return gemv::gemv_at(isa, pool, x, k, w, n, epilogue, y),
+        _ if s == 1 => return gemv::gemv_at(isa, pool, a, y),
         _ if isa.avx512() => Path::Avx512,
         _ if isa.avx2() => Path::Avx2,
         _ => Path::Portable,
     };
     match path {
-        Path::Avx512 => run_columns::<avx512::Avx512>(pool, x, s, k, w, n_out, epilogue, y),
-        Path::Avx2 => run_columns::<avx2::Avx2>(pool, x, s, k, w, n_out, epilogue, y),
+        Path::Avx512 => run_columns::<avx512::Avx512>(pool, a, n_out, y),
+        Path::Avx2 => run_columns::<avx2::Avx2>(pool, a, n_out, y),
         Path::Portable | Path::Bf16Dot => {
             let max_rows = match (s, epilogue) {
                 (1, _) => MAX_GEMV_CHUNK_ROWS,
@@ -193,7 +176,7 @@ fn matmul_mode(
             pool.run(n_chunks, &|c| {
                 let r0 = c * rows;
                 let r1 = (r0 + rows).min(n_out);
-                run_chunk(path, x, s, k, w, n_out, r0, r1, epilogue, yp);
+                run_chunk(path, a, n_out, r0, r1, yp);
             });
         }
     }
@@ -206,18 +189,10 @@ const CHUNK_BYTES: usize = 256 << 10;
 
 /// The tiled path for several tokens: contiguous ranges of output columns,
 /// sized so their weight rows fit in L2 and there are about eight per
-/// thread, each computed by [`tiles::columns`] with the level's kernels.
-#[allow(clippy::too_many_arguments)]
-fn run_columns<K: Tiles>(
-    pool: &ThreadPool,
-    x: &[f32],
-    s: usize,
-    k: usize,
-    w: WeightRef<'_>,
-    n_out: usize,
-    epilogue: Epilogue<'_>,
-    y: &mut [f32],
-) {
+/// thread, each computed by [`tiles::columns`] with the level's kernels
+/// (`n_out` output columns).
+fn run_columns<K: Tiles>(pool: &ThreadPool, a: LinearArgs<'_>, n_out: usize, y: &mut [f32]) {
+    let (x, s, k, w, epilogue) = (a.x, a.s, a.k, a.w, a.epilogue);
     let dt = tiles::code(w.dtype);
     let es = tiles::elem_size(dt);
     let (layout, rows_per_col) = match epilogue {
@@ -311,19 +286,9 @@ fn chunk_rows(n_out: usize, max_rows: usize, threads: usize) -> usize {
     by_balance.clamp(8, max_rows)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run_chunk(
-    path: Path,
-    x: &[f32],
-    s: usize,
-    k: usize,
-    w: WeightRef<'_>,
-    n_out: usize,
-    r0: usize,
-    r1: usize,
-    epilogue: Epilogue<'_>,
-    y: SyncPtr<f32>,
-) {
+/// Output columns `r0..r1` of `n_out` for all tokens.
+fn run_chunk(path: Path, a: LinearArgs<'_>, n_out: usize, r0: usize, r1: usize, y: SyncPtr<f32>) {
+    let (x, s, k, w, epilogue) = (a.x, a.s, a.k, a.w, a.epilogue);
     let nr = r1 - r0;
     // Gate (or plain) sums in the first half, SwiGLU up sums in the second.
     let mut buf = [0f32; TOKEN_BLOCK * MAX_CHUNK_ROWS];
@@ -367,6 +332,9 @@ fn run_chunk(
     }
 }
 
+/// K block of the portable path.
+const PORTABLE_KB: usize = 256;
+
 /// `out[t * nr + r] = dot(x[t], W[row0 + r])` for `t < ns`, `r < nr`.
 #[allow(clippy::too_many_arguments)]
 fn block(
@@ -379,24 +347,10 @@ fn block(
     nr: usize,
     out: &mut [f32],
 ) {
-    match path {
-        Path::Bf16Dot => bf16dot::block(x, ns, k, w.bytes, row0, nr, out),
-        Path::Portable | Path::Avx2 | Path::Avx512 => block_portable(x, ns, k, w, row0, nr, out),
+    if path == Path::Bf16Dot {
+        return bf16dot::block(x, ns, k, w.bytes, row0, nr, out);
     }
-}
-
-/// K block of the portable path.
-const PORTABLE_KB: usize = 256;
-
-fn block_portable(
-    x: &[f32],
-    ns: usize,
-    k: usize,
-    w: WeightRef<'_>,
-    row0: usize,
-    nr: usize,
-    out: &mut [f32],
-) {
+    // The portable path.
     let mut wbuf = [0f32; PORTABLE_KB];
     out[..ns * nr].fill(0.0);
     for r in 0..nr {
@@ -415,7 +369,7 @@ fn block_portable(
 }
 
 /// The portable level's dot product of a weight row with `x`, in the
-/// order [`block_portable`] gives every (row, token) pair: K blocks of 256,
+/// order [`block`] gives every (row, token) pair: K blocks of 256,
 /// each summed by [`dot8`], added in order to a sum starting at 0.
 /// `fill(k0, buf)` writes weights `k0..k0 + buf.len()` of the row as f32.
 pub(crate) fn portable_dot_with(x: &[f32], fill: &mut dyn FnMut(usize, &mut [f32])) -> f32 {
@@ -463,19 +417,12 @@ pub(crate) mod tests {
     use crate::kernels::testutil::{assert_close, decoded, encode, Rng};
 
     /// [`matmul_with`] at the level the tests run at (`LLAMA_GRAPH_ISA`).
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn matmul(
         pool: &ThreadPool,
-        x: &[f32],
-        s: usize,
-        k: usize,
-        w: WeightRef<'_>,
-        n: usize,
-        epilogue: Epilogue<'_>,
+        a: LinearArgs<'_>,
         y: &mut [f32],
     ) -> Result<(), KernelError> {
-        let isa = crate::kernels::Kernels::current().isa();
-        matmul_with(pool, isa, x, s, k, w, n, epilogue, y)
+        matmul_with(pool, crate::kernels::Kernels::current().isa(), a, y)
     }
 
     fn naive(x: &[f32], s: usize, k: usize, w: &[f32], n: usize) -> Vec<f64> {
@@ -507,20 +454,44 @@ pub(crate) mod tests {
             for isa in Isa::supported_levels() {
                 let what = format!("{dtype} s={s} k={k} n={n} {isa:?}");
                 let mut y = vec![f32::NAN; s * n];
-                matmul_with(pool, isa, &x, s, k, w, n, Epilogue::None, &mut y).unwrap();
+                matmul_with(
+                    pool,
+                    isa,
+                    LinearArgs::new(&x, s, k, w, n, Epilogue::None),
+                    &mut y,
+                )
+                .unwrap();
                 assert_close(&y, &want, tol(k), 1e-5, &what);
                 // Residual epilogues.
                 let want_r: Vec<f64> = want.iter().zip(&r).map(|(a, &b)| a + b as f64).collect();
-                matmul_with(pool, isa, &x, s, k, w, n, Epilogue::AddResidual(&r), &mut y).unwrap();
+                matmul_with(
+                    pool,
+                    isa,
+                    LinearArgs::new(&x, s, k, w, n, Epilogue::AddResidual(&r)),
+                    &mut y,
+                )
+                .unwrap();
                 assert_close(&y, &want_r, tol(k), 1e-5, &what);
                 let mut y2 = r.clone();
-                matmul_with(pool, isa, &x, s, k, w, n, Epilogue::Accumulate, &mut y2).unwrap();
+                matmul_with(
+                    pool,
+                    isa,
+                    LinearArgs::new(&x, s, k, w, n, Epilogue::Accumulate),
+                    &mut y2,
+                )
+                .unwrap();
                 assert_close(&y2, &want_r, tol(k), 1e-5, &what);
                 // SwiGLU over the same weights seen as [gate; up].
                 if n.is_multiple_of(2) {
                     let f = n / 2;
                     let mut ys = vec![f32::NAN; s * f];
-                    matmul_with(pool, isa, &x, s, k, w, n, Epilogue::SwiGlu, &mut ys).unwrap();
+                    matmul_with(
+                        pool,
+                        isa,
+                        LinearArgs::new(&x, s, k, w, n, Epilogue::SwiGlu),
+                        &mut ys,
+                    )
+                    .unwrap();
                     let mut want_s = vec![0f64; s * f];
                     for i in 0..s {
                         for j in 0..f {
@@ -621,7 +592,7 @@ pub(crate) mod tests {
                 let w = WeightRef::new(dtype, &wb);
                 for isa in Isa::supported_levels() {
                     let mm = |pool: &ThreadPool, x: &[f32], s, ep: Epilogue<'_>, y: &mut [f32]| {
-                        matmul_with(pool, isa, x, s, k, w, n, ep, y).unwrap()
+                        matmul_with(pool, isa, LinearArgs::new(x, s, k, w, n, ep), y).unwrap()
                     };
                     check_batch_invariance(
                         &mm,
@@ -713,7 +684,13 @@ pub(crate) mod tests {
             let want = naive(&xr, s, k, &decoded(&wf, DType::BF16), n);
             let mut y = vec![f32::NAN; s * n];
             let w = WeightRef::new(DType::BF16, &wb);
-            matmul_bf16_dot(&pool, isa, &x, s, k, w, n, Epilogue::None, &mut y).unwrap();
+            matmul_bf16_dot(
+                &pool,
+                isa,
+                LinearArgs::new(&x, s, k, w, n, Epilogue::None),
+                &mut y,
+            )
+            .unwrap();
             assert_close(
                 &y,
                 &want,
@@ -724,7 +701,13 @@ pub(crate) mod tests {
             // SwiGLU epilogue through the same path.
             let mut ys = vec![f32::NAN; s * n / 2];
             if n % 2 == 0 {
-                matmul_bf16_dot(&pool, isa, &x, s, k, w, n, Epilogue::SwiGlu, &mut ys).unwrap();
+                matmul_bf16_dot(
+                    &pool,
+                    isa,
+                    LinearArgs::new(&x, s, k, w, n, Epilogue::SwiGlu),
+                    &mut ys,
+                )
+                .unwrap();
                 let f = n / 2;
                 for t in 0..s {
                     for j in 0..f {
@@ -745,12 +728,7 @@ pub(crate) mod tests {
         matmul_bf16_dot(
             &pool,
             isa,
-            &x,
-            2,
-            9,
-            WeightRef::from_f32(&w),
-            4,
-            Epilogue::None,
+            LinearArgs::new(&x, 2, 9, WeightRef::from_f32(&w), 4, Epilogue::None),
             &mut y,
         )
         .unwrap();
@@ -771,12 +749,14 @@ pub(crate) mod tests {
             let mut y = vec![0f32; s * n];
             matmul(
                 &pool,
-                &x,
-                s,
-                k,
-                WeightRef::new(DType::BF16, &wb),
-                n,
-                Epilogue::None,
+                LinearArgs::new(
+                    &x,
+                    s,
+                    k,
+                    WeightRef::new(DType::BF16, &wb),
+                    n,
+                    Epilogue::None,
+                ),
                 &mut y,
             )
             .unwrap();
@@ -796,7 +776,12 @@ pub(crate) mod tests {
             buf.extend(encode(&wf, dtype));
             let w = WeightRef::new(dtype, &buf[1..]);
             let mut y = vec![0f32; s * n];
-            matmul(&pool, &x, s, k, w, n, Epilogue::None, &mut y).unwrap();
+            matmul(
+                &pool,
+                LinearArgs::new(&x, s, k, w, n, Epilogue::None),
+                &mut y,
+            )
+            .unwrap();
             assert_close(
                 &y,
                 &naive(&x, s, k, &decoded(&wf, dtype), n),
@@ -814,35 +799,49 @@ pub(crate) mod tests {
         let w = vec![0f32; 9];
         let mut y = vec![0f32; 6];
         let wr = WeightRef::from_f32(&w);
-        assert!(matmul(&pool, &x, 2, 3, wr, 3, Epilogue::None, &mut y).is_ok());
-        assert!(matmul(&pool, &x, 2, 3, wr, 3, Epilogue::None, &mut y[1..]).is_err());
-        assert!(matmul(&pool, &x[1..], 2, 3, wr, 3, Epilogue::None, &mut y).is_err());
         assert!(matmul(
             &pool,
-            &x,
-            2,
-            3,
-            WeightRef::from_f32(&w[1..]),
-            3,
-            Epilogue::None,
+            LinearArgs::new(&x, 2, 3, wr, 3, Epilogue::None),
+            &mut y
+        )
+        .is_ok());
+        assert!(matmul(
+            &pool,
+            LinearArgs::new(&x, 2, 3, wr, 3, Epilogue::None),
+            &mut y[1..]
+        )
+        .is_err());
+        assert!(matmul(
+            &pool,
+            LinearArgs::new(&x[1..], 2, 3, wr, 3, Epilogue::None),
             &mut y
         )
         .is_err());
-        assert!(matmul(&pool, &x, 2, 3, wr, 3, Epilogue::SwiGlu, &mut y).is_err());
         assert!(matmul(
             &pool,
-            &x,
-            2,
-            3,
-            wr,
-            3,
-            Epilogue::AddResidual(&x[1..]),
+            LinearArgs::new(&x, 2, 3, WeightRef::from_f32(&w[1..]), 3, Epilogue::None),
+            &mut y
+        )
+        .is_err());
+        assert!(matmul(
+            &pool,
+            LinearArgs::new(&x, 2, 3, wr, 3, Epilogue::SwiGlu),
+            &mut y
+        )
+        .is_err());
+        assert!(matmul(
+            &pool,
+            LinearArgs::new(&x, 2, 3, wr, 3, Epilogue::AddResidual(&x[1..])),
             &mut y
         )
         .is_err());
         let q = WeightRef::new(DType::Q8_0, &[]);
         assert!(matches!(
-            matmul(&pool, &x, 2, 3, q, 3, Epilogue::None, &mut y),
+            matmul(
+                &pool,
+                LinearArgs::new(&x, 2, 3, q, 3, Epilogue::None),
+                &mut y
+            ),
             Err(KernelError::DType { .. })
         ));
     }

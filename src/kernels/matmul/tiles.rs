@@ -29,6 +29,8 @@
 
 use crate::ir::DType;
 
+pub(crate) mod simd;
+
 /// Weight-row tile (accumulator rows).
 pub(crate) const RT: usize = 4;
 /// Largest token tile of any level.
@@ -65,27 +67,30 @@ pub(crate) const fn elem_size(dt: u8) -> usize {
     }
 }
 
+/// The operands of one tile: `t` tokens of `x` (`1 <= t <= TT`; rows of `k`
+/// f32, row stride `k`) against `r` weight rows (`1 <= r <= RT`; `w[i]` for
+/// `i < r` points to `k` elements of dtype `dt`).
+#[derive(Clone, Copy)]
+pub(crate) struct Tile<'a> {
+    pub(crate) dt: u8,
+    pub(crate) r: usize,
+    pub(crate) t: usize,
+    pub(crate) x: *const f32,
+    pub(crate) k: usize,
+    pub(crate) w: &'a [*const u8; RT],
+}
+
 /// The tile kernels of one SIMD level.
 pub(crate) trait Tiles {
     /// Tokens per full tile (at most [`MAX_TT`]).
     const TT: usize;
 
-    /// `out[j][i] = dot(x[j], w[i])` for `j < t`, `i < r` (`1 <= r <= RT`,
-    /// `1 <= t <= TT`), in the order described in the module docs.
+    /// `out[j][i] = dot(x[j], w[i])` for `j < t`, `i < r` of the operands
+    /// `op`, in the order described in the module docs.
     ///
     /// # Safety
-    /// The CPU supports the level; `x` holds `t` rows of `k` f32 (row
-    /// stride `k`); `w[i]` for `i < r` points to `k` elements of dtype `dt`.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn tile(
-        dt: u8,
-        r: usize,
-        t: usize,
-        x: *const f32,
-        k: usize,
-        w: &[*const u8; RT],
-        out: &mut Sums,
-    );
+    /// The CPU supports the level; `op` is as [`Tile`] describes.
+    unsafe fn tile(op: Tile<'_>, out: &mut Sums);
 
     /// `g[i] = silu(g[i]) * u[i]` elementwise, with this level's vector
     /// formula: an element's bits depend on its own inputs alone, so
@@ -133,7 +138,19 @@ pub(crate) unsafe fn dot1<K: Tiles>(dt: u8, row: *const u8, x: *const f32, k: us
     let mut out = [[0f32; RT]; MAX_TT];
     let w = [row, row, row, row];
     // SAFETY: forwarded.
-    unsafe { K::tile(dt, 1, 1, x, k, &w, &mut out) };
+    unsafe {
+        K::tile(
+            Tile {
+                dt,
+                r: 1,
+                t: 1,
+                x,
+                k,
+                w: &w,
+            },
+            &mut out,
+        )
+    };
     out[0][0]
 }
 
@@ -150,7 +167,19 @@ pub(crate) unsafe fn dot4<K: Tiles>(
 ) -> [f32; RT] {
     let mut out = [[0f32; RT]; MAX_TT];
     // SAFETY: forwarded.
-    unsafe { K::tile(dt, RT, 1, x, k, &rows, &mut out) };
+    unsafe {
+        K::tile(
+            Tile {
+                dt,
+                r: RT,
+                t: 1,
+                x,
+                k,
+                w: &rows,
+            },
+            &mut out,
+        )
+    };
     out[0]
 }
 
@@ -289,7 +318,17 @@ unsafe fn token_tiles<K: Tiles>(
         // `sums` (at most MAX_TOKEN_GROUP - 1 + MAX_TT of them) are a `Sums`.
         unsafe {
             let out = &mut *sums.as_mut_ptr().add(t - t0).cast::<Sums>();
-            K::tile(dt, r, nt, x.add(t * k), k, w, out);
+            K::tile(
+                Tile {
+                    dt,
+                    r,
+                    t: nt,
+                    x: x.add(t * k),
+                    k,
+                    w,
+                },
+                out,
+            );
         }
         t += nt;
     }

@@ -5,7 +5,7 @@
 
 use super::dot_row_at;
 use crate::kernels::matmul::Epilogue;
-use crate::kernels::{check_linear, Isa, KernelError, WeightRef};
+use crate::kernels::{check_linear, Isa, KernelError, LinearArgs};
 use crate::pool::{SyncPtr, ThreadPool};
 
 /// Output columns per work chunk.
@@ -16,20 +16,15 @@ const COLS_PER_CHUNK: usize = 16;
 /// `isa` (lowered to what the CPU supports). Every output is one row's dot
 /// product computed alone, so a row's result does not depend on the other
 /// rows of `x` (batch invariance).
-#[allow(clippy::too_many_arguments)]
 pub fn qmatmul_with(
     isa: Isa,
     pool: &ThreadPool,
-    x: &[f32],
-    s: usize,
-    k: usize,
-    w: WeightRef<'_>,
-    n: usize,
-    epilogue: Epilogue<'_>,
+    a: LinearArgs<'_>,
     y: &mut [f32],
 ) -> Result<(), KernelError> {
     const OP: &str = "qmatmul";
-    let (row_bytes, n_out) = check_linear(OP, x, s, k, &w, n, &epilogue, y)?;
+    let (row_bytes, n_out) = check_linear(OP, &a, y)?;
+    let (x, s, k, w, epilogue) = (a.x, a.s, a.k, a.w, a.epilogue);
     let yp = SyncPtr::new(y);
     let row = |j: usize| &w.bytes[j * row_bytes..(j + 1) * row_bytes];
     pool.run(n_out.div_ceil(COLS_PER_CHUNK), &|c| {
@@ -61,6 +56,7 @@ mod tests {
     use crate::ir::DType;
     use crate::kernels::quantized::{dequantize_row, quantize_row};
     use crate::kernels::Kernels;
+    use crate::kernels::WeightRef;
 
     #[test]
     fn matches_dequantize_then_multiply() {
@@ -103,12 +99,7 @@ mod tests {
             qmatmul_with(
                 Kernels::current().isa(),
                 &pool,
-                &x,
-                s,
-                k,
-                wr,
-                n,
-                Epilogue::AddResidual(&r),
+                LinearArgs::new(&x, s, k, wr, n, Epilogue::AddResidual(&r)),
                 &mut y,
             )
             .unwrap();
@@ -124,12 +115,7 @@ mod tests {
             qmatmul_with(
                 Kernels::current().isa(),
                 &pool,
-                &x,
-                s,
-                k,
-                wr,
-                n,
-                Epilogue::SwiGlu,
+                LinearArgs::new(&x, s, k, wr, n, Epilogue::SwiGlu),
                 &mut g,
             )
             .unwrap();

@@ -91,9 +91,22 @@ fn run(
             let mut scratch =
                 vec![Q8Act::default(); scratch_len_for(isa, w.dtype, s, k).expect("whole blocks")];
             let w = w.with_layout(layout);
-            qmatmul_fast_with(isa, pool, x, s, k, w, n, e, &mut y, &mut scratch).unwrap();
+            qmatmul_fast_with(
+                isa,
+                pool,
+                crate::kernels::LinearArgs::new(x, s, k, w, n, e),
+                &mut y,
+                &mut scratch,
+            )
+            .unwrap();
         }
-        Path::Exact => qmatmul_with(isa, pool, x, s, k, w, n, e, &mut y).unwrap(),
+        Path::Exact => qmatmul_with(
+            isa,
+            pool,
+            crate::kernels::LinearArgs::new(x, s, k, w, n, e),
+            &mut y,
+        )
+        .unwrap(),
     }
     y
 }

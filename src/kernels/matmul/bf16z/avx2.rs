@@ -50,29 +50,6 @@ fn consts() -> (__m256i, __m256i, __m256i) {
     )
 }
 
-/// The blocks of one row as bf16 values in natural order (exceptions
-/// still coded).
-///
-/// # Safety
-/// The CPU must support avx2/fma; `out` holds 32 values per block.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn decode(blocks: &[u8], out: &mut [u16]) {
-    let (table, halves, lo4) = consts();
-    let p = blocks.as_ptr();
-    let nb = blocks.len() / BLOCK_BYTES;
-    for (b, o) in out.chunks_exact_mut(BLOCK).take(nb).enumerate() {
-        // SAFETY: block b lies within `blocks`; `o` holds 32 u16 (64
-        // bytes). Unaligned loads and stores.
-        unsafe {
-            let q = p.add(b * BLOCK_BYTES);
-            let (wa, wb) = words(q, table, halves, lo4);
-            let d = o.as_mut_ptr() as *mut __m256i;
-            _mm256_storeu_si256(d, _mm256_permute2x128_si256::<0x20>(wa, wb));
-            _mm256_storeu_si256(d.add(1), _mm256_permute2x128_si256::<0x31>(wa, wb));
-        }
-    }
-}
-
 /// [`dot`] for four rows of the same length, sharing each load of
 /// `xp`; one accumulator per row, as in [`dot`].
 ///
@@ -120,13 +97,14 @@ pub(super) unsafe fn dot4(rows: [&[u8]; 4], xp: &[f32]) -> [f32; 4] {
     out
 }
 
-/// The blocks of one row as coded bf16 values, each block of 32 in
+/// The blocks of one row as coded bf16 values (exceptions not applied):
+/// in natural order, or with `PERMUTED` each block of 32 in
 /// [`super::ORDER`] (the order in which [`dot`] multiplies them).
 ///
 /// # Safety
 /// The CPU must support avx2/fma; `out` holds 32 values per block.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn decode_permuted(blocks: &[u8], out: &mut [u16]) {
+pub(super) unsafe fn decode<const PERMUTED: bool>(blocks: &[u8], out: &mut [u16]) {
     let (table, halves, lo4) = consts();
     // Per 128-bit lane: the even words, then the odd ones.
     let split = _mm256_setr_epi8(
@@ -141,14 +119,23 @@ pub(super) unsafe fn decode_permuted(blocks: &[u8], out: &mut [u16]) {
         unsafe {
             let q = p.add(b * BLOCK_BYTES);
             let (wa, wb) = words(q, table, halves, lo4);
-            // wa: weights 0-7 | 16-23; as 64-bit quarters after the
-            // split: (0,2,4,6) (1,3,5,7) (16,..,22) (17,..,23); 0xD8
-            // orders them evens 0-6, evens 16-22, odds 1-7, odds 17-23.
-            let pa = _mm256_permute4x64_epi64::<0xD8>(_mm256_shuffle_epi8(wa, split));
-            let pb = _mm256_permute4x64_epi64::<0xD8>(_mm256_shuffle_epi8(wb, split));
+            let (lo, hi) = if PERMUTED {
+                // wa: weights 0-7 | 16-23; as 64-bit quarters after the
+                // split: (0,2,4,6) (1,3,5,7) (16,..,22) (17,..,23); 0xD8
+                // orders them evens 0-6, evens 16-22, odds 1-7, odds 17-23.
+                (
+                    _mm256_permute4x64_epi64::<0xD8>(_mm256_shuffle_epi8(wa, split)),
+                    _mm256_permute4x64_epi64::<0xD8>(_mm256_shuffle_epi8(wb, split)),
+                )
+            } else {
+                (
+                    _mm256_permute2x128_si256::<0x20>(wa, wb),
+                    _mm256_permute2x128_si256::<0x31>(wa, wb),
+                )
+            };
             let d = o.as_mut_ptr() as *mut __m256i;
-            _mm256_storeu_si256(d, pa);
-            _mm256_storeu_si256(d.add(1), pb);
+            _mm256_storeu_si256(d, lo);
+            _mm256_storeu_si256(d.add(1), hi);
         }
     }
 }

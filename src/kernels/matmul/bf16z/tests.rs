@@ -60,17 +60,18 @@ fn gemv_matches_bf16_gemv_on_every_kernel() {
         crate::kernels::gemv::gemv_at(
             cur,
             &pool,
-            &x,
-            k,
-            w,
-            n,
-            Epilogue::AddResidual(&r),
+            crate::kernels::LinearArgs::new(&x, 1, k, w, n, Epilogue::AddResidual(&r)),
             &mut want,
         )
         .unwrap();
         let mut want_g = vec![0f32; n / 2];
-        crate::kernels::gemv::gemv_at(cur, &pool, &x, k, w, n, Epilogue::SwiGlu, &mut want_g)
-            .unwrap();
+        crate::kernels::gemv::gemv_at(
+            cur,
+            &pool,
+            crate::kernels::LinearArgs::new(&x, 1, k, w, n, Epilogue::SwiGlu),
+            &mut want_g,
+        )
+        .unwrap();
         for isa in Isa::supported_levels() {
             let mut y = vec![0f32; n];
             gemv_at(isa, &pool, &x, v, Epilogue::AddResidual(&r), &mut y).unwrap();
@@ -120,7 +121,8 @@ fn matmul_matches_bf16_matmul_for_every_epilogue() {
             };
             let init = rng.vec(s * n_out);
             let mut want = init.clone();
-            crate::kernels::matmul::tests::matmul(&pool, &x, s, k, w, n, ep, &mut want).unwrap();
+            let a = crate::kernels::LinearArgs::new(&x, s, k, w, n, ep);
+            crate::kernels::matmul::tests::matmul(&pool, a, &mut want).unwrap();
             let mut got = init.clone();
             let cur = crate::kernels::Kernels::current().isa();
             matmul_at(cur, &pool, &x, s, k, &z, n, ep, &mut got).unwrap();

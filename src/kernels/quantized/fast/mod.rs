@@ -70,7 +70,7 @@ pub mod x8;
 
 use crate::ir::DType;
 use crate::kernels::matmul::Epilogue;
-use crate::kernels::{check_linear, Isa, KernelError, WeightRef};
+use crate::kernels::{check_linear, Isa, KernelError, LinearArgs, WeightRef};
 use crate::pool::{SyncPtr, ThreadPool};
 
 /// One quantized block of 32 activations:
@@ -352,19 +352,14 @@ fn dot_rows(
 /// quantizing each row of `x` once into `scratch` (at least
 /// [`scratch_len_for`]`(isa, w.dtype, s, k)` blocks). Same contract as
 /// [`super::exact::qmatmul_with`] otherwise.
-#[allow(clippy::too_many_arguments)]
 pub fn qmatmul_fast_with(
     isa: Isa,
     pool: &ThreadPool,
-    x: &[f32],
-    s: usize,
-    k: usize,
-    w: WeightRef<'_>,
-    n: usize,
-    epilogue: Epilogue<'_>,
+    a: LinearArgs<'_>,
     y: &mut [f32],
     scratch: &mut [Q8Act],
 ) -> Result<(), KernelError> {
+    let (x, s, k, w, n, epilogue) = (a.x, a.s, a.k, a.w, a.n, a.epilogue);
     // For Layout::X8, `w.bytes` holds the matrix as [`x8::repack`] wrote it.
     let layout = w.layout;
     let level = Level::of(isa);
@@ -375,7 +370,7 @@ pub fn qmatmul_fast_with(
             dtype: w.dtype,
         });
     }
-    let (row_bytes, n_out) = check_linear(OP, x, s, k, &w, n, &epilogue, y)?;
+    let (row_bytes, n_out) = check_linear(OP, &a, y)?;
     if layout == Layout::X8 && !(x8::supports(w.dtype, n, k) && n_out.is_multiple_of(x8::G)) {
         return Err(KernelError::Invalid {
             op: OP,

@@ -107,7 +107,14 @@ fn run_level(
 ) {
     let pool = ThreadPool::new(2);
     let mut scratch = vec![Q8Act::default(); scratch_len_for(level, wr.dtype, s, k).unwrap()];
-    qmatmul_fast_with(level, &pool, x, s, k, wr, n, e, y, &mut scratch).unwrap();
+    qmatmul_fast_with(
+        level,
+        &pool,
+        LinearArgs::new(x, s, k, wr, n, e),
+        y,
+        &mut scratch,
+    )
+    .unwrap();
 }
 
 /// Every supported dtype.
@@ -248,7 +255,14 @@ fn kernels_match_scalar_reference() {
                     let pool = ThreadPool::new(2);
                     let need = scratch_len_for(level, dtype, s, k).unwrap();
                     let mut scratch = vec![Q8Act::default(); need];
-                    qmatmul_fast_with(level, &pool, &x, s, k, w8, n8, e, y, &mut scratch).unwrap();
+                    qmatmul_fast_with(
+                        level,
+                        &pool,
+                        LinearArgs::new(&x, s, k, w8, n8, e),
+                        y,
+                        &mut scratch,
+                    )
+                    .unwrap();
                 };
                 let r8: Vec<f32> = (0..s * n8).map(|i| r[i % n8 + (i / n8) * n]).collect();
                 let mut y0 = vec![f32::NAN; s * n8];
@@ -403,12 +417,7 @@ fn rejects_bad_arguments() {
         qmatmul_fast_with(
             Isa::detect(),
             &pool,
-            &[0.0; 32],
-            1,
-            32,
-            wr,
-            1,
-            Epilogue::None,
+            LinearArgs::new(&[0.0; 32], 1, 32, wr, 1, Epilogue::None),
             &mut y,
             &mut small
         ),
@@ -422,12 +431,7 @@ fn rejects_bad_arguments() {
         qmatmul_fast_with(
             Isa::detect(),
             &pool,
-            &[0.0; 256],
-            1,
-            256,
-            wk,
-            1,
-            Epilogue::None,
+            LinearArgs::new(&[0.0; 256], 1, 256, wk, 1, Epilogue::None),
             &mut y,
             &mut sc
         ),
