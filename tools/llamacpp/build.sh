@@ -112,13 +112,15 @@ TARGETS=()
 for t in "$@"; do
   if [ "$t" = llama-graph-logits ]; then WANT_LOGITS=1; TARGETS+=(llama); else TARGETS+=("$t"); fi
 done
-STAMP="$BUILD/.configured-$(echo "${FLAGS[*]}" | sha256sum | cut -c1-16)"
+# Examples are configured (llama-speculative-simple, llama-lookup: the speculative
+# benchmark) but, as everything else, built only when asked for by name.
+COMMON=(-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_UI=OFF)
+STAMP="$BUILD/.configured-$(echo "${COMMON[*]} ${FLAGS[*]}" | sha256sum | cut -c1-16)"
 if [ ! -f "$STAMP" ]; then
   log "configuring $CLASS build in $BUILD"
   "$CMAKE" -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_MAKE_PROGRAM="$NINJA" \
-    -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF \
-    "${FLAGS[@]}" >&2
+    "${COMMON[@]}" "${FLAGS[@]}" >&2
   touch "$STAMP"
 fi
 log "building ${TARGETS[*]} ($CLASS, $JOBS jobs; the first build takes several minutes)"
