@@ -79,3 +79,39 @@ pub(crate) fn random_blocks(dtype: DType, nblocks: usize, rng: &mut Rng) -> Vec<
     }
     out
 }
+
+/// Every weight format of the quantized fast path (`quantized::fast::units`).
+pub(crate) const FAST_FORMATS: [DType; 11] = [
+    DType::Q8_0,
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::IQ4_NL,
+    DType::Q3_K,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+    DType::IQ4_XS,
+];
+
+/// The `n` rows of `k` floats in `wf`, each quantized to `dtype` by the
+/// crate's quantizer.
+pub(crate) fn quantized_rows(dtype: DType, wf: &[f32], n: usize, k: usize) -> Vec<u8> {
+    let rb = dtype.bytes_for(k).unwrap();
+    let mut wq = vec![0u8; n * rb];
+    for (row, q) in wf[..n * k].chunks_exact(k).zip(wq.chunks_exact_mut(rb)) {
+        super::quantized::quantize_row(dtype, row, q).unwrap();
+    }
+    wq
+}
+
+/// The values of the `n` quantized rows of `k` elements in `wq`.
+pub(crate) fn dequantized_rows(dtype: DType, wq: &[u8], n: usize, k: usize) -> Vec<f32> {
+    let rb = dtype.bytes_for(k).unwrap();
+    let mut wd = vec![0f32; n * k];
+    for (q, row) in wq[..n * rb].chunks_exact(rb).zip(wd.chunks_exact_mut(k)) {
+        super::quantized::dequantize_row(dtype, q, row).unwrap();
+    }
+    wd
+}

@@ -76,6 +76,16 @@ pub(crate) fn k_scale_min(s: &[u8], k: usize) -> (u8, u8) {
     }
 }
 
+/// `(d·sc, dmin·m)` of sub-blocks `2j` and `2j + 1` (the two halves of
+/// 64 elements `j`) of a Q4_K/Q5_K block with scale bytes `s`.
+#[inline(always)]
+fn k_pair(s: &[u8], j: usize, d: f32, dmin: f32) -> [(f32, f32); 2] {
+    [2 * j, 2 * j + 1].map(|k| {
+        let (sc, m) = k_scale_min(s, k);
+        (d * sc as f32, dmin * m as f32)
+    })
+}
+
 /// The signed 6-bit scale (already minus 32) of sub-block `i` (0..16) of a
 /// Q3_K block from its 12 scale bytes `s`.
 #[inline(always)]
@@ -194,10 +204,7 @@ pub(crate) fn dequant_block(dtype: DType, b: &[u8], out: &mut [f32]) {
             let scales = &b[4..16];
             let qs = &b[16..144];
             for j in 0..4 {
-                let (sc1, m1) = k_scale_min(scales, 2 * j);
-                let (sc2, m2) = k_scale_min(scales, 2 * j + 1);
-                let (d1, mm1) = (d * sc1 as f32, dmin * m1 as f32);
-                let (d2, mm2) = (d * sc2 as f32, dmin * m2 as f32);
+                let [(d1, mm1), (d2, mm2)] = k_pair(scales, j, d, dmin);
                 let q = &qs[32 * j..32 * j + 32];
                 let y = &mut out[64 * j..64 * j + 64];
                 for l in 0..32 {
@@ -211,10 +218,7 @@ pub(crate) fn dequant_block(dtype: DType, b: &[u8], out: &mut [f32]) {
             let dmin = rd_f16(b, 2);
             let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
             for j in 0..4 {
-                let (sc1, m1) = k_scale_min(scales, 2 * j);
-                let (sc2, m2) = k_scale_min(scales, 2 * j + 1);
-                let (d1, mm1) = (d * sc1 as f32, dmin * m1 as f32);
-                let (d2, mm2) = (d * sc2 as f32, dmin * m2 as f32);
+                let [(d1, mm1), (d2, mm2)] = k_pair(scales, j, d, dmin);
                 let q = &qs[32 * j..32 * j + 32];
                 let y = &mut out[64 * j..64 * j + 64];
                 for l in 0..32 {

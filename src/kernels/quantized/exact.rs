@@ -54,7 +54,7 @@ pub fn qmatmul_with(
 mod tests {
     use super::*;
     use crate::ir::DType;
-    use crate::kernels::quantized::{dequantize_row, quantize_row};
+    use crate::kernels::testutil::{dequantized_rows, quantized_rows};
     use crate::kernels::Kernels;
     use crate::kernels::WeightRef;
 
@@ -73,25 +73,8 @@ mod tests {
         let r: Vec<f32> = (0..s * n).map(|_| rnd()).collect();
         let pool = ThreadPool::new(2);
         for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
-            let rb = dtype.bytes_for(k).unwrap();
-            let mut wq = vec![0u8; n * rb];
-            for j in 0..n {
-                quantize_row(
-                    dtype,
-                    &wf[j * k..(j + 1) * k],
-                    &mut wq[j * rb..(j + 1) * rb],
-                )
-                .unwrap();
-            }
-            let mut wd = vec![0f32; n * k];
-            for j in 0..n {
-                dequantize_row(
-                    dtype,
-                    &wq[j * rb..(j + 1) * rb],
-                    &mut wd[j * k..(j + 1) * k],
-                )
-                .unwrap();
-            }
+            let wq = quantized_rows(dtype, &wf, n, k);
+            let wd = dequantized_rows(dtype, &wq, n, k);
             let naive =
                 |t: usize, j: usize| (0..k).map(|i| x[t * k + i] * wd[j * k + i]).sum::<f32>();
             let wr = WeightRef::new(dtype, &wq);

@@ -1,11 +1,13 @@
 //! AVX2 kernels of the fast path: activation quantization, the unit
-//! decoders of every weight format ([`Fmt`]), the small-S kernel
-//! ([`dot_rows`]: `maddubs`/`madd`, 4 weight rows reduced into the lanes of
-//! one register) and the packed prefill kernel ([`kern16`]: 16-bit weights
+//! decoders of every weight format ([`Fmt`]), the unit products of the
+//! small-S kernel of `small.rs` ([`Maddubs`]: `maddubs`/`madd`), the
+//! decoding and packing of the packed kernels' operands (shared with
+//! AVX-512) and the packed prefill kernel ([`kern16`]: 16-bit weights
 //! times 16-bit activations with `vpmaddwd`, 16 tokens in two registers). Both
 //! compute every output with the shared arithmetic of `units.rs`.
 
-use super::{Q8Act, QK, RES, RES_SHIFT};
+use super::small::{self, UnitDot};
+use super::{units, Q8Act, QK, RES, RES_SHIFT};
 use crate::ir::DType;
 use std::arch::x86_64::*;
 
@@ -99,13 +101,21 @@ fn bit_bytes(x: u32) -> __m256i {
     _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(v, spread), mask), mask)
 }
 
+/// The first 32 bytes of `p`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load32(p: &[u8]) -> __m256i {
+    let p = &p[..32];
+    // SAFETY: p has 32 bytes; unaligned load.
+    unsafe { _mm256_loadu_si256(p.as_ptr() as *const __m256i) }
+}
+
 /// `0xff` in byte `i` where bit `n` of byte `i` of the 32 bytes at `p` is set.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn bit_n(p: &[u8], n: usize) -> __m256i {
-    let p = &p[..32];
-    // SAFETY: p has 32 bytes; unaligned load.
-    let v = unsafe { _mm256_loadu_si256(p.as_ptr() as *const __m256i) };
+    // SAFETY: as the caller's (avx2).
+    let v = unsafe { load32(p) };
     let bit = _mm256_set1_epi8((1u8 << n) as i8);
     _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit)
 }
@@ -114,9 +124,8 @@ unsafe fn bit_n(p: &[u8], n: usize) -> __m256i {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn bits_at(p: &[u8], n: usize, mask: i8) -> __m256i {
-    let p = &p[..32];
-    // SAFETY: p has 32 bytes; unaligned load.
-    let v = unsafe { _mm256_loadu_si256(p.as_ptr() as *const __m256i) };
+    // SAFETY: as the caller's (avx2).
+    let v = unsafe { load32(p) };
     let v = _mm256_srl_epi16(v, _mm_cvtsi32_si128(n as i32));
     _mm256_and_si256(v, _mm256_set1_epi8(mask))
 }
@@ -124,7 +133,7 @@ unsafe fn bits_at(p: &[u8], n: usize, mask: i8) -> __m256i {
 /// The IQ4 grid plus 128 (so unsigned) looked up for 32 nibbles.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn iq4_grid_u(nib: __m256i) -> __m256i {
+pub(super) fn iq4_grid_u(nib: __m256i) -> __m256i {
     let g = crate::kernels::quantized::blocks::IQ4_VALUES.map(|v| (v as u8) ^ 0x80);
     // SAFETY: the table has 16 bytes; unaligned load.
     let t = unsafe { _mm_loadu_si128(g.as_ptr() as *const __m128i) };
@@ -143,18 +152,21 @@ unsafe fn nibbles32(q: &[u8]) -> __m256i {
 }
 
 /// A weight format of the fast path, seen as 32-element units (see
-/// `units.rs`; the constants repeat its table so kernels specialise on them).
+/// `units.rs`; the constants are its table's, as constants so kernels
+/// specialise on them).
 pub(super) trait Fmt {
+    /// The format.
+    const D: DType;
     /// Bytes per storage block.
-    const BYTES: usize;
+    const BYTES: usize = Self::D.block_bytes();
     /// Units per storage block.
-    const UNITS: usize;
+    const UNITS: usize = units::units_per_block(Self::D);
     /// `units::offset`: `q + OFF` is the unsigned quant.
-    const OFF: i32;
+    const OFF: i32 = units::offset(Self::D);
     /// `units::split_scales`.
-    const SPLIT: bool;
+    const SPLIT: bool = units::split_scales(Self::D);
     /// `units::has_min`.
-    const HAS_MIN: bool;
+    const HAS_MIN: bool = units::has_min(Self::D);
     /// The 32 quants of unit `u` of block `b` as unsigned bytes `q + OFF`,
     /// in element order.
     ///
@@ -205,11 +217,28 @@ fn scale8<const SIGNED: bool>(d: f32, x: u64, out: &mut [f32; 8]) {
     unsafe { _mm256_storeu_ps(out.as_mut_ptr(), f) };
 }
 
+/// The scales of a format with one per half: `d · lo[u]` and `d · hi[u]`
+/// (signed bytes), `d` the f16 at byte `at` of `b`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn split_scales(
+    b: &[u8],
+    at: usize,
+    lo: [u8; 8],
+    hi: [u8; 8],
+    dlo: &mut [f32; 8],
+    dhi: &mut [f32; 8],
+) {
+    let d = f16_at(b, at);
+    scale8::<true>(d, u64::from_le_bytes(lo), dlo);
+    scale8::<true>(d, u64::from_le_bytes(hi), dhi);
+}
+
 /// The Q4_K/Q5_K scales: `d·sc` and `−(dmin·m)` of the 8 sub-blocks (the
 /// 6-bit values rearranged as in `blocks::k_scale_min`, four bytes at a time).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn k_scales(b: &[u8], dlo: &mut [f32; 8], m: &mut [f32; 8]) {
+fn k_scales(b: &[u8], dlo: &mut [f32; 8], _dhi: &mut [f32; 8], m: &mut [f32; 8]) {
     let w = |i: usize| u32::from_le_bytes([b[4 + 4 * i], b[5 + 4 * i], b[6 + 4 * i], b[7 + 4 * i]]);
     let (w0, w1, w2) = (w(0), w(1), w(2));
     let (k1, k2, k3) = (0x3f3f_3f3fu32, 0x0f0f_0f0fu32, 0x0303_0303u32);
@@ -222,113 +251,63 @@ fn k_scales(b: &[u8], dlo: &mut [f32; 8], m: &mut [f32; 8]) {
     }
 }
 
-macro_rules! fmt_consts {
-    ($t:ident, $dt:expr) => {
+/// A format `$t` (of `$dt`) whose unit `u` is `$load` of its block `b`,
+/// with the scales of `$scales` (default: the one-unit formats').
+macro_rules! unit_fmt {
+    ($t:ident, $dt:expr, $($scales:ident,)? |$b:ident, $u:ident| $load:expr) => {
         pub(super) struct $t;
-        impl $t {
+        impl Fmt for $t {
             const D: DType = $dt;
+            $(
+                #[inline(always)]
+                unsafe fn scales(
+                    b: &[u8],
+                    dlo: &mut [f32; 8],
+                    dhi: &mut [f32; 8],
+                    m: &mut [f32; 8],
+                ) {
+                    // SAFETY: avx2/f16c are enabled in every caller.
+                    unsafe { $scales(b, dlo, dhi, m) }
+                }
+            )?
+            #[inline]
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn load_u($b: &[u8], $u: usize) -> __m256i {
+                // SAFETY: the (checked) ranges lie inside the block.
+                unsafe { $load }
+            }
         }
     };
 }
-fmt_consts!(FQ8_0, DType::Q8_0);
-fmt_consts!(FQ4_0, DType::Q4_0);
-fmt_consts!(FQ4_1, DType::Q4_1);
-fmt_consts!(FQ5_0, DType::Q5_0);
-fmt_consts!(FQ5_1, DType::Q5_1);
-fmt_consts!(FIq4Nl, DType::IQ4_NL);
-fmt_consts!(FQ3K, DType::Q3_K);
-fmt_consts!(FQ4K, DType::Q4_K);
-fmt_consts!(FQ5K, DType::Q5_K);
-fmt_consts!(FQ6K, DType::Q6_K);
-fmt_consts!(FIq4Xs, DType::IQ4_XS);
 
-/// The table's constants for a format type.
-macro_rules! fmt_table {
-    ($t:ident) => {
-        const BYTES: usize = $t::D.block_bytes();
-        const UNITS: usize = $t::D.block_elems() / 32;
-        const OFF: i32 = match $t::D {
-            DType::Q8_0 | DType::IQ4_NL | DType::IQ4_XS => 128,
-            DType::Q4_0 => 8,
-            DType::Q5_0 => 16,
-            DType::Q3_K => 4,
-            DType::Q6_K => 32,
-            _ => 0,
-        };
-        const SPLIT: bool = matches!($t::D, DType::Q3_K | DType::Q6_K);
-        const HAS_MIN: bool =
-            matches!($t::D, DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K);
-    };
+/// A Q5_0/Q5_1 unit: the 32 fifth bits at byte `at` of `b`, then the nibbles.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_unit(b: &[u8], at: usize) -> __m256i {
+    let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+    // SAFETY: 16 checked bytes.
+    let nib = unsafe { nibbles32(&b[at + 4..at + 20]) };
+    _mm256_or_si256(nib, _mm256_and_si256(bit_bytes(qh), _mm256_set1_epi8(16)))
 }
 
-impl Fmt for FQ8_0 {
-    fmt_table!(FQ8_0);
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load_u(b: &[u8], _u: usize) -> __m256i {
-        let q = &b[2..34];
-        // SAFETY: q has 32 bytes; unaligned load.
-        let v = unsafe { _mm256_loadu_si256(q.as_ptr() as *const __m256i) };
-        _mm256_xor_si256(v, _mm256_set1_epi8(-128))
-    }
-}
+unit_fmt!(FQ8_0, DType::Q8_0, |b, _u| _mm256_xor_si256(
+    load32(&b[2..34]),
+    _mm256_set1_epi8(-128)
+));
+unit_fmt!(FQ4_0, DType::Q4_0, |b, _u| nibbles32(&b[2..18]));
+unit_fmt!(FQ4_1, DType::Q4_1, |b, _u| nibbles32(&b[4..20]));
+unit_fmt!(FQ5_0, DType::Q5_0, |b, _u| q5_unit(b, 2));
+unit_fmt!(FQ5_1, DType::Q5_1, |b, _u| q5_unit(b, 4));
+unit_fmt!(FIq4Nl, DType::IQ4_NL, |b, _u| iq4_grid_u(nibbles32(
+    &b[2..18]
+)));
 
-impl Fmt for FQ4_0 {
-    fmt_table!(FQ4_0);
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load_u(b: &[u8], _u: usize) -> __m256i {
-        // SAFETY: 16 bytes inside the block.
-        unsafe { nibbles32(&b[2..18]) }
-    }
-}
-
-impl Fmt for FQ4_1 {
-    fmt_table!(FQ4_1);
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load_u(b: &[u8], _u: usize) -> __m256i {
-        // SAFETY: 16 bytes inside the block.
-        unsafe { nibbles32(&b[4..20]) }
-    }
-}
-
-impl Fmt for FQ5_0 {
-    fmt_table!(FQ5_0);
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load_u(b: &[u8], _u: usize) -> __m256i {
-        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-        // SAFETY: 16 bytes inside the block.
-        let nib = unsafe { nibbles32(&b[6..22]) };
-        _mm256_or_si256(nib, _mm256_and_si256(bit_bytes(qh), _mm256_set1_epi8(16)))
-    }
-}
-
-impl Fmt for FQ5_1 {
-    fmt_table!(FQ5_1);
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load_u(b: &[u8], _u: usize) -> __m256i {
-        let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-        // SAFETY: 16 bytes inside the block.
-        let nib = unsafe { nibbles32(&b[8..24]) };
-        _mm256_or_si256(nib, _mm256_and_si256(bit_bytes(qh), _mm256_set1_epi8(16)))
-    }
-}
-
-impl Fmt for FIq4Nl {
-    fmt_table!(FIq4Nl);
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load_u(b: &[u8], _u: usize) -> __m256i {
-        // SAFETY: 16 bytes inside the block.
-        iq4_grid_u(unsafe { nibbles32(&b[2..18]) })
-    }
-}
+pub(super) struct FQ3K;
+pub(super) struct FQ6K;
+pub(super) struct FIq4Xs;
 
 impl Fmt for FQ3K {
-    fmt_table!(FQ3K);
+    const D: DType = DType::Q3_K;
     #[inline(always)]
     unsafe fn scales(b: &[u8], dlo: &mut [f32; 8], dhi: &mut [f32; 8], _m: &mut [f32; 8]) {
         let s = &b[96..108];
@@ -343,11 +322,7 @@ impl Fmt for FQ3K {
             }
         }
         // SAFETY: f16c is enabled in every caller.
-        unsafe {
-            let d = f16_at(b, 108);
-            scale8::<true>(d, u64::from_le_bytes(lo), dlo);
-            scale8::<true>(d, u64::from_le_bytes(hi), dhi);
-        }
+        unsafe { split_scales(b, 108, lo, hi, dlo, dhi) }
     }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -360,44 +335,22 @@ impl Fmt for FQ3K {
     }
 }
 
-impl Fmt for FQ4K {
-    fmt_table!(FQ4K);
-    #[inline(always)]
-    unsafe fn scales(b: &[u8], dlo: &mut [f32; 8], _dhi: &mut [f32; 8], m: &mut [f32; 8]) {
-        // SAFETY: avx2/f16c are enabled in every caller.
-        unsafe { k_scales(b, dlo, m) }
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load_u(b: &[u8], u: usize) -> __m256i {
-        // SAFETY: the range lies inside the block.
-        unsafe { bits_at(&b[16 + 32 * (u / 2)..], 4 * (u % 2), 15) }
-    }
-}
+unit_fmt!(FQ4K, DType::Q4_K, k_scales, |b, u| bits_at(
+    &b[16 + 32 * (u / 2)..],
+    4 * (u % 2),
+    15
+));
 
-impl Fmt for FQ5K {
-    fmt_table!(FQ5K);
-    #[inline(always)]
-    unsafe fn scales(b: &[u8], dlo: &mut [f32; 8], _dhi: &mut [f32; 8], m: &mut [f32; 8]) {
-        // SAFETY: avx2/f16c are enabled in every caller.
-        unsafe { k_scales(b, dlo, m) }
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load_u(b: &[u8], u: usize) -> __m256i {
-        // SAFETY: both ranges lie inside the block.
-        let (lo, hi) = unsafe {
-            (
-                bits_at(&b[48 + 32 * (u / 2)..], 4 * (u % 2), 15),
-                bit_n(&b[16..48], u),
-            )
-        };
-        _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(16)))
-    }
-}
+unit_fmt!(FQ5K, DType::Q5_K, k_scales, |b, u| {
+    let lo = bits_at(&b[48 + 32 * (u / 2)..], 4 * (u % 2), 15);
+    _mm256_or_si256(
+        lo,
+        _mm256_and_si256(bit_n(&b[16..48], u), _mm256_set1_epi8(16)),
+    )
+});
 
 impl Fmt for FQ6K {
-    fmt_table!(FQ6K);
+    const D: DType = DType::Q6_K;
     #[inline(always)]
     unsafe fn scales(b: &[u8], dlo: &mut [f32; 8], dhi: &mut [f32; 8], _m: &mut [f32; 8]) {
         let sc = &b[192..208];
@@ -406,11 +359,7 @@ impl Fmt for FQ6K {
             (lo[u], hi[u]) = (sc[2 * u], sc[2 * u + 1]);
         }
         // SAFETY: f16c is enabled in every caller.
-        unsafe {
-            let d = f16_at(b, 208);
-            scale8::<true>(d, u64::from_le_bytes(lo), dlo);
-            scale8::<true>(d, u64::from_le_bytes(hi), dhi);
-        }
+        unsafe { split_scales(b, 208, lo, hi, dlo, dhi) }
     }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -428,7 +377,7 @@ impl Fmt for FQ6K {
 }
 
 impl Fmt for FIq4Xs {
-    fmt_table!(FIq4Xs);
+    const D: DType = DType::IQ4_XS;
     #[inline(always)]
     unsafe fn scales(b: &[u8], dlo: &mut [f32; 8], _dhi: &mut [f32; 8], _m: &mut [f32; 8]) {
         let mut sc = [0u8; 8];
@@ -467,282 +416,55 @@ macro_rules! with_fmt {
 }
 pub(super) use with_fmt;
 
-/// Rows per small-S kernel call: one f32 lane each.
-pub(super) const SR: usize = 4;
+/// The AVX2 unit products of the small-S kernel (`small.rs`):
+/// `vpmaddubsw`/`vpmaddwd` of the unsigned quants `q + OFF` with the
+/// activation quants and remainders. Formats with `OFF = 128` use `|q|`
+/// and the activations' signs moved by `q` (which keeps every pair sum
+/// inside `i16`), so their products are `Σ q·a` itself.
+pub(super) struct Maddubs;
 
-/// The unit scales and additive terms of [`SR`] rows' blocks at byte `at`,
-/// rearranged per unit as 4-lane vectors (`d[u][h]`, `m[u]`; lane = row).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn scales4<F: Fmt>(
-    rows: &[&[u8]; SR],
-    at: usize,
-    d: &mut [[__m128; 2]; 8],
-    m: &mut [__m128; 8],
-) {
-    let mut dlo = [[0f32; 8]; SR];
-    let mut dhi = [[0f32; 8]; SR];
-    let mut mr = [[0f32; 8]; SR];
-    for i in 0..SR {
-        // SAFETY: the slice holds one block; the features are enabled here.
+impl UnitDot for Maddubs {
+    #[inline(always)]
+    fn signed<F: Fmt>() -> bool {
+        F::OFF >= 128
+    }
+    #[inline(always)]
+    unsafe fn operands<F: Fmt>(v: __m256i) -> [__m256i; 2] {
+        // SAFETY: avx2 (the caller's contract).
         unsafe {
-            F::scales(
-                &rows[i][at..at + F::BYTES],
-                &mut dlo[i],
-                &mut dhi[i],
-                &mut mr[i],
+            if Self::signed::<F>() {
+                // The magnitudes and the signed quants.
+                let qs = _mm256_xor_si256(v, _mm256_set1_epi8(-128));
+                [_mm256_abs_epi8(qs), qs]
+            } else {
+                [v, _mm256_setzero_si256()]
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn prod<F: Fmt>(w: [__m256i; 2], av: __m256i, ar: __m256i) -> __m256i {
+        // SAFETY: avx2 (the caller's contract).
+        unsafe {
+            let (sa, sr) = if Self::signed::<F>() {
+                (_mm256_sign_epi8(av, w[1]), _mm256_sign_epi8(ar, w[1]))
+            } else {
+                (av, ar)
+            };
+            // 256·Σ u·qs + Σ u·qr per 4 elements; every maddubs pair sum is
+            // at most 2·128·127 (signed) or 2·63·127, inside i16.
+            _mm256_add_epi32(
+                _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(w[0], sa),
+                    _mm256_set1_epi16(RES as i16),
+                ),
+                _mm256_madd_epi16(_mm256_maddubs_epi16(w[0], sr), _mm256_set1_epi16(1)),
             )
-        };
-    }
-    for u in 0..F::UNITS {
-        d[u][0] = _mm_setr_ps(dlo[0][u], dlo[1][u], dlo[2][u], dlo[3][u]);
-        d[u][1] = if F::SPLIT {
-            _mm_setr_ps(dhi[0][u], dhi[1][u], dhi[2][u], dhi[3][u])
-        } else {
-            d[u][0]
-        };
-        if F::HAS_MIN {
-            m[u] = _mm_setr_ps(mr[0][u], mr[1][u], mr[2][u], mr[3][u]);
         }
     }
-}
-
-/// Row totals of 4 vectors of 8 `i32` lanes: lane `i` of the result is the
-/// sum of `p[i]`'s lanes (exact).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn reduce4(p: &[__m256i; SR]) -> __m128i {
-    let h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-    _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
-}
-
-/// As [`reduce4`] over each 128-bit half (elements 0..16 and 16..32 of a
-/// unit) separately.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn reduce4_halves(p: &[__m256i; SR]) -> (__m128i, __m128i) {
-    let lo = [
-        _mm256_castsi256_si128(p[0]),
-        _mm256_castsi256_si128(p[1]),
-        _mm256_castsi256_si128(p[2]),
-        _mm256_castsi256_si128(p[3]),
-    ];
-    let hi = [
-        _mm256_extracti128_si256::<1>(p[0]),
-        _mm256_extracti128_si256::<1>(p[1]),
-        _mm256_extracti128_si256::<1>(p[2]),
-        _mm256_extracti128_si256::<1>(p[3]),
-    ];
-    (
-        _mm_hadd_epi32(_mm_hadd_epi32(lo[0], lo[1]), _mm_hadd_epi32(lo[2], lo[3])),
-        _mm_hadd_epi32(_mm_hadd_epi32(hi[0], hi[1]), _mm_hadd_epi32(hi[2], hi[3])),
-    )
-}
-
-/// The f32 step of the shared arithmetic for 4 rows (lanes) and one token:
-/// `isum` the unit's (or halves') exact totals of `Σ (q + OFF)·a` per row.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn unit_step<F: Fmt>(
-    f: __m128,
-    tot: (__m128i, __m128i),
-    a: &Q8Act,
-    d: &[__m128; 2],
-    m: __m128,
-) -> __m128 {
-    let da = _mm_set1_ps(a.d);
-    let mut f = f;
-    if F::SPLIT {
-        let (mut lo, mut hi) = tot;
-        if F::OFF != 0 {
-            lo = _mm_sub_epi32(lo, _mm_set1_epi32(F::OFF * a.isum[0]));
-            hi = _mm_sub_epi32(hi, _mm_set1_epi32(F::OFF * a.isum[1]));
-        }
-        f = _mm_fmadd_ps(_mm_cvtepi32_ps(lo), _mm_mul_ps(da, d[0]), f);
-        f = _mm_fmadd_ps(_mm_cvtepi32_ps(hi), _mm_mul_ps(da, d[1]), f);
-    } else {
-        let mut t = tot.0;
-        if F::OFF != 0 {
-            t = _mm_sub_epi32(t, _mm_set1_epi32(F::OFF * (a.isum[0] + a.isum[1])));
-        }
-        f = _mm_fmadd_ps(_mm_cvtepi32_ps(t), _mm_mul_ps(da, d[0]), f);
-    }
-    if F::HAS_MIN {
-        f = _mm_fmadd_ps(m, _mm_set1_ps(a.s), f);
-    }
-    f
-}
-
-/// `out[r * nt + t] = row_r · acts[t]` for the consecutive weight rows in
-/// `w` (`row_bytes` each) and 1..=4 activation rows (`nt = acts.len()`).
-///
-/// # Safety
-/// The CPU must support avx2/fma/f16c; `dtype` must be a fast-path format.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn dot_rows(
-    dtype: DType,
-    w: &[u8],
-    row_bytes: usize,
-    acts: &[&[Q8Act]],
-    out: &mut [f32],
-) {
-    with_fmt!(dtype, rows::<_>(w, row_bytes, acts, out))
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn rows<F: Fmt>(w: &[u8], row_bytes: usize, acts: &[&[Q8Act]], out: &mut [f32]) {
-    match acts.len() {
-        1 => rows_nt::<F, 1>(w, row_bytes, acts, out),
-        2 => rows_nt::<F, 2>(w, row_bytes, acts, out),
-        3 => rows_nt::<F, 3>(w, row_bytes, acts, out),
-        4 => rows_nt::<F, 4>(w, row_bytes, acts, out),
-        _ => unreachable!("tiles have 1..=4 tokens"),
-    }
-}
-
-/// Runs `kern` over groups of [`SR`] rows (a short last group repeats its
-/// last row in the spare lanes: every lane is computed on its own, and the
-/// spare results are dropped).
-#[inline(always)]
-pub(super) fn row_groups<const NT: usize>(
-    w: &[u8],
-    row_bytes: usize,
-    out: &mut [f32],
-    mut kern: impl FnMut(&[&[u8]; SR], &mut [[f32; SR]; NT]),
-) {
-    let nr = w.len() / row_bytes;
-    assert!(w.len() == nr * row_bytes && out.len() == nr * NT);
-    let mut v = [[0f32; SR]; NT];
-    for r0 in (0..nr).step_by(SR) {
-        let nv = (nr - r0).min(SR);
-        let mut rows: [&[u8]; SR] = [&[]; SR];
-        for (i, row) in rows.iter_mut().enumerate() {
-            let r = r0 + i.min(nv - 1);
-            *row = &w[r * row_bytes..(r + 1) * row_bytes];
-        }
-        kern(&rows, &mut v);
-        for i in 0..nv {
-            for t in 0..NT {
-                out[(r0 + i) * NT + t] = v[t][i];
-            }
-        }
-    }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn rows_nt<F: Fmt, const NT: usize>(
-    w: &[u8],
-    row_bytes: usize,
-    acts: &[&[Q8Act]],
-    out: &mut [f32],
-) {
-    let nblk = row_bytes / F::BYTES;
-    assert!(nblk * F::BYTES == row_bytes && acts.len() == NT);
-    let mut a: [&[Q8Act]; NT] = [&[]; NT];
-    for t in 0..NT {
-        a[t] = &acts[t][..nblk * F::UNITS];
-    }
-    row_groups::<NT>(w, row_bytes, out, |rows, v| {
-        // SAFETY: this closure runs inside a function with these features.
-        unsafe { small::<F, NT>(rows, nblk, &a, v) }
-    });
-}
-
-/// `out[t][i] = row_i · token_t` for [`SR`] rows with the shared
-/// arithmetic: per unit, `vpmaddubsw`/`vpmaddwd` products of the unsigned
-/// quants `q + OFF` with the quants and remainders (formats with
-/// `OFF = 128` use `|q|` and the activations' signs moved by `q`, which
-/// keeps every pair sum inside `i16`), each row's total reduced into its
-/// lane, `OFF · isum` taken back off, then the f32 step.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn small<F: Fmt, const NT: usize>(
-    rows: &[&[u8]; SR],
-    nblk: usize,
-    a: &[&[Q8Act]; NT],
-    out: &mut [[f32; SR]; NT],
-) {
-    for row in rows {
-        assert!(row.len() == nblk * F::BYTES);
-    }
-    let signed = F::OFF >= 128;
-    let ones = _mm256_set1_epi16(1);
-    let res = _mm256_set1_epi16(RES as i16);
-    let mut f = [_mm_setzero_ps(); NT];
-    let mut d = [[_mm_setzero_ps(); 2]; 8];
-    let mut m = [_mm_setzero_ps(); 8];
-    for blk in 0..nblk {
-        let at = blk * F::BYTES;
-        scales4::<F>(rows, at, &mut d, &mut m);
-        for u in 0..F::UNITS {
-            let mut uq = [_mm256_setzero_si256(); SR];
-            let mut qs = [_mm256_setzero_si256(); SR];
-            for i in 0..SR {
-                // SAFETY: the slice holds one block; u < UNITS.
-                let v = unsafe { F::load_u(&rows[i][at..at + F::BYTES], u) };
-                if signed {
-                    // The signed quants and their magnitudes.
-                    qs[i] = _mm256_xor_si256(v, _mm256_set1_epi8(-128));
-                    uq[i] = _mm256_abs_epi8(qs[i]);
-                } else {
-                    uq[i] = v;
-                }
-            }
-            for t in 0..NT {
-                let ab = &a[t][blk * F::UNITS + u];
-                // SAFETY: qs and qr have 32 bytes each; unaligned loads.
-                let (av, ar) = unsafe {
-                    (
-                        _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i),
-                        _mm256_loadu_si256(ab.qr.as_ptr() as *const __m256i),
-                    )
-                };
-                let mut p = [_mm256_setzero_si256(); SR];
-                for i in 0..SR {
-                    let (sa, sr) = if signed {
-                        (_mm256_sign_epi8(av, qs[i]), _mm256_sign_epi8(ar, qs[i]))
-                    } else {
-                        (av, ar)
-                    };
-                    // 256·Σ u·qs + Σ u·qr per 4 elements; every maddubs pair
-                    // sum is at most 2·128·127 (signed) or 2·63·127, inside i16.
-                    p[i] = _mm256_add_epi32(
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(uq[i], sa), res),
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(uq[i], sr), ones),
-                    );
-                }
-                let tot = if F::SPLIT {
-                    reduce4_halves(&p)
-                } else {
-                    (reduce4(&p), _mm_setzero_si128())
-                };
-                // The sign trick gives Σ q·a itself: no offset to take off.
-                f[t] = if signed {
-                    unit_step::<Signed<F>>(f[t], tot, ab, &d[u], m[u])
-                } else {
-                    unit_step::<F>(f[t], tot, ab, &d[u], m[u])
-                };
-            }
-        }
-    }
-    for t in 0..NT {
-        // SAFETY: out[t] holds SR = 4 f32; unaligned store.
-        unsafe { _mm_storeu_ps(out[t].as_mut_ptr(), f[t]) };
-    }
-}
-
-/// `F` with its offset already taken off (for the sign-trick products).
-struct Signed<F>(std::marker::PhantomData<F>);
-
-impl<F: Fmt> Fmt for Signed<F> {
-    const BYTES: usize = F::BYTES;
-    const UNITS: usize = F::UNITS;
-    const OFF: i32 = 0;
-    const SPLIT: bool = F::SPLIT;
-    const HAS_MIN: bool = F::HAS_MIN;
-    unsafe fn load_u(b: &[u8], u: usize) -> __m256i {
-        // SAFETY: as F::load_u.
-        unsafe { F::load_u(b, u) }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn rows<F: Fmt>(w: &[u8], row_bytes: usize, acts: &[&[Q8Act]], out: &mut [f32]) {
+        // SAFETY: the level's features are enabled here.
+        unsafe { small::rows::<F, Self>(w, row_bytes, acts, out) }
     }
 }
 
@@ -757,14 +479,10 @@ pub struct WUnit {
     pub(super) m: f32,
 }
 
-impl WUnit {
-    /// The unit of `F` whose quants are the bytes `v` (`q + OFF`, in
-    /// element order), with the scales `dlo`/`dhi` of its halves (`dhi`
-    /// read only for formats with a scale per half) and additive term `m`
-    /// (read only for formats with one).
+impl DecodedUnit for WUnit {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) fn set<F: Fmt>(&mut self, v: __m256i, dlo: f32, dhi: f32, m: f32) {
+    unsafe fn set<F: Fmt>(&mut self, v: __m256i, dlo: f32, dhi: f32, m: f32) {
         let off = _mm256_set1_epi16(F::OFF as i16);
         let lo = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(v)), off);
         let hi = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256::<1>(v)), off);
@@ -776,6 +494,28 @@ impl WUnit {
         self.d = [dlo, if F::SPLIT { dhi } else { dlo }];
         self.m = if F::HAS_MIN { m } else { 0.0 };
     }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn decode_rows<F: Fmt>(w: &[u8], row_bytes: usize, out: &mut [Self]) {
+        // SAFETY: the level's features are enabled here.
+        unsafe { decode_rows::<F, Self>(w, row_bytes, out) }
+    }
+}
+
+/// A weight unit as one level's packed kernel takes it.
+pub(super) trait DecodedUnit: Copy + Default {
+    /// The unit of `F` whose quants are the bytes `v` (`q + OFF`, in
+    /// element order), with the scales `dlo`/`dhi` of its halves (`dhi`
+    /// read only for formats with a scale per half) and additive term `m`
+    /// (read only for formats with one).
+    ///
+    /// # Safety
+    /// The CPU must support the level.
+    unsafe fn set<F: Fmt>(&mut self, v: __m256i, dlo: f32, dhi: f32, m: f32);
+    /// [`decode_rows`]`::<F, Self>`, compiled with the level's features.
+    ///
+    /// # Safety
+    /// The CPU must support the level.
+    unsafe fn decode_rows<F: Fmt>(w: &[u8], row_bytes: usize, out: &mut [Self]);
 }
 
 /// Decodes the rows of `w` (`row_bytes` each) into `out` (the row's units
@@ -783,14 +523,34 @@ impl WUnit {
 /// zeroed.
 ///
 /// # Safety
-/// The CPU must support avx2/fma/f16c; `dtype` must be a fast-path format.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn decode(dtype: DType, w: &[u8], row_bytes: usize, out: &mut [WUnit]) {
-    with_fmt!(dtype, decode_t::<_>(w, row_bytes, out))
+/// The CPU must support `U`'s level; `dtype` must be a fast-path format.
+pub(super) unsafe fn decode<U: DecodedUnit>(
+    dtype: DType,
+    w: &[u8],
+    row_bytes: usize,
+    out: &mut [U],
+) {
+    // SAFETY: as the caller's.
+    unsafe { with_fmt!(dtype, level_decode::<_, U>(w, row_bytes, out)) }
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-fn decode_t<F: Fmt>(w: &[u8], row_bytes: usize, out: &mut [WUnit]) {
+/// `U::decode_rows::<F>` (a function `with_fmt!` can name).
+#[inline(always)]
+unsafe fn level_decode<F: Fmt, U: DecodedUnit>(w: &[u8], row_bytes: usize, out: &mut [U]) {
+    // SAFETY: as the caller's.
+    unsafe { U::decode_rows::<F>(w, row_bytes, out) }
+}
+
+/// The body of every level's [`DecodedUnit::decode_rows`].
+///
+/// # Safety
+/// Inlined into a function with `U`'s level's features only.
+#[inline(always)]
+pub(super) unsafe fn decode_rows<F: Fmt, U: DecodedUnit>(
+    w: &[u8],
+    row_bytes: usize,
+    out: &mut [U],
+) {
     let nblk = row_bytes / F::BYTES;
     assert!(nblk * F::BYTES == row_bytes && nblk > 0);
     let nu = nblk * F::UNITS;
@@ -798,15 +558,39 @@ fn decode_t<F: Fmt>(w: &[u8], row_bytes: usize, out: &mut [WUnit]) {
     assert!(nr * row_bytes == w.len() && out.len() >= nr * nu);
     let (mut dlo, mut dhi, mut m) = ([0f32; 8], [0f32; 8], [0f32; 8]);
     for (bi, blk) in w.chunks_exact(F::BYTES).enumerate() {
-        // SAFETY: blk holds one block; the features are enabled here.
+        // SAFETY: blk holds one block; the features are enabled (the
+        // caller's contract).
         unsafe { F::scales(blk, &mut dlo, &mut dhi, &mut m) };
         for u in 0..F::UNITS {
-            // SAFETY: blk holds one block; u < UNITS.
-            let v = unsafe { F::load_u(blk, u) };
-            out[bi * F::UNITS + u].set::<F>(v, dlo[u], dhi[u], m[u]);
+            // SAFETY: as above; u < UNITS.
+            unsafe {
+                let v = F::load_u(blk, u);
+                out[bi * F::UNITS + u].set::<F>(v, dlo[u], dhi[u], m[u]);
+            }
         }
     }
-    out[nr * nu..].fill(WUnit::default());
+    out[nr * nu..].fill(U::default());
+}
+
+/// One block of a group of tokens' activations, packed for one level's
+/// kernel.
+pub(super) trait PackedAct: Copy + Default {
+    /// Tokens per group.
+    const TG: usize;
+    /// Puts token `t`'s block `ab` in its lanes.
+    fn put(&mut self, t: usize, ab: &Q8Act);
+}
+
+/// Packs up to `A::TG` tokens' quantized rows (`acts[t]`, `nb` blocks
+/// each) into `out` (`nb` blocks); missing tokens are zero.
+pub(super) fn pack<A: PackedAct>(acts: &[&[Q8Act]], nb: usize, out: &mut [A]) {
+    assert!(acts.len() <= A::TG && out.len() == nb);
+    for (b, o) in out.iter_mut().enumerate() {
+        *o = A::default();
+        for (t, row) in acts.iter().enumerate() {
+            o.put(t, &row[b]);
+        }
+    }
 }
 
 /// Tokens per packed group of the AVX2 kernel: two registers of 8 (one
@@ -848,23 +632,18 @@ impl Default for ActI16 {
     }
 }
 
-/// Packs up to 16 tokens' quantized rows (`acts[t]`, `nb` blocks each) into
-/// `out` (`nb` blocks).
-pub(super) fn pack_i16(acts: &[&[Q8Act]], nb: usize, out: &mut [ActI16]) {
-    assert!(acts.len() <= TG_I16 && out.len() == nb);
-    for (b, o) in out.iter_mut().enumerate() {
-        *o = ActI16::default();
-        for (t, row) in acts.iter().enumerate() {
-            let ab = &row[b];
-            for p in 0..16 {
-                for e in 0..2 {
-                    let i = 2 * p + e;
-                    o.a[p][2 * t + e] = (RES * ab.qs[i] as i32 + ab.qr[i] as i32) as i16;
-                }
+impl PackedAct for ActI16 {
+    const TG: usize = TG_I16;
+    #[inline]
+    fn put(&mut self, t: usize, ab: &Q8Act) {
+        for p in 0..16 {
+            for e in 0..2 {
+                let i = 2 * p + e;
+                self.a[p][2 * t + e] = (RES * ab.qs[i] as i32 + ab.qr[i] as i32) as i16;
             }
-            o.d[t] = ab.d;
-            o.s[t] = ab.s;
         }
+        self.d[t] = ab.d;
+        self.s[t] = ab.s;
     }
 }
 

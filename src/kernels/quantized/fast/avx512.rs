@@ -2,10 +2,10 @@
 //! the shared arithmetic of `units.rs` (so they agree bit for bit with each
 //! other, with the AVX2 kernels and with the scalar reference):
 //!
-//! * Small S ([`dot_rows`]): the AVX2 small kernel's structure with 256-bit
-//!   `vpdpbusd` (unsigned quants `q + OFF` times the signed activation quants
-//!   and remainders, no `i16` limit, so no sign juggling); 4 rows' unit
-//!   totals reduced into the lanes of one register, `OFF · isum` taken off.
+//! * Small S ([`Vnni`]): the unit products of the small-S kernel of
+//!   `small.rs` by 256-bit `vpdpbusd` (unsigned quants `q + OFF` times the
+//!   signed activation quants and remainders, no `i16` limit, so no sign
+//!   juggling); `OFF · isum` taken off after.
 //! * Prefill ([`kern`]): an outer product over 16 tokens per 512-bit
 //!   register, `vpdpbusd` with broadcast weights. Weight rows are decoded
 //!   once per work chunk ([`WUnit8`]: signed quants and `corr = -128 Σ q`
@@ -15,9 +15,9 @@
 //!   activations, as the AVX2 kernel does with `vpmaddwd`, measured 1.5-1.9x
 //!   slower here: twice the weight broadcasts and bigger decoded rows.)
 
-use super::avx2::{reduce4, reduce4_halves, scales4, unit_step, Fmt, SR};
+use super::avx2::{decode_rows, DecodedUnit, Fmt, PackedAct};
+use super::small::{self, UnitDot};
 use super::{Q8Act, RES_SHIFT};
-use crate::ir::DType;
 use std::arch::x86_64::*;
 
 /// Tokens per packed group (one i32 lane each in a 512-bit register).
@@ -25,103 +25,33 @@ pub(super) const TG: usize = 16;
 /// Weight rows per packed kernel call.
 pub(super) const R: usize = 8;
 
-/// Same contract as the AVX2 `dot_rows` (1..=4 tokens).
-///
-/// # Safety
-/// The CPU must support the [`Isa::Avx512Vnni`](crate::kernels::Isa::Avx512Vnni) level; `dtype` is a fast-path format.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn dot_rows(
-    dtype: DType,
-    w: &[u8],
-    row_bytes: usize,
-    acts: &[&[Q8Act]],
-    out: &mut [f32],
-) {
-    super::avx2::with_fmt!(dtype, rows::<_>(w, row_bytes, acts, out))
-}
+/// The AVX-512 VNNI unit products of the small-S kernel (`small.rs`):
+/// 256-bit `vpdpbusd` of the unsigned quants `q + OFF` with the signed
+/// activation quants and remainders (no `i16` limit, so no sign juggling).
+pub(super) struct Vnni;
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn rows<F: Fmt>(w: &[u8], row_bytes: usize, acts: &[&[Q8Act]], out: &mut [f32]) {
-    match acts.len() {
-        1 => rows_nt::<F, 1>(w, row_bytes, acts, out),
-        2 => rows_nt::<F, 2>(w, row_bytes, acts, out),
-        3 => rows_nt::<F, 3>(w, row_bytes, acts, out),
-        4 => rows_nt::<F, 4>(w, row_bytes, acts, out),
-        _ => unreachable!("tiles have 1..=4 tokens"),
+impl UnitDot for Vnni {
+    #[inline(always)]
+    fn signed<F: Fmt>() -> bool {
+        false
     }
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn rows_nt<F: Fmt, const NT: usize>(
-    w: &[u8],
-    row_bytes: usize,
-    acts: &[&[Q8Act]],
-    out: &mut [f32],
-) {
-    let nblk = row_bytes / F::BYTES;
-    assert!(nblk * F::BYTES == row_bytes && acts.len() == NT);
-    let mut a: [&[Q8Act]; NT] = [&[]; NT];
-    for t in 0..NT {
-        a[t] = &acts[t][..nblk * F::UNITS];
+    #[inline(always)]
+    unsafe fn operands<F: Fmt>(v: __m256i) -> [__m256i; 2] {
+        [v, v]
     }
-    super::avx2::row_groups::<NT>(w, row_bytes, out, |rows, v| {
-        // SAFETY: this closure runs inside a function with these features.
-        unsafe { small::<F, NT>(rows, nblk, &a, v) }
-    });
-}
-
-/// `out[t][i] = row_i · token_t` for [`SR`] weight rows (one f32 lane each)
-/// with the shared arithmetic (see the module docs).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn small<F: Fmt, const NT: usize>(
-    rows: &[&[u8]; SR],
-    nblk: usize,
-    a: &[&[Q8Act]; NT],
-    out: &mut [[f32; SR]; NT],
-) {
-    for row in rows {
-        assert!(row.len() == nblk * F::BYTES);
-    }
-    let mut f = [_mm_setzero_ps(); NT];
-    let mut d = [[_mm_setzero_ps(); 2]; 8];
-    let mut m = [_mm_setzero_ps(); 8];
-    for blk in 0..nblk {
-        let at = blk * F::BYTES;
-        scales4::<F>(rows, at, &mut d, &mut m);
-        for u in 0..F::UNITS {
-            let mut uq = [_mm256_setzero_si256(); SR];
-            for i in 0..SR {
-                // SAFETY: the slice holds one block; u < UNITS.
-                uq[i] = unsafe { F::load_u(&rows[i][at..at + F::BYTES], u) };
-            }
-            for t in 0..NT {
-                let ab = &a[t][blk * F::UNITS + u];
-                // SAFETY: qs and qr have 32 bytes each; unaligned loads.
-                let (av, ar) = unsafe {
-                    (
-                        _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i),
-                        _mm256_loadu_si256(ab.qr.as_ptr() as *const __m256i),
-                    )
-                };
-                let mut p = [_mm256_setzero_si256(); SR];
-                for i in 0..SR {
-                    // 256·Σ u·qs + Σ u·qr per 4 elements (< 2^31 in total).
-                    let q = _mm256_dpbusd_epi32(_mm256_setzero_si256(), uq[i], av);
-                    p[i] = _mm256_dpbusd_epi32(_mm256_slli_epi32::<RES_SHIFT>(q), uq[i], ar);
-                }
-                let tot = if F::SPLIT {
-                    reduce4_halves(&p)
-                } else {
-                    (reduce4(&p), _mm_setzero_si128())
-                };
-                f[t] = unit_step::<F>(f[t], tot, ab, &d[u], m[u]);
-            }
+    #[inline(always)]
+    unsafe fn prod<F: Fmt>(w: [__m256i; 2], av: __m256i, ar: __m256i) -> __m256i {
+        // SAFETY: the VNNI level (the caller's contract).
+        unsafe {
+            // 256·Σ u·qs + Σ u·qr per 4 elements (< 2^31 in total).
+            let q = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[0], av);
+            _mm256_dpbusd_epi32(_mm256_slli_epi32::<RES_SHIFT>(q), w[0], ar)
         }
     }
-    for t in 0..NT {
-        // SAFETY: out[t] holds SR = 4 f32; unaligned store.
-        unsafe { _mm_storeu_ps(out[t].as_mut_ptr(), f[t]) };
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn rows<F: Fmt>(w: &[u8], row_bytes: usize, acts: &[&[Q8Act]], out: &mut [f32]) {
+        // SAFETY: the level's features are enabled here.
+        unsafe { small::rows::<F, Self>(w, row_bytes, acts, out) }
     }
 }
 
@@ -141,49 +71,32 @@ pub struct WUnit8 {
     corr: [i32; 2],
 }
 
-/// Decodes the rows of `w` (`row_bytes` each) into `out` (each row's
-/// units one after another); units of `out` past the rows of `w` are zeroed.
-///
-/// # Safety
-/// The CPU must support the [`Isa::Avx512Vnni`](crate::kernels::Isa::Avx512Vnni) level; `dtype` is a fast-path format.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn decode8(dtype: DType, w: &[u8], row_bytes: usize, out: &mut [WUnit8]) {
-    super::avx2::with_fmt!(dtype, decode8_t::<_>(w, row_bytes, out))
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn decode8_t<F: Fmt>(w: &[u8], row_bytes: usize, out: &mut [WUnit8]) {
-    let nblk = row_bytes / F::BYTES;
-    assert!(nblk * F::BYTES == row_bytes && nblk > 0);
-    let nu = nblk * F::UNITS;
-    let nr = w.len() / row_bytes;
-    assert!(nr * row_bytes == w.len() && out.len() >= nr * nu);
-    let off = _mm256_set1_epi8(F::OFF as u8 as i8);
-    let ones8 = _mm256_set1_epi8(1);
-    let ones16 = _mm256_set1_epi16(1);
-    let (mut dlo, mut dhi, mut m) = ([0f32; 8], [0f32; 8], [0f32; 8]);
-    for (bi, blk) in w.chunks_exact(F::BYTES).enumerate() {
-        // SAFETY: blk holds one block; the features are enabled here.
-        unsafe { F::scales(blk, &mut dlo, &mut dhi, &mut m) };
-        for u in 0..F::UNITS {
-            let o = &mut out[bi * F::UNITS + u];
-            // SAFETY: blk holds one block; u < UNITS.
-            let q = _mm256_sub_epi8(unsafe { F::load_u(blk, u) }, off);
-            // SAFETY: o.q has 32 bytes; unaligned store.
-            unsafe { _mm256_storeu_si256(o.q.as_mut_ptr() as *mut __m256i, q) };
-            // Σ q per half: lanes 0..4 hold elements 0..16.
-            let s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, q), ones16);
-            let h = _mm256_hadd_epi32(s, s);
-            let h = _mm256_hadd_epi32(h, h);
-            o.corr = [
-                -128 * _mm256_extract_epi32::<0>(h),
-                -128 * _mm256_extract_epi32::<4>(h),
-            ];
-            o.d = [dlo[u], if F::SPLIT { dhi[u] } else { dlo[u] }];
-            o.m = if F::HAS_MIN { m[u] } else { 0.0 };
-        }
+impl DecodedUnit for WUnit8 {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn set<F: Fmt>(&mut self, v: __m256i, dlo: f32, dhi: f32, m: f32) {
+        let q = _mm256_sub_epi8(v, _mm256_set1_epi8(F::OFF as u8 as i8));
+        // SAFETY: q has 32 bytes; unaligned store.
+        unsafe { _mm256_storeu_si256(self.q.as_mut_ptr() as *mut __m256i, q) };
+        // Σ q per half: lanes 0..4 hold elements 0..16.
+        let s = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(_mm256_set1_epi8(1), q),
+            _mm256_set1_epi16(1),
+        );
+        let h = _mm256_hadd_epi32(s, s);
+        let h = _mm256_hadd_epi32(h, h);
+        self.corr = [
+            -128 * _mm256_extract_epi32::<0>(h),
+            -128 * _mm256_extract_epi32::<4>(h),
+        ];
+        self.d = [dlo, if F::SPLIT { dhi } else { dlo }];
+        self.m = if F::HAS_MIN { m } else { 0.0 };
     }
-    out[nr * nu..].fill(WUnit8::default());
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn decode_rows<F: Fmt>(w: &[u8], row_bytes: usize, out: &mut [Self]) {
+        // SAFETY: the level's features are enabled here.
+        unsafe { decode_rows::<F, Self>(w, row_bytes, out) }
+    }
 }
 
 /// One 32-element block of 16 tokens' quantized activations: for each
@@ -211,23 +124,18 @@ impl Default for Act16 {
     }
 }
 
-/// Packs up to 16 tokens' quantized rows (`acts[t]`, `nb` blocks each) into
-/// `out` (`nb` blocks).
-pub(super) fn pack(acts: &[&[Q8Act]], nb: usize, out: &mut [Act16]) {
-    assert!(acts.len() <= TG && out.len() == nb);
-    for (b, o) in out.iter_mut().enumerate() {
-        *o = Act16::default();
-        for (t, row) in acts.iter().enumerate() {
-            let ab = &row[b];
-            for j in 0..8 {
-                for i in 0..4 {
-                    o.qs[j][4 * t + i] = ab.qs[4 * j + i] as u8 ^ 0x80;
-                    o.qr[j][4 * t + i] = ab.qr[4 * j + i] as u8 ^ 0x80;
-                }
+impl PackedAct for Act16 {
+    const TG: usize = TG;
+    #[inline]
+    fn put(&mut self, t: usize, ab: &Q8Act) {
+        for j in 0..8 {
+            for i in 0..4 {
+                self.qs[j][4 * t + i] = ab.qs[4 * j + i] as u8 ^ 0x80;
+                self.qr[j][4 * t + i] = ab.qr[4 * j + i] as u8 ^ 0x80;
             }
-            o.d[t] = ab.d;
-            o.s[t] = ab.s;
         }
+        self.d[t] = ab.d;
+        self.s[t] = ab.s;
     }
 }
 

@@ -65,6 +65,8 @@
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod small;
 pub mod units;
 pub mod x8;
 
@@ -327,12 +329,12 @@ fn dot_rows(
         if level == Level::Avx512Vnni {
             // SAFETY: the caller checked `level.supported()`; the lengths are
             // checked inside.
-            unsafe { avx512::dot_rows(dtype, w, row_bytes, acts, out) };
+            unsafe { small::dot_rows::<avx512::Vnni>(dtype, w, row_bytes, acts, out) };
             return;
         }
         if level != Level::Scalar {
             // SAFETY: as above (avx2/fma/f16c).
-            unsafe { avx2::dot_rows(dtype, w, row_bytes, acts, out) };
+            unsafe { small::dot_rows::<avx2::Maddubs>(dtype, w, row_bytes, acts, out) };
             return;
         }
     }
@@ -526,7 +528,7 @@ fn apply_epilogue(
 /// The packed (prefill) driver for both SIMD levels.
 #[cfg(target_arch = "x86_64")]
 mod packed {
-    use super::avx2::{self, ActI16, WUnit};
+    use super::avx2::{self, ActI16, DecodedUnit, PackedAct, WUnit};
     use super::avx512::{self, Act16, WUnit8};
     use super::*;
     use std::cell::RefCell;
@@ -539,20 +541,16 @@ mod packed {
     /// One level's packed kernels: decoded weight units `W`, packed
     /// activation blocks `A` of `TG` tokens, `R` rows per kernel call.
     trait Kernels {
-        type W: Copy + Default + Send + Sync + 'static;
-        type A: Copy + Default + Send + Sync + 'static;
+        type W: DecodedUnit + Send + Sync + 'static;
+        type A: PackedAct + Send + Sync + 'static;
         const TG: usize;
         const R: usize;
         /// Weight rows per work chunk (a multiple of `R` and of 8).
         const COLS: usize = COLS_PER_CHUNK;
         fn acts() -> &'static LocalKey<RefCell<Vec<Self::A>>>;
         fn wdec() -> &'static LocalKey<RefCell<Vec<Self::W>>>;
-        /// # Safety
-        /// The CPU must support the level.
-        unsafe fn decode(dtype: DType, w: &[u8], row_bytes: usize, out: &mut [Self::W]);
-        fn pack(acts: &[&[Q8Act]], nb: usize, out: &mut [Self::A]);
         /// Decodes whole x8 groups (`w`) straight into units, the same
-        /// units [`decode`](Self::decode) makes of the unpacked rows, where
+        /// units [`avx2::decode`] makes of the unpacked rows, where
         /// the level has such a decoder; false where the caller must unpack
         /// the rows first.
         ///
@@ -597,13 +595,14 @@ mod packed {
     /// AVX-512 VNNI: 8-bit weights, `vpdpbusd`.
     struct VnniK;
 
+    /// `$m::$k::<SPLIT, MIN $(, $g)?>($arg...)` for the format `$dtype`.
     macro_rules! by_format {
-        ($m:ident :: $k:ident, $dtype:expr, ($($arg:expr),*)) => {{
+        ($m:ident :: $k:ident $(<$g:tt>)?, $dtype:expr, ($($arg:expr),*)) => {{
             match (units::split_scales($dtype), units::has_min($dtype)) {
-                (false, false) => $m::$k::<false, false>($($arg),*),
-                (false, true) => $m::$k::<false, true>($($arg),*),
-                (true, false) => $m::$k::<true, false>($($arg),*),
-                (true, true) => $m::$k::<true, true>($($arg),*),
+                (false, false) => $m::$k::<false, false $(, $g)?>($($arg),*),
+                (false, true) => $m::$k::<false, true $(, $g)?>($($arg),*),
+                (true, false) => $m::$k::<true, false $(, $g)?>($($arg),*),
+                (true, true) => $m::$k::<true, true $(, $g)?>($($arg),*),
             }
         }};
     }
@@ -619,13 +618,6 @@ mod packed {
         }
         fn wdec() -> &'static LocalKey<RefCell<Vec<WUnit>>> {
             &WDEC_I16
-        }
-        unsafe fn decode(dtype: DType, w: &[u8], row_bytes: usize, out: &mut [WUnit]) {
-            // SAFETY: as the caller's.
-            unsafe { avx2::decode(dtype, w, row_bytes, out) }
-        }
-        fn pack(acts: &[&[Q8Act]], nb: usize, out: &mut [ActI16]) {
-            avx2::pack_i16(acts, nb, out)
         }
         unsafe fn decode_x8(dtype: DType, w: &[u8], row_bytes: usize, out: &mut [WUnit]) -> bool {
             // SAFETY: as the caller's.
@@ -643,15 +635,10 @@ mod packed {
             let mut o = [[0f32; avx2::TG_I16]; avx2::R_I16];
             // SAFETY: as the caller's.
             unsafe {
-                match (units::split_scales(dtype), units::has_min(dtype), nt <= 8) {
-                    (false, false, true) => avx2::kern16::<false, false, 1>(w, nu, a, &mut o),
-                    (false, true, true) => avx2::kern16::<false, true, 1>(w, nu, a, &mut o),
-                    (true, false, true) => avx2::kern16::<true, false, 1>(w, nu, a, &mut o),
-                    (true, true, true) => avx2::kern16::<true, true, 1>(w, nu, a, &mut o),
-                    (false, false, false) => avx2::kern16::<false, false, 2>(w, nu, a, &mut o),
-                    (false, true, false) => avx2::kern16::<false, true, 2>(w, nu, a, &mut o),
-                    (true, false, false) => avx2::kern16::<true, false, 2>(w, nu, a, &mut o),
-                    (true, true, false) => avx2::kern16::<true, true, 2>(w, nu, a, &mut o),
+                if nt <= 8 {
+                    by_format!(avx2::kern16<1>, dtype, (w, nu, a, &mut o))
+                } else {
+                    by_format!(avx2::kern16<2>, dtype, (w, nu, a, &mut o))
                 }
             };
             for r in 0..avx2::R_I16 {
@@ -681,13 +668,6 @@ mod packed {
         }
         fn wdec() -> &'static LocalKey<RefCell<Vec<WUnit8>>> {
             &WDEC16
-        }
-        unsafe fn decode(dtype: DType, w: &[u8], row_bytes: usize, out: &mut [WUnit8]) {
-            // SAFETY: as the caller's.
-            unsafe { avx512::decode8(dtype, w, row_bytes, out) }
-        }
-        fn pack(acts: &[&[Q8Act]], nb: usize, out: &mut [Act16]) {
-            avx512::pack(acts, nb, out)
         }
         unsafe fn kern(
             dtype: DType,
@@ -772,7 +752,7 @@ mod packed {
                         for (t, r) in a.chunks_exact(nu).enumerate() {
                             rows[t] = r;
                         }
-                        K::pack(&rows[..t1 - t0], nu, p);
+                        avx2::pack(&rows[..t1 - t0], nu, p);
                     });
                 });
             }
@@ -810,7 +790,7 @@ mod packed {
                             return;
                         }
                         with_rows(layout, dtype, b, row_bytes, |b| unsafe {
-                            K::decode(dtype, b, row_bytes, out)
+                            avx2::decode(dtype, b, row_bytes, out)
                         });
                     };
                     decode(j0, j1, gate);

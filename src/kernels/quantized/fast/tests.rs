@@ -1,37 +1,15 @@
 use super::*;
-use crate::kernels::quantized::{dequantize_row, quantize_row};
-use crate::kernels::testutil::{random_blocks, Rng};
+use crate::kernels::testutil::{
+    dequantized_rows, quantized_rows, random_blocks, Rng, FAST_FORMATS as ALL_FAST,
+};
 use half::f16;
 
 const LEVELS: [Isa; 4] = Isa::ALL;
 
 fn quantized_weights(dtype: DType, wf: &[f32], n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
-    let rb = dtype.bytes_for(k).unwrap();
-    let mut wq = vec![0u8; n * rb];
-    for j in 0..n {
-        quantize_row(
-            dtype,
-            &wf[j * k..(j + 1) * k],
-            &mut wq[j * rb..(j + 1) * rb],
-        )
-        .unwrap();
-    }
-    let wd = dequantized(dtype, &wq, n, k);
+    let wq = quantized_rows(dtype, wf, n, k);
+    let wd = dequantized_rows(dtype, &wq, n, k);
     (wq, wd)
-}
-
-fn dequantized(dtype: DType, wq: &[u8], n: usize, k: usize) -> Vec<f32> {
-    let rb = dtype.bytes_for(k).unwrap();
-    let mut wd = vec![0f32; n * k];
-    for j in 0..n {
-        dequantize_row(
-            dtype,
-            &wq[j * rb..(j + 1) * rb],
-            &mut wd[j * k..(j + 1) * k],
-        )
-        .unwrap();
-    }
-    wd
 }
 
 fn deq_act(a: &[Q8Act]) -> Vec<f32> {
@@ -117,21 +95,6 @@ fn run_level(
     .unwrap();
 }
 
-/// Every supported dtype.
-const ALL_FAST: [DType; 11] = [
-    DType::Q8_0,
-    DType::Q4_0,
-    DType::Q4_1,
-    DType::Q5_0,
-    DType::Q5_1,
-    DType::IQ4_NL,
-    DType::Q3_K,
-    DType::Q4_K,
-    DType::Q5_K,
-    DType::Q6_K,
-    DType::IQ4_XS,
-];
-
 /// Weights of `dtype` for an `[n, k]` matrix: `wf` quantized where the
 /// crate has a quantizer for it, else random block bytes with small
 /// finite scales; and their dequantized values.
@@ -140,7 +103,7 @@ fn weights_for(dtype: DType, wf: &[f32], n: usize, k: usize, rng: &mut Rng) -> (
         return quantized_weights(dtype, wf, n, k);
     }
     let wq = random_blocks(dtype, n * k / dtype.block_elems(), rng);
-    let wd = dequantized(dtype, &wq, n, k);
+    let wd = dequantized_rows(dtype, &wq, n, k);
     (wq, wd)
 }
 

@@ -62,22 +62,22 @@ pub fn is_unit_format(dtype: DType) -> bool {
 }
 
 /// 32-element units per storage block of `dtype`.
-pub fn units_per_block(dtype: DType) -> usize {
+pub const fn units_per_block(dtype: DType) -> usize {
     dtype.block_elems() / 32
 }
 
 /// True where a unit has one scale per 16-element half (Q3_K, Q6_K).
-pub fn split_scales(dtype: DType) -> bool {
+pub const fn split_scales(dtype: DType) -> bool {
     matches!(dtype, DType::Q3_K | DType::Q6_K)
 }
 
 /// True where the weights have an additive term `m`.
-pub fn has_min(dtype: DType) -> bool {
+pub const fn has_min(dtype: DType) -> bool {
     matches!(dtype, DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K)
 }
 
 /// `OFF`: what makes every quant of `dtype` non-negative (see the table).
-pub fn offset(dtype: DType) -> i32 {
+pub const fn offset(dtype: DType) -> i32 {
     match dtype {
         DType::Q8_0 | DType::IQ4_NL | DType::IQ4_XS => 128,
         DType::Q4_0 => 8,
@@ -268,19 +268,7 @@ mod tests {
     #[test]
     fn units_decode_as_the_dequantizer() {
         let mut rng = Rng::new(41);
-        for dtype in [
-            DType::Q8_0,
-            DType::Q4_0,
-            DType::Q4_1,
-            DType::Q5_0,
-            DType::Q5_1,
-            DType::IQ4_NL,
-            DType::Q3_K,
-            DType::Q4_K,
-            DType::Q5_K,
-            DType::Q6_K,
-            DType::IQ4_XS,
-        ] {
+        for dtype in crate::kernels::testutil::FAST_FORMATS {
             assert!(is_unit_format(dtype));
             let (bb, be) = (dtype.block_bytes(), dtype.block_elems());
             for trial in 0..200 {

@@ -3,7 +3,8 @@
 //! AVX-512 VNNI (256-bit `vpdpbusd`).
 
 use super::super::avx2::{
-    FIq4Nl, FIq4Xs, Fmt, WUnit, FQ3K, FQ4K, FQ4_0, FQ4_1, FQ5K, FQ5_0, FQ5_1, FQ6K, FQ8_0,
+    iq4_grid_u, with_fmt, DecodedUnit, FIq4Nl, FIq4Xs, Fmt, WUnit, FQ3K, FQ4K, FQ4_0, FQ4_1, FQ5K,
+    FQ5_0, FQ5_1, FQ6K, FQ8_0,
 };
 use super::super::{Q8Act, RES};
 use super::{part_offset, parts, Part, G};
@@ -12,10 +13,11 @@ use std::arch::x86_64::*;
 
 /// A fast-path format in the x8 layout.
 pub(in super::super) trait X8Fmt: Fmt {
-    /// The format.
-    const DTYPE: DType;
     /// `parts(dtype)`.
-    const PARTS: &'static [Part];
+    const PARTS: &'static [Part] = match parts(Self::D) {
+        Some(p) => p,
+        None => panic!("no x8 layout"),
+    };
     /// Largest `q + OFF` (bounds the 16-bit sums of the AVX2 kernel).
     const UMAX: i32;
     /// The scales of every unit (`d[u][h]`, per half; equal halves
@@ -25,7 +27,7 @@ pub(in super::super) trait X8Fmt: Fmt {
     ///
     /// # Safety
     /// avx2/fma/f16c; `x` holds one block column.
-    unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m256; 8]);
+    unsafe fn scales8(x: &[u8], d: &mut Scales, m: &mut Mins);
     /// `q + OFF` of elements `4j..4j+4` of unit `u` of the 8 rows
     /// (lane `r` = row `r`).
     ///
@@ -33,6 +35,11 @@ pub(in super::super) trait X8Fmt: Fmt {
     /// avx2/fma/f16c; `x` holds one block column, `u < UNITS`, `j < 8`.
     unsafe fn quad(x: &[u8], u: usize, j: usize) -> __m256i;
 }
+
+/// The scales of a block column's units, per half (`d[u][h]`, lane = row).
+type Scales = [[__m256; 2]; 8];
+/// The additive terms of a block column's units (`m[u]`, lane = row).
+type Mins = [__m256; 8];
 
 /// Offset of part `i` of `F`'s layout.
 const fn off<F: X8Fmt>(i: usize) -> usize {
@@ -65,13 +72,40 @@ fn nibble(v: __m256i, hi: bool) -> __m256i {
     _mm256_and_si256(v, _mm256_set1_epi8(15))
 }
 
+/// `(v >> shift) & mask` in every `i32` lane.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn field32(v: __m256i, shift: usize, mask: i32) -> __m256i {
+    _mm256_and_si256(
+        _mm256_srlv_epi32(v, _mm256_set1_epi32(shift as i32)),
+        _mm256_set1_epi32(mask),
+    )
+}
+
 /// Byte `i` of every lane of `v` (as `i32`).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn lane_byte(v: __m256i, i: usize) -> __m256i {
+    field32(v, 8 * i, 255)
+}
+
+/// The 6-bit scales `(lo | hi << 4) - 32` of `i32` lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn scale6(lo: __m256i, hi: __m256i) -> __m256i {
+    _mm256_sub_epi32(
+        _mm256_or_si256(lo, _mm256_slli_epi32::<4>(hi)),
+        _mm256_set1_epi32(32),
+    )
+}
+
+/// Bits `2k..2k+2` of every byte of `v`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn crumb(v: __m256i, k: usize) -> __m256i {
     _mm256_and_si256(
-        _mm256_srlv_epi32(v, _mm256_set1_epi32(8 * i as i32)),
-        _mm256_set1_epi32(255),
+        _mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * k as i32)),
+        _mm256_set1_epi8(3),
     )
 }
 
@@ -114,23 +148,13 @@ fn bit_to(w: __m256i, bit: usize, v: i8) -> __m256i {
     )
 }
 
-/// The IQ4 grid plus 128 looked up for nibbles.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn iq4_u(nib: __m256i) -> __m256i {
-    let g = crate::kernels::quantized::blocks::IQ4_VALUES.map(|v| (v as u8) ^ 0x80);
-    // SAFETY: 16 bytes; unaligned load.
-    let t = unsafe { _mm_loadu_si128(g.as_ptr() as *const __m128i) };
-    _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nib)
-}
-
 /// The one-unit formats' scales: the f16 scale in part 0, the minimum
 /// in part 1 where there is one.
 #[inline(always)]
-unsafe fn one_unit_scales<F: X8Fmt>(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m256; 8]) {
+unsafe fn one_unit_scales<F: X8Fmt>(x: &[u8], dv: __m256, d: &mut Scales, m: &mut Mins) {
     // SAFETY: as the caller's.
     unsafe {
-        d[0][0] = f16x8(x, 0);
+        d[0][0] = dv;
         d[0][1] = d[0][0];
         if F::HAS_MIN {
             m[0] = f16x8(x, off::<F>(1));
@@ -138,27 +162,17 @@ unsafe fn one_unit_scales<F: X8Fmt>(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut 
     }
 }
 
-macro_rules! x8_consts {
-    ($dt:expr, $umax:expr) => {
-        const DTYPE: DType = $dt;
-        const PARTS: &'static [Part] = match parts($dt) {
-            Some(p) => p,
-            None => panic!("no x8 layout"),
-        };
-        const UMAX: i32 = $umax;
-    };
-}
-
-/// An [`X8Fmt`] whose scales are `$scales` and whose quads are `$quad`
-/// (of `x`, the unit and the quad index).
+/// An [`X8Fmt`] whose scales are `$scales` (of `x` and the f16 `d` of
+/// its part 0) and whose quads are `$quad` (of `x`, the unit and the quad
+/// index).
 macro_rules! x8_fmt {
-    ($f:ident, $dt:expr, $umax:expr, $scales:ident, |$x:ident, $u:ident, $j:ident| $quad:expr) => {
+    ($f:ident, $umax:expr, $scales:ident, |$x:ident, $u:ident, $j:ident| $quad:expr) => {
         impl X8Fmt for $f {
-            x8_consts!($dt, $umax);
+            const UMAX: i32 = $umax;
             #[inline(always)]
-            unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m256; 8]) {
-                // SAFETY: as the caller's.
-                unsafe { $scales::<Self>(x, d, m) }
+            unsafe fn scales8(x: &[u8], d: &mut Scales, m: &mut Mins) {
+                // SAFETY: as the caller's (every format's `d` is the f16 of part 0).
+                unsafe { $scales::<Self>(x, f16x8(x, 0), d, m) }
             }
             #[inline(always)]
             unsafe fn quad($x: &[u8], $u: usize, $j: usize) -> __m256i {
@@ -169,30 +183,30 @@ macro_rules! x8_fmt {
     };
 }
 
-x8_fmt!(FQ8_0, DType::Q8_0, 255, one_unit_scales, |x, _u, j| {
+x8_fmt!(FQ8_0, 255, one_unit_scales, |x, _u, j| {
     _mm256_xor_si256(word8(x, off::<Self>(1), j), _mm256_set1_epi8(-128))
 });
 
-x8_fmt!(FQ4_0, DType::Q4_0, 15, one_unit_scales, |x, _u, j| nibble(
+x8_fmt!(FQ4_0, 15, one_unit_scales, |x, _u, j| nibble(
     word8(x, off::<Self>(1), j % 4),
     j >= 4
 ));
 
-x8_fmt!(FIq4Nl, DType::IQ4_NL, 241, one_unit_scales, |x, _u, j| {
-    iq4_u(nibble(word8(x, off::<Self>(1), j % 4), j >= 4))
+x8_fmt!(FIq4Nl, 241, one_unit_scales, |x, _u, j| {
+    iq4_grid_u(nibble(word8(x, off::<Self>(1), j % 4), j >= 4))
 });
 
-x8_fmt!(FQ4_1, DType::Q4_1, 15, one_unit_scales, |x, _u, j| nibble(
+x8_fmt!(FQ4_1, 15, one_unit_scales, |x, _u, j| nibble(
     word8(x, off::<Self>(2), j % 4),
     j >= 4
 ));
 
-x8_fmt!(FQ5_0, DType::Q5_0, 31, one_unit_scales, |x, _u, j| {
+x8_fmt!(FQ5_0, 31, one_unit_scales, |x, _u, j| {
     let nib = nibble(word8(x, off::<Self>(2), j % 4), j >= 4);
     _mm256_or_si256(nib, q5_high(word8(x, off::<Self>(1), 0), j))
 });
 
-x8_fmt!(FQ5_1, DType::Q5_1, 31, one_unit_scales, |x, _u, j| {
+x8_fmt!(FQ5_1, 31, one_unit_scales, |x, _u, j| {
     let nib = nibble(word8(x, off::<Self>(3), j % 4), j >= 4);
     _mm256_or_si256(nib, q5_high(word8(x, off::<Self>(2), 0), j))
 });
@@ -201,9 +215,9 @@ x8_fmt!(FQ5_1, DType::Q5_1, 31, one_unit_scales, |x, _u, j| {
 /// from the three words of 6-bit values (parts 0, 1, 2 = d, dmin, scales).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn k_scales8<F: X8Fmt>(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m256; 8]) {
+unsafe fn k_scales8<F: X8Fmt>(x: &[u8], dv: __m256, d: &mut Scales, m: &mut Mins) {
     unsafe {
-        let (dv, dmv) = (f16x8(x, 0), f16x8(x, off::<F>(1)));
+        let dmv = f16x8(x, off::<F>(1));
         let o = off::<F>(2);
         let (w0, w1, w2) = (word8(x, o, 0), word8(x, o, 1), word8(x, o, 2));
         let k1 = _mm256_set1_epi32(0x3f3f_3f3f);
@@ -233,141 +247,84 @@ unsafe fn k_scales8<F: X8Fmt>(x: &[u8], d: &mut [[__m256; 2]; 8], m: &mut [__m25
     }
 }
 
-x8_fmt!(FQ4K, DType::Q4_K, 15, k_scales8, |x, u, j| nibble(
+x8_fmt!(FQ4K, 15, k_scales8, |x, u, j| nibble(
     word8(x, off::<Self>(3), 8 * (u / 2) + j),
     u % 2 == 1
 ));
 
-x8_fmt!(FQ5K, DType::Q5_K, 31, k_scales8, |x, u, j| {
+x8_fmt!(FQ5K, 31, k_scales8, |x, u, j| {
     let nib = nibble(word8(x, off::<Self>(4), 8 * (u / 2) + j), u % 2 == 1);
     _mm256_or_si256(nib, bit_to(word8(x, off::<Self>(3), j), u, 16))
 });
 
-impl X8Fmt for FQ6K {
-    x8_consts!(DType::Q6_K, 63);
-    #[inline(always)]
-    unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], _m: &mut [__m256; 8]) {
-        unsafe {
-            let dv = f16x8(x, 0);
-            let o = off::<Self>(1);
-            for u in 0..8 {
-                for h in 0..2 {
-                    let i = 2 * u + h;
-                    let b = &x[o + G * i..o + G * i + 8];
-                    let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(b.as_ptr() as *const __m128i));
-                    d[u][h] = times(dv, v);
-                }
+/// The Q6_K scales: `d · sc` per half, from the signed bytes of part 1.
+#[inline(always)]
+unsafe fn q6k_scales8<F: X8Fmt>(x: &[u8], dv: __m256, d: &mut Scales, _m: &mut Mins) {
+    unsafe {
+        let o = off::<F>(1);
+        for u in 0..8 {
+            for h in 0..2 {
+                let i = 2 * u + h;
+                let b = &x[o + G * i..o + G * i + 8];
+                let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(b.as_ptr() as *const __m128i));
+                d[u][h] = times(dv, v);
             }
-        }
-    }
-    #[inline(always)]
-    unsafe fn quad(x: &[u8], u: usize, j: usize) -> __m256i {
-        let (n, k) = (u / 4, u % 4);
-        unsafe {
-            let lo = nibble(word8(x, off::<Self>(2), 16 * n + 8 * (k & 1) + j), k >= 2);
-            let qh = word8(x, off::<Self>(3), 8 * n + j);
-            let hi = _mm256_and_si256(
-                _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k as i32)),
-                _mm256_set1_epi8(3),
-            );
-            _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi))
         }
     }
 }
 
-impl X8Fmt for FQ3K {
-    x8_consts!(DType::Q3_K, 7);
-    #[inline(always)]
-    unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], _m: &mut [__m256; 8]) {
-        unsafe {
-            let dv = f16x8(x, 0);
-            let o = off::<Self>(1);
-            let w = [word8(x, o, 0), word8(x, o, 1), word8(x, o, 2)];
-            let (m15, m3) = (_mm256_set1_epi32(15), _mm256_set1_epi32(3));
-            for i in 0..16 {
-                let (lw, sh) = if i < 8 {
-                    (w[i / 4], 8 * (i % 4))
-                } else {
-                    (w[(i - 8) / 4], 8 * ((i - 8) % 4) + 4)
-                };
-                let lo = _mm256_and_si256(_mm256_srlv_epi32(lw, _mm256_set1_epi32(sh as i32)), m15);
-                let hs = 8 * (i % 4) + 2 * (i / 4);
-                let hi =
-                    _mm256_and_si256(_mm256_srlv_epi32(w[2], _mm256_set1_epi32(hs as i32)), m3);
-                let s = _mm256_sub_epi32(
-                    _mm256_or_si256(lo, _mm256_slli_epi32::<4>(hi)),
-                    _mm256_set1_epi32(32),
-                );
-                d[i / 2][i % 2] = times(dv, s);
-            }
-        }
-    }
-    #[inline(always)]
-    unsafe fn quad(x: &[u8], u: usize, j: usize) -> __m256i {
-        let (h, s) = (u / 4, u % 4);
-        unsafe {
-            let q = word8(x, off::<Self>(3), 8 * h + j);
-            let low = _mm256_and_si256(
-                _mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * s as i32)),
-                _mm256_set1_epi8(3),
-            );
-            _mm256_or_si256(low, bit_to(word8(x, off::<Self>(2), j), u, 4))
+x8_fmt!(FQ6K, 63, q6k_scales8, |x, u, j| {
+    let (n, k) = (u / 4, u % 4);
+    let lo = nibble(word8(x, off::<Self>(2), 16 * n + 8 * (k & 1) + j), k >= 2);
+    let qh = word8(x, off::<Self>(3), 8 * n + j);
+    _mm256_or_si256(lo, _mm256_slli_epi16::<4>(crumb(qh, k)))
+});
+
+/// The Q3_K scales: `d · sc` per half, the 6-bit values from the words of
+/// part 1 (low 4 bits, then 2 high bits in the third word), minus 32.
+#[inline(always)]
+unsafe fn q3k_scales8<F: X8Fmt>(x: &[u8], dv: __m256, d: &mut Scales, _m: &mut Mins) {
+    unsafe {
+        let o = off::<F>(1);
+        let w = [word8(x, o, 0), word8(x, o, 1), word8(x, o, 2)];
+        for i in 0..16 {
+            let (lw, sh) = if i < 8 {
+                (w[i / 4], 8 * (i % 4))
+            } else {
+                (w[(i - 8) / 4], 8 * ((i - 8) % 4) + 4)
+            };
+            let hs = 8 * (i % 4) + 2 * (i / 4);
+            let s = scale6(field32(lw, sh, 15), field32(w[2], hs, 3));
+            d[i / 2][i % 2] = times(dv, s);
         }
     }
 }
 
-impl X8Fmt for FIq4Xs {
-    x8_consts!(DType::IQ4_XS, 241);
-    #[inline(always)]
-    unsafe fn scales8(x: &[u8], d: &mut [[__m256; 2]; 8], _m: &mut [__m256; 8]) {
-        unsafe {
-            let dv = f16x8(x, 0);
-            let hb = &x[off::<Self>(1)..off::<Self>(1) + 16];
-            let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(hb.as_ptr() as *const __m128i));
-            let l = word8(x, off::<Self>(2), 0);
-            for k in 0..8 {
-                let lo = _mm256_and_si256(
-                    _mm256_srlv_epi32(l, _mm256_set1_epi32(4 * k as i32)),
-                    _mm256_set1_epi32(15),
-                );
-                let hi = _mm256_and_si256(
-                    _mm256_srlv_epi32(h, _mm256_set1_epi32(2 * k as i32)),
-                    _mm256_set1_epi32(3),
-                );
-                let s = _mm256_sub_epi32(
-                    _mm256_or_si256(lo, _mm256_slli_epi32::<4>(hi)),
-                    _mm256_set1_epi32(32),
-                );
-                d[k][0] = times(dv, s);
-                d[k][1] = d[k][0];
-            }
+x8_fmt!(FQ3K, 7, q3k_scales8, |x, u, j| {
+    let (h, s) = (u / 4, u % 4);
+    let low = crumb(word8(x, off::<Self>(3), 8 * h + j), s);
+    _mm256_or_si256(low, bit_to(word8(x, off::<Self>(2), j), u, 4))
+});
+
+/// The IQ4_XS scales: `d · sc` per unit, the 6-bit values from parts 1
+/// (high 2 bits) and 2 (low 4 bits), minus 32.
+#[inline(always)]
+unsafe fn iq4xs_scales8<F: X8Fmt>(x: &[u8], dv: __m256, d: &mut Scales, _m: &mut Mins) {
+    unsafe {
+        let hb = &x[off::<F>(1)..off::<F>(1) + 16];
+        let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(hb.as_ptr() as *const __m128i));
+        let l = word8(x, off::<F>(2), 0);
+        for k in 0..8 {
+            let s = scale6(field32(l, 4 * k, 15), field32(h, 2 * k, 3));
+            d[k][0] = times(dv, s);
+            d[k][1] = d[k][0];
         }
-    }
-    #[inline(always)]
-    unsafe fn quad(x: &[u8], u: usize, j: usize) -> __m256i {
-        unsafe { iq4_u(nibble(word8(x, off::<Self>(3), 4 * u + j % 4), j >= 4)) }
     }
 }
 
-/// Calls `$f::<F, ...>` with the format type of `$dtype`.
-macro_rules! with_x8 {
-    ($dtype:expr, $f:ident :: < _ $(, $g:tt)* > ( $($arg:expr),* )) => {
-        match $dtype {
-            DType::Q8_0 => $f::<FQ8_0 $(, $g)*>($($arg),*),
-            DType::Q4_0 => $f::<FQ4_0 $(, $g)*>($($arg),*),
-            DType::Q4_1 => $f::<FQ4_1 $(, $g)*>($($arg),*),
-            DType::Q5_0 => $f::<FQ5_0 $(, $g)*>($($arg),*),
-            DType::Q5_1 => $f::<FQ5_1 $(, $g)*>($($arg),*),
-            DType::IQ4_NL => $f::<FIq4Nl $(, $g)*>($($arg),*),
-            DType::Q3_K => $f::<FQ3K $(, $g)*>($($arg),*),
-            DType::Q4_K => $f::<FQ4K $(, $g)*>($($arg),*),
-            DType::Q5_K => $f::<FQ5K $(, $g)*>($($arg),*),
-            DType::Q6_K => $f::<FQ6K $(, $g)*>($($arg),*),
-            DType::IQ4_XS => $f::<FIq4Xs $(, $g)*>($($arg),*),
-            _ => unreachable!("no x8 layout"),
-        }
-    };
-}
+x8_fmt!(FIq4Xs, 241, iq4xs_scales8, |x, u, j| {
+    iq4_grid_u(nibble(word8(x, off::<Self>(3), 4 * u + j % 4), j >= 4))
+});
 
 /// Decodes whole x8 groups (`w`, groups of 8 rows of `row_bytes`) into
 /// the units of the AVX2 packed kernel, row-major: the same units
@@ -382,7 +339,7 @@ pub(in super::super) unsafe fn decode_units(
     row_bytes: usize,
     out: &mut [WUnit],
 ) {
-    unsafe { with_x8!(dtype, decode_units_t::<_>(w, row_bytes, out)) }
+    unsafe { with_fmt!(dtype, decode_units_t::<_>(w, row_bytes, out)) }
 }
 
 /// Rows of an 8x8 matrix of 32-bit words: `v[j]` lane `r` in, `out[r]`
@@ -468,9 +425,9 @@ pub(in super::super) unsafe fn dot_rows(
 ) {
     unsafe {
         if vnni {
-            with_x8!(dtype, rows_vnni::<_>(w, row_bytes, acts, out))
+            with_fmt!(dtype, rows_vnni::<_>(w, row_bytes, acts, out))
         } else {
-            with_x8!(dtype, rows_avx2::<_>(w, row_bytes, acts, out))
+            with_fmt!(dtype, rows_avx2::<_>(w, row_bytes, acts, out))
         }
     }
 }
@@ -522,32 +479,34 @@ const fn four_tokens(dtype: DType) -> bool {
     matches!(dtype, DType::Q3_K | DType::Q5_K | DType::Q6_K)
 }
 
+/// `$k::<$p.., NT>(g, nblk, [a[0], ..], v)` for a tile of `NT = a.len()`
+/// tokens (1..=4).
+macro_rules! by_tokens {
+    ($k:ident::<$($p:ident),+>($g:expr, $nblk:expr, $a:expr, $v:expr)) => {{
+        let (g, nblk, a, v) = ($g, $nblk, $a, $v);
+        match a.len() {
+            1 => $k::<$($p),+, 1>(g, nblk, [a[0]], v),
+            2 => $k::<$($p),+, 2>(g, nblk, [a[0], a[1]], v),
+            3 => $k::<$($p),+, 3>(g, nblk, [a[0], a[1], a[2]], v),
+            _ => $k::<$($p),+, 4>(g, nblk, [a[0], a[1], a[2], a[3]], v),
+        }
+    }};
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows_avx2<F: X8Fmt>(w: &[u8], row_bytes: usize, acts: &[&[Q8Act]], out: &mut [f32]) {
     let nblk = row_bytes / F::BYTES;
-    if four_tokens(F::DTYPE) {
-        tiles::<4>(w, row_bytes, nblk * F::UNITS, acts, out, |g, a, v| {
-            // SAFETY: this closure runs inside a function with these features.
-            unsafe {
-                match a.len() {
-                    1 => group_avx2::<F, 1>(g, nblk, [a[0]], v),
-                    2 => group_avx2::<F, 2>(g, nblk, [a[0], a[1]], v),
-                    3 => group_avx2::<F, 3>(g, nblk, [a[0], a[1], a[2]], v),
-                    _ => group_avx2::<F, 4>(g, nblk, [a[0], a[1], a[2], a[3]], v),
-                }
-            }
+    let nu = nblk * F::UNITS;
+    // SAFETY (both closures): they run inside a function with these features.
+    if four_tokens(F::D) {
+        tiles::<4>(w, row_bytes, nu, acts, out, |g, a, v| unsafe {
+            by_tokens!(group::<F, Maddubs8>(g, nblk, a, v))
         });
-        return;
+    } else {
+        tiles::<2>(w, row_bytes, nu, acts, out, |g, a, v| unsafe {
+            by_tokens!(group::<F, Maddubs8>(g, nblk, a, v))
+        });
     }
-    tiles::<2>(w, row_bytes, nblk * F::UNITS, acts, out, |g, a, v| {
-        // SAFETY: this closure runs inside a function with these features.
-        unsafe {
-            match a.len() {
-                1 => group_avx2::<F, 1>(g, nblk, [a[0]], v),
-                _ => group_avx2::<F, 2>(g, nblk, [a[0], a[1]], v),
-            }
-        }
-    });
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -555,14 +514,7 @@ unsafe fn rows_vnni<F: X8Fmt>(w: &[u8], row_bytes: usize, acts: &[&[Q8Act]], out
     let nblk = row_bytes / F::BYTES;
     tiles::<4>(w, row_bytes, nblk * F::UNITS, acts, out, |g, a, v| {
         // SAFETY: this closure runs inside a function with these features.
-        unsafe {
-            match a.len() {
-                1 => group_vnni::<F, 1>(g, nblk, [a[0]], v),
-                2 => group_vnni::<F, 2>(g, nblk, [a[0], a[1]], v),
-                3 => group_vnni::<F, 3>(g, nblk, [a[0], a[1], a[2]], v),
-                _ => group_vnni::<F, 4>(g, nblk, [a[0], a[1], a[2], a[3]], v),
-            }
-        }
+        unsafe { by_tokens!(group::<F, Vnni8>(g, nblk, a, v)) }
     });
 }
 
@@ -640,45 +592,103 @@ fn step<F: X8Fmt>(
     f
 }
 
-/// One group of 8 rows times `NT` tokens, AVX2: `maddubs` of the
-/// unsigned quants with the broadcast activation words, summed in 16
-/// bits over as many words as cannot overflow. Formats with `OFF = 128`
-/// (signed quants) instead multiply the quants sign-extended to 16 bits
-/// with the activations as exact 16-bit values ([`wide16`]) by
-/// `vpmaddwd`; both give the same integer sums.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn group_avx2<F: X8Fmt, const NT: usize>(
+/// One level's integer products of a unit of a group's 8 rows (lanes)
+/// with `NT` tokens.
+trait GroupDot {
+    /// True where the kernel prefetches the weights [`PREFETCH_AHEAD`]
+    /// bytes on.
+    const PREFETCH: bool;
+    /// True where the sums of formats with `OFF = 128` (signed quants)
+    /// are `Σ q·a` (the offset already off) rather than `Σ (q + OFF)·a`.
+    const SIGNED_SUMS: bool;
+    /// The exact sums of unit `u` of block column `x` with the tokens'
+    /// blocks `ab`, per half (`[t][h]`; half 0 holds the whole unit for
+    /// formats with one scale per unit), lane `r` = row `r`.
+    ///
+    /// # Safety
+    /// Inlined into a function with the level's features only; `x` holds
+    /// one block column, `u < UNITS`.
+    unsafe fn unit<F: X8Fmt, const NT: usize>(x: &[u8], u: usize, ab: &[&Q8Act; NT]) -> Sums<NT>;
+}
+
+/// Per token, a unit's exact sums per half (lane = row).
+type Sums<const NT: usize> = [[__m256i; 2]; NT];
+
+/// One group of 8 rows times `NT` tokens with `K`'s products and the
+/// shared f32 step.
+///
+/// # Safety
+/// Inlined into a function with `K`'s level's features only.
+#[inline(always)]
+unsafe fn group<F: X8Fmt, K: GroupDot, const NT: usize>(
     g: &[u8],
     nblk: usize,
     a: [&[Q8Act]; NT],
     out: &mut [[f32; G]; 4],
 ) {
-    let signed = F::OFF >= 128;
-    // Unsigned formats: words per 16-bit sum (each maddubs lane is at
-    // most 2·UMAX·127).
-    let per16 = (32767 / (2 * F::UMAX * 127)).clamp(1, 8) as usize;
-    let off = if signed { 0 } else { F::OFF };
-    let ones = _mm256_set1_epi16(1);
-    let res = _mm256_set1_epi16(RES as i16);
     let cb = G * F::BYTES;
-    let mut f = [_mm256_setzero_ps(); NT];
-    let mut d = [[_mm256_setzero_ps(); 2]; 8];
-    let mut m = [_mm256_setzero_ps(); 8];
-    for blk in 0..nblk {
-        let x = &g[blk * cb..(blk + 1) * cb];
-        // The lines PREFETCH_AHEAD bytes on (past the group's end: the
-        // next group's, which follows in memory; a prefetch never faults).
-        let ahead = g.as_ptr().wrapping_add(blk * cb + PREFETCH_AHEAD);
-        for o in (0..cb).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(o) as *const i8);
-        }
-        unsafe { F::scales8(x, &mut d, &mut m) };
-        for u in 0..F::UNITS {
-            let mut ab: [&Q8Act; NT] = [&a[0][0]; NT];
-            for t in 0..NT {
-                ab[t] = &a[t][blk * F::UNITS + u];
+    let off = if K::SIGNED_SUMS && F::OFF >= 128 {
+        0
+    } else {
+        F::OFF
+    };
+    // SAFETY (every intrinsic and call): the level's features are enabled
+    // where this is inlined (the caller's contract); x holds one block
+    // column, u < UNITS.
+    unsafe {
+        let mut f = [_mm256_setzero_ps(); NT];
+        let mut d = [[_mm256_setzero_ps(); 2]; 8];
+        let mut m = [_mm256_setzero_ps(); 8];
+        for blk in 0..nblk {
+            let x = &g[blk * cb..(blk + 1) * cb];
+            if K::PREFETCH {
+                // The lines PREFETCH_AHEAD bytes on (past the group's end:
+                // the next group's, which follows in memory; a prefetch
+                // never faults).
+                let ahead = g.as_ptr().wrapping_add(blk * cb + PREFETCH_AHEAD);
+                for o in (0..cb).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(o) as *const i8);
+                }
             }
+            F::scales8(x, &mut d, &mut m);
+            for u in 0..F::UNITS {
+                let mut ab: [&Q8Act; NT] = [&a[0][0]; NT];
+                for t in 0..NT {
+                    ab[t] = &a[t][blk * F::UNITS + u];
+                }
+                let i32s = K::unit::<F, NT>(x, u, &ab);
+                for t in 0..NT {
+                    f[t] = step::<F>(f[t], i32s[t], ab[t], &d[u], m[u], off);
+                }
+            }
+        }
+        for t in 0..NT {
+            // out[t] holds 8 f32; unaligned store.
+            _mm256_storeu_ps(out[t].as_mut_ptr(), f[t]);
+        }
+    }
+}
+
+/// The AVX2 products: `maddubs` of the unsigned quants with the broadcast
+/// activation words, summed in 16 bits over as many words as cannot
+/// overflow. Formats with `OFF = 128` (signed quants) instead multiply the
+/// quants sign-extended to 16 bits with the activations as exact 16-bit
+/// values ([`wide16`]) by `vpmaddwd`; both give the same integer sums.
+struct Maddubs8;
+
+impl GroupDot for Maddubs8 {
+    const PREFETCH: bool = true;
+    const SIGNED_SUMS: bool = true;
+    #[inline(always)]
+    unsafe fn unit<F: X8Fmt, const NT: usize>(x: &[u8], u: usize, ab: &[&Q8Act; NT]) -> Sums<NT> {
+        let signed = F::OFF >= 128;
+        // Unsigned formats: words per 16-bit sum (each maddubs lane is at
+        // most 2·UMAX·127).
+        let per16 = (32767 / (2 * F::UMAX * 127)).clamp(1, 8) as usize;
+        // SAFETY: avx2 (the caller's contract); x and u as the caller's.
+        unsafe {
+            let ones = _mm256_set1_epi16(1);
+            let res = _mm256_set1_epi16(RES as i16);
             let mut i32s = [[_mm256_setzero_si256(); 2]; NT];
             let mut s16q = [_mm256_setzero_si256(); NT];
             let mut s16r = [_mm256_setzero_si256(); NT];
@@ -694,7 +704,7 @@ unsafe fn group_avx2<F: X8Fmt, const NT: usize>(
             }
             for j in 0..8 {
                 let h = if F::SPLIT { j / 4 } else { 0 };
-                let wq = unsafe { F::quad(x, u, j) };
+                let wq = F::quad(x, u, j);
                 if signed {
                     // The signed quants widened to 16 bits: rows 0-3
                     // (`ql`) and 4-7 (`qh`), four elements each.
@@ -743,58 +753,36 @@ unsafe fn group_avx2<F: X8Fmt, const NT: usize>(
                     }
                 }
             }
-            for t in 0..NT {
-                f[t] = step::<F>(f[t], i32s[t], ab[t], &d[u], m[u], off);
-            }
+            i32s
         }
-    }
-    for t in 0..NT {
-        // SAFETY: out[t] holds 8 f32; unaligned store.
-        unsafe { _mm256_storeu_ps(out[t].as_mut_ptr(), f[t]) };
     }
 }
 
-/// One group of 8 rows times `NT` tokens, AVX-512 VNNI: 256-bit
-/// `vpdpbusd` of the unsigned quants with the broadcast activation words.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn group_vnni<F: X8Fmt, const NT: usize>(
-    g: &[u8],
-    nblk: usize,
-    a: [&[Q8Act]; NT],
-    out: &mut [[f32; G]; 4],
-) {
-    let cb = G * F::BYTES;
-    let mut f = [_mm256_setzero_ps(); NT];
-    let mut d = [[_mm256_setzero_ps(); 2]; 8];
-    let mut m = [_mm256_setzero_ps(); 8];
-    for blk in 0..nblk {
-        let x = &g[blk * cb..(blk + 1) * cb];
-        unsafe { F::scales8(x, &mut d, &mut m) };
-        for u in 0..F::UNITS {
-            let mut ab: [&Q8Act; NT] = [&a[0][0]; NT];
-            for t in 0..NT {
-                ab[t] = &a[t][blk * F::UNITS + u];
-            }
+/// The AVX-512 VNNI products: 256-bit `vpdpbusd` of the unsigned quants
+/// with the broadcast activation words.
+struct Vnni8;
+
+impl GroupDot for Vnni8 {
+    const PREFETCH: bool = false;
+    const SIGNED_SUMS: bool = false;
+    #[inline(always)]
+    unsafe fn unit<F: X8Fmt, const NT: usize>(x: &[u8], u: usize, ab: &[&Q8Act; NT]) -> Sums<NT> {
+        // SAFETY: the VNNI level (the caller's contract); x and u as the
+        // caller's.
+        unsafe {
             let mut sq = [[_mm256_setzero_si256(); 2]; NT];
             let mut sr = [[_mm256_setzero_si256(); 2]; NT];
             for j in 0..8 {
                 let h = if F::SPLIT { j / 4 } else { 0 };
-                let wq = unsafe { F::quad(x, u, j) };
+                let wq = F::quad(x, u, j);
                 for t in 0..NT {
                     sq[t][h] = _mm256_dpbusd_epi32(sq[t][h], wq, bcast(&ab[t].qs, j));
                     sr[t][h] = _mm256_dpbusd_epi32(sr[t][h], wq, bcast(&ab[t].qr, j));
                 }
             }
-            for t in 0..NT {
-                let i =
-                    [0, 1].map(|h| _mm256_add_epi32(_mm256_slli_epi32::<8>(sq[t][h]), sr[t][h]));
-                f[t] = step::<F>(f[t], i, ab[t], &d[u], m[u], F::OFF);
-            }
+            std::array::from_fn(|t| {
+                [0, 1].map(|h| _mm256_add_epi32(_mm256_slli_epi32::<8>(sq[t][h]), sr[t][h]))
+            })
         }
-    }
-    for t in 0..NT {
-        // SAFETY: out[t] holds 8 f32; unaligned store.
-        unsafe { _mm256_storeu_ps(out[t].as_mut_ptr(), f[t]) };
     }
 }

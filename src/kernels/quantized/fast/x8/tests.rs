@@ -1,21 +1,9 @@
 use super::*;
-use crate::kernels::testutil::{random_blocks, Rng};
+use crate::kernels::testutil::{random_blocks, Rng, FAST_FORMATS};
 
 #[test]
 fn layouts_cover_every_block_byte_once() {
-    for dtype in [
-        DType::Q8_0,
-        DType::Q4_0,
-        DType::Q4_1,
-        DType::Q5_0,
-        DType::Q5_1,
-        DType::IQ4_NL,
-        DType::Q3_K,
-        DType::Q4_K,
-        DType::Q5_K,
-        DType::Q6_K,
-        DType::IQ4_XS,
-    ] {
+    for dtype in FAST_FORMATS {
         let ps = parts(dtype).unwrap();
         let mut seen = vec![0; dtype.block_bytes()];
         for p in ps {
