@@ -26,13 +26,19 @@ pub fn scale(head_dim: usize) -> f32 {
     1.0 / (head_dim as f32).sqrt()
 }
 
-fn check_common(
+/// Checks the operands of an unfused piece: `rows_len` elements of q (or
+/// out), the cache, and `hst_len` elements of scores (or probs, named
+/// `hst`) of `T = t_n` keys; returns `(S, H)`.
+#[allow(clippy::too_many_arguments)]
+fn check_unfused(
     op: &'static str,
     geom: &KvGeom,
     n_rep: usize,
     seqs: &StepSeqs<'_>,
     rows_len: usize,
     cache: KvView<'_>,
+    t_n: usize,
+    (hst, hst_len): (&'static str, usize),
 ) -> Result<(usize, usize), KernelError> {
     if n_rep == 0 || geom.n_kv_heads == 0 || geom.head_dim == 0 {
         return Err(KernelError::Invalid {
@@ -49,6 +55,13 @@ fn check_common(
         rows_len,
     )?;
     check_len(op, "cache elements", geom.elems(), cache.len())?;
+    if seqs.max_keys() > t_n {
+        return Err(KernelError::Invalid {
+            op,
+            what: "T is shorter than a sequence's key span",
+        });
+    }
+    check_len(op, hst, h * s * t_n, hst_len)?;
     Ok((s, h))
 }
 
@@ -94,14 +107,8 @@ pub fn attn_scores_windowed(
             what: "a sliding window must hold at least one position",
         });
     }
-    let (s_n, h_n) = check_common(OP, geom, n_rep, seqs, q.len(), k)?;
-    if seqs.max_keys() > t_n {
-        return Err(KernelError::Invalid {
-            op: OP,
-            what: "T is shorter than a sequence's key span",
-        });
-    }
-    check_len(OP, "scores elements (H*S*T)", h_n * s_n * t_n, scores.len())?;
+    let hst = ("scores elements (H*S*T)", scores.len());
+    let (s_n, h_n) = check_unfused(OP, geom, n_rep, seqs, q.len(), k, t_n, hst)?;
     let (d, bs) = (geom.head_dim, geom.block);
     let c = scale(d);
     let sp = SyncPtr::new(scores);
@@ -191,14 +198,8 @@ pub fn attn_values(
     out: &mut [f32],
 ) -> Result<(), KernelError> {
     const OP: &str = "attn_values";
-    let (s_n, h_n) = check_common(OP, geom, n_rep, seqs, out.len(), v)?;
-    if seqs.max_keys() > t_n {
-        return Err(KernelError::Invalid {
-            op: OP,
-            what: "T is shorter than a sequence's key span",
-        });
-    }
-    check_len(OP, "probs elements (H*S*T)", h_n * s_n * t_n, probs.len())?;
+    let hst = ("probs elements (H*S*T)", probs.len());
+    let (s_n, h_n) = check_unfused(OP, geom, n_rep, seqs, out.len(), v, t_n, hst)?;
     let (d, bs) = (geom.head_dim, geom.block);
     let op = SyncPtr::new(out);
     pool.run(h_n, &|h| {

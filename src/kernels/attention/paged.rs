@@ -67,16 +67,26 @@ fn decode_rows(n_rep: usize) -> usize {
     n_rep * (TILED_MIN_S - 1)
 }
 
-/// Floats of a tiled item's scratch with `rp` padded rows.
-fn tiled_scratch(rp: usize, d: usize) -> usize {
-    // qt, st, acc, m, l, corr, kt, vt, and the span totals A, L, M.
-    d * rp + BK * rp + rp * d + 3 * rp + 2 * BK * d + rp * d + 2 * rp
+/// The parts of a tiled item's scratch with `rp` padded rows: qt, st,
+/// acc, (m, l, corr), kt, vt, and the span totals A, L, M.
+fn tiled_parts(rp: usize, d: usize) -> [usize; 9] {
+    [
+        d * rp,
+        BK * rp,
+        rp * d,
+        3 * rp,
+        BK * d,
+        BK * d,
+        rp * d,
+        rp,
+        rp,
+    ]
 }
 
-/// Floats of a decode item's scratch.
-fn decode_scratch(rows: usize, d: usize) -> usize {
-    // qs, st, acc, m, l, kt, vt.
-    rows * d + rows * BK + rows * d + 2 * rows + 2 * BK * d
+/// The parts of a decode item's scratch with at most `rp` rows (even):
+/// qs, one row's scores, st, acc, (m, l, corr), kt, vt.
+fn decode_parts(rp: usize, d: usize) -> [usize; 7] {
+    [rp * d, BK, BK * rp, rp * d, 3 * rp, BK * d, BK * d]
 }
 
 /// Floats of one decode item's partial result: accumulators, maxima, sums.
@@ -121,7 +131,9 @@ impl AttnWork {
     ) -> AttnWork {
         let d = geom.head_dim;
         let rp = (block_queries(n_rep).min(max_tokens.max(1)) * n_rep).next_multiple_of(16);
-        let per_thread = tiled_scratch(rp, d).max(decode_scratch(decode_rows(n_rep), d));
+        let decode_rp = decode_rows(n_rep).next_multiple_of(2);
+        let per_thread =
+            (tiled_parts(rp, d).iter().sum::<usize>()).max(decode_parts(decode_rp, d).iter().sum());
         let max_seqs = max_seqs.max(1);
         // Decode items: per kv head, the spans of every sequence. Sequences
         // with blocks of their own have spans adding up to at most the
@@ -392,6 +404,29 @@ impl<'a> Item<'a> {
     }
 }
 
+/// The runs `(j, b, i0, n)` of keys `t0..t0+nk` of a sequence, in order:
+/// keys `t0+j..t0+j+n` lie in pool block `b` from offset `i0`. (An
+/// iterator, so the callers' loop bodies stay in the callers, compiled
+/// with their CPU features.)
+#[inline(always)]
+fn block_runs<'a>(
+    seq: &'a SeqSpan<'_>,
+    bs: usize,
+    t0: usize,
+    nk: usize,
+) -> impl Iterator<Item = (usize, usize, usize, usize)> + 'a {
+    let mut j = 0;
+    std::iter::from_fn(move || {
+        (j < nk).then(|| {
+            let p = t0 + j;
+            let (b, i0) = (seq.block_of(p, bs), p % bs);
+            let n = (bs - i0).min(nk - j);
+            j += n;
+            (j - n, b, i0, n)
+        })
+    })
+}
+
 /// Copies keys `t0..t0+nk` of kv head `g` of a sequence into `kt` as f32,
 /// dims-major (`kt[e·BK + j]`), one block run at a time.
 #[inline(always)]
@@ -403,18 +438,12 @@ fn gather_k<C: Cvt>(
     nk: usize,
     kt: &mut [f32],
 ) {
-    let (geom, d) = (ctx.geom, ctx.geom.head_dim);
-    let bs = geom.block;
-    let mut j = 0;
-    while j < nk {
-        let p = t0 + j;
-        let (b, i0) = (seq.block_of(p, bs), p % bs);
-        let n = (bs - i0).min(nk - j);
-        for e in 0..d {
+    let geom = ctx.geom;
+    for (j, b, i0, n) in block_runs(seq, geom.block, t0, nk) {
+        for e in 0..geom.head_dim {
             let src = geom.k_index(b, i0, g, e);
             C::cvt(ctx.k, src, &mut kt[e * BK + j..e * BK + j + n]);
         }
-        j += n;
     }
 }
 
@@ -430,15 +459,9 @@ fn gather_v<C: Cvt>(
     vt: &mut [f32],
 ) {
     let (geom, d) = (ctx.geom, ctx.geom.head_dim);
-    let bs = geom.block;
-    let mut j = 0;
-    while j < nk {
-        let p = t0 + j;
-        let (b, i0) = (seq.block_of(p, bs), p % bs);
-        let n = (bs - i0).min(nk - j);
+    for (j, b, i0, n) in block_runs(seq, geom.block, t0, nk) {
         let src = geom.v_index(b, i0, g, 0);
         C::cvt(ctx.v, src, &mut vt[j * d..(j + n) * d]);
-        j += n;
     }
 }
 
@@ -502,90 +525,36 @@ fn mask_below_window(st: &mut [f32], it: &Item<'_>, w: usize, t0: usize, nk: usi
 
 /// The per-tile steps of a level. Scores come out key-major (`st[k·rp +
 /// r]`, one lane per row); every per-row result must not depend on the
-/// other rows, `rp` or `nk` beyond the row's own keys.
+/// other rows, `rp` or `nk` beyond the row's own keys. `qt` holds `D·rp`
+/// floats and `acc` `rp·D`, which gives `D`.
+///
+/// # Safety
+/// Every step may use the level's CPU features: the caller makes sure they
+/// are available.
 trait BlockSteps {
     type Cvt: Cvt;
     /// Scores of `nk` keys (`kt[e·BK + j]`) for all `rp` rows of `qt`.
-    ///
-    /// # Safety
-    /// The level's CPU features are available.
-    unsafe fn qk(qt: &[f32], rp: usize, kt: &[f32], nk: usize, d: usize, st: &mut [f32]);
-    /// Online softmax update of one tile.
-    ///
-    /// # Safety
-    /// As above.
-    unsafe fn softmax(
-        st: &mut [f32],
-        rp: usize,
-        nk: usize,
-        m: &mut [f32],
-        l: &mut [f32],
-        corr: &mut [f32],
-    );
+    unsafe fn qk(qt: &[f32], rp: usize, kt: &[f32], nk: usize, st: &mut [f32]);
+    /// Online softmax update of one tile; `mlc` is the rows' maxima, sums
+    /// and (out) corrections, `rp` each.
+    unsafe fn softmax(st: &mut [f32], rp: usize, nk: usize, mlc: &mut [f32]);
     /// `acc = acc·corr + P·V` for one tile (`vt[k·D + e]`).
-    ///
-    /// # Safety
-    /// As above.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn pv(
-        st: &[f32],
-        rp: usize,
-        nk: usize,
-        vt: &[f32],
-        d: usize,
-        acc: &mut [f32],
-        corr: &[f32],
-    );
+    unsafe fn pv(st: &[f32], rp: usize, nk: usize, vt: &[f32], acc: &mut [f32], corr: &[f32]);
     /// One row's scores of `nk` keys, the same arithmetic as [`Self::qk`]
     /// gives that row (`st` has room for [`BK`]).
-    ///
-    /// # Safety
-    /// As above.
-    unsafe fn row_qk(qs: &[f32], kt: &[f32], nk: usize, d: usize, st: &mut [f32]);
+    unsafe fn row_qk(qs: &[f32], kt: &[f32], nk: usize, st: &mut [f32]);
     /// One row's online softmax update, as [`Self::softmax`] gives it;
     /// returns the correction of the old accumulators.
-    ///
-    /// # Safety
-    /// As above.
     unsafe fn row_softmax(st: &mut [f32], nk: usize, m: &mut f32, l: &mut f32) -> f32;
-    /// One row's `acc = acc·corr + P·V`, as [`Self::pv`] gives it.
-    ///
-    /// # Safety
-    /// As above.
-    unsafe fn row_pv(acc: &mut [f32], corr: f32, p: &[f32], nk: usize, vt: &[f32], d: usize);
 }
 
-/// Splits a tiled item's scratch into (qt, st, acc, m, l, corr, kt, vt,
-/// aa, ll, mm).
-#[allow(clippy::type_complexity)]
-fn split_tiled(
-    scr: &mut [f32],
-    rp: usize,
-    d: usize,
-) -> (
-    &mut [f32],
-    &mut [f32],
-    &mut [f32],
-    &mut [f32],
-    &mut [f32],
-    &mut [f32],
-    &mut [f32],
-    &mut [f32],
-    &mut [f32],
-    &mut [f32],
-    &mut [f32],
-) {
-    let (qt, rest) = scr.split_at_mut(d * rp);
-    let (st, rest) = rest.split_at_mut(BK * rp);
-    let (acc, rest) = rest.split_at_mut(rp * d);
-    let (m, rest) = rest.split_at_mut(rp);
-    let (l, rest) = rest.split_at_mut(rp);
-    let (corr, rest) = rest.split_at_mut(rp);
-    let (kt, rest) = rest.split_at_mut(BK * d);
-    let (vt, rest) = rest.split_at_mut(BK * d);
-    let (aa, rest) = rest.split_at_mut(rp * d);
-    let (ll, rest) = rest.split_at_mut(rp);
-    (qt, st, acc, m, l, corr, kt, vt, aa, ll, &mut rest[..rp])
+/// Splits scratch into consecutive slices of the given lengths.
+fn carve<const N: usize>(mut scr: &mut [f32], lens: [usize; N]) -> [&mut [f32]; N] {
+    lens.map(|n| {
+        let (part, rest) = std::mem::take(&mut scr).split_at_mut(n);
+        scr = rest;
+        part
+    })
 }
 
 /// One tiled item with the steps of level `B`; inlined into each level's
@@ -602,7 +571,7 @@ unsafe fn drive_tiled<B: BlockSteps>(
 ) {
     let d = ctx.geom.head_dim;
     let rp = it.rp;
-    let (qt, st, acc, m, l, corr, kt, vt, aa, ll, mm) = split_tiled(scr, rp, d);
+    let [qt, st, acc, mlc, kt, vt, aa, ll, mm] = carve(scr, tiled_parts(rp, d));
     pack_q(ctx, it, qt);
     let multi_span = it.t_end > SPAN;
     mm.fill(f32::NEG_INFINITY);
@@ -614,15 +583,15 @@ unsafe fn drive_tiled<B: BlockSteps>(
     while s0 < it.t_end {
         let s1 = (s0 + SPAN).min(it.t_end);
         acc.fill(0.0);
-        m.fill(f32::NEG_INFINITY);
-        l.fill(0.0);
+        mlc[..rp].fill(f32::NEG_INFINITY);
+        mlc[rp..2 * rp].fill(0.0);
         let mut t0 = s0.max(it.lo / BK * BK);
         while t0 < s1 {
             let nk = BK.min(s1 - t0);
             gather_k::<B::Cvt>(ctx, &it.seq, it.g, t0, nk, kt);
             gather_v::<B::Cvt>(ctx, &it.seq, it.g, t0, nk, vt);
             // SAFETY: the features of B are available (this function's contract).
-            unsafe { B::qk(qt, rp, kt, nk, d, st) };
+            unsafe { B::qk(qt, rp, kt, nk, st) };
             if t0 + nk - 1 > it.t_diag {
                 mask_block(st, it, t0, nk);
             }
@@ -631,22 +600,16 @@ unsafe fn drive_tiled<B: BlockSteps>(
             }
             // SAFETY: as above.
             unsafe {
-                B::softmax(st, rp, nk, m, l, corr);
-                B::pv(st, rp, nk, vt, d, acc, corr);
+                B::softmax(st, rp, nk, mlc);
+                B::pv(st, rp, nk, vt, acc, &mlc[2 * rp..]);
             }
             t0 += nk;
         }
         if multi_span {
             for r in 0..it.rows {
                 let a = &acc[r * d..(r + 1) * d];
-                merge_span(
-                    &mut mm[r],
-                    &mut ll[r],
-                    &mut aa[r * d..(r + 1) * d],
-                    m[r],
-                    l[r],
-                    a,
-                );
+                let aa = &mut aa[r * d..(r + 1) * d];
+                merge_span(&mut mm[r], &mut ll[r], aa, mlc[r], mlc[rp + r], a);
             }
         }
         s0 = s1;
@@ -654,7 +617,7 @@ unsafe fn drive_tiled<B: BlockSteps>(
     let (acc, l) = if multi_span {
         (&*aa, &*ll)
     } else {
-        (&*acc, &*l)
+        (&*acc, &mlc[rp..])
     };
     for r in 0..it.rows {
         let (qi, rep) = (r / it.n_rep, r % it.n_rep);
@@ -671,7 +634,11 @@ unsafe fn drive_tiled<B: BlockSteps>(
 }
 
 /// One decode item (kv head `g`, span `span` of a sequence with few
-/// queries): each row's partial result `(acc, m, l)` goes to `part`.
+/// queries): each row's partial result `(acc, m, l)` goes to `part`. Per
+/// row, scores and softmax with the keys in lanes ([`BlockSteps::row_qk`]);
+/// then `P·V` of all rows at once ([`BlockSteps::pv`]; a row that sees no
+/// key of a tile gets correction 1 and probabilities 0, which leave its
+/// sums as they are).
 ///
 /// # Safety
 /// The CPU features of `B` are available.
@@ -687,14 +654,9 @@ unsafe fn drive_decode<B: BlockSteps>(
     let d = ctx.geom.head_dim;
     let n_rep = ctx.n_rep;
     let rows = seq.count * n_rep;
+    let rp = rows.next_multiple_of(2);
     let rmax = decode_rows(n_rep);
-    let (qs, rest) = scr.split_at_mut(rows * d);
-    let (st, rest) = rest.split_at_mut(rows * BK);
-    let (acc, rest) = rest.split_at_mut(rows * d);
-    let (m, rest) = rest.split_at_mut(rows);
-    let (l, rest) = rest.split_at_mut(rows);
-    let (kt, rest) = rest.split_at_mut(BK * d);
-    let vt = &mut rest[..BK * d];
+    let [qs, sr, st, acc, mlc, kt, vt] = carve(scr, decode_parts(rp, d));
     let c = ctx.scale();
     for r in 0..rows {
         let (qi, rep) = (r / n_rep, r % n_rep);
@@ -704,8 +666,8 @@ unsafe fn drive_decode<B: BlockSteps>(
         }
     }
     acc.fill(0.0);
-    m.fill(f32::NEG_INFINITY);
-    l.fill(0.0);
+    mlc[..rp].fill(f32::NEG_INFINITY);
+    mlc[rp..2 * rp].fill(0.0);
     let s0 = span * SPAN;
     let s1 = (s0 + SPAN).min(seq.keys());
     // Tiles wholly below the first query's window are not read.
@@ -714,33 +676,36 @@ unsafe fn drive_decode<B: BlockSteps>(
         let nk = BK.min(s1 - t0);
         gather_k::<B::Cvt>(ctx, seq, g, t0, nk, kt);
         gather_v::<B::Cvt>(ctx, seq, g, t0, nk, vt);
-        for r in 0..rows {
+        let (ml, corr) = mlc.split_at_mut(2 * rp);
+        for r in 0..rp {
             let limit = seq.start + r / n_rep;
             let first = window_start(ctx.window, limit);
-            if limit < t0 || first >= t0 + nk {
-                // No key of this tile is visible: a masked tile changes
-                // nothing (correction 1, nothing added).
+            if r >= rows || limit < t0 || first >= t0 + nk {
+                // No key of this tile is visible (or a padding row): a
+                // masked tile changes nothing.
+                corr[r] = 1.0;
+                (0..nk).for_each(|k| st[k * rp + r] = 0.0);
                 continue;
             }
-            let srow = &mut st[r * BK..(r + 1) * BK];
             // SAFETY: the features of B are available (this function's contract).
-            unsafe { B::row_qk(&qs[r * d..(r + 1) * d], kt, nk, d, srow) };
-            for (k, x) in srow.iter_mut().enumerate().take(nk) {
+            unsafe { B::row_qk(&qs[r * d..(r + 1) * d], kt, nk, sr) };
+            for (k, x) in sr.iter_mut().enumerate().take(nk) {
                 if t0 + k > limit || t0 + k < first {
                     *x = f32::NEG_INFINITY;
                 }
             }
+            let (m, l) = ml.split_at_mut(rp);
             // SAFETY: as above.
-            unsafe {
-                let cr = B::row_softmax(srow, nk, &mut m[r], &mut l[r]);
-                B::row_pv(&mut acc[r * d..(r + 1) * d], cr, srow, nk, vt, d);
-            }
+            corr[r] = unsafe { B::row_softmax(sr, nk, &mut m[r], &mut l[r]) };
+            (0..nk).for_each(|k| st[k * rp + r] = sr[k]);
         }
+        // SAFETY: as above.
+        unsafe { B::pv(st, rp, nk, vt, acc, corr) };
         t0 += nk;
     }
-    part[..rows * d].copy_from_slice(acc);
-    part[rmax * d..rmax * d + rows].copy_from_slice(m);
-    part[rmax * d + rmax..rmax * d + rmax + rows].copy_from_slice(l);
+    part[..rows * d].copy_from_slice(&acc[..rows * d]);
+    part[rmax * d..rmax * d + rows].copy_from_slice(&mlc[..rows]);
+    part[rmax * d + rmax..rmax * d + rmax + rows].copy_from_slice(&mlc[rp..rp + rows]);
 }
 
 /// The kernel set in use, lowered to what the CPU supports.
@@ -799,16 +764,17 @@ impl Level {
     }
 }
 
-/// The scalar reference level.
+/// The scalar reference level. Its one-row steps are its tile steps with
+/// one row.
 struct Portable;
 
 impl BlockSteps for Portable {
     type Cvt = PortableCvt;
 
-    unsafe fn qk(qt: &[f32], rp: usize, kt: &[f32], nk: usize, d: usize, st: &mut [f32]) {
+    unsafe fn qk(qt: &[f32], rp: usize, kt: &[f32], nk: usize, st: &mut [f32]) {
+        let d = qt.len() / rp;
         for k in 0..nk {
-            let srow = &mut st[k * rp..(k + 1) * rp];
-            for (r, sv) in srow.iter_mut().enumerate() {
+            for r in 0..rp {
                 let mut tot = 0f32;
                 for e0 in (0..d).step_by(QK_CHUNK) {
                     let mut part = 0f32;
@@ -817,19 +783,14 @@ impl BlockSteps for Portable {
                     }
                     tot += part;
                 }
-                *sv = tot;
+                st[k * rp + r] = tot;
             }
         }
     }
 
-    unsafe fn softmax(
-        st: &mut [f32],
-        rp: usize,
-        nk: usize,
-        m: &mut [f32],
-        l: &mut [f32],
-        corr: &mut [f32],
-    ) {
+    unsafe fn softmax(st: &mut [f32], rp: usize, nk: usize, mlc: &mut [f32]) {
+        let (m, rest) = mlc.split_at_mut(rp);
+        let (l, corr) = rest.split_at_mut(rp);
         for r in 0..rp {
             let mx = (0..nk).fold(f32::NEG_INFINITY, |a, k| a.max(st[k * rp + r]));
             // A row with no visible key yet (all `-inf`, below its sliding
@@ -848,17 +809,9 @@ impl BlockSteps for Portable {
         }
     }
 
-    unsafe fn pv(
-        st: &[f32],
-        rp: usize,
-        nk: usize,
-        vt: &[f32],
-        d: usize,
-        acc: &mut [f32],
-        corr: &[f32],
-    ) {
-        for r in 0..rp {
-            let a = &mut acc[r * d..(r + 1) * d];
+    unsafe fn pv(st: &[f32], rp: usize, nk: usize, vt: &[f32], acc: &mut [f32], corr: &[f32]) {
+        let d = acc.len() / rp;
+        for (r, a) in acc.chunks_exact_mut(d).enumerate() {
             a.iter_mut().for_each(|x| *x *= corr[r]);
             for k in 0..nk {
                 let p = st[k * rp + r];
@@ -869,43 +822,17 @@ impl BlockSteps for Portable {
         }
     }
 
-    unsafe fn row_qk(qs: &[f32], kt: &[f32], nk: usize, d: usize, st: &mut [f32]) {
-        for (k, sv) in st.iter_mut().enumerate().take(nk) {
-            let mut tot = 0f32;
-            for e0 in (0..d).step_by(QK_CHUNK) {
-                let mut part = 0f32;
-                for e in e0..d.min(e0 + QK_CHUNK) {
-                    part += kt[e * BK + k] * qs[e];
-                }
-                tot += part;
-            }
-            *sv = tot;
-        }
+    unsafe fn row_qk(qs: &[f32], kt: &[f32], nk: usize, st: &mut [f32]) {
+        // SAFETY: no CPU feature needed.
+        unsafe { Self::qk(qs, 1, kt, nk, st) }
     }
 
     unsafe fn row_softmax(st: &mut [f32], nk: usize, m: &mut f32, l: &mut f32) -> f32 {
-        let mx = st[..nk].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
-        let m_new = m.max(mx);
-        let cr = (*m - m_new).exp();
-        let mut sum = 0f32;
-        for x in &mut st[..nk] {
-            let p = (*x - m_new).exp();
-            *x = p;
-            sum += p;
-        }
-        *l = *l * cr + sum;
-        *m = m_new;
-        cr
-    }
-
-    unsafe fn row_pv(acc: &mut [f32], corr: f32, p: &[f32], nk: usize, vt: &[f32], d: usize) {
-        acc.iter_mut().for_each(|x| *x *= corr);
-        for k in 0..nk {
-            let pk = p[k];
-            for (x, &v) in acc.iter_mut().zip(&vt[k * d..(k + 1) * d]) {
-                *x += pk * v;
-            }
-        }
+        let mut mlc = [*m, *l, 0.0];
+        // SAFETY: no CPU feature needed.
+        unsafe { Self::softmax(st, 1, nk, &mut mlc) };
+        (*m, *l) = (mlc[0], mlc[1]);
+        mlc[2]
     }
 }
 

@@ -468,65 +468,14 @@ fn bad_steps_are_refused() {
     let q = q_for(&pool, &[(0, 0, 5), (1, 10, 1)]);
     let mut out = vec![0.0; q.len()];
     let (k, v, g) = (pool.k.view(), pool.v.view(), &pool.geom);
-    assert!(attention_paged(
-        &tp,
-        crate::kernels::Kernels::current().isa(),
-        &q[1..],
-        k,
-        v,
-        g,
-        2,
-        None,
-        &s,
-        &mut out,
-        &mut work
-    )
-    .is_err());
-    assert!(attention_paged(
-        &tp,
-        crate::kernels::Kernels::current().isa(),
-        &q,
-        KvView::F32(&[]),
-        v,
-        g,
-        2,
-        None,
-        &s,
-        &mut out,
-        &mut work
-    )
-    .is_err());
-    assert!(attention_paged(
-        &tp,
-        crate::kernels::Kernels::current().isa(),
-        &q,
-        k,
-        v,
-        g,
-        2,
-        None,
-        &s,
-        &mut out,
-        &mut work
-    )
-    .is_ok());
-    assert!(
-        attention_paged(
-            &tp,
-            crate::kernels::Kernels::current().isa(),
-            &q,
-            k,
-            v,
-            g,
-            2,
-            Some(0),
-            &s,
-            &mut out,
-            &mut work
-        )
-        .is_err(),
-        "an empty window"
-    );
+    let isa = crate::kernels::Kernels::current().isa();
+    let mut run = |q: &[f32], k: KvView<'_>, window: Option<usize>| {
+        attention_paged(&tp, isa, q, k, v, g, 2, window, &s, &mut out, &mut work)
+    };
+    assert!(run(&q[1..], k, None).is_err(), "a short q");
+    assert!(run(&q, KvView::F32(&[]), None).is_err(), "an empty cache");
+    assert!(run(&q, k, None).is_ok());
+    assert!(run(&q, k, Some(0)).is_err(), "an empty window");
     let mut scores = vec![0.0; 4 * 6 * 10];
     assert!(
         attn_scores(&tp, &q, k, g, 2, &s, 10, &mut scores).is_err(),

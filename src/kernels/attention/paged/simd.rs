@@ -163,7 +163,7 @@ unsafe fn pv_tile<V: F32Vec, const R: usize, const NC: usize>(
 }
 
 /// `P·V` for rows `0..R` (pointers offset to the first row): tiles of
-/// `PV_NC` vectors of columns, then of one, then scalar columns.
+/// `PV_NC` vectors of columns, then of one, then scalar columns. Returns `R`.
 ///
 /// # Safety
 /// `V`'s features are enabled; the caller guarantees R rows of a (stride
@@ -179,7 +179,7 @@ unsafe fn pv_rows<V: F32Vec, const R: usize, const PV_NC: usize>(
     a: *mut f32,
     d: usize,
     c: *const f32,
-) {
+) -> usize {
     let l = V::LANES;
     // SAFETY: the caller's contract.
     unsafe {
@@ -203,6 +203,7 @@ unsafe fn pv_rows<V: F32Vec, const R: usize, const PV_NC: usize>(
             }
         }
     }
+    R
 }
 
 /// One row's online softmax update, 8 lanes of AVX2 at every SIMD level:
@@ -214,11 +215,22 @@ unsafe fn pv_rows<V: F32Vec, const R: usize, const PV_NC: usize>(
 /// AVX2 and FMA are available.
 #[inline(always)]
 pub(super) unsafe fn row_softmax_avx2(st: &mut [f32], nk: usize, m: &mut f32, l: &mut f32) -> f32 {
-    let mx = st[..nk].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
-    let m_new = m.max(mx);
     // SAFETY: AVX2 and FMA are available (contract); st has room for BK
     // (a multiple of 8) lanes.
     unsafe {
+        // The maximum (exact in any order): 8 lanes, then the tail.
+        let n8 = nk / 8 * 8;
+        let mut mv = <__m256 as F32Vec>::splat(f32::NEG_INFINITY);
+        for k0 in (0..n8).step_by(8) {
+            mv = mv.max(<__m256 as F32Vec>::load(st.as_ptr().add(k0)));
+        }
+        let mut lanes = [0f32; 8];
+        mv.store(lanes.as_mut_ptr());
+        let mx = lanes
+            .iter()
+            .chain(&st[n8..nk])
+            .fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+        let m_new = m.max(mx);
         let cr = _mm256_cvtss_f32(<__m256 as F32Vec>::splat(*m - m_new).exp());
         let mv = <__m256 as F32Vec>::splat(m_new);
         let sp = st.as_mut_ptr();
@@ -253,8 +265,9 @@ impl<
     type Cvt = F16cCvt;
 
     #[inline(always)]
-    unsafe fn qk(qt: &[f32], rp: usize, kt: &[f32], nk: usize, d: usize, st: &mut [f32]) {
+    unsafe fn qk(qt: &[f32], rp: usize, kt: &[f32], nk: usize, st: &mut [f32]) {
         let l = V::LANES;
+        let d = qt.len() / rp;
         assert!(qt.len() >= d * rp && st.len() >= nk * rp && kt.len() >= d * BK);
         assert!(rp.is_multiple_of(l) && nk <= BK && QK_NC <= 3);
         let mut r0 = 0;
@@ -273,15 +286,10 @@ impl<
     }
 
     #[inline(always)]
-    unsafe fn softmax(
-        st: &mut [f32],
-        rp: usize,
-        nk: usize,
-        m: &mut [f32],
-        l: &mut [f32],
-        corr: &mut [f32],
-    ) {
+    unsafe fn softmax(st: &mut [f32], rp: usize, nk: usize, mlc: &mut [f32]) {
         let lanes = V::LANES;
+        let (m, rest) = mlc.split_at_mut(rp);
+        let (l, corr) = rest.split_at_mut(rp);
         assert!(st.len() >= nk * rp && m.len() >= rp && l.len() >= rp && corr.len() >= rp);
         assert!(rp.is_multiple_of(lanes));
         // SAFETY: all accesses are at r0..r0+LANES <= rp of rows k < nk;
@@ -328,15 +336,8 @@ impl<
     }
 
     #[inline(always)]
-    unsafe fn pv(
-        st: &[f32],
-        rp: usize,
-        nk: usize,
-        vt: &[f32],
-        d: usize,
-        acc: &mut [f32],
-        corr: &[f32],
-    ) {
+    unsafe fn pv(st: &[f32], rp: usize, nk: usize, vt: &[f32], acc: &mut [f32], corr: &[f32]) {
+        let d = acc.len() / rp;
         assert!(st.len() >= nk * rp && acc.len() >= rp * d && corr.len() >= rp);
         assert!(vt.len() >= nk * d && rp.is_multiple_of(2));
         let (sp, ap, cp, vp) = (st.as_ptr(), acc.as_mut_ptr(), corr.as_ptr(), vt.as_ptr());
@@ -345,24 +346,27 @@ impl<
         unsafe {
             let mut r0 = 0;
             while r0 < rp {
-                if r0 + 6 <= rp {
-                    pv_rows::<V, 6, PV_NC>(sp.add(r0), rp, nk, vp, ap.add(r0 * d), d, cp.add(r0));
-                    r0 += 6;
-                } else {
-                    pv_rows::<V, 2, PV_NC>(sp.add(r0), rp, nk, vp, ap.add(r0 * d), d, cp.add(r0));
-                    r0 += 2;
-                }
+                let (s, a, c) = (sp.add(r0), ap.add(r0 * d), cp.add(r0));
+                // Blocks of 6 rows (tiled items), 4 (decode items of 3 or
+                // 4 heads a group: 8 accumulators in flight), then 2.
+                r0 += match rp - r0 {
+                    6.. => pv_rows::<V, 6, PV_NC>(s, rp, nk, vp, a, d, c),
+                    4 => pv_rows::<V, 4, PV_NC>(s, rp, nk, vp, a, d, c),
+                    _ => pv_rows::<V, 2, PV_NC>(s, rp, nk, vp, a, d, c),
+                };
             }
         }
     }
 
     #[inline(always)]
-    unsafe fn row_qk(qs: &[f32], kt: &[f32], nk: usize, d: usize, st: &mut [f32]) {
+    unsafe fn row_qk(qs: &[f32], kt: &[f32], nk: usize, st: &mut [f32]) {
         let l = V::LANES;
+        let d = qs.len();
         assert!(qs.len() >= d && kt.len() >= d * BK && st.len() >= BK && nk <= BK);
         assert!(ROW_V * l == BK);
-        let nv = nk.div_ceil(l);
-        // SAFETY: nv·LANES <= BK lanes of kt rows and st (asserted); V's
+        // All BK lanes are computed (a fixed-length loop): the lanes past
+        // `nk` hold scores of stale keys, which nothing reads.
+        // SAFETY: ROW_V·LANES = BK lanes of kt rows and st (asserted); V's
         // features enabled (contract).
         unsafe {
             let (kp, sp) = (kt.as_ptr(), st.as_mut_ptr());
@@ -372,11 +376,11 @@ impl<
                 let mut a = [V::zero(); ROW_V];
                 for (e, &qe) in qs.iter().enumerate().take(e1).skip(e0) {
                     let qb = V::splat(qe);
-                    for (v, av) in a.iter_mut().enumerate().take(nv) {
+                    for (v, av) in a.iter_mut().enumerate() {
                         *av = V::load(kp.add(e * BK + l * v)).mul_add(qb, *av);
                     }
                 }
-                for (v, av) in a.iter().enumerate().take(nv) {
+                for (v, av) in a.iter().enumerate() {
                     let p = sp.add(l * v);
                     let x = if e0 == 0 { *av } else { V::load(p).add(*av) };
                     x.store(p);
@@ -391,90 +395,52 @@ impl<
         // SAFETY: AVX2/FMA available (every SIMD level implies them).
         unsafe { row_softmax_avx2(st, nk, m, l) }
     }
+}
 
-    #[inline(always)]
-    unsafe fn row_pv(acc: &mut [f32], corr: f32, p: &[f32], nk: usize, vt: &[f32], d: usize) {
-        let l = V::LANES;
-        assert!(acc.len() >= d && p.len() >= nk && vt.len() >= nk * d);
-        let dv = d / l * l;
-        // SAFETY: columns c..c+LANES <= dv <= d of acc and of nk rows of vt
-        // (asserted); V's features enabled (contract).
-        unsafe {
-            let cr = V::splat(corr);
-            for c in (0..dv).step_by(l) {
-                let mut a = V::load(acc.as_ptr().add(c)).mul(cr);
-                for (k, &pk) in p[..nk].iter().enumerate() {
-                    let v = V::load(vt.as_ptr().add(k * d + c));
-                    a = V::splat(pk).mul_add(v, a);
-                }
-                a.store(acc.as_mut_ptr().add(c));
-            }
+/// The entry points of one level: `$tiled` and `$decode` run
+/// [`drive_tiled`] and [`drive_decode`] with the steps `$steps`, compiled
+/// with the features `$feat`.
+macro_rules! level_entry_points {
+    ($tiled:ident, $decode:ident, $steps:ty, $feat:literal, $name:literal) => {
+        #[doc = concat!("One tiled item with ", $name, ".")]
+        ///
+        /// # Safety
+        #[doc = concat!("The features ", $feat, " are available.")]
+        #[target_feature(enable = $feat)]
+        pub(super) unsafe fn $tiled(
+            ctx: &Ctx<'_>,
+            it: &Item<'_>,
+            out: SyncPtr<f32>,
+            scr: &mut [f32],
+        ) {
+            // SAFETY: this level's features are available (this function's contract).
+            unsafe { drive_tiled::<$steps>(ctx, it, out, scr) }
         }
-        for c in dv..d {
-            let mut x = acc[c] * corr;
-            for k in 0..nk {
-                x += p[k] * vt[k * d + c];
-            }
-            acc[c] = x;
+
+        #[doc = concat!("One decode item with ", $name, ".")]
+        ///
+        /// # Safety
+        #[doc = concat!("The features ", $feat, " are available.")]
+        #[target_feature(enable = $feat)]
+        pub(super) unsafe fn $decode(
+            ctx: &Ctx<'_>,
+            seq: &SeqSpan<'_>,
+            g: usize,
+            span: usize,
+            part: &mut [f32],
+            scr: &mut [f32],
+        ) {
+            // SAFETY: as above.
+            unsafe { drive_decode::<$steps>(ctx, seq, g, span, part, scr) }
         }
-    }
+    };
 }
 
-/// One tiled item with AVX2+FMA.
-///
-/// # Safety
-/// AVX2, FMA and F16C are available.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn tiled_avx2(ctx: &Ctx<'_>, it: &Item<'_>, out: SyncPtr<f32>, scr: &mut [f32]) {
-    // SAFETY: this level's features are available (this function's contract).
-    unsafe { drive_tiled::<Avx2>(ctx, it, out, scr) }
-}
-
-/// One decode item with AVX2+FMA.
-///
-/// # Safety
-/// AVX2, FMA and F16C are available.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn decode_avx2(
-    ctx: &Ctx<'_>,
-    seq: &SeqSpan<'_>,
-    g: usize,
-    span: usize,
-    part: &mut [f32],
-    scr: &mut [f32],
-) {
-    // SAFETY: as above.
-    unsafe { drive_decode::<Avx2>(ctx, seq, g, span, part, scr) }
-}
-
-/// One tiled item with AVX-512F.
-///
-/// # Safety
-/// AVX-512F, AVX2, FMA and F16C are available.
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
-pub(super) unsafe fn tiled_avx512(
-    ctx: &Ctx<'_>,
-    it: &Item<'_>,
-    out: SyncPtr<f32>,
-    scr: &mut [f32],
-) {
-    // SAFETY: this level's features are available (this function's contract).
-    unsafe { drive_tiled::<Avx512>(ctx, it, out, scr) }
-}
-
-/// One decode item with AVX-512F.
-///
-/// # Safety
-/// AVX-512F, AVX2, FMA and F16C are available.
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
-pub(super) unsafe fn decode_avx512(
-    ctx: &Ctx<'_>,
-    seq: &SeqSpan<'_>,
-    g: usize,
-    span: usize,
-    part: &mut [f32],
-    scr: &mut [f32],
-) {
-    // SAFETY: as above.
-    unsafe { drive_decode::<Avx512>(ctx, seq, g, span, part, scr) }
-}
+level_entry_points!(tiled_avx2, decode_avx2, Avx2, "avx2,fma,f16c", "AVX2+FMA");
+level_entry_points!(
+    tiled_avx512,
+    decode_avx512,
+    Avx512,
+    "avx512f,avx2,fma,f16c",
+    "AVX-512F"
+);
