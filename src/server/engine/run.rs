@@ -71,6 +71,8 @@ pub(super) struct SpecEngine {
 struct SeqSpec {
     drafter: Drafter,
     adapt: Adapt,
+    /// Whether the drafter has read the sequence (its prompt) once.
+    read: bool,
 }
 
 impl SpecEngine {
@@ -103,6 +105,7 @@ impl SpecEngine {
             SeqSpec {
                 drafter,
                 adapt: Adapt::default(),
+                read: false,
             },
         );
     }
@@ -139,17 +142,23 @@ impl SpecEngine {
             };
             // A kept guess is followed by one more sampled token.
             let left = l.max_tokens.saturating_sub(l.generated + 1);
-            let k = s.adapt.choose(&self.config, left);
+            let k = s.adapt.choose_for(&self.config, left, &s.drafter, history);
             if k == 0 {
                 continue;
             }
             // A draft model catches up with the tokens it has not seen
-            // (the whole prompt at first) outside the timed draft, so the
+            // (the whole prompt at first, then at most
+            // `spec::MAX_CATCH_UP`) outside the timed draft, so the
             // controller weighs what a guess costs, not the prompt.
+            let t = Instant::now();
             if s.drafter.prefill(history).is_err() {
                 failed.push(id);
                 continue;
             }
+            if self.model && s.read {
+                s.adapt.catch_up_time(t.elapsed().as_secs_f64());
+            }
+            s.read = true;
             let t = Instant::now();
             if s.drafter.draft(history, k, &mut self.drafts).is_err() {
                 // The draft model failed: this sequence decodes plainly.
