@@ -421,7 +421,9 @@ fn a_draft_model_far_behind_restarts_from_the_last_tokens() {
     assert_eq!(position(&d), MAX_CATCH_UP + 2 + 3);
     let mut fresh = Drafter::model(Session::new(&m, &options(false, LogitRows::Last)).unwrap());
     let mut want = Vec::new();
-    fresh.draft(&seq[189 - MAX_CATCH_UP..191], 4, &mut want).unwrap();
+    fresh
+        .draft(&seq[189 - MAX_CATCH_UP..191], 4, &mut want)
+        .unwrap();
     assert_eq!(guesses.len(), 4);
     assert_eq!(guesses, want);
     // A later guess goes on from the restarted cache: the first two

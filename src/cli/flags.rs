@@ -231,12 +231,22 @@ pub struct SpecFlags {
     pub spec_ngram: bool,
     /// With --draft-model or --spec-ngram: the most tokens guessed per step
     /// (also accepted as llama.cpp's newer name, --spec-draft-n-max).
-    #[arg(long = "draft-max", visible_alias = "spec-draft-n-max", value_name = "N", default_value_t = 8)]
+    #[arg(
+        long = "draft-max",
+        visible_alias = "spec-draft-n-max",
+        value_name = "N",
+        default_value_t = 8
+    )]
     pub draft_max: usize,
     /// With --draft-model or --spec-ngram: guesses shorter than this are
     /// not verified (the step decodes one token; also accepted as
     /// --spec-draft-n-min).
-    #[arg(long = "draft-min", visible_alias = "spec-draft-n-min", value_name = "N", default_value_t = 1)]
+    #[arg(
+        long = "draft-min",
+        visible_alias = "spec-draft-n-min",
+        value_name = "N",
+        default_value_t = 1
+    )]
     pub draft_min: usize,
     /// Always guess up to --draft-max tokens. By default the number adapts
     /// to the measured acceptance and the measured cost of a longer step,

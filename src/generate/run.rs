@@ -407,20 +407,23 @@ pub fn generate_constrained(
                 &history,
             );
             if k > 0 {
-                // A draft model catches up with the tokens of the plain
-                // steps since its last guess first (bounded, see
-                // `spec::MAX_CATCH_UP`), outside the per-guess time the
-                // controller weighs; the time still counts as drafting.
+                // A draft model first catches up with the tokens sampled
+                // since its last guess (bounded, see `spec::MAX_CATCH_UP`);
+                // see `Adapt::draft_times` for how that time is weighed.
                 let tc = Instant::now();
-                sp.drafter.prefill(&history)?;
+                let fed_tokens = sp.drafter.prefill(&history)?;
                 let caught_up = tc.elapsed();
                 let td = Instant::now();
                 sp.drafter.draft(&history, k, &mut drafts)?;
                 let secs = td.elapsed();
                 spec_stats.draft_time += caught_up + secs;
                 if sp.drafter.is_model() {
-                    adapt.draft_time(drafts.len(), secs.as_secs_f64());
-                    adapt.catch_up_time(caught_up.as_secs_f64());
+                    adapt.draft_times(
+                        drafts.len(),
+                        fed_tokens,
+                        caught_up.as_secs_f64(),
+                        secs.as_secs_f64(),
+                    );
                 }
                 if drafts.len() < sp.config.draft_min.max(1) {
                     drafts.clear();

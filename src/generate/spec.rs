@@ -159,7 +159,9 @@ impl Drafter {
     /// its cache already holds of it; nothing for prompt lookup. More than
     /// [`MAX_CATCH_UP`] tokens behind a sequence it has read before, the
     /// cache restarts from the sequence's last `MAX_CATCH_UP` tokens.
-    pub fn prefill(&mut self, tokens: &[u32]) -> Result<(), SessionError> {
+    /// Returns how many tokens it fed.
+    pub fn prefill(&mut self, tokens: &[u32]) -> Result<usize, SessionError> {
+        let mut n = 0;
         if let Drafter::Model {
             session,
             fed,
@@ -179,9 +181,10 @@ impl Drafter {
                 let from = fed.len();
                 session.feed(&head[from..])?;
                 fed.extend_from_slice(&head[from..]);
+                n = head.len() - from;
             }
         }
-        Ok(())
+        Ok(n)
     }
 
     /// Up to `k` guesses of the tokens after `history` (which ends with
@@ -388,6 +391,21 @@ impl Adapt {
         }
     }
 
+    /// Records a draft of `n` tokens: `catch_up` seconds feeding the draft
+    /// model the `fed` tokens sampled since its last draft, then `secs`
+    /// drafting. While guessing goes on, catching up (with the guesses
+    /// kept and the token after them) is part of what each draft costs;
+    /// after a run of plain steps it is a cost of resuming, spent but not
+    /// weighed against future guesses.
+    pub fn draft_times(&mut self, n: usize, fed: usize, catch_up: f64, secs: f64) {
+        if fed <= n + 1 {
+            self.draft_time(n, catch_up + secs);
+        } else {
+            self.catch_up_time(catch_up);
+            self.draft_time(n, secs);
+        }
+    }
+
     /// Records `secs` spent drafting `n` tokens.
     pub fn draft_time(&mut self, n: usize, secs: f64) {
         self.spent += secs;
@@ -566,7 +584,8 @@ mod tests {
         for _ in 0..400 {
             a.step_time(1, 0.010);
         }
-        a.explored = 1.0; // no probe budget left
+        // No probe budget left.
+        a.explored = 1.0;
         // The output starts to repeat itself: "1 2 3 4 5 6" over and over.
         let text: Vec<u32> = (0..8).flat_map(|_| 1..=6).collect();
         let mut ks = Vec::new();
@@ -594,7 +613,11 @@ mod tests {
         a.step_time(1, t1);
         for _ in 0..5000 {
             let k = a.choose(&cfg, 8);
-            let secs = if k == 0 { t1 } else { t1 * (1.0 + 0.5 * k as f64) };
+            let secs = if k == 0 {
+                t1
+            } else {
+                t1 * (1.0 + 0.5 * k as f64)
+            };
             extra += secs - t1;
             total += secs;
             a.step_time(k + 1, secs);
@@ -602,7 +625,11 @@ mod tests {
                 a.verified(k, 0);
             }
         }
-        assert!(extra / total < 0.025, "probes took {:.3} of the time", extra / total);
+        assert!(
+            extra / total < 0.025,
+            "probes took {:.3} of the time",
+            extra / total
+        );
         assert!(extra > 0.0, "and some probes were made");
     }
 }

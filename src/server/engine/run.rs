@@ -148,16 +148,18 @@ impl SpecEngine {
             }
             // A draft model catches up with the tokens it has not seen
             // (the whole prompt at first, then at most
-            // `spec::MAX_CATCH_UP`) outside the timed draft, so the
-            // controller weighs what a guess costs, not the prompt.
+            // `spec::MAX_CATCH_UP`); `Adapt::draft_times` weighs it.
             let t = Instant::now();
-            if s.drafter.prefill(history).is_err() {
+            let Ok(fed) = s.drafter.prefill(history) else {
                 failed.push(id);
                 continue;
-            }
-            if self.model && s.read {
-                s.adapt.catch_up_time(t.elapsed().as_secs_f64());
-            }
+            };
+            // Reading the prompt is not a cost of guessing.
+            let catch_up = if s.read {
+                t.elapsed().as_secs_f64()
+            } else {
+                0.0
+            };
             s.read = true;
             let t = Instant::now();
             if s.drafter.draft(history, k, &mut self.drafts).is_err() {
@@ -167,7 +169,7 @@ impl SpecEngine {
             }
             if self.model {
                 s.adapt
-                    .draft_time(self.drafts.len(), t.elapsed().as_secs_f64());
+                    .draft_times(self.drafts.len(), fed, catch_up, t.elapsed().as_secs_f64());
             }
             if self.drafts.len() >= self.config.draft_min.max(1) {
                 sched.set_draft(id, &self.drafts);
