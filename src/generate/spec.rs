@@ -462,8 +462,8 @@ impl Adapt {
     /// plain step is still made and scored against the token the step
     /// samples: acceptance keeps being measured without verifying a guess,
     /// and guessing resumes as soon as the output starts to follow its
-    /// input (a draft model's guess costs a step of its own: it is
-    /// measured by the probes only).
+    /// input. A draft model's guess costs a step of its own: once quiet,
+    /// it is measured, and resumes, only through the probes.
     pub fn choose_for(
         &mut self,
         cfg: &SpecConfig,
@@ -476,7 +476,15 @@ impl Adapt {
                 self.verified(1, usize::from(history[at] == guess));
             }
         }
-        let k = self.choose(cfg, max);
+        let resuming = self.since_verify > 0 && self.acceptance().is_some();
+        let mut k = self.choose(cfg, max);
+        if k > 0 && resuming && !self.probing && drafter.is_model() {
+            // What a draft model's guesses are worth has not changed since
+            // it went quiet (nothing measured it), only the step times
+            // have, by noise; and resuming costs a catch-up. It resumes
+            // through a probe.
+            k = 0;
+        }
         if let (0, Drafter::Ngram { min, max }) = (k, drafter) {
             let mut guess = Vec::with_capacity(1);
             ngram_lookup(history, *min, *max, 1, &mut guess);
