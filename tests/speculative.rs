@@ -392,3 +392,48 @@ fn verifying_is_an_ordinary_step_of_the_same_graph() {
         );
     }
 }
+
+#[test]
+fn a_draft_model_far_behind_restarts_from_the_last_tokens() {
+    use llama_graph::generate::spec::MAX_CATCH_UP;
+    let m = meta("gqa_scaled");
+    let vocab = m.args.vocab_size.unwrap() as u32;
+    let seq: Vec<u32> = (0..200u32).map(|i| (i * 7919 + 5) % vocab).collect();
+    let mut d = Drafter::model(Session::new(&m, &options(false, LogitRows::Last)).unwrap());
+    let position = |d: &Drafter| match d {
+        Drafter::Model { session, .. } => session.position(),
+        Drafter::Ngram { .. } => unreachable!(),
+    };
+    // A sequence it has not read is read whole (all but its last token).
+    d.prefill(&seq[..100]).unwrap();
+    assert_eq!(position(&d), 99);
+    // A few tokens behind: it catches up.
+    d.prefill(&seq[..110]).unwrap();
+    assert_eq!(position(&d), 109);
+    // Far behind: it restarts from the last MAX_CATCH_UP tokens it
+    // reads (tokens 157..189 of the 189 before the last)...
+    d.prefill(&seq[..190]).unwrap();
+    assert_eq!(position(&d), MAX_CATCH_UP);
+    // ...and guesses from there as a model fed only those tokens does
+    // (the draft feeds tokens 189 and 190, then three guesses).
+    let mut guesses = Vec::new();
+    d.draft(&seq[..191], 4, &mut guesses).unwrap();
+    assert_eq!(position(&d), MAX_CATCH_UP + 2 + 3);
+    let mut fresh = Drafter::model(Session::new(&m, &options(false, LogitRows::Last)).unwrap());
+    let mut want = Vec::new();
+    fresh
+        .draft(&seq[189 - MAX_CATCH_UP..191], 4, &mut want)
+        .unwrap();
+    assert_eq!(guesses.len(), 4);
+    assert_eq!(guesses, want);
+    // A later guess goes on from the restarted cache: the first two
+    // guesses kept, it re-feeds the second for its logits, then guesses on.
+    let mut longer = seq[..191].to_vec();
+    longer.extend_from_slice(&guesses[..2]);
+    d.draft(&longer, 3, &mut guesses).unwrap();
+    assert_eq!(position(&d), MAX_CATCH_UP + 2 + 1 + 1 + 2);
+    // Another sequence is read whole again.
+    let other: Vec<u32> = (0..80u32).map(|i| (i * 31 + 2) % vocab).collect();
+    d.prefill(&other).unwrap();
+    assert_eq!(position(&d), 79);
+}

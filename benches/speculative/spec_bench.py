@@ -24,7 +24,7 @@ configuration back to back, in an order that rotates every round:
 * `cpp-draft-q4_0`: `llama-speculative-simple -md` (llama.cpp's draft-model
   speculative decoding), `cpp-lookup`: `llama-lookup` (its prompt lookup).
 
-All greedy (`--temp 0`), `-n 128`, `--draft-max 8`, the same chat-templated
+All greedy (`--temp 0`), `-n 128`, `--draft-max 8` (llama.cpp: `--spec-draft-n-max 8`), the same chat-templated
 prompt (the text below in SmolLM2's template; llama-graph is fed the ids its
 tokenizer makes of that text, llama.cpp tokenizes the text itself).
 llama-graph's decode tokens/s is its `--stats-json` figure (generated tokens
@@ -74,8 +74,12 @@ PASSAGE = (
     "and the oldest farmers said the water had never reached the church steps before."
 )
 PROMPTS = {
-    "rename": f"Rewrite this Python function with the variable `total` renamed to `acc`. "
-              f"Reply with the whole function only.\n\n{CODE}",
+    # The code first, then the request: asked the other way round, the
+    # 135M model answers with a two-line function and stops; this way it
+    # writes the function out again (keeping `total`, it is a small model).
+    "rename": f"Here is a Python function:\n\n```python\n{CODE}```\n\n"
+              f"Rewrite it with the variable `total` renamed to `acc`. "
+              f"Reply with the whole rewritten function in a code block.",
     "quote": f"Quote the following passage exactly, word for word.\n\n{PASSAGE}",
     "list": "Continue this list with ten more items in the same format:\n"
             "1. apples - red\n2. bananas - yellow\n3. grapes - green\n4. plums - purple\n"
@@ -141,7 +145,7 @@ def run_lg(target, ids, threads, extra):
 
 def run_cpp(binary, args, threads):
     cmd = [str(binary), *args, "-n", str(N), "--temp", "0", "-t", str(threads), "-c", "2048",
-           "--draft-max", str(DRAFT_MAX)]
+           "--spec-draft-n-max", str(DRAFT_MAX)]
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     text = p.stdout + p.stderr
     m = re.search(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+seconds", text)
@@ -164,7 +168,7 @@ def configs(target, cpp):
     out = [(k, "lg", v) for k, v in lg.items()]
     if cpp:
         out.append(("cpp-draft-q4_0", cpp / "llama-speculative-simple",
-                    ["-m", str(target), "-md", str(variant("Q4_0"))]))
+                    ["-m", str(target), "-md", str(variant("Q4_0")), "--spec-type", "draft-simple"]))
         out.append(("cpp-lookup", cpp / "llama-lookup", ["-m", str(target)]))
     return out
 

@@ -229,16 +229,29 @@ pub struct SpecFlags {
     /// (edits, extraction, summaries with quotes); costs nothing otherwise.
     #[arg(long = "spec-ngram")]
     pub spec_ngram: bool,
-    /// With --draft-model or --spec-ngram: the most tokens guessed per step.
-    #[arg(long = "draft-max", value_name = "N", default_value_t = 8)]
+    /// With --draft-model or --spec-ngram: the most tokens guessed per step
+    /// (also accepted as llama.cpp's newer name, --spec-draft-n-max).
+    #[arg(
+        long = "draft-max",
+        visible_alias = "spec-draft-n-max",
+        value_name = "N",
+        default_value_t = 8
+    )]
     pub draft_max: usize,
     /// With --draft-model or --spec-ngram: guesses shorter than this are
-    /// not verified (the step decodes one token).
-    #[arg(long = "draft-min", value_name = "N", default_value_t = 1)]
+    /// not verified (the step decodes one token; also accepted as
+    /// --spec-draft-n-min).
+    #[arg(
+        long = "draft-min",
+        visible_alias = "spec-draft-n-min",
+        value_name = "N",
+        default_value_t = 1
+    )]
     pub draft_min: usize,
     /// Always guess up to --draft-max tokens. By default the number adapts
     /// to the measured acceptance and the measured cost of a longer step,
-    /// down to none when guessing does not pay.
+    /// down to none when guessing does not pay (then a short guess now and
+    /// then re-measures acceptance, taking at most ~2% of the time).
     #[arg(long = "draft-fixed")]
     pub draft_fixed: bool,
 }

@@ -400,14 +400,30 @@ pub fn generate_constrained(
             // context are never made.
             let left = limit.saturating_sub(stats.generated_tokens.len());
             let fits = context.saturating_sub(session.position() + 1);
-            let k = adapt.choose(&sp.config, max_drafts.min(left.saturating_sub(1)).min(fits));
+            let k = adapt.choose_for(
+                &sp.config,
+                max_drafts.min(left.saturating_sub(1)).min(fits),
+                sp.drafter,
+                &history,
+            );
             if k > 0 {
+                // A draft model first catches up with the tokens sampled
+                // since its last guess (bounded, see `spec::MAX_CATCH_UP`);
+                // see `Adapt::draft_times` for how that time is weighed.
+                let tc = Instant::now();
+                let fed_tokens = sp.drafter.prefill(&history)?;
+                let caught_up = tc.elapsed();
                 let td = Instant::now();
                 sp.drafter.draft(&history, k, &mut drafts)?;
                 let secs = td.elapsed();
-                spec_stats.draft_time += secs;
+                spec_stats.draft_time += caught_up + secs;
                 if sp.drafter.is_model() {
-                    adapt.draft_time(drafts.len(), secs.as_secs_f64());
+                    adapt.draft_times(
+                        drafts.len(),
+                        fed_tokens,
+                        caught_up.as_secs_f64(),
+                        secs.as_secs_f64(),
+                    );
                 }
                 if drafts.len() < sp.config.draft_min.max(1) {
                     drafts.clear();

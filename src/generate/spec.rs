@@ -111,14 +111,28 @@ pub enum Drafter {
         max: usize,
     },
     /// A smaller model with the target's vocabulary, decoded greedily on
-    /// its own session; `fed` are the tokens in its KV cache.
+    /// its own session. `fed` are the sequence's tokens it has read; its
+    /// KV cache holds those from `offset` on (see [`MAX_CATCH_UP`]).
     Model {
         /// The draft model's own session.
         session: Box<Session>,
-        /// The tokens in the draft session's KV cache.
+        /// The sequence's tokens the draft model has read.
         fed: Vec<u32>,
+        /// The first of them in the draft session's KV cache.
+        offset: usize,
     },
 }
+
+/// The most tokens a draft model is fed to catch up with a sequence before
+/// a guess. A draft model reads only the tokens of steps it drafted for, so
+/// after a run of plain steps (the controller found guessing did not pay)
+/// it is behind by that many tokens; feeding them all would cost about as
+/// much per token as a plain step of a model that size, whether or not the
+/// next guess is kept. Further behind than this, its cache restarts from
+/// the sequence's last `MAX_CATCH_UP` tokens: its guesses then see less of
+/// the text (they are guesses; the output does not depend on them), and a
+/// probe costs a bounded amount.
+pub const MAX_CATCH_UP: usize = 32;
 
 impl Drafter {
     /// Prompt lookup over n-grams of 3 down to 2 tokens.
@@ -131,6 +145,7 @@ impl Drafter {
         Drafter::Model {
             session: Box::new(session),
             fed: Vec::new(),
+            offset: 0,
         }
     }
 
@@ -141,19 +156,35 @@ impl Drafter {
 
     /// Feeds a draft model the sequence so far (all but its last token,
     /// which the first draft feeds) ahead of the first draft, keeping what
-    /// its cache already holds of it; nothing for prompt lookup.
-    pub fn prefill(&mut self, tokens: &[u32]) -> Result<(), SessionError> {
-        if let Drafter::Model { session, fed } = self {
+    /// its cache already holds of it; nothing for prompt lookup. More than
+    /// [`MAX_CATCH_UP`] tokens behind a sequence it has read before, the
+    /// cache restarts from the sequence's last `MAX_CATCH_UP` tokens.
+    /// Returns how many tokens it fed.
+    pub fn prefill(&mut self, tokens: &[u32]) -> Result<usize, SessionError> {
+        let mut n = 0;
+        if let Drafter::Model {
+            session,
+            fed,
+            offset,
+        } = self
+        {
             let head = &tokens[..tokens.len().saturating_sub(1)];
-            let common = fed.iter().zip(head).take_while(|(a, b)| a == b).count();
-            let common = session.rewind(common);
-            fed.truncate(common);
-            if common < head.len() {
-                session.feed(&head[common..])?;
-                fed.extend_from_slice(&head[common..]);
+            keep_common(session, fed, offset, head, head.len());
+            // A sequence it has not read yet (nothing kept) is read whole.
+            if !fed.is_empty() && head.len() - fed.len() > MAX_CATCH_UP {
+                session.rewind(0);
+                *offset = head.len() - MAX_CATCH_UP;
+                fed.clear();
+                fed.extend_from_slice(&head[..*offset]);
+            }
+            if fed.len() < head.len() {
+                let from = fed.len();
+                session.feed(&head[from..])?;
+                fed.extend_from_slice(&head[from..]);
+                n = head.len() - from;
             }
         }
-        Ok(())
+        Ok(n)
     }
 
     /// Up to `k` guesses of the tokens after `history` (which ends with
@@ -173,24 +204,22 @@ impl Drafter {
                 ngram_lookup(history, *min, *max, k, out);
                 Ok(())
             }
-            Drafter::Model { session, fed } => {
-                // Keep the cached tokens the history still starts with, and
+            Drafter::Model {
+                session,
+                fed,
+                offset,
+            } => {
+                // Keep the cached tokens the history still holds, and
                 // re-feed at least its last token for its logits.
-                let common = fed
-                    .iter()
-                    .zip(history)
-                    .take_while(|(a, b)| a == b)
-                    .count()
-                    .min(history.len() - 1);
-                let common = session.rewind(common);
-                fed.truncate(common);
+                keep_common(session, fed, offset, history, history.len() - 1);
+                let from = fed.len();
                 let room = session.context() - session.position();
-                let k = k.min(room.saturating_sub(history.len() - common));
+                let k = k.min(room.saturating_sub(history.len() - from));
                 if k == 0 {
                     return Ok(());
                 }
-                let mut next = argmax(session.feed(&history[common..])?) as u32;
-                fed.extend_from_slice(&history[common..]);
+                let mut next = argmax(session.feed(&history[from..])?) as u32;
+                fed.extend_from_slice(&history[from..]);
                 out.push(next);
                 while out.len() < k {
                     next = argmax(session.feed(&[next])?) as u32;
@@ -201,6 +230,35 @@ impl Drafter {
             }
         }
     }
+}
+
+/// Rolls a draft model back to the longest prefix (at most `max` tokens)
+/// that `fed` shares with `tokens`; if that prefix ends before the cache's
+/// first token (`offset`: the sequence changed there), the cache starts
+/// over from the sequence's first token.
+fn keep_common(
+    session: &mut Session,
+    fed: &mut Vec<u32>,
+    offset: &mut usize,
+    tokens: &[u32],
+    max: usize,
+) {
+    let common = fed
+        .iter()
+        .zip(tokens)
+        .take_while(|(a, b)| a == b)
+        .count()
+        .min(max);
+    if common < *offset {
+        session.rewind(0);
+        *offset = 0;
+        fed.clear();
+        return;
+    }
+    // `rewind` may keep less than asked (a window layer's ring): keep what
+    // it kept.
+    let kept = session.rewind(common - *offset);
+    fed.truncate(*offset + kept);
 }
 
 /// Checks that `draft` guesses in `target`'s vocabulary: the same number
@@ -274,7 +332,8 @@ pub struct Adapt {
     step1: Ema,
     /// Extra seconds per extra token in a step.
     per_token: Ema,
-    /// Seconds per drafted token.
+    /// Seconds per drafted token (a draft model's catching up excluded:
+    /// see [`Drafter::prefill`]).
     draft: Ema,
     /// Guesses confirmed and guesses tested (a guess is tested when the
     /// ones before it were confirmed), both decayed as new ones come, so
@@ -283,32 +342,88 @@ pub struct Adapt {
     tested: f64,
     /// Plain steps since the last verifying one.
     since_verify: usize,
+    /// Seconds of every step and draft so far.
+    spent: f64,
+    /// Seconds spent on guesses made to measure rather than because they
+    /// paid (the first draft and the probes), beyond the plain steps they
+    /// replaced.
+    explored: f64,
+    /// Whether the guesses of the coming step are such a measurement.
+    probing: bool,
+    /// Prompt lookup's first guess before a plain step, and the history
+    /// length it follows: scored against the token the step samples (see
+    /// [`Adapt::choose_for`]).
+    shadow: Option<(usize, u32)>,
 }
 
-/// After this many plain steps in a row, one draft of the shortest length
-/// is verified again to re-measure acceptance.
+/// A probe (one guess of the shortest length, to re-measure acceptance
+/// while guessing does not pay) comes after at least this many plain steps
+/// in a row, and only while probes have cost at most [`EXPLORE_SHARE`] of
+/// the time so far.
 const PROBE_EVERY: usize = 16;
+/// The share of the generation time that measuring guesses may take: what
+/// speculation costs at most where no guess is ever kept.
+const EXPLORE_SHARE: f64 = 0.02;
+/// Guesses in the first draft, before any acceptance is known.
+const FIRST_DRAFT: usize = 4;
+/// Smoothing of the step and draft times.
 const ALPHA: f64 = 0.2;
+/// How much each tested guess discounts the earlier ones in the acceptance
+/// estimate (a memory of about 20 guesses).
+const DECAY: f64 = 0.05;
 
 impl Adapt {
     /// Records a step of `tokens` tokens that took `secs`.
     pub fn step_time(&mut self, tokens: usize, secs: f64) {
+        self.spent += secs;
         if tokens <= 1 {
             self.step1.push(secs, ALPHA);
             self.since_verify += 1;
         } else {
             self.since_verify = 0;
             if let Some(t1) = self.step1.0 {
+                if self.probing {
+                    self.explored += (secs - t1).max(0.0);
+                }
                 self.per_token
                     .push(((secs - t1) / (tokens - 1) as f64).max(0.0), ALPHA);
             }
         }
     }
 
+    /// Records a draft of `n` tokens: `catch_up` seconds feeding the draft
+    /// model the `fed` tokens sampled since its last draft, then `secs`
+    /// drafting. While guessing goes on, catching up (with the guesses
+    /// kept and the token after them) is part of what each draft costs;
+    /// after a run of plain steps it is a cost of resuming, spent but not
+    /// weighed against future guesses.
+    pub fn draft_times(&mut self, n: usize, fed: usize, catch_up: f64, secs: f64) {
+        if fed <= n + 1 {
+            self.draft_time(n, catch_up + secs);
+        } else {
+            self.catch_up_time(catch_up);
+            self.draft_time(n, secs);
+        }
+    }
+
     /// Records `secs` spent drafting `n` tokens.
     pub fn draft_time(&mut self, n: usize, secs: f64) {
+        self.spent += secs;
+        if self.probing {
+            self.explored += secs;
+        }
         if n > 0 {
             self.draft.push(secs / n as f64, ALPHA);
+        }
+    }
+
+    /// Records `secs` a draft model spent catching up with the sequence
+    /// before a draft: time spent, and measuring if the draft is a probe,
+    /// but not part of a guess's cost.
+    pub fn catch_up_time(&mut self, secs: f64) {
+        self.spent += secs;
+        if self.probing {
+            self.explored += secs;
         }
     }
 
@@ -316,17 +431,17 @@ impl Adapt {
     /// were confirmed (so `accepted + 1` were tested unless all passed).
     pub fn verified(&mut self, drafted: usize, accepted: usize) {
         let tested = (accepted + 1).min(drafted);
-        let keep = (1.0 - ALPHA / 2.0).powi(tested as i32);
+        let keep = (1.0 - DECAY).powi(tested as i32);
         self.confirmed = self.confirmed * keep + accepted as f64;
         self.tested = self.tested * keep + tested as f64;
     }
 
     /// The probability that a guess is confirmed given the ones before it
-    /// were: confirmed over tested with one confirmed guess of two as the
-    /// prior, so that a first failure does not read as "never" (and one
+    /// were: confirmed over tested, with half a confirmed guess of one as
+    /// the prior so that a first failure does not read as "never" (nor one
     /// success as "always"); `None` before any verification.
     pub fn acceptance(&self) -> Option<f64> {
-        (self.tested > 0.0).then(|| (self.confirmed + 1.0) / (self.tested + 2.0))
+        (self.tested > 0.0).then(|| (self.confirmed + 0.5) / (self.tested + 1.0))
     }
 
     /// Expected tokens per second with `k` guesses (0: a plain step).
@@ -341,8 +456,46 @@ impl Adapt {
         tokens / (t1 + k as f64 * (per + draft))
     }
 
+    /// [`Adapt::choose`] for `drafter` guessing after `history` (which
+    /// ends with the token sampled last). Prompt lookup costs nothing to
+    /// ask, so while guessing does not pay, its first guess before each
+    /// plain step is still made and scored against the token the step
+    /// samples: acceptance keeps being measured without verifying a guess,
+    /// and guessing resumes as soon as the output starts to follow its
+    /// input. A draft model's guess costs a step of its own: once quiet,
+    /// it is measured, and resumes, only through the probes.
+    pub fn choose_for(
+        &mut self,
+        cfg: &SpecConfig,
+        max: usize,
+        drafter: &Drafter,
+        history: &[u32],
+    ) -> usize {
+        if let Some((at, guess)) = self.shadow.take() {
+            if history.len() == at + 1 {
+                self.verified(1, usize::from(history[at] == guess));
+            }
+        }
+        let resuming = self.since_verify > 0 && self.acceptance().is_some();
+        let mut k = self.choose(cfg, max);
+        if k > 0 && resuming && !self.probing && drafter.is_model() {
+            // What a draft model's guesses are worth has not changed since
+            // it went quiet (nothing measured it), only the step times
+            // have, by noise; and resuming costs a catch-up. It resumes
+            // through a probe.
+            k = 0;
+        }
+        if let (0, Drafter::Ngram { min, max }) = (k, drafter) {
+            let mut guess = Vec::with_capacity(1);
+            ngram_lookup(history, *min, *max, 1, &mut guess);
+            self.shadow = guess.first().map(|&g| (history.len(), g));
+        }
+        k
+    }
+
     /// How many tokens to draft now: 0 (a plain step) or `min..=max`.
-    pub fn choose(&self, cfg: &SpecConfig, max: usize) -> usize {
+    pub fn choose(&mut self, cfg: &SpecConfig, max: usize) -> usize {
+        self.probing = false;
         let max = max.min(cfg.draft_max);
         let min = cfg.draft_min.max(1);
         if max < min {
@@ -356,12 +509,17 @@ impl Adapt {
             return 0;
         };
         if self.acceptance().is_none() {
-            return max;
+            self.probing = true;
+            return FIRST_DRAFT.clamp(min, max);
         }
         let best = (min..=max)
             .map(|k| (k, self.rate(k, t1)))
             .fold((0, self.rate(0, t1)), |a, b| if b.1 > a.1 { b } else { a });
-        if best.0 == 0 && self.since_verify >= PROBE_EVERY {
+        if best.0 == 0
+            && self.since_verify >= PROBE_EVERY
+            && self.explored <= EXPLORE_SHARE * self.spent
+        {
+            self.probing = true;
             return min;
         }
         best.0
@@ -394,9 +552,11 @@ mod tests {
         let mut a = Adapt::default();
         assert_eq!(a.choose(&cfg, 8), 0, "a plain step is measured first");
         a.step_time(1, 0.010);
-        assert_eq!(a.choose(&cfg, 8), 8, "then a full draft");
-        // A 9-token step costs 2 one-token steps; nothing is accepted.
-        a.step_time(9, 0.020);
+        assert_eq!(a.choose(&cfg, 8), FIRST_DRAFT, "then a first draft");
+        assert_eq!(a.choose(&cfg, 2), 2, "no longer than allowed");
+        // A 5-token step costs 2 one-token steps; nothing is accepted.
+        a.step_time(5, 0.020);
+        a.verified(4, 0);
         for _ in 0..40 {
             a.verified(8, 0);
         }
@@ -404,12 +564,80 @@ mod tests {
         for _ in 0..PROBE_EVERY {
             a.step_time(1, 0.010);
         }
-        assert_eq!(a.choose(&cfg, 8), 1, "a probe after a run of plain steps");
+        // The first draft's extra 10 ms are over 2% of the 190 ms spent.
+        assert_eq!(a.choose(&cfg, 8), 0, "no probe beyond the budget");
+        for _ in 0..400 {
+            a.step_time(1, 0.010);
+        }
+        assert_eq!(a.choose(&cfg, 8), 1, "a probe once the budget allows");
         // Every guess accepted: the longest draft pays.
         for _ in 0..80 {
             a.verified(8, 8);
         }
         assert_eq!(a.choose(&cfg, 8), 8);
         assert_eq!(a.choose(&cfg, 3), 3);
+    }
+
+    #[test]
+    fn prompt_lookup_is_scored_during_plain_steps() {
+        let cfg = SpecConfig::default();
+        let ngram = Drafter::ngram();
+        let mut a = Adapt::default();
+        a.step_time(1, 0.010);
+        // Guessing does not pay: acceptance measured at zero.
+        a.step_time(5, 0.020);
+        for _ in 0..40 {
+            a.verified(4, 0);
+        }
+        for _ in 0..400 {
+            a.step_time(1, 0.010);
+        }
+        // No probe budget left.
+        a.explored = 1.0;
+        // The output starts to repeat itself: "1 2 3 4 5 6" over and over.
+        let text: Vec<u32> = (0..8).flat_map(|_| 1..=6).collect();
+        let mut ks = Vec::new();
+        for n in 3..=text.len() {
+            ks.push(a.choose_for(&cfg, 8, &ngram, &text[..n]));
+            a.step_time(1, 0.010);
+        }
+        assert_eq!(ks[..4], [0, 0, 0, 0], "no guess before the repetition");
+        assert!(ks.iter().any(|&k| k > 0), "guessing resumed: {ks:?}");
+        // No free guess is made for a step that verifies guesses.
+        let mut b = Adapt::default();
+        b.step_time(1, 0.010);
+        b.choose_for(&cfg, 8, &ngram, &text);
+        assert!(b.shadow.is_none(), "no shadow guess while drafting");
+    }
+
+    #[test]
+    fn probes_stay_within_their_share_of_the_time() {
+        // Guesses never kept, each verifying step of 2 tokens costing 1.5
+        // one-token steps: whatever the probes cost stays near 2% of the
+        // total.
+        let cfg = SpecConfig::default();
+        let mut a = Adapt::default();
+        let (t1, mut extra, mut total) = (0.010, 0.0, 0.0);
+        a.step_time(1, t1);
+        for _ in 0..5000 {
+            let k = a.choose(&cfg, 8);
+            let secs = if k == 0 {
+                t1
+            } else {
+                t1 * (1.0 + 0.5 * k as f64)
+            };
+            extra += secs - t1;
+            total += secs;
+            a.step_time(k + 1, secs);
+            if k > 0 {
+                a.verified(k, 0);
+            }
+        }
+        assert!(
+            extra / total < 0.025,
+            "probes took {:.3} of the time",
+            extra / total
+        );
+        assert!(extra > 0.0, "and some probes were made");
     }
 }

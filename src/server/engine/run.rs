@@ -71,6 +71,8 @@ pub(super) struct SpecEngine {
 struct SeqSpec {
     drafter: Drafter,
     adapt: Adapt,
+    /// Whether the drafter has read the sequence (its prompt) once.
+    read: bool,
 }
 
 impl SpecEngine {
@@ -103,6 +105,7 @@ impl SpecEngine {
             SeqSpec {
                 drafter,
                 adapt: Adapt::default(),
+                read: false,
             },
         );
     }
@@ -139,17 +142,25 @@ impl SpecEngine {
             };
             // A kept guess is followed by one more sampled token.
             let left = l.max_tokens.saturating_sub(l.generated + 1);
-            let k = s.adapt.choose(&self.config, left);
+            let k = s.adapt.choose_for(&self.config, left, &s.drafter, history);
             if k == 0 {
                 continue;
             }
             // A draft model catches up with the tokens it has not seen
-            // (the whole prompt at first) outside the timed draft, so the
-            // controller weighs what a guess costs, not the prompt.
-            if s.drafter.prefill(history).is_err() {
+            // (the whole prompt at first, then at most
+            // `spec::MAX_CATCH_UP`); `Adapt::draft_times` weighs it.
+            let t = Instant::now();
+            let Ok(fed) = s.drafter.prefill(history) else {
                 failed.push(id);
                 continue;
-            }
+            };
+            // Reading the prompt is not a cost of guessing.
+            let catch_up = if s.read {
+                t.elapsed().as_secs_f64()
+            } else {
+                0.0
+            };
+            s.read = true;
             let t = Instant::now();
             if s.drafter.draft(history, k, &mut self.drafts).is_err() {
                 // The draft model failed: this sequence decodes plainly.
@@ -158,7 +169,7 @@ impl SpecEngine {
             }
             if self.model {
                 s.adapt
-                    .draft_time(self.drafts.len(), t.elapsed().as_secs_f64());
+                    .draft_times(self.drafts.len(), fed, catch_up, t.elapsed().as_secs_f64());
             }
             if self.drafts.len() >= self.config.draft_min.max(1) {
                 sched.set_draft(id, &self.drafts);
