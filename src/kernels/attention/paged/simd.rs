@@ -121,9 +121,20 @@ unsafe fn qk_keys<V: F32Vec, const NK: usize>(
     }
 }
 
+/// Where `P[k, i]` is: key-major (`KM`, tiled items) at `k·ks + i`,
+/// row-major (decode items) at `k + i·BK`.
+#[inline(always)]
+fn prob<const KM: bool>(k: usize, i: usize, ks: usize) -> usize {
+    if KM {
+        k * ks + i
+    } else {
+        k + i * BK
+    }
+}
+
 /// `acc[i·d + c0 + L·c..] = acc·corr[i] + Σ_k P[k, i] · V[k, c0 + L·c..]`
 /// for `R` rows and `L·NC` columns from `c0` (acc and st offset to the
-/// first row; `P[k, i] = st[k·ks + i·rs]`), the values of dtype `DT` in
+/// first row; `P[k, i]` at [`prob`]), the values of dtype `DT` in
 /// `v`, one run at a time.
 ///
 /// # Safety
@@ -132,9 +143,9 @@ unsafe fn qk_keys<V: F32Vec, const NK: usize>(
 /// the probabilities of nk keys for R rows and R corrections.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn pv_tile<V: TileVec, const DT: u8, const R: usize, const NC: usize>(
+unsafe fn pv_tile<V: TileVec, const DT: u8, const R: usize, const NC: usize, const KM: bool>(
     st: *const f32,
-    (ks, rs): (usize, usize),
+    ks: usize,
     nk: usize,
     v: &Runs,
     c0: usize,
@@ -159,7 +170,8 @@ unsafe fn pv_tile<V: TileVec, const DT: u8, const R: usize, const NC: usize>(
             for k in 0..v.len.min(nk - k0) {
                 // R broadcasts, then one value vector at a time: R·NC + R
                 // + 1 registers.
-                let p: [V; R] = std::array::from_fn(|i| V::splat(*st.add((k0 + k) * ks + i * rs)));
+                let p: [V; R] =
+                    std::array::from_fn(|i| V::splat(*st.add(prob::<KM>(k0 + k, i, ks))));
                 for c in 0..NC {
                     let vv = V::load_w::<DT>(base.add((k * v.step + l * c) * es));
                     for (ai, &pi) in a.iter_mut().zip(&p) {
@@ -186,9 +198,9 @@ unsafe fn pv_tile<V: TileVec, const DT: u8, const R: usize, const NC: usize>(
 /// corrections and nk keys of d values in `v`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn pv_rows<V: TileVec, const DT: u8, const R: usize, const PV_NC: usize>(
+unsafe fn pv_rows<V: TileVec, const DT: u8, const R: usize, const PV_NC: usize, const KM: bool>(
     s: *const f32,
-    ps: (usize, usize),
+    ks: usize,
     nk: usize,
     v: &Runs,
     a: *mut f32,
@@ -200,15 +212,15 @@ unsafe fn pv_rows<V: TileVec, const DT: u8, const R: usize, const PV_NC: usize>(
     unsafe {
         let mut c0 = 0;
         while c0 + l * PV_NC <= d {
-            pv_tile::<V, DT, R, PV_NC>(s, ps, nk, v, c0, a, d, c);
+            pv_tile::<V, DT, R, PV_NC, KM>(s, ks, nk, v, c0, a, d, c);
             c0 += l * PV_NC;
         }
         if PV_NC > 2 && c0 + 2 * l <= d {
-            pv_tile::<V, DT, R, 2>(s, ps, nk, v, c0, a, d, c);
+            pv_tile::<V, DT, R, 2, KM>(s, ks, nk, v, c0, a, d, c);
             c0 += 2 * l;
         }
         while c0 + l <= d {
-            pv_tile::<V, DT, R, 1>(s, ps, nk, v, c0, a, d, c);
+            pv_tile::<V, DT, R, 1, KM>(s, ks, nk, v, c0, a, d, c);
             c0 += l;
         }
         for i in 0..R {
@@ -216,13 +228,47 @@ unsafe fn pv_rows<V: TileVec, const DT: u8, const R: usize, const PV_NC: usize>(
             for col in c0..d {
                 let mut x = *a.add(i * d + col) * cr;
                 for k in 0..nk {
-                    x += *s.add(k * ps.0 + i * ps.1) * elem::<DT>(v.ptr::<DT>(k, col));
+                    x += *s.add(prob::<KM>(k, i, ks)) * elem::<DT>(v.ptr::<DT>(k, col));
                 }
                 *a.add(i * d + col) = x;
             }
         }
     }
     R
+}
+
+/// `P·V` of rows `0..rp` in blocks of 6 rows (tiled items), then 4, then
+/// 3, 2, 1 with `FEW` vectors of columns (decode items: a GQA group).
+///
+/// # Safety
+/// As [`pv_rows`] for every block.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pv_all<V: TileVec, const DT: u8, const PV_NC: usize, const FEW: usize, const KM: bool>(
+    sp: *const f32,
+    ks: usize,
+    rp: usize,
+    nk: usize,
+    v: &Runs,
+    ap: *mut f32,
+    d: usize,
+    cp: *const f32,
+) {
+    let rs = if KM { 1 } else { BK };
+    // SAFETY: the caller's contract.
+    unsafe {
+        let mut r0 = 0;
+        while r0 < rp {
+            let (s, a, c) = (sp.add(r0 * rs), ap.add(r0 * d), cp.add(r0));
+            r0 += match rp - r0 {
+                6.. => pv_rows::<V, DT, 6, PV_NC, KM>(s, ks, nk, v, a, d, c),
+                4 | 5 => pv_rows::<V, DT, 4, PV_NC, KM>(s, ks, nk, v, a, d, c),
+                3 => pv_rows::<V, DT, 3, FEW, KM>(s, ks, nk, v, a, d, c),
+                2 => pv_rows::<V, DT, 2, FEW, KM>(s, ks, nk, v, a, d, c),
+                _ => pv_rows::<V, DT, 1, FEW, KM>(s, ks, nk, v, a, d, c),
+            };
+        }
+    }
 }
 
 /// Scores of rows `0..R` (`q`, stride d) against key vectors `x0..x0+NV`
@@ -446,23 +492,15 @@ impl<
         assert!(st.len() > last && acc.len() >= rp * d && corr.len() >= rp);
         assert!(nk <= BK && v.stride == 1);
         let (sp, ap, cp) = (st.as_ptr(), acc.as_mut_ptr(), corr.as_ptr());
-        let ps = (ks, rs);
         // SAFETY: rows r0..r0+R <= rp, keys < nk of st (asserted); nk
         // keys of d values in v (the trait's contract); V's features
         // enabled (contract).
         unsafe {
-            let mut r0 = 0;
-            while r0 < rp {
-                let (s, a, c) = (sp.add(r0 * rs), ap.add(r0 * d), cp.add(r0));
-                // Blocks of 6 rows (tiled items), then 4, then 3, 2, 1
-                // with wider column tiles (decode items: a GQA group).
-                r0 += match rp - r0 {
-                    6.. => pv_rows::<V, DT, 6, PV_NC>(s, ps, nk, v, a, d, c),
-                    4 | 5 => pv_rows::<V, DT, 4, PV_NC>(s, ps, nk, v, a, d, c),
-                    3 => pv_rows::<V, DT, 3, FEW>(s, ps, nk, v, a, d, c),
-                    2 => pv_rows::<V, DT, 2, FEW>(s, ps, nk, v, a, d, c),
-                    _ => pv_rows::<V, DT, 1, FEW>(s, ps, nk, v, a, d, c),
-                };
+            if rs == 1 {
+                pv_all::<V, DT, PV_NC, FEW, true>(sp, ks, rp, nk, v, ap, d, cp);
+            } else {
+                assert!(ks == 1 && rs == BK);
+                pv_all::<V, DT, PV_NC, FEW, false>(sp, ks, rp, nk, v, ap, d, cp);
             }
         }
     }
