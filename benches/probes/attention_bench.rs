@@ -2,9 +2,12 @@
 //! heads, 3 kv heads, head_dim 64): prefill chunks and decode steps at
 //! several positions, f16 and f32 pools, at AVX2 and, if the CPU has it,
 //! AVX-512F, interleaved on the same data, medians. A row `S=1 x 8` is a
-//! decode step of eight sequences at that position.
+//! decode step of eight sequences at that position. Then a decode step
+//! over all 30 layers' f16 caches at depth 4096 (94 MB, more than the
+//! caches hold, as in `bench -d 4096`), with the KV bytes read per second.
 //!
-//! `cargo run --release --example attention_bench -- [reps]`
+//! `cargo run --release --example attention_bench -- [reps] [deep]`
+//! (`deep`: only the 30-layer table)
 //! (run it under `flock /tmp/llama-graph-bench.lock` on a shared machine).
 use llama_graph::kernels::{attention_paged, AttnWork, Isa, KvGeom, KvStore, StepSeqs};
 use llama_graph::pool::ThreadPool;
@@ -31,6 +34,10 @@ fn main() {
         .into_iter()
         .filter(|l| l.supported())
         .collect();
+    println!("{}", deep_decode(&levels, &mut rnd, reps));
+    if std::env::args().nth(2).as_deref() == Some("deep") {
+        return;
+    }
     let (h, hkv, d) = (9usize, 3usize, 64usize);
     print!("| threads | KV | S | P | seqs |");
     for l in &levels {
@@ -127,4 +134,80 @@ fn main() {
             }
         }
     }
+}
+
+/// One decode step (S=1) at position 4095 over 30 layers' f16 caches,
+/// each layer its own pool, at 1 and 2 threads: a table of µs per step
+/// and GB/s of keys and values read (medians).
+fn deep_decode(levels: &[Isa], rnd: &mut impl FnMut() -> f32, reps: usize) -> String {
+    // `attention_bench -- REPS deep LAYERS`: fewer layers (for a profiler).
+    let layers: usize = std::env::args()
+        .nth(3)
+        .map_or(30, |s| s.parse().expect("layers"));
+    let (h, hkv, d, pos) = (9usize, 3usize, 64usize, 4095usize);
+    let geom = KvGeom {
+        n_blocks: (pos + 1).div_ceil(16),
+        n_kv_heads: hkv,
+        head_dim: d,
+        block: 16,
+    };
+    let mut fill = || -> KvStore {
+        KvStore::F16(
+            (0..geom.elems())
+                .map(|_| half::f16::from_f32(rnd()))
+                .collect(),
+        )
+    };
+    let caches: Vec<(KvStore, KvStore)> = (0..layers).map(|_| (fill(), fill())).collect();
+    let table = [0i32, 1, pos as i32, 0, 1];
+    let blocks: Vec<i32> = (0..geom.n_blocks as i32).collect();
+    let seqs = StepSeqs::new(&table, &blocks, 1, &geom).unwrap();
+    let q: Vec<f32> = (0..h * d).map(|_| rnd()).collect();
+    let mut out = vec![0f32; q.len()];
+    let bytes = (layers * 2 * (pos + 1) * hkv * d * 2) as f64;
+    let mut s = format!(
+        "Decode at depth {}, {layers} layers of f16 KV ({:.0} MB):\n\n| threads |",
+        pos + 1,
+        bytes * 1e-6
+    );
+    for l in levels {
+        s += &format!(" {} (us) | GB/s |", l.name());
+    }
+    s += &format!("\n|---|{}\n", "---|---|".repeat(levels.len()));
+    for threads in [1, 2] {
+        let pool = ThreadPool::new(threads);
+        let mut work = AttnWork::new(&geom, h / hkv, 1, 1, threads);
+        let mut times = vec![Vec::new(); levels.len()];
+        for rep in 0..reps + 2 {
+            for (li, &l) in levels.iter().enumerate() {
+                let t = Instant::now();
+                for (kc, vc) in &caches {
+                    attention_paged(
+                        &pool,
+                        l,
+                        &q,
+                        kc.view(),
+                        vc.view(),
+                        &geom,
+                        h / hkv,
+                        None,
+                        &seqs,
+                        &mut out,
+                        &mut work,
+                    )
+                    .unwrap();
+                }
+                if rep >= 2 {
+                    times[li].push(t.elapsed().as_secs_f64());
+                }
+            }
+        }
+        s += &format!("| {threads} |");
+        for t in &mut times {
+            let m = median(t);
+            s += &format!(" {:.0} | {:.1} |", m * 1e6, bytes / m * 1e-9);
+        }
+        s += "\n";
+    }
+    s
 }

@@ -36,14 +36,22 @@
 //!
 //! Every instruction-set level ([`Isa`]) implements both kinds with the
 //! same per-row arithmetic, and a test checks that rows computed either
-//! way are bitwise equal. Keys and values are read from the pool (any
-//! cache type, [`KvView`]) one tile at a time into f32 scratch (widened or
-//! dequantized by `super::widen`, the same values at every level): keys
-//! dims-major `[D][BK]`, values key-major `[BK][D]`.
+//! way are bitwise equal. Tiled items read keys and values from the pool
+//! (any cache type, [`KvView`]) one tile at a time into f32 scratch
+//! (widened or dequantized by `super::widen`, the same values at every
+//! level): keys dims-major `[D][BK]`, values key-major `[BK][D]`. Decode
+//! items, which read each key once per GQA group and are bound by memory
+//! bandwidth, read an f16, bf16 or f32 pool in place, block by block
+//! ([`Runs`]), widening in registers, all rows of the group per key load,
+//! and prefetch the next tile's blocks; other types go through the
+//! scratch as in tiled items. Widening is exact, so both ways give the
+//! same bits.
 
 use crate::kernels::kv::{KvGeom, KvView, SeqSpan, StepSeqs};
+use crate::kernels::matmul::tiles::F32;
 use crate::kernels::{Isa, KernelError};
 use crate::pool::{SyncPtr, ThreadPool};
+use decode::{drive_decode, elem, DecodeItem, Runs};
 
 /// Keys per tile (aligned to absolute positions).
 pub const BK: usize = 64;
@@ -83,10 +91,10 @@ fn tiled_parts(rp: usize, d: usize) -> [usize; 9] {
     ]
 }
 
-/// The parts of a decode item's scratch with at most `rp` rows (even):
-/// qs, one row's scores, st, acc, (m, l, corr), kt, vt.
-fn decode_parts(rp: usize, d: usize) -> [usize; 7] {
-    [rp * d, BK, BK * rp, rp * d, 3 * rp, BK * d, BK * d]
+/// The parts of a decode item's scratch with `rp` rows: qs, the rows'
+/// scores (`BK` each), acc, (m, l, corr), kt, vt.
+fn decode_parts(rp: usize, d: usize) -> [usize; 6] {
+    [rp * d, rp * BK, rp * d, 3 * rp, BK * d, BK * d]
 }
 
 /// Floats of one decode item's partial result: accumulators, maxima, sums.
@@ -131,9 +139,8 @@ impl AttnWork {
     ) -> AttnWork {
         let d = geom.head_dim;
         let rp = (block_queries(n_rep).min(max_tokens.max(1)) * n_rep).next_multiple_of(16);
-        let decode_rp = decode_rows(n_rep).next_multiple_of(2);
-        let per_thread =
-            (tiled_parts(rp, d).iter().sum::<usize>()).max(decode_parts(decode_rp, d).iter().sum());
+        let per_thread = (tiled_parts(rp, d).iter().sum::<usize>())
+            .max(decode_parts(decode_rows(n_rep), d).iter().sum());
         let max_seqs = max_seqs.max(1);
         // Decode items: per kv head, the spans of every sequence. Sequences
         // with blocks of their own have spans adding up to at most the
@@ -278,7 +285,7 @@ pub fn attention_paged(
                 // SAFETY: item c alone writes partial slot `slot`.
                 let part = unsafe { pp.slice(slot as usize * plen, plen) };
                 let s = seqs.get(seq as usize);
-                level.decode(&ctx, &s, g as usize, span as usize, part, scr);
+                level.decode((&ctx, &s, g as usize, span as usize, part, scr));
             }
         }
     });
@@ -530,22 +537,38 @@ fn mask_below_window(st: &mut [f32], it: &Item<'_>, w: usize, t0: usize, nk: usi
 ///
 /// # Safety
 /// Every step may use the level's CPU features: the caller makes sure they
-/// are available.
+/// are available. [`Runs`] arguments address readable elements for every
+/// key `< nk` of every dim (a key run's whole block may be read).
 trait BlockSteps {
     type Cvt: Cvt;
+    /// Keys per vector: a tile read straight from the pool needs blocks
+    /// of a multiple of it.
+    const LANES: usize;
     /// Scores of `nk` keys (`kt[e·BK + j]`) for all `rp` rows of `qt`.
     unsafe fn qk(qt: &[f32], rp: usize, kt: &[f32], nk: usize, st: &mut [f32]);
     /// Online softmax update of one tile; `mlc` is the rows' maxima, sums
     /// and (out) corrections, `rp` each.
     unsafe fn softmax(st: &mut [f32], rp: usize, nk: usize, mlc: &mut [f32]);
-    /// `acc = acc·corr + P·V` for one tile (`vt[k·D + e]`).
-    unsafe fn pv(st: &[f32], rp: usize, nk: usize, vt: &[f32], acc: &mut [f32], corr: &[f32]);
-    /// One row's scores of `nk` keys, the same arithmetic as [`Self::qk`]
-    /// gives that row (`st` has room for [`BK`]).
-    unsafe fn row_qk(qs: &[f32], kt: &[f32], nk: usize, st: &mut [f32]);
+    /// `acc = acc·corr + P·V` for one tile, values of dtype `DT` in `v`.
+    unsafe fn pv<const DT: u8>(p: Probs<'_>, nk: usize, v: &Runs, acc: &mut [f32], corr: &[f32]);
+    /// Scores of `nk` keys of dtype `DT` in `k` for each of the `rows`
+    /// rows of `qs` (row-major), the same arithmetic as [`Self::qk`]
+    /// gives a row, to `sr[r·BK + j]` (lanes from `nk` up to a whole
+    /// vector hold scores of other keys, which nothing reads).
+    unsafe fn rows_qk<const DT: u8>(qs: &[f32], rows: usize, k: &Runs, nk: usize, sr: &mut [f32]);
     /// One row's online softmax update, as [`Self::softmax`] gives it;
     /// returns the correction of the old accumulators.
     unsafe fn row_softmax(st: &mut [f32], nk: usize, m: &mut f32, l: &mut f32) -> f32;
+}
+
+/// A tile's probabilities for `rows` rows: key `k`, row `r` at `p[k·ks +
+/// r·rs]` (tiled items: key-major, decode items: row-major).
+#[derive(Clone, Copy)]
+struct Probs<'a> {
+    p: &'a [f32],
+    ks: usize,
+    rs: usize,
+    rows: usize,
 }
 
 /// Splits scratch into consecutive slices of the given lengths.
@@ -601,7 +624,14 @@ unsafe fn drive_tiled<B: BlockSteps>(
             // SAFETY: as above.
             unsafe {
                 B::softmax(st, rp, nk, mlc);
-                B::pv(st, rp, nk, vt, acc, &mlc[2 * rp..]);
+                let v = Runs::scratch(vt, d, 1);
+                let p = Probs {
+                    p: st,
+                    ks: rp,
+                    rs: 1,
+                    rows: rp,
+                };
+                B::pv::<F32>(p, nk, &v, acc, &mlc[2 * rp..]);
             }
             t0 += nk;
         }
@@ -631,81 +661,6 @@ unsafe fn drive_tiled<B: BlockSteps>(
             *oi = a * inv;
         }
     }
-}
-
-/// One decode item (kv head `g`, span `span` of a sequence with few
-/// queries): each row's partial result `(acc, m, l)` goes to `part`. Per
-/// row, scores and softmax with the keys in lanes ([`BlockSteps::row_qk`]);
-/// then `P·V` of all rows at once ([`BlockSteps::pv`]; a row that sees no
-/// key of a tile gets correction 1 and probabilities 0, which leave its
-/// sums as they are).
-///
-/// # Safety
-/// The CPU features of `B` are available.
-#[inline(always)]
-unsafe fn drive_decode<B: BlockSteps>(
-    ctx: &Ctx<'_>,
-    seq: &SeqSpan<'_>,
-    g: usize,
-    span: usize,
-    part: &mut [f32],
-    scr: &mut [f32],
-) {
-    let d = ctx.geom.head_dim;
-    let n_rep = ctx.n_rep;
-    let rows = seq.count * n_rep;
-    let rp = rows.next_multiple_of(2);
-    let rmax = decode_rows(n_rep);
-    let [qs, sr, st, acc, mlc, kt, vt] = carve(scr, decode_parts(rp, d));
-    let c = ctx.scale();
-    for r in 0..rows {
-        let (qi, rep) = (r / n_rep, r % n_rep);
-        let src = ctx.q_row(seq.first + qi, g * n_rep + rep);
-        for (o, &x) in qs[r * d..(r + 1) * d].iter_mut().zip(src) {
-            *o = x * c;
-        }
-    }
-    acc.fill(0.0);
-    mlc[..rp].fill(f32::NEG_INFINITY);
-    mlc[rp..2 * rp].fill(0.0);
-    let s0 = span * SPAN;
-    let s1 = (s0 + SPAN).min(seq.keys());
-    // Tiles wholly below the first query's window are not read.
-    let mut t0 = s0.max(window_start(ctx.window, seq.start) / BK * BK);
-    while t0 < s1 {
-        let nk = BK.min(s1 - t0);
-        gather_k::<B::Cvt>(ctx, seq, g, t0, nk, kt);
-        gather_v::<B::Cvt>(ctx, seq, g, t0, nk, vt);
-        let (ml, corr) = mlc.split_at_mut(2 * rp);
-        for r in 0..rp {
-            let limit = seq.start + r / n_rep;
-            let first = window_start(ctx.window, limit);
-            if r >= rows || limit < t0 || first >= t0 + nk {
-                // No key of this tile is visible (or a padding row): a
-                // masked tile changes nothing.
-                corr[r] = 1.0;
-                (0..nk).for_each(|k| st[k * rp + r] = 0.0);
-                continue;
-            }
-            // SAFETY: the features of B are available (this function's contract).
-            unsafe { B::row_qk(&qs[r * d..(r + 1) * d], kt, nk, sr) };
-            for (k, x) in sr.iter_mut().enumerate().take(nk) {
-                if t0 + k > limit || t0 + k < first {
-                    *x = f32::NEG_INFINITY;
-                }
-            }
-            let (m, l) = ml.split_at_mut(rp);
-            // SAFETY: as above.
-            corr[r] = unsafe { B::row_softmax(sr, nk, &mut m[r], &mut l[r]) };
-            (0..nk).for_each(|k| st[k * rp + r] = sr[k]);
-        }
-        // SAFETY: as above.
-        unsafe { B::pv(st, rp, nk, vt, acc, corr) };
-        t0 += nk;
-    }
-    part[..rows * d].copy_from_slice(&acc[..rows * d]);
-    part[rmax * d..rmax * d + rows].copy_from_slice(&mlc[..rows]);
-    part[rmax * d + rmax..rmax * d + rmax + rows].copy_from_slice(&mlc[rp..rp + rows]);
 }
 
 /// The kernel set in use, lowered to what the CPU supports.
@@ -740,36 +695,28 @@ impl Level {
         }
     }
 
-    fn decode(
-        self,
-        ctx: &Ctx<'_>,
-        seq: &SeqSpan<'_>,
-        g: usize,
-        span: usize,
-        part: &mut [f32],
-        scr: &mut [f32],
-    ) {
+    fn decode(self, it: DecodeItem<'_, '_>) {
         match self {
             // SAFETY: the portable steps need no CPU feature.
-            Level::Scalar => unsafe { drive_decode::<Portable>(ctx, seq, g, span, part, scr) },
+            Level::Scalar => unsafe { drive_decode::<Portable>(it) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as in `tiled`.
-            Level::Avx2 => unsafe { simd::decode_avx2(ctx, seq, g, span, part, scr) },
+            Level::Avx2 => unsafe { simd::decode_avx2(it) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as in `tiled`.
-            Level::Avx512 => unsafe { simd::decode_avx512(ctx, seq, g, span, part, scr) },
+            Level::Avx512 => unsafe { simd::decode_avx512(it) },
             #[cfg(not(target_arch = "x86_64"))]
             _ => unreachable!("Level::of gives Scalar off x86-64"),
         }
     }
 }
 
-/// The scalar reference level. Its one-row steps are its tile steps with
-/// one row.
+/// The scalar reference level: per row, the arithmetic of its tile steps.
 struct Portable;
 
 impl BlockSteps for Portable {
     type Cvt = PortableCvt;
+    const LANES: usize = 1;
 
     unsafe fn qk(qt: &[f32], rp: usize, kt: &[f32], nk: usize, st: &mut [f32]) {
         let d = qt.len() / rp;
@@ -809,22 +756,36 @@ impl BlockSteps for Portable {
         }
     }
 
-    unsafe fn pv(st: &[f32], rp: usize, nk: usize, vt: &[f32], acc: &mut [f32], corr: &[f32]) {
-        let d = acc.len() / rp;
+    unsafe fn pv<const DT: u8>(p: Probs<'_>, nk: usize, v: &Runs, acc: &mut [f32], corr: &[f32]) {
+        let d = acc.len() / p.rows;
         for (r, a) in acc.chunks_exact_mut(d).enumerate() {
             a.iter_mut().for_each(|x| *x *= corr[r]);
             for k in 0..nk {
-                let p = st[k * rp + r];
-                for (x, &v) in a.iter_mut().zip(&vt[k * d..(k + 1) * d]) {
-                    *x += p * v;
+                let p = p.p[k * p.ks + r * p.rs];
+                for (e, x) in a.iter_mut().enumerate() {
+                    // SAFETY: key k < nk, dim e < D of the runs (contract).
+                    *x += p * unsafe { elem::<DT>(v.ptr::<DT>(k, e)) };
                 }
             }
         }
     }
 
-    unsafe fn row_qk(qs: &[f32], kt: &[f32], nk: usize, st: &mut [f32]) {
-        // SAFETY: no CPU feature needed.
-        unsafe { Self::qk(qs, 1, kt, nk, st) }
+    unsafe fn rows_qk<const DT: u8>(qs: &[f32], rows: usize, k: &Runs, nk: usize, sr: &mut [f32]) {
+        let d = qs.len() / rows;
+        for r in 0..rows {
+            for j in 0..nk {
+                let mut tot = 0f32;
+                for e0 in (0..d).step_by(QK_CHUNK) {
+                    let mut part = 0f32;
+                    for e in e0..d.min(e0 + QK_CHUNK) {
+                        // SAFETY: key j < nk, dim e < D of the runs (contract).
+                        part += unsafe { elem::<DT>(k.ptr::<DT>(j, e)) } * qs[r * d + e];
+                    }
+                    tot += part;
+                }
+                sr[r * BK + j] = tot;
+            }
+        }
     }
 
     unsafe fn row_softmax(st: &mut [f32], nk: usize, m: &mut f32, l: &mut f32) -> f32 {
@@ -836,6 +797,8 @@ impl BlockSteps for Portable {
     }
 }
 
+/// Decode items, and the reading of a tile in place.
+mod decode;
 /// The SIMD levels' block steps, written once over `F32Vec`.
 #[cfg(target_arch = "x86_64")]
 mod simd;

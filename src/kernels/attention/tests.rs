@@ -20,11 +20,23 @@ impl Pool {
     /// Random keys and values written through the cache's own writes (so
     /// stored as `ty` stores them).
     fn new(n_blocks: usize, hkv: usize, d: usize, n_rep: usize, ty: CacheType, seed: u64) -> Pool {
+        Pool::with_block(16, n_blocks, hkv, d, n_rep, ty, seed)
+    }
+    /// [`Pool::new`] with blocks of `block` positions.
+    fn with_block(
+        block: usize,
+        n_blocks: usize,
+        hkv: usize,
+        d: usize,
+        n_rep: usize,
+        ty: CacheType,
+        seed: u64,
+    ) -> Pool {
         let geom = KvGeom {
             n_blocks,
             n_kv_heads: hkv,
             head_dim: d,
-            block: 16,
+            block,
         };
         let mut rng = Rng::new(seed);
         let slots: Vec<i32> = (0..geom.capacity() as i32).collect();
@@ -240,6 +252,35 @@ fn both_forms_match_the_reference() {
                     let got = fused(&pool, isa, threads, &st, &q);
                     assert_close(&got, &want, 2e-5, 2e-4, &format!("fused {isa:?} {what}"));
                 }
+            }
+        }
+    }
+}
+
+#[test]
+fn every_block_size_matches_the_reference() {
+    // Decode items read f16, bf16 and f32 pools in place, one block per
+    // run of keys (or, with blocks shorter than a vector, through scratch):
+    // blocks of 1 to 64 positions, each the mixed step's keys in shuffled
+    // blocks, at every level.
+    for block in [1, 4, 8, 32, 64] {
+        for (hkv, d, n_rep, ty) in [
+            (3, 64, 3, CacheType::F16),
+            (2, 20, 2, CacheType::F32),
+            (1, 32, 4, CacheType::Bf16),
+        ] {
+            let per = 384 / block;
+            let pool = Pool::with_block(block, 4 * per, hkv, d, n_rep, ty, 13);
+            let seqs = seqs_in(&pool, 4, per, 7);
+            let parts = vec![(0, 0, 37), (1, 300, 1), (2, 63, 2), (3, 129, 3)];
+            let st = step(&seqs, &parts);
+            let q = q_for(&pool, &parts);
+            let s = StepSeqs::new(&st.table, &st.blocks, st.tokens, &pool.geom).unwrap();
+            let want = naive(&pool, &q, &s);
+            for isa in Isa::supported_levels() {
+                let got = fused(&pool, isa, 2, &st, &q);
+                let what = format!("block {block} {ty} hkv {hkv} d {d} {isa:?}");
+                assert_close(&got, &want, 2e-5, 2e-4, &what);
             }
         }
     }

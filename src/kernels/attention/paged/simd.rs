@@ -3,8 +3,13 @@
 //! widths differ only in lane count and tile shapes (the const parameters
 //! of [`Simd`]); every per-element sum has the same order at both.
 
-use super::{drive_decode, drive_tiled, BlockSteps, Ctx, Cvt, Item, BK, QK_CHUNK};
-use crate::kernels::kv::{KvView, SeqSpan};
+use super::{
+    drive_decode, drive_tiled, elem, BlockSteps, Ctx, Cvt, DecodeItem, Item, Probs, Runs, BK,
+    QK_CHUNK,
+};
+use crate::kernels::kv::KvView;
+use crate::kernels::matmul::tiles::elem_size;
+use crate::kernels::matmul::tiles::simd::TileVec;
 use crate::kernels::simd::F32Vec;
 use crate::pool::SyncPtr;
 use std::arch::x86_64::*;
@@ -23,20 +28,22 @@ impl Cvt for F16cCvt {
 }
 
 /// The block steps of vector `V`: score tiles of `QK_KEYS` keys × up to
-/// `QK_NC` vectors of rows, `P·V` tiles of `PV_NC` vectors of columns, and
-/// `ROW_V` (= `BK / V::LANES`) vectors per row of one tile's keys.
+/// `QK_NC` vectors of rows, `P·V` tiles of `PV_NC` vectors of columns for
+/// 4 or 6 rows; blocks of 1 to 3 rows (decode items) take `FEW` vectors
+/// of keys or columns per row (up to 3·FEW accumulators, all in
+/// registers with the row broadcasts and one loaded vector).
 pub(super) struct Simd<
     V,
     const QK_KEYS: usize,
     const QK_NC: usize,
     const PV_NC: usize,
-    const ROW_V: usize,
+    const FEW: usize,
 >(PhantomData<V>);
 
-/// AVX2 + FMA.
-pub(super) type Avx2 = Simd<__m256, 6, 2, 2, { BK / 8 }>;
-/// AVX-512F.
-pub(super) type Avx512 = Simd<__m512, 8, 3, 4, { BK / 16 }>;
+/// AVX2 + FMA (16 registers: 9 accumulators for 3 rows).
+pub(super) type Avx2 = Simd<__m256, 6, 2, 2, 3>;
+/// AVX-512F (32 registers).
+pub(super) type Avx512 = Simd<__m512, 8, 3, 4, 4>;
 
 /// Scores of `NK` keys × `NC` vectors of rows: `st[j·rp + r] = Σ_e
 /// kt[e·BK + j] · qt[e·rp + r]` (pointers already offset to the tile).
@@ -114,68 +121,88 @@ unsafe fn qk_keys<V: F32Vec, const NK: usize>(
     }
 }
 
-/// `acc[i·d + L·c..] = acc·corr[i] + Σ_k st[k·rp + i] · v[k·d + L·c..]` for
-/// `R` rows and `L·NC` columns (pointers offset to the tile).
+/// Where `P[k, i]` is: key-major (`KM`, tiled items) at `k·ks + i`,
+/// row-major (decode items) at `k + i·BK`.
+#[inline(always)]
+fn prob<const KM: bool>(k: usize, i: usize, ks: usize) -> usize {
+    if KM {
+        k * ks + i
+    } else {
+        k + i * BK
+    }
+}
+
+/// `acc[i·d + c0 + L·c..] = acc·corr[i] + Σ_k P[k, i] · V[k, c0 + L·c..]`
+/// for `R` rows and `L·NC` columns from `c0` (acc and st offset to the
+/// first row; `P[k, i]` at [`prob`]), the values of dtype `DT` in
+/// `v`, one run at a time.
 ///
 /// # Safety
 /// `V`'s features are enabled; the caller guarantees R rows of acc (stride
-/// d) with `L·NC` columns, nk value rows (stride d) with `L·NC` columns,
-/// nk×rp probabilities (R columns used) and R corrections.
+/// d) with columns `c0..c0 + L·NC`, nk keys of `v` with those columns,
+/// the probabilities of nk keys for R rows and R corrections.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn pv_tile<V: F32Vec, const R: usize, const NC: usize>(
+unsafe fn pv_tile<V: TileVec, const DT: u8, const R: usize, const NC: usize, const KM: bool>(
     st: *const f32,
-    rp: usize,
+    ks: usize,
     nk: usize,
-    v: *const f32,
+    v: &Runs,
+    c0: usize,
     acc: *mut f32,
     d: usize,
     corr: *const f32,
 ) {
     let l = V::LANES;
+    let es = elem_size(DT);
     // SAFETY: the caller's contract.
     unsafe {
         let mut a = [[V::zero(); NC]; R];
         for (i, ai) in a.iter_mut().enumerate() {
             let cr = V::splat(*corr.add(i));
             for (c, aic) in ai.iter_mut().enumerate() {
-                *aic = V::load(acc.add(i * d + l * c)).mul(cr);
+                *aic = V::load(acc.add(i * d + c0 + l * c)).mul(cr);
             }
         }
-        for k in 0..nk {
-            let mut vv = [V::zero(); NC];
-            for (c, x) in vv.iter_mut().enumerate() {
-                *x = V::load(v.add(k * d + l * c));
-            }
-            for (i, ai) in a.iter_mut().enumerate() {
-                let p = V::splat(*st.add(k * rp + i));
-                for (c, aic) in ai.iter_mut().enumerate() {
-                    *aic = p.mul_add(vv[c], *aic);
+        for (run, &at) in v.at[..nk.div_ceil(v.len)].iter().enumerate() {
+            let k0 = run * v.len;
+            let base = at.add(c0 * es);
+            for k in 0..v.len.min(nk - k0) {
+                // R broadcasts, then one value vector at a time: R·NC + R
+                // + 1 registers.
+                let p: [V; R] =
+                    std::array::from_fn(|i| V::splat(*st.add(prob::<KM>(k0 + k, i, ks))));
+                for c in 0..NC {
+                    let vv = V::load_w::<DT>(base.add((k * v.step + l * c) * es));
+                    for (ai, &pi) in a.iter_mut().zip(&p) {
+                        ai[c] = pi.mul_add(vv, ai[c]);
+                    }
                 }
             }
         }
         for (i, ai) in a.iter().enumerate() {
             for (c, aic) in ai.iter().enumerate() {
-                aic.store(acc.add(i * d + l * c));
+                aic.store(acc.add(i * d + c0 + l * c));
             }
         }
     }
 }
 
 /// `P·V` for rows `0..R` (pointers offset to the first row): tiles of
-/// `PV_NC` vectors of columns, then of one, then scalar columns. Returns `R`.
+/// `PV_NC` vectors of columns, then of two, of one, then scalar columns.
+/// Returns `R`.
 ///
 /// # Safety
 /// `V`'s features are enabled; the caller guarantees R rows of a (stride
-/// d), R columns of nk×rp probabilities at s, R corrections and nk value
-/// rows of d floats at v; columns stay below d.
+/// d), the probabilities of nk keys for R rows at s (strides `ps`), R
+/// corrections and nk keys of d values in `v`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn pv_rows<V: F32Vec, const R: usize, const PV_NC: usize>(
+unsafe fn pv_rows<V: TileVec, const DT: u8, const R: usize, const PV_NC: usize, const KM: bool>(
     s: *const f32,
-    rp: usize,
+    ks: usize,
     nk: usize,
-    v: *const f32,
+    v: &Runs,
     a: *mut f32,
     d: usize,
     c: *const f32,
@@ -185,11 +212,15 @@ unsafe fn pv_rows<V: F32Vec, const R: usize, const PV_NC: usize>(
     unsafe {
         let mut c0 = 0;
         while c0 + l * PV_NC <= d {
-            pv_tile::<V, R, PV_NC>(s, rp, nk, v.add(c0), a.add(c0), d, c);
+            pv_tile::<V, DT, R, PV_NC, KM>(s, ks, nk, v, c0, a, d, c);
             c0 += l * PV_NC;
         }
+        if PV_NC > 2 && c0 + 2 * l <= d {
+            pv_tile::<V, DT, R, 2, KM>(s, ks, nk, v, c0, a, d, c);
+            c0 += 2 * l;
+        }
         while c0 + l <= d {
-            pv_tile::<V, R, 1>(s, rp, nk, v.add(c0), a.add(c0), d, c);
+            pv_tile::<V, DT, R, 1, KM>(s, ks, nk, v, c0, a, d, c);
             c0 += l;
         }
         for i in 0..R {
@@ -197,10 +228,127 @@ unsafe fn pv_rows<V: F32Vec, const R: usize, const PV_NC: usize>(
             for col in c0..d {
                 let mut x = *a.add(i * d + col) * cr;
                 for k in 0..nk {
-                    x += *s.add(k * rp + i) * *v.add(k * d + col);
+                    x += *s.add(prob::<KM>(k, i, ks)) * elem::<DT>(v.ptr::<DT>(k, col));
                 }
                 *a.add(i * d + col) = x;
             }
+        }
+    }
+    R
+}
+
+/// `P·V` of rows `0..rp` in blocks of 6 rows (tiled items), then 4, then
+/// 3, 2, 1 with `FEW` vectors of columns (decode items: a GQA group).
+///
+/// # Safety
+/// As [`pv_rows`] for every block.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pv_all<V: TileVec, const DT: u8, const PV_NC: usize, const FEW: usize, const KM: bool>(
+    sp: *const f32,
+    ks: usize,
+    rp: usize,
+    nk: usize,
+    v: &Runs,
+    ap: *mut f32,
+    d: usize,
+    cp: *const f32,
+) {
+    let rs = if KM { 1 } else { BK };
+    // SAFETY: the caller's contract.
+    unsafe {
+        let mut r0 = 0;
+        while r0 < rp {
+            let (s, a, c) = (sp.add(r0 * rs), ap.add(r0 * d), cp.add(r0));
+            r0 += match rp - r0 {
+                6.. => pv_rows::<V, DT, 6, PV_NC, KM>(s, ks, nk, v, a, d, c),
+                4 | 5 => pv_rows::<V, DT, 4, PV_NC, KM>(s, ks, nk, v, a, d, c),
+                3 => pv_rows::<V, DT, 3, FEW, KM>(s, ks, nk, v, a, d, c),
+                2 => pv_rows::<V, DT, 2, FEW, KM>(s, ks, nk, v, a, d, c),
+                _ => pv_rows::<V, DT, 1, FEW, KM>(s, ks, nk, v, a, d, c),
+            };
+        }
+    }
+}
+
+/// Scores of rows `0..R` (`q`, stride d) against key vectors `x0..x0+NV`
+/// of a tile (keys `L·x0..`), to `s[r·BK + L·x]`: per 16-dim chunk one
+/// multiply-add chain per lane, the chunks added in order (as
+/// [`qk_tile`] gives each row).
+///
+/// # Safety
+/// `V`'s features are enabled; `k`'s runs hold whole vectors (their
+/// length a multiple of `L`) and the keys of vectors `x0..x0+NV`; R rows
+/// of d floats at q, R rows of BK floats at s.
+#[inline(always)]
+unsafe fn qk_rows<V: TileVec, const DT: u8, const R: usize, const NV: usize>(
+    q: *const f32,
+    d: usize,
+    k: &Runs,
+    x0: usize,
+    s: *mut f32,
+) {
+    let l = V::LANES;
+    let es = elem_size(DT);
+    // SAFETY: the caller's contract.
+    unsafe {
+        let kp: [*const u8; NV] = std::array::from_fn(|x| k.ptr::<DT>(l * (x0 + x), 0));
+        let ks = k.stride * es;
+        let mut e0 = 0;
+        while e0 < d {
+            let e1 = (e0 + QK_CHUNK).min(d);
+            let mut a = [[V::zero(); NV]; R];
+            for e in e0..e1 {
+                // R broadcasts, then one key vector at a time: R·NV + R + 1
+                // registers.
+                let qb: [V; R] = std::array::from_fn(|r| V::splat(*q.add(r * d + e)));
+                for (x, &p) in kp.iter().enumerate() {
+                    let kv = V::load_w::<DT>(p.add(e * ks));
+                    for (ar, &qr) in a.iter_mut().zip(&qb) {
+                        ar[x] = kv.mul_add(qr, ar[x]);
+                    }
+                }
+            }
+            for (r, ar) in a.iter().enumerate() {
+                for (x, arx) in ar.iter().enumerate() {
+                    let p = s.add(r * BK + l * (x0 + x));
+                    let v = if e0 == 0 { *arx } else { V::load(p).add(*arx) };
+                    v.store(p);
+                }
+            }
+            e0 = e1;
+        }
+    }
+}
+
+/// [`qk_rows`] for every key vector of `nk` keys, `NV` at a time, then
+/// two, then one at a time. Returns `R`.
+///
+/// # Safety
+/// As [`qk_rows`] for vectors `0..nk.div_ceil(L)`.
+#[inline(always)]
+unsafe fn qk_rows_all<V: TileVec, const DT: u8, const R: usize, const NV: usize>(
+    q: *const f32,
+    d: usize,
+    k: &Runs,
+    nk: usize,
+    s: *mut f32,
+) -> usize {
+    let nv = nk.div_ceil(V::LANES);
+    // SAFETY: the caller's contract.
+    unsafe {
+        let mut x = 0;
+        while x + NV <= nv {
+            qk_rows::<V, DT, R, NV>(q, d, k, x, s);
+            x += NV;
+        }
+        if NV > 2 && x + 2 <= nv {
+            qk_rows::<V, DT, R, 2>(q, d, k, x, s);
+            x += 2;
+        }
+        while x < nv {
+            qk_rows::<V, DT, R, 1>(q, d, k, x, s);
+            x += 1;
         }
     }
     R
@@ -255,14 +403,15 @@ pub(super) unsafe fn row_softmax_avx2(st: &mut [f32], nk: usize, m: &mut f32, l:
 }
 
 impl<
-        V: F32Vec,
+        V: TileVec,
         const QK_KEYS: usize,
         const QK_NC: usize,
         const PV_NC: usize,
-        const ROW_V: usize,
-    > BlockSteps for Simd<V, QK_KEYS, QK_NC, PV_NC, ROW_V>
+        const FEW: usize,
+    > BlockSteps for Simd<V, QK_KEYS, QK_NC, PV_NC, FEW>
 {
     type Cvt = F16cCvt;
+    const LANES: usize = V::LANES;
 
     #[inline(always)]
     unsafe fn qk(qt: &[f32], rp: usize, kt: &[f32], nk: usize, st: &mut [f32]) {
@@ -336,56 +485,47 @@ impl<
     }
 
     #[inline(always)]
-    unsafe fn pv(st: &[f32], rp: usize, nk: usize, vt: &[f32], acc: &mut [f32], corr: &[f32]) {
+    unsafe fn pv<const DT: u8>(p: Probs<'_>, nk: usize, v: &Runs, acc: &mut [f32], corr: &[f32]) {
+        let (st, ks, rs, rp) = (p.p, p.ks, p.rs, p.rows);
         let d = acc.len() / rp;
-        assert!(st.len() >= nk * rp && acc.len() >= rp * d && corr.len() >= rp);
-        assert!(vt.len() >= nk * d && rp.is_multiple_of(2));
-        let (sp, ap, cp, vp) = (st.as_ptr(), acc.as_mut_ptr(), corr.as_ptr(), vt.as_ptr());
-        // SAFETY: rows r0..r0+R <= rp (rp is even); nk value rows of d
-        // floats at vt (asserted); V's features enabled (contract).
+        let last = (nk.max(1) - 1) * ks + (rp - 1) * rs;
+        assert!(st.len() > last && acc.len() >= rp * d && corr.len() >= rp);
+        assert!(nk <= BK && v.stride == 1);
+        let (sp, ap, cp) = (st.as_ptr(), acc.as_mut_ptr(), corr.as_ptr());
+        // SAFETY: rows r0..r0+R <= rp, keys < nk of st (asserted); nk
+        // keys of d values in v (the trait's contract); V's features
+        // enabled (contract).
         unsafe {
-            let mut r0 = 0;
-            while r0 < rp {
-                let (s, a, c) = (sp.add(r0), ap.add(r0 * d), cp.add(r0));
-                // Blocks of 6 rows (tiled items), 4 (decode items of 3 or
-                // 4 heads a group: 8 accumulators in flight), then 2.
-                r0 += match rp - r0 {
-                    6.. => pv_rows::<V, 6, PV_NC>(s, rp, nk, vp, a, d, c),
-                    4 => pv_rows::<V, 4, PV_NC>(s, rp, nk, vp, a, d, c),
-                    _ => pv_rows::<V, 2, PV_NC>(s, rp, nk, vp, a, d, c),
-                };
+            if rs == 1 {
+                pv_all::<V, DT, PV_NC, FEW, true>(sp, ks, rp, nk, v, ap, d, cp);
+            } else {
+                assert!(ks == 1 && rs == BK);
+                pv_all::<V, DT, PV_NC, FEW, false>(sp, ks, rp, nk, v, ap, d, cp);
             }
         }
     }
 
     #[inline(always)]
-    unsafe fn row_qk(qs: &[f32], kt: &[f32], nk: usize, st: &mut [f32]) {
-        let l = V::LANES;
-        let d = qs.len();
-        assert!(qs.len() >= d && kt.len() >= d * BK && st.len() >= BK && nk <= BK);
-        assert!(ROW_V * l == BK);
-        // All BK lanes are computed (a fixed-length loop): the lanes past
-        // `nk` hold scores of stale keys, which nothing reads.
-        // SAFETY: ROW_V·LANES = BK lanes of kt rows and st (asserted); V's
-        // features enabled (contract).
+    unsafe fn rows_qk<const DT: u8>(qs: &[f32], rows: usize, k: &Runs, nk: usize, sr: &mut [f32]) {
+        let d = qs.len() / rows;
+        assert!(sr.len() >= rows * BK && nk <= BK && k.len.is_multiple_of(V::LANES));
+        let (qp, sp) = (qs.as_ptr(), sr.as_mut_ptr());
+        // SAFETY: rows r0..r0+R <= rows of d floats at qs and BK at sr
+        // (asserted); the runs hold whole vectors (asserted) and the keys
+        // of every vector below nk (the trait's contract); V's features
+        // enabled (contract).
         unsafe {
-            let (kp, sp) = (kt.as_ptr(), st.as_mut_ptr());
-            let mut e0 = 0;
-            while e0 < d {
-                let e1 = (e0 + QK_CHUNK).min(d);
-                let mut a = [V::zero(); ROW_V];
-                for (e, &qe) in qs.iter().enumerate().take(e1).skip(e0) {
-                    let qb = V::splat(qe);
-                    for (v, av) in a.iter_mut().enumerate() {
-                        *av = V::load(kp.add(e * BK + l * v)).mul_add(qb, *av);
-                    }
-                }
-                for (v, av) in a.iter().enumerate() {
-                    let p = sp.add(l * v);
-                    let x = if e0 == 0 { *av } else { V::load(p).add(*av) };
-                    x.store(p);
-                }
-                e0 = e1;
+            let mut r0 = 0;
+            while r0 < rows {
+                let (q, s) = (qp.add(r0 * d), sp.add(r0 * BK));
+                // Up to 4 rows per key load (8 accumulators), 3 with FEW
+                // vectors.
+                r0 += match rows - r0 {
+                    4.. => qk_rows_all::<V, DT, 4, 2>(q, d, k, nk, s),
+                    3 => qk_rows_all::<V, DT, 3, FEW>(q, d, k, nk, s),
+                    2 => qk_rows_all::<V, DT, 2, FEW>(q, d, k, nk, s),
+                    _ => qk_rows_all::<V, DT, 1, FEW>(q, d, k, nk, s),
+                };
             }
         }
     }
@@ -422,16 +562,9 @@ macro_rules! level_entry_points {
         /// # Safety
         #[doc = concat!("The features ", $feat, " are available.")]
         #[target_feature(enable = $feat)]
-        pub(super) unsafe fn $decode(
-            ctx: &Ctx<'_>,
-            seq: &SeqSpan<'_>,
-            g: usize,
-            span: usize,
-            part: &mut [f32],
-            scr: &mut [f32],
-        ) {
+        pub(super) unsafe fn $decode(it: DecodeItem<'_, '_>) {
             // SAFETY: as above.
-            unsafe { drive_decode::<$steps>(ctx, seq, g, span, part, scr) }
+            unsafe { drive_decode::<$steps>(it) }
         }
     };
 }

@@ -1,0 +1,270 @@
+//! Decode items of [`super::attention_paged`]: a kv head and one span of
+//! a sequence with few query tokens, each key and value read once for the
+//! whole GQA group, and the tile sources ([`Runs`]) the steps read: f16,
+//! bf16 and f32 pools in place, block by block, widened in registers, or
+//! f32 scratch.
+
+use super::{
+    carve, decode_parts, decode_rows, gather_k, gather_v, window_start, BlockSteps, Ctx, Probs, BK,
+    SPAN,
+};
+use crate::kernels::kv::{KvGeom, KvView, SeqSpan};
+use crate::kernels::matmul::tiles::{elem_size, BF16, F16, F32};
+
+/// Where a tile's keys or values are read: runs of `len` keys (the last
+/// one cut at the tile's end), run `i` from byte address `at[i]`; key `j`,
+/// dim `e` of the tile is the element of dtype `DT` (`F32`, `F16` or
+/// `BF16` of the tile kernels) at `at[j / len]` plus `(j % len)·step +
+/// e·stride` elements. From the pool, the runs are the blocks (keys: step
+/// 1, stride `BS`; values: step `D`, stride 1); from f32 scratch, one run
+/// of [`BK`] keys (keys: stride `BK`; values: step `D`).
+#[derive(Clone, Copy)]
+pub(super) struct Runs {
+    pub(super) at: [*const u8; BK],
+    pub(super) len: usize,
+    pub(super) step: usize,
+    pub(super) stride: usize,
+}
+
+impl Runs {
+    /// One run of [`BK`] f32 keys in scratch.
+    pub(super) fn scratch(p: &[f32], step: usize, stride: usize) -> Runs {
+        let mut at = [std::ptr::null(); BK];
+        at[0] = p.as_ptr().cast();
+        Runs {
+            at,
+            len: BK,
+            step,
+            stride,
+        }
+    }
+
+    /// Keys `t0..t0+nk` of kv head `g` of a sequence, straight from the
+    /// pool's bytes `pool` (dtype `DT`), in their blocks; with `index` the
+    /// pool's index of an element `(block, offset, g, dim)` (keys: step
+    /// 1, stride `BS`; values: step `D`, stride 1).
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn pool<const DT: u8>(
+        pool: &[u8],
+        geom: &KvGeom,
+        seq: &SeqSpan<'_>,
+        t0: usize,
+        nk: usize,
+        base: impl Fn(usize) -> usize,
+        step: usize,
+        stride: usize,
+    ) -> Runs {
+        let (bs, es) = (geom.block, elem_size(DT));
+        let span = geom.head_dim * bs * es;
+        let mut at = [std::ptr::null(); BK];
+        for (i, a) in at.iter_mut().enumerate().take(nk.div_ceil(bs)) {
+            // Tiles start at a multiple of BK, so every run at a block's
+            // first key; the whole block is read (keys past `nk` too).
+            let at0 = base(seq.block_of(t0 + i * bs, bs)) * es;
+            *a = pool[at0..at0 + span].as_ptr();
+        }
+        Runs {
+            at,
+            len: bs,
+            step,
+            stride,
+        }
+    }
+
+    /// The address of key `j`, dim `e` (elements of dtype `DT`).
+    #[inline(always)]
+    pub(super) fn ptr<const DT: u8>(&self, j: usize, e: usize) -> *const u8 {
+        let off = (j % self.len) * self.step + e * self.stride;
+        self.at[j / self.len].wrapping_add(off * elem_size(DT))
+    }
+
+    /// Prefetches the blocks of these runs (`bytes` each) into the cache.
+    #[inline(always)]
+    fn prefetch(&self, nk: usize, bytes: usize) {
+        #[cfg(target_arch = "x86_64")]
+        for &a in &self.at[..nk.div_ceil(self.len)] {
+            for off in (0..bytes).step_by(64) {
+                // SAFETY: a prefetch never faults (SSE, baseline on x86-64).
+                unsafe {
+                    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+                    _mm_prefetch::<_MM_HINT_T0>(a.wrapping_add(off).cast());
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (nk, bytes);
+    }
+}
+
+/// One element of dtype `DT` (`F32`, `F16` or `BF16`) at `p`, as f32.
+///
+/// # Safety
+/// `p` is readable for one element.
+#[inline(always)]
+pub(super) unsafe fn elem<const DT: u8>(p: *const u8) -> f32 {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match DT {
+            F32 => p.cast::<f32>().read_unaligned(),
+            F16 => crate::kernels::f16_to_f32(p.cast::<u16>().read_unaligned()),
+            _ => crate::kernels::bf16_to_f32(p.cast::<u16>().read_unaligned()),
+        }
+    }
+}
+
+/// One decode item (kv head `g`, span `span` of a sequence with few
+/// queries): each row's partial result `(acc, m, l)` goes to `part`. Per
+/// tile: the scores of all rows with the keys in lanes
+/// ([`BlockSteps::rows_qk`]), each row's mask and online softmax
+/// ([`BlockSteps::row_softmax`]); then `P·V` of all rows at once
+/// ([`BlockSteps::pv`]; a row that sees no key of a tile gets correction 1
+/// and probabilities 0, which leave its sums as they are). An f16, bf16 or
+/// f32 pool is read in place, block by block, the next tile's blocks
+/// prefetched meanwhile; the quantized types through f32 scratch.
+///
+/// # Safety
+/// The CPU features of `B` are available.
+#[inline(always)]
+pub(super) unsafe fn drive_decode<B: BlockSteps>(it: DecodeItem<'_, '_>) {
+    /// The bytes of a pool.
+    fn bytes<T: Copy>(s: &[T]) -> &[u8] {
+        // SAFETY: f32, f16 and bf16 are plain data without padding; the
+        // bytes live as long as `s`.
+        unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), std::mem::size_of_val(s)) }
+    }
+    let ctx = it.0;
+    let direct = ctx.geom.block.is_multiple_of(B::LANES);
+    // SAFETY: the features of B are available (this function's contract).
+    unsafe {
+        match (ctx.k, ctx.v) {
+            (KvView::F16(k), KvView::F16(v)) if direct => {
+                decode_tiles::<B, F16>(it, Some((bytes(k), bytes(v))))
+            }
+            (KvView::Bf16(k), KvView::Bf16(v)) if direct => {
+                decode_tiles::<B, BF16>(it, Some((bytes(k), bytes(v))))
+            }
+            (KvView::F32(k), KvView::F32(v)) if direct => {
+                decode_tiles::<B, F32>(it, Some((bytes(k), bytes(v))))
+            }
+            _ => decode_tiles::<B, F32>(it, None),
+        }
+    }
+}
+
+/// The item of [`drive_decode`]: `(ctx, seq, g, span, part, scratch)`.
+pub(super) type DecodeItem<'a, 'b> = (
+    &'a Ctx<'b>,
+    &'a SeqSpan<'b>,
+    usize,
+    usize,
+    &'a mut [f32],
+    &'a mut [f32],
+);
+
+/// [`drive_decode`] with keys and values of dtype `DT` read from the
+/// pool's bytes `pool` (keys, values), or, without it, widened into f32
+/// scratch (`DT` is then `F32`).
+///
+/// # Safety
+/// The CPU features of `B` are available; `pool` holds the cache of `ctx`.
+#[inline(always)]
+unsafe fn decode_tiles<B: BlockSteps, const DT: u8>(
+    (ctx, seq, g, span, part, scr): DecodeItem<'_, '_>,
+    pool: Option<(&[u8], &[u8])>,
+) {
+    assert!(pool.is_some() || DT == F32);
+    let geom = ctx.geom;
+    let d = geom.head_dim;
+    let n_rep = ctx.n_rep;
+    let rows = seq.count * n_rep;
+    let rmax = decode_rows(n_rep);
+    let [qs, sr, acc, mlc, kt, vt] = carve(scr, decode_parts(rows, d));
+    let c = ctx.scale();
+    for r in 0..rows {
+        let (qi, rep) = (r / n_rep, r % n_rep);
+        let src = ctx.q_row(seq.first + qi, g * n_rep + rep);
+        for (o, &x) in qs[r * d..(r + 1) * d].iter_mut().zip(src) {
+            *o = x * c;
+        }
+    }
+    acc.fill(0.0);
+    mlc[..rows].fill(f32::NEG_INFINITY);
+    mlc[rows..2 * rows].fill(0.0);
+    let s0 = span * SPAN;
+    let s1 = (s0 + SPAN).min(seq.keys());
+    // A tile's keys and values in the pool: runs of one block each.
+    let in_pool = |(kp, vp): (&[u8], &[u8]), t0: usize, nk: usize| {
+        let k = Runs::pool::<DT>(
+            kp,
+            geom,
+            seq,
+            t0,
+            nk,
+            |b| geom.k_index(b, 0, g, 0),
+            1,
+            geom.block,
+        );
+        let v = Runs::pool::<DT>(vp, geom, seq, t0, nk, |b| geom.v_index(b, 0, g, 0), d, 1);
+        (k, v)
+    };
+    let block_bytes = d * geom.block * elem_size(DT);
+    // Tiles wholly below the first query's window are not read.
+    let mut t0 = s0.max(window_start(ctx.window, seq.start) / BK * BK);
+    while t0 < s1 {
+        let nk = BK.min(s1 - t0);
+        let (kr, vr) = match pool {
+            Some(p) => {
+                // Prefetch the next tile's blocks while this one runs.
+                let t1 = t0 + nk;
+                if t1 < s1 {
+                    let n1 = BK.min(s1 - t1);
+                    let (k1, v1) = in_pool(p, t1, n1);
+                    k1.prefetch(n1, block_bytes);
+                    v1.prefetch(n1, block_bytes);
+                }
+                in_pool(p, t0, nk)
+            }
+            None => {
+                gather_k::<B::Cvt>(ctx, seq, g, t0, nk, kt);
+                gather_v::<B::Cvt>(ctx, seq, g, t0, nk, vt);
+                (Runs::scratch(kt, 1, BK), Runs::scratch(vt, d, 1))
+            }
+        };
+        // SAFETY: the features of B are available (this function's
+        // contract); the runs address whole blocks of the pool (checked
+        // slices) or the scratch tiles.
+        unsafe { B::rows_qk::<DT>(qs, rows, &kr, nk, sr) };
+        let (ml, corr) = mlc.split_at_mut(2 * rows);
+        let (m, l) = ml.split_at_mut(rows);
+        for r in 0..rows {
+            let limit = seq.start + r / n_rep;
+            let first = window_start(ctx.window, limit);
+            let sr = &mut sr[r * BK..(r + 1) * BK];
+            if limit < t0 || first >= t0 + nk {
+                // No key of this tile is visible: a masked tile changes
+                // nothing.
+                corr[r] = 1.0;
+                sr[..nk].fill(0.0);
+                continue;
+            }
+            // Keys after the row's position, and below its window.
+            sr[(limit + 1 - t0).min(nk)..nk].fill(f32::NEG_INFINITY);
+            sr[..first.saturating_sub(t0)].fill(f32::NEG_INFINITY);
+            // SAFETY: as above.
+            corr[r] = unsafe { B::row_softmax(sr, nk, &mut m[r], &mut l[r]) };
+        }
+        let p = Probs {
+            p: sr,
+            ks: 1,
+            rs: BK,
+            rows,
+        };
+        // SAFETY: as above.
+        unsafe { B::pv::<DT>(p, nk, &vr, acc, corr) };
+        t0 += nk;
+    }
+    part[..rows * d].copy_from_slice(&acc[..rows * d]);
+    part[rmax * d..rmax * d + rows].copy_from_slice(&mlc[..rows]);
+    part[rmax * d + rmax..rmax * d + rmax + rows].copy_from_slice(&mlc[rows..2 * rows]);
+}
