@@ -294,6 +294,13 @@ pub fn check_vocab(target: &Model, draft: &Model) -> Result<(), String> {
 /// occurrence of the last `n` tokens of `history` that has a continuation;
 /// up to `k` tokens of that continuation go to `out`.
 pub fn ngram_lookup(history: &[u32], min: usize, max: usize, k: usize, out: &mut Vec<u32>) {
+    let next = ngram_continuation(history, min, max);
+    out.extend_from_slice(&next[..k.min(next.len())]);
+}
+
+/// The tokens after the latest earlier occurrence of the longest of the
+/// last `max` down to `min` tokens of `history` (up to its end), or none.
+fn ngram_continuation(history: &[u32], min: usize, max: usize) -> &[u32] {
     let len = history.len();
     for n in (min.max(1)..=max).rev() {
         if n >= len {
@@ -301,15 +308,11 @@ pub fn ngram_lookup(history: &[u32], min: usize, max: usize, k: usize, out: &mut
         }
         let tail = &history[len - n..];
         // Candidate starts, latest first, that end before the tail.
-        for start in (0..len - n).rev() {
-            if &history[start..start + n] == tail {
-                let from = start + n;
-                let take = k.min(len - from);
-                out.extend_from_slice(&history[from..from + take]);
-                return;
-            }
+        if let Some(start) = (0..len - n).rev().find(|&s| &history[s..s + n] == tail) {
+            return &history[start + n..];
         }
     }
+    &[]
 }
 
 /// Exponential moving average, `None` until its first sample.
@@ -408,10 +411,7 @@ impl Adapt {
 
     /// Records `secs` spent drafting `n` tokens.
     pub fn draft_time(&mut self, n: usize, secs: f64) {
-        self.spent += secs;
-        if self.probing {
-            self.explored += secs;
-        }
+        self.catch_up_time(secs);
         if n > 0 {
             self.draft.push(secs / n as f64, ALPHA);
         }
@@ -486,9 +486,8 @@ impl Adapt {
             k = 0;
         }
         if let (0, Drafter::Ngram { min, max }) = (k, drafter) {
-            let mut guess = Vec::with_capacity(1);
-            ngram_lookup(history, *min, *max, 1, &mut guess);
-            self.shadow = guess.first().map(|&g| (history.len(), g));
+            let next = ngram_continuation(history, *min, *max);
+            self.shadow = next.first().map(|&g| (history.len(), g));
         }
         k
     }
