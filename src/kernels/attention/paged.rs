@@ -51,7 +51,7 @@ use crate::kernels::kv::{KvGeom, KvView, SeqSpan, StepSeqs};
 use crate::kernels::matmul::tiles::F32;
 use crate::kernels::{Isa, KernelError};
 use crate::pool::{SyncPtr, ThreadPool};
-use decode::{drive_decode, elem, DecodeItem, Runs};
+use decode::{drive_decode, elem, Ahead, DecodeItem, Runs};
 
 /// Keys per tile (aligned to absolute positions).
 pub const BK: usize = 64;
@@ -64,6 +64,10 @@ const ROWS: usize = 48;
 /// Sequences with at least this many query tokens in a step run as tiled
 /// items; fewer, as decode items.
 pub const TILED_MIN_S: usize = 4;
+/// Decode items per thread a step aims at: a decode item walks a run of
+/// consecutive spans of one kv head (prefetching across their boundaries),
+/// as long as the step still has this many items per thread to balance.
+const DECODE_ITEMS_PER_THREAD: usize = 8;
 
 /// Query tokens per tiled item for a GQA group of `n_rep` heads.
 fn block_queries(n_rep: usize) -> usize {
@@ -107,12 +111,13 @@ fn partial_len(n_rep: usize, d: usize) -> usize {
 enum WorkItem {
     /// Queries `q0..q1` (within the sequence) of sequence `seq`, kv head `g`.
     Tiled { seq: u32, g: u32, q0: u32, q1: u32 },
-    /// Span `span` of decode sequence `seq`, kv head `g`; its partial result
-    /// goes to slot `slot`.
+    /// Spans `span0..span1` of decode sequence `seq`, kv head `g`; their
+    /// partial results go to slots `slot..` (one per span).
     Decode {
         seq: u32,
         g: u32,
-        span: u32,
+        span0: u32,
+        span1: u32,
         slot: u32,
     },
 }
@@ -230,23 +235,40 @@ pub fn attention_paged(
             }
         }
     }
+    // Decode items: per sequence and kv head, its spans cut into runs of
+    // consecutive spans, as long as there are enough items for the
+    // threads. Partial slots: per sequence, kv head-major, then span.
+    let decode_spans = |s: &SeqSpan<'_>| {
+        // Spans wholly below the first query's window are not visited.
+        let first = window_start(window, s.start) / SPAN;
+        (first, s.keys().div_ceil(SPAN) - first)
+    };
+    let units: usize = seqs
+        .iter()
+        .filter(|s| s.count < TILED_MIN_S)
+        .map(|s| decode_spans(&s).1 * hkv)
+        .sum();
+    let per_item = (units / (DECODE_ITEMS_PER_THREAD * pool.n_threads().max(1))).max(1);
     let mut slots = 0usize;
     for (j, s) in seqs.iter().enumerate() {
         if s.count >= TILED_MIN_S {
             continue;
         }
-        // Spans wholly below the first query's window are not visited.
-        for span in window_start(window, s.start) / SPAN..s.keys().div_ceil(SPAN) {
-            for g in 0..hkv {
+        let (first, n_spans) = decode_spans(&s);
+        let n_items = n_spans.div_ceil(per_item);
+        for g in 0..hkv {
+            for i in 0..n_items {
+                let (a, b) = (i * n_spans / n_items, (i + 1) * n_spans / n_items);
                 work.items.push(WorkItem::Decode {
                     seq: j as u32,
                     g: g as u32,
-                    span: span as u32,
-                    slot: slots as u32,
+                    span0: (first + a) as u32,
+                    span1: (first + b) as u32,
+                    slot: (slots + g * n_spans + a) as u32,
                 });
-                slots += 1;
             }
         }
+        slots += n_spans * hkv;
     }
     if work.partials.len() < slots * plen {
         work.partials.resize(slots * plen, 0.0);
@@ -281,11 +303,19 @@ pub fn attention_paged(
                 );
                 level.tiled(&ctx, &it, op, scr);
             }
-            WorkItem::Decode { seq, g, span, slot } => {
-                // SAFETY: item c alone writes partial slot `slot`.
-                let part = unsafe { pp.slice(slot as usize * plen, plen) };
+            WorkItem::Decode {
+                seq,
+                g,
+                span0,
+                span1,
+                slot,
+            } => {
+                let spans = span0 as usize..span1 as usize;
+                // SAFETY: item c alone writes partial slots `slot..` of its
+                // spans.
+                let part = unsafe { pp.slice(slot as usize * plen, spans.len() * plen) };
                 let s = seqs.get(seq as usize);
-                level.decode((&ctx, &s, g as usize, span as usize, part, scr));
+                level.decode((&ctx, &s, g as usize, spans, part, scr));
             }
         }
     });
@@ -295,8 +325,7 @@ pub fn attention_paged(
         if s.count >= TILED_MIN_S {
             continue;
         }
-        let first_span = window_start(window, s.start) / SPAN;
-        let n_spans = s.keys().div_ceil(SPAN) - first_span;
+        let n_spans = decode_spans(&s).1;
         let rows = s.count * n_rep;
         let rmax = decode_rows(n_rep);
         for g in 0..hkv {
@@ -305,7 +334,7 @@ pub fn attention_paged(
                 let o = &mut out[((s.first + qi) * h + g * n_rep + rep) * d..][..d];
                 let (mut mm, mut ll) = (f32::NEG_INFINITY, 0f32);
                 for span in 0..n_spans {
-                    let p = &work.partials[(slot + span * hkv + g) * plen..][..plen];
+                    let p = &work.partials[(slot + g * n_spans + span) * plen..][..plen];
                     let (a, m, l) = (
                         &p[r * d..(r + 1) * d],
                         p[rmax * d + r],
@@ -549,13 +578,29 @@ trait BlockSteps {
     /// Online softmax update of one tile; `mlc` is the rows' maxima, sums
     /// and (out) corrections, `rp` each.
     unsafe fn softmax(st: &mut [f32], rp: usize, nk: usize, mlc: &mut [f32]);
-    /// `acc = acc·corr + P·V` for one tile, values of dtype `DT` in `v`.
-    unsafe fn pv<const DT: u8>(p: Probs<'_>, nk: usize, v: &Runs, acc: &mut [f32], corr: &[f32]);
+    /// `acc = acc·corr + P·V` for one tile, values of dtype `DT` in `v`;
+    /// steps `ahead` now and then.
+    unsafe fn pv<const DT: u8>(
+        p: Probs<'_>,
+        nk: usize,
+        v: &Runs,
+        acc: &mut [f32],
+        corr: &[f32],
+        ahead: &mut Ahead<'_>,
+    );
     /// Scores of `nk` keys of dtype `DT` in `k` for each of the `rows`
     /// rows of `qs` (row-major), the same arithmetic as [`Self::qk`]
     /// gives a row, to `sr[r·BK + j]` (lanes from `nk` up to a whole
-    /// vector hold scores of other keys, which nothing reads).
-    unsafe fn rows_qk<const DT: u8>(qs: &[f32], rows: usize, k: &Runs, nk: usize, sr: &mut [f32]);
+    /// vector hold scores of other keys, which nothing reads); steps
+    /// `ahead` now and then.
+    unsafe fn rows_qk<const DT: u8>(
+        qs: &[f32],
+        rows: usize,
+        k: &Runs,
+        nk: usize,
+        sr: &mut [f32],
+        ahead: &mut Ahead<'_>,
+    );
     /// One row's online softmax update, as [`Self::softmax`] gives it;
     /// returns the correction of the old accumulators.
     unsafe fn row_softmax(st: &mut [f32], nk: usize, m: &mut f32, l: &mut f32) -> f32;
@@ -631,7 +676,7 @@ unsafe fn drive_tiled<B: BlockSteps>(
                     rs: 1,
                     rows: rp,
                 };
-                B::pv::<F32>(p, nk, &v, acc, &mlc[2 * rp..]);
+                B::pv::<F32>(p, nk, &v, acc, &mlc[2 * rp..], &mut Ahead::none());
             }
             t0 += nk;
         }
@@ -756,7 +801,14 @@ impl BlockSteps for Portable {
         }
     }
 
-    unsafe fn pv<const DT: u8>(p: Probs<'_>, nk: usize, v: &Runs, acc: &mut [f32], corr: &[f32]) {
+    unsafe fn pv<const DT: u8>(
+        p: Probs<'_>,
+        nk: usize,
+        v: &Runs,
+        acc: &mut [f32],
+        corr: &[f32],
+        _: &mut Ahead<'_>,
+    ) {
         let d = acc.len() / p.rows;
         for (r, a) in acc.chunks_exact_mut(d).enumerate() {
             a.iter_mut().for_each(|x| *x *= corr[r]);
@@ -770,7 +822,14 @@ impl BlockSteps for Portable {
         }
     }
 
-    unsafe fn rows_qk<const DT: u8>(qs: &[f32], rows: usize, k: &Runs, nk: usize, sr: &mut [f32]) {
+    unsafe fn rows_qk<const DT: u8>(
+        qs: &[f32],
+        rows: usize,
+        k: &Runs,
+        nk: usize,
+        sr: &mut [f32],
+        _: &mut Ahead<'_>,
+    ) {
         let d = qs.len() / rows;
         for r in 0..rows {
             for j in 0..nk {

@@ -415,6 +415,49 @@ fn rows_do_not_depend_on_the_batch() {
 }
 
 #[test]
+fn deep_decode_items_match_tiled_rows() {
+    // A sequence of 2204 positions (nine spans): at one thread its decode
+    // steps run as items of three consecutive spans each, at two and three
+    // threads of one or two; every row must be bitwise what a tiled chunk
+    // of the same queries gives, in the pool's place (f16, bf16), through
+    // f32 scratch (q8_0), and with a window that starts mid-item.
+    for (ty, window) in [
+        (CacheType::F16, None),
+        (CacheType::Bf16, None),
+        (CacheType::Q8_0, None),
+        (CacheType::F16, Some(1500)),
+    ] {
+        let (hkv, d, n_rep) = (3, 64, 3);
+        let pool = Pool::new(150, hkv, d, n_rep, ty, 31);
+        let seqs = seqs_in(&pool, 1, 140, 5);
+        let row_len = pool.h() * d;
+        for isa in Isa::supported_levels() {
+            let tiled_parts = [(0, 2200, 4)];
+            let st = step(&seqs, &tiled_parts);
+            let tiled = fused_windowed(&pool, isa, 1, &st, &q_for(&pool, &tiled_parts), window);
+            for threads in [1, 2, 3] {
+                for (p, count) in [(2200, 1), (2201, 3), (2203, 1)] {
+                    let parts = [(0, p, count)];
+                    let st = step(&seqs, &parts);
+                    let q = q_for(&pool, &parts);
+                    let out = fused_windowed(&pool, isa, threads, &st, &q, window);
+                    let want = &tiled[(p - 2200) * row_len..(p - 2200 + count) * row_len];
+                    let same = out
+                        .iter()
+                        .zip(want)
+                        .all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(
+                        same,
+                        "{isa:?} {ty} window {window:?}: decode of {count} at {p} on \
+                         {threads} threads differs from the tiled rows"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn causal_mask_exact() {
     // Keys all equal, value rows one-hot on the position: a query at
     // position p must average exactly the first p + 1 one-hot rows.

@@ -5,11 +5,12 @@
 //! f32 scratch.
 
 use super::{
-    carve, decode_parts, decode_rows, gather_k, gather_v, window_start, BlockSteps, Ctx, Probs, BK,
-    SPAN,
+    carve, decode_parts, decode_rows, gather_k, gather_v, partial_len, window_start, BlockSteps,
+    Ctx, Probs, BK, SPAN,
 };
 use crate::kernels::kv::{KvGeom, KvView, SeqSpan};
 use crate::kernels::matmul::tiles::{elem_size, BF16, F16, F32};
+use std::ops::Range;
 
 /// Where a tile's keys or values are read: runs of `len` keys (the last
 /// one cut at the tile's end), run `i` from byte address `at[i]`; key `j`,
@@ -78,22 +79,99 @@ impl Runs {
         let off = (j % self.len) * self.step + e * self.stride;
         self.at[j / self.len].wrapping_add(off * elem_size(DT))
     }
+}
 
-    /// Prefetches the blocks of these runs (`bytes` each) into the cache.
+/// Bytes of a cache line, the prefetch step.
+const LINE: usize = 64;
+/// Steps over which a tile's prefetches are spread (a decode tile of a GQA
+/// group of 3 at AVX2 takes 24: 12 score chunks, 12 `P·V` runs; the lines
+/// left at the tile's end are prefetched then).
+const AHEAD_STEPS: usize = 16;
+
+/// The cache lines of the key and value blocks of the tile after the
+/// current one, prefetched a few at a time by the tile steps (a call of
+/// [`Ahead::step`] per 16-dim chunk of scores and per block run of `P·V`),
+/// so the loads to memory overlap the arithmetic instead of queueing at
+/// the start of a tile.
+pub(super) struct Ahead<'a> {
+    /// The key blocks, then the value blocks (as many).
+    k: &'a [*const u8],
+    v: &'a [*const u8],
+    /// Bytes of each block.
+    bytes: usize,
+    /// Bytes per [`Ahead::step`] (a step stays within one block).
+    chunk: usize,
+    /// The next line: block `run` (keys, then values), byte `off`.
+    run: usize,
+    off: usize,
+}
+
+impl<'a> Ahead<'a> {
+    /// Nothing to prefetch.
+    pub(super) fn none() -> Ahead<'a> {
+        Ahead {
+            k: &[],
+            v: &[],
+            bytes: 0,
+            chunk: 0,
+            run: 0,
+            off: 0,
+        }
+    }
+
+    /// The blocks of `k` and then of `v`, for `nk` keys (`bytes` each),
+    /// spread over about `steps` steps.
     #[inline(always)]
-    fn prefetch(&self, nk: usize, bytes: usize) {
+    fn new(k: &'a Runs, v: &'a Runs, nk: usize, bytes: usize, steps: usize) -> Ahead<'a> {
+        let nb = nk.div_ceil(k.len);
+        let lines = (2 * nb * bytes.div_ceil(LINE)).div_ceil(steps.max(1));
+        Ahead {
+            k: &k.at[..nb],
+            v: &v.at[..nb],
+            bytes,
+            chunk: (lines * LINE).min(bytes.next_multiple_of(LINE)),
+            run: 0,
+            off: 0,
+        }
+    }
+
+    /// Prefetches the next few lines (of one block).
+    #[inline(always)]
+    pub(super) fn step(&mut self) {
+        let nb = self.k.len();
+        if self.run >= 2 * nb {
+            return;
+        }
+        let at = if self.run < nb {
+            self.k[self.run]
+        } else {
+            self.v[self.run - nb]
+        };
+        let end = self.off + self.chunk;
         #[cfg(target_arch = "x86_64")]
-        for &a in &self.at[..nk.div_ceil(self.len)] {
-            for off in (0..bytes).step_by(64) {
-                // SAFETY: a prefetch never faults (SSE, baseline on x86-64).
-                unsafe {
-                    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-                    _mm_prefetch::<_MM_HINT_T0>(a.wrapping_add(off).cast());
-                }
+        for off in (self.off..end.min(self.bytes)).step_by(LINE) {
+            // SAFETY: a prefetch never faults (SSE, baseline on x86-64).
+            unsafe {
+                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(off).cast());
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = (nk, bytes);
+        let _ = at;
+        if end >= self.bytes {
+            self.run += 1;
+            self.off = 0;
+        } else {
+            self.off = end;
+        }
+    }
+
+    /// Prefetches the lines not yet prefetched.
+    #[inline(always)]
+    fn finish(&mut self) {
+        while self.run < 2 * self.k.len() {
+            self.step();
+        }
     }
 }
 
@@ -113,15 +191,16 @@ pub(super) unsafe fn elem<const DT: u8>(p: *const u8) -> f32 {
     }
 }
 
-/// One decode item (kv head `g`, span `span` of a sequence with few
-/// queries): each row's partial result `(acc, m, l)` goes to `part`. Per
-/// tile: the scores of all rows with the keys in lanes
+/// One decode item (kv head `g`, a run of consecutive spans of a sequence
+/// with few queries): each span's partial result of each row `(acc, m,
+/// l)` goes to its slot of `part`, in span order. Per tile: the scores of all rows with the keys in lanes
 /// ([`BlockSteps::rows_qk`]), each row's mask and online softmax
 /// ([`BlockSteps::row_softmax`]); then `P·V` of all rows at once
 /// ([`BlockSteps::pv`]; a row that sees no key of a tile gets correction 1
 /// and probabilities 0, which leave its sums as they are). An f16, bf16 or
 /// f32 pool is read in place, block by block, the next tile's blocks
-/// prefetched meanwhile; the quantized types through f32 scratch.
+/// (across span boundaries) prefetched meanwhile ([`Ahead`]); the
+/// quantized types through f32 scratch.
 ///
 /// # Safety
 /// The CPU features of `B` are available.
@@ -152,12 +231,13 @@ pub(super) unsafe fn drive_decode<B: BlockSteps>(it: DecodeItem<'_, '_>) {
     }
 }
 
-/// The item of [`drive_decode`]: `(ctx, seq, g, span, part, scratch)`.
+/// The item of [`drive_decode`]: `(ctx, seq, g, spans, partials,
+/// scratch)`.
 pub(super) type DecodeItem<'a, 'b> = (
     &'a Ctx<'b>,
     &'a SeqSpan<'b>,
     usize,
-    usize,
+    Range<usize>,
     &'a mut [f32],
     &'a mut [f32],
 );
@@ -170,7 +250,7 @@ pub(super) type DecodeItem<'a, 'b> = (
 /// The CPU features of `B` are available; `pool` holds the cache of `ctx`.
 #[inline(always)]
 unsafe fn decode_tiles<B: BlockSteps, const DT: u8>(
-    (ctx, seq, g, span, part, scr): DecodeItem<'_, '_>,
+    (ctx, seq, g, spans, part, scr): DecodeItem<'_, '_>,
     pool: Option<(&[u8], &[u8])>,
 ) {
     assert!(pool.is_some() || DT == F32);
@@ -179,6 +259,8 @@ unsafe fn decode_tiles<B: BlockSteps, const DT: u8>(
     let n_rep = ctx.n_rep;
     let rows = seq.count * n_rep;
     let rmax = decode_rows(n_rep);
+    let plen = partial_len(n_rep, d);
+    assert!(part.len() >= spans.len() * plen);
     let [qs, sr, acc, mlc, kt, vt] = carve(scr, decode_parts(rows, d));
     let c = ctx.scale();
     for r in 0..rows {
@@ -188,11 +270,6 @@ unsafe fn decode_tiles<B: BlockSteps, const DT: u8>(
             *o = x * c;
         }
     }
-    acc.fill(0.0);
-    mlc[..rows].fill(f32::NEG_INFINITY);
-    mlc[rows..2 * rows].fill(0.0);
-    let s0 = span * SPAN;
-    let s1 = (s0 + SPAN).min(seq.keys());
     // A tile's keys and values in the pool: runs of one block each.
     let in_pool = |(kp, vp): (&[u8], &[u8]), t0: usize, nk: usize| {
         let k = Runs::pool::<DT>(
@@ -209,62 +286,81 @@ unsafe fn decode_tiles<B: BlockSteps, const DT: u8>(
         (k, v)
     };
     let block_bytes = d * geom.block * elem_size(DT);
+    // The last key of the item.
+    let end = (spans.end * SPAN).min(seq.keys());
     // Tiles wholly below the first query's window are not read.
-    let mut t0 = s0.max(window_start(ctx.window, seq.start) / BK * BK);
-    while t0 < s1 {
-        let nk = BK.min(s1 - t0);
-        let (kr, vr) = match pool {
-            Some(p) => {
-                // Prefetch the next tile's blocks while this one runs.
-                let t1 = t0 + nk;
-                if t1 < s1 {
-                    let n1 = BK.min(s1 - t1);
-                    let (k1, v1) = in_pool(p, t1, n1);
-                    k1.prefetch(n1, block_bytes);
-                    v1.prefetch(n1, block_bytes);
+    let lo = window_start(ctx.window, seq.start) / BK * BK;
+    let mut first_tile = true;
+    for (i, span) in spans.clone().enumerate() {
+        acc.fill(0.0);
+        mlc[..rows].fill(f32::NEG_INFINITY);
+        mlc[rows..2 * rows].fill(0.0);
+        let s0 = span * SPAN;
+        let s1 = (s0 + SPAN).min(seq.keys());
+        let mut t0 = s0.max(lo);
+        while t0 < s1 {
+            let nk = BK.min(s1 - t0);
+            // The next tile's blocks (`next`), prefetched while this one runs.
+            let t1 = t0 + nk;
+            let n1 = BK.min(end.saturating_sub(t1));
+            let ((kr, vr), next) = match pool {
+                Some(p) => {
+                    let (k, v) = in_pool(p, t0, nk);
+                    if first_tile {
+                        // The item's first tile: nothing fetched it yet.
+                        Ahead::new(&k, &v, nk, block_bytes, 1).finish();
+                        first_tile = false;
+                    }
+                    ((k, v), (n1 > 0).then(|| in_pool(p, t1, n1)))
                 }
-                in_pool(p, t0, nk)
+                None => {
+                    gather_k::<B::Cvt>(ctx, seq, g, t0, nk, kt);
+                    gather_v::<B::Cvt>(ctx, seq, g, t0, nk, vt);
+                    let (k, v) = (Runs::scratch(kt, 1, BK), Runs::scratch(vt, d, 1));
+                    ((k, v), None)
+                }
+            };
+            let mut ahead = match &next {
+                Some((k1, v1)) => Ahead::new(k1, v1, n1, block_bytes, AHEAD_STEPS),
+                None => Ahead::none(),
+            };
+            // SAFETY: the features of B are available (this function's
+            // contract); the runs address whole blocks of the pool (checked
+            // slices) or the scratch tiles.
+            unsafe { B::rows_qk::<DT>(qs, rows, &kr, nk, sr, &mut ahead) };
+            let (ml, corr) = mlc.split_at_mut(2 * rows);
+            let (m, l) = ml.split_at_mut(rows);
+            for r in 0..rows {
+                let limit = seq.start + r / n_rep;
+                let first = window_start(ctx.window, limit);
+                let sr = &mut sr[r * BK..(r + 1) * BK];
+                if limit < t0 || first >= t0 + nk {
+                    // No key of this tile is visible: a masked tile changes
+                    // nothing.
+                    corr[r] = 1.0;
+                    sr[..nk].fill(0.0);
+                    continue;
+                }
+                // Keys after the row's position, and below its window.
+                sr[(limit + 1 - t0).min(nk)..nk].fill(f32::NEG_INFINITY);
+                sr[..first.saturating_sub(t0)].fill(f32::NEG_INFINITY);
+                // SAFETY: as above.
+                corr[r] = unsafe { B::row_softmax(sr, nk, &mut m[r], &mut l[r]) };
             }
-            None => {
-                gather_k::<B::Cvt>(ctx, seq, g, t0, nk, kt);
-                gather_v::<B::Cvt>(ctx, seq, g, t0, nk, vt);
-                (Runs::scratch(kt, 1, BK), Runs::scratch(vt, d, 1))
-            }
-        };
-        // SAFETY: the features of B are available (this function's
-        // contract); the runs address whole blocks of the pool (checked
-        // slices) or the scratch tiles.
-        unsafe { B::rows_qk::<DT>(qs, rows, &kr, nk, sr) };
-        let (ml, corr) = mlc.split_at_mut(2 * rows);
-        let (m, l) = ml.split_at_mut(rows);
-        for r in 0..rows {
-            let limit = seq.start + r / n_rep;
-            let first = window_start(ctx.window, limit);
-            let sr = &mut sr[r * BK..(r + 1) * BK];
-            if limit < t0 || first >= t0 + nk {
-                // No key of this tile is visible: a masked tile changes
-                // nothing.
-                corr[r] = 1.0;
-                sr[..nk].fill(0.0);
-                continue;
-            }
-            // Keys after the row's position, and below its window.
-            sr[(limit + 1 - t0).min(nk)..nk].fill(f32::NEG_INFINITY);
-            sr[..first.saturating_sub(t0)].fill(f32::NEG_INFINITY);
+            let p = Probs {
+                p: sr,
+                ks: 1,
+                rs: BK,
+                rows,
+            };
             // SAFETY: as above.
-            corr[r] = unsafe { B::row_softmax(sr, nk, &mut m[r], &mut l[r]) };
+            unsafe { B::pv::<DT>(p, nk, &vr, acc, corr, &mut ahead) };
+            ahead.finish();
+            t0 += nk;
         }
-        let p = Probs {
-            p: sr,
-            ks: 1,
-            rs: BK,
-            rows,
-        };
-        // SAFETY: as above.
-        unsafe { B::pv::<DT>(p, nk, &vr, acc, corr) };
-        t0 += nk;
+        let part = &mut part[i * plen..(i + 1) * plen];
+        part[..rows * d].copy_from_slice(&acc[..rows * d]);
+        part[rmax * d..rmax * d + rows].copy_from_slice(&mlc[..rows]);
+        part[rmax * d + rmax..rmax * d + rmax + rows].copy_from_slice(&mlc[rows..2 * rows]);
     }
-    part[..rows * d].copy_from_slice(&acc[..rows * d]);
-    part[rmax * d..rmax * d + rows].copy_from_slice(&mlc[..rows]);
-    part[rmax * d + rmax..rmax * d + rmax + rows].copy_from_slice(&mlc[rows..2 * rows]);
 }

@@ -4,8 +4,8 @@
 //! of [`Simd`]); every per-element sum has the same order at both.
 
 use super::{
-    drive_decode, drive_tiled, elem, BlockSteps, Ctx, Cvt, DecodeItem, Item, Probs, Runs, BK,
-    QK_CHUNK,
+    drive_decode, drive_tiled, elem, Ahead, BlockSteps, Ctx, Cvt, DecodeItem, Item, Probs, Runs,
+    BK, QK_CHUNK,
 };
 use crate::kernels::kv::KvView;
 use crate::kernels::matmul::tiles::elem_size;
@@ -40,7 +40,8 @@ pub(super) struct Simd<
     const FEW: usize,
 >(PhantomData<V>);
 
-/// AVX2 + FMA (16 registers: 9 accumulators for 3 rows).
+/// AVX2 + FMA (16 registers: 9 accumulators for 3 rows; with 12, LLVM
+/// spills one in the score and `P·V` loops).
 pub(super) type Avx2 = Simd<__m256, 6, 2, 2, 3>;
 /// AVX-512F (32 registers).
 pub(super) type Avx512 = Simd<__m512, 8, 3, 4, 4>;
@@ -152,6 +153,7 @@ unsafe fn pv_tile<V: TileVec, const DT: u8, const R: usize, const NC: usize, con
     acc: *mut f32,
     d: usize,
     corr: *const f32,
+    ahead: &mut Ahead<'_>,
 ) {
     let l = V::LANES;
     let es = elem_size(DT);
@@ -165,19 +167,34 @@ unsafe fn pv_tile<V: TileVec, const DT: u8, const R: usize, const NC: usize, con
             }
         }
         for (run, &at) in v.at[..nk.div_ceil(v.len)].iter().enumerate() {
+            ahead.step();
             let k0 = run * v.len;
             let base = at.add(c0 * es);
+            let mut vk = base;
             for k in 0..v.len.min(nk - k0) {
-                // R broadcasts, then one value vector at a time: R·NC + R
-                // + 1 registers.
-                let p: [V; R] =
-                    std::array::from_fn(|i| V::splat(*st.add(prob::<KM>(k0 + k, i, ks))));
-                for c in 0..NC {
-                    let vv = V::load_w::<DT>(base.add((k * v.step + l * c) * es));
-                    for (ai, &pi) in a.iter_mut().zip(&p) {
-                        ai[c] = pi.mul_add(vv, ai[c]);
+                if NC < R {
+                    // NC value vectors, then one row broadcast at a time:
+                    // R·NC + NC + 1 registers (15 for the tiled 6×2 at AVX2).
+                    let vv: [V; NC] = std::array::from_fn(|c| V::load_w::<DT>(vk.add(l * c * es)));
+                    for (i, ai) in a.iter_mut().enumerate() {
+                        let pi = V::splat(*st.add(prob::<KM>(k0 + k, i, ks)));
+                        for (aic, &vc) in ai.iter_mut().zip(&vv) {
+                            *aic = pi.mul_add(vc, *aic);
+                        }
+                    }
+                } else {
+                    // R broadcasts, then one value vector at a time: R·NC +
+                    // R + 1 registers (16 for a decode 3×4 at AVX2).
+                    let p: [V; R] =
+                        std::array::from_fn(|i| V::splat(*st.add(prob::<KM>(k0 + k, i, ks))));
+                    for c in 0..NC {
+                        let vv = V::load_w::<DT>(vk.add(l * c * es));
+                        for (ai, &pi) in a.iter_mut().zip(&p) {
+                            ai[c] = pi.mul_add(vv, ai[c]);
+                        }
                     }
                 }
+                vk = vk.add(v.step * es);
             }
         }
         for (i, ai) in a.iter().enumerate() {
@@ -206,21 +223,22 @@ unsafe fn pv_rows<V: TileVec, const DT: u8, const R: usize, const PV_NC: usize, 
     a: *mut f32,
     d: usize,
     c: *const f32,
+    ahead: &mut Ahead<'_>,
 ) -> usize {
     let l = V::LANES;
     // SAFETY: the caller's contract.
     unsafe {
         let mut c0 = 0;
         while c0 + l * PV_NC <= d {
-            pv_tile::<V, DT, R, PV_NC, KM>(s, ks, nk, v, c0, a, d, c);
+            pv_tile::<V, DT, R, PV_NC, KM>(s, ks, nk, v, c0, a, d, c, ahead);
             c0 += l * PV_NC;
         }
         if PV_NC > 2 && c0 + 2 * l <= d {
-            pv_tile::<V, DT, R, 2, KM>(s, ks, nk, v, c0, a, d, c);
+            pv_tile::<V, DT, R, 2, KM>(s, ks, nk, v, c0, a, d, c, ahead);
             c0 += 2 * l;
         }
         while c0 + l <= d {
-            pv_tile::<V, DT, R, 1, KM>(s, ks, nk, v, c0, a, d, c);
+            pv_tile::<V, DT, R, 1, KM>(s, ks, nk, v, c0, a, d, c, ahead);
             c0 += l;
         }
         for i in 0..R {
@@ -253,6 +271,7 @@ unsafe fn pv_all<V: TileVec, const DT: u8, const PV_NC: usize, const FEW: usize,
     ap: *mut f32,
     d: usize,
     cp: *const f32,
+    ahead: &mut Ahead<'_>,
 ) {
     let rs = if KM { 1 } else { BK };
     // SAFETY: the caller's contract.
@@ -261,11 +280,11 @@ unsafe fn pv_all<V: TileVec, const DT: u8, const PV_NC: usize, const FEW: usize,
         while r0 < rp {
             let (s, a, c) = (sp.add(r0 * rs), ap.add(r0 * d), cp.add(r0));
             r0 += match rp - r0 {
-                6.. => pv_rows::<V, DT, 6, PV_NC, KM>(s, ks, nk, v, a, d, c),
-                4 | 5 => pv_rows::<V, DT, 4, PV_NC, KM>(s, ks, nk, v, a, d, c),
-                3 => pv_rows::<V, DT, 3, FEW, KM>(s, ks, nk, v, a, d, c),
-                2 => pv_rows::<V, DT, 2, FEW, KM>(s, ks, nk, v, a, d, c),
-                _ => pv_rows::<V, DT, 1, FEW, KM>(s, ks, nk, v, a, d, c),
+                6.. => pv_rows::<V, DT, 6, PV_NC, KM>(s, ks, nk, v, a, d, c, ahead),
+                4 | 5 => pv_rows::<V, DT, 4, PV_NC, KM>(s, ks, nk, v, a, d, c, ahead),
+                3 => pv_rows::<V, DT, 3, FEW, KM>(s, ks, nk, v, a, d, c, ahead),
+                2 => pv_rows::<V, DT, 2, FEW, KM>(s, ks, nk, v, a, d, c, ahead),
+                _ => pv_rows::<V, DT, 1, FEW, KM>(s, ks, nk, v, a, d, c, ahead),
             };
         }
     }
@@ -287,6 +306,7 @@ unsafe fn qk_rows<V: TileVec, const DT: u8, const R: usize, const NV: usize>(
     k: &Runs,
     x0: usize,
     s: *mut f32,
+    ahead: &mut Ahead<'_>,
 ) {
     let l = V::LANES;
     let es = elem_size(DT);
@@ -296,18 +316,21 @@ unsafe fn qk_rows<V: TileVec, const DT: u8, const R: usize, const NV: usize>(
         let ks = k.stride * es;
         let mut e0 = 0;
         while e0 < d {
+            ahead.step();
             let e1 = (e0 + QK_CHUNK).min(d);
             let mut a = [[V::zero(); NV]; R];
+            let mut off = e0 * ks;
             for e in e0..e1 {
                 // R broadcasts, then one key vector at a time: R·NV + R + 1
                 // registers.
                 let qb: [V; R] = std::array::from_fn(|r| V::splat(*q.add(r * d + e)));
                 for (x, &p) in kp.iter().enumerate() {
-                    let kv = V::load_w::<DT>(p.add(e * ks));
+                    let kv = V::load_w::<DT>(p.add(off));
                     for (ar, &qr) in a.iter_mut().zip(&qb) {
                         ar[x] = kv.mul_add(qr, ar[x]);
                     }
                 }
+                off += ks;
             }
             for (r, ar) in a.iter().enumerate() {
                 for (x, arx) in ar.iter().enumerate() {
@@ -333,21 +356,22 @@ unsafe fn qk_rows_all<V: TileVec, const DT: u8, const R: usize, const NV: usize>
     k: &Runs,
     nk: usize,
     s: *mut f32,
+    ahead: &mut Ahead<'_>,
 ) -> usize {
     let nv = nk.div_ceil(V::LANES);
     // SAFETY: the caller's contract.
     unsafe {
         let mut x = 0;
         while x + NV <= nv {
-            qk_rows::<V, DT, R, NV>(q, d, k, x, s);
+            qk_rows::<V, DT, R, NV>(q, d, k, x, s, ahead);
             x += NV;
         }
         if NV > 2 && x + 2 <= nv {
-            qk_rows::<V, DT, R, 2>(q, d, k, x, s);
+            qk_rows::<V, DT, R, 2>(q, d, k, x, s, ahead);
             x += 2;
         }
         while x < nv {
-            qk_rows::<V, DT, R, 1>(q, d, k, x, s);
+            qk_rows::<V, DT, R, 1>(q, d, k, x, s, ahead);
             x += 1;
         }
     }
@@ -355,50 +379,58 @@ unsafe fn qk_rows_all<V: TileVec, const DT: u8, const R: usize, const NV: usize>
 }
 
 /// One row's online softmax update, 8 lanes of AVX2 at every SIMD level:
-/// the row maximum, `p = exp(s - m)` stored in place, the sum of `p` as two
-/// alternating scalar chains (as the tiled kernels' two vector chains give
-/// each row), and `l = l·corr + sum` (one fused multiply-add).
+/// the row maximum, `p = exp(s - m)` stored in place, the sum of `p` with
+/// key `k` in lane `k % 8` (as the tiled kernels' eight chains give each
+/// row; the lanes past `nk` are set to `-inf` first, so they add exact
+/// zeros), the lanes added as in [`sum8`], and `l = l·corr + sum` (one
+/// fused multiply-add).
 ///
 /// # Safety
-/// AVX2 and FMA are available.
+/// AVX2 and FMA are available; `st` has room for `nk` rounded up to 8.
 #[inline(always)]
 pub(super) unsafe fn row_softmax_avx2(st: &mut [f32], nk: usize, m: &mut f32, l: &mut f32) -> f32 {
-    // SAFETY: AVX2 and FMA are available (contract); st has room for BK
-    // (a multiple of 8) lanes.
+    let n8 = nk.next_multiple_of(8);
+    st[nk..n8].fill(f32::NEG_INFINITY);
+    // SAFETY: AVX2 and FMA are available (contract); st has n8 lanes
+    // (the slice above is checked).
     unsafe {
-        // The maximum (exact in any order): 8 lanes, then the tail.
-        let n8 = nk / 8 * 8;
+        let sp = st.as_mut_ptr();
+        // The maximum (exact in any order).
         let mut mv = <__m256 as F32Vec>::splat(f32::NEG_INFINITY);
         for k0 in (0..n8).step_by(8) {
-            mv = mv.max(<__m256 as F32Vec>::load(st.as_ptr().add(k0)));
+            mv = mv.max(<__m256 as F32Vec>::load(sp.add(k0)));
         }
-        let mut lanes = [0f32; 8];
-        mv.store(lanes.as_mut_ptr());
-        let mx = lanes
-            .iter()
-            .chain(&st[n8..nk])
-            .fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+        let h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps::<1>(mv));
+        let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        let mx = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps::<1>(h, h)));
         let m_new = m.max(mx);
         let cr = _mm256_cvtss_f32(<__m256 as F32Vec>::splat(*m - m_new).exp());
         let mv = <__m256 as F32Vec>::splat(m_new);
-        let sp = st.as_mut_ptr();
-        for k0 in (0..nk).step_by(8) {
+        let mut sv = <__m256 as F32Vec>::zero();
+        for k0 in (0..n8).step_by(8) {
             let p = <__m256 as F32Vec>::load(sp.add(k0)).sub(mv).exp();
             p.store(sp.add(k0));
+            sv = sv.add(p);
         }
-        let (mut s0, mut s1) = (0f32, 0f32);
-        let mut k = 0;
-        while k + 2 <= nk {
-            s0 += st[k];
-            s1 += st[k + 1];
-            k += 2;
-        }
-        if k < nk {
-            s0 += st[k];
-        }
-        *l = l.mul_add(cr, s0 + s1);
+        *l = l.mul_add(cr, sum8(sv));
         *m = m_new;
         cr
+    }
+}
+
+/// The sum of the 8 lanes `c0..c7` of `v` in the order every kernel adds a
+/// row's softmax chains: `((c0 + c4) + (c2 + c6)) + ((c1 + c5) + (c3 +
+/// c7))`.
+///
+/// # Safety
+/// AVX is available.
+#[inline(always)]
+unsafe fn sum8(v: __m256) -> f32 {
+    // SAFETY: AVX is available (contract).
+    unsafe {
+        let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps::<1>(h, h)))
     }
 }
 
@@ -455,28 +487,27 @@ impl<
                 // sliding window) keeps a finite maximum: zeros, not NaN.
                 let m_new = m_old.max(mx).max(V::splat(f32::MIN));
                 let cr = m_old.sub(m_new).exp();
-                let mut s0 = V::zero();
-                let mut s1 = V::zero();
+                // The sum of a row's probabilities: eight chains, key `k`
+                // in chain `k % 8`, added as in [`sum8`].
+                let mut s = [V::zero(); 8];
                 let mut k = 0;
-                while k + 2 <= nk {
-                    let a = sp.add(k * rp + r0);
-                    let b = sp.add((k + 1) * rp + r0);
-                    let pa = V::load(a).sub(m_new).exp();
-                    let pb = V::load(b).sub(m_new).exp();
-                    pa.store(a);
-                    pb.store(b);
-                    s0 = s0.add(pa);
-                    s1 = s1.add(pb);
-                    k += 2;
+                while k < nk {
+                    for (j, sj) in s.iter_mut().enumerate() {
+                        if k + j < nk {
+                            let a = sp.add((k + j) * rp + r0);
+                            let pa = V::load(a).sub(m_new).exp();
+                            pa.store(a);
+                            *sj = sj.add(pa);
+                        }
+                    }
+                    k += 8;
                 }
-                if k < nk {
-                    let a = sp.add(k * rp + r0);
-                    let pa = V::load(a).sub(m_new).exp();
-                    pa.store(a);
-                    s0 = s0.add(pa);
-                }
+                let sum = s[0]
+                    .add(s[4])
+                    .add(s[2].add(s[6]))
+                    .add(s[1].add(s[5]).add(s[3].add(s[7])));
                 let l_old = V::load(l.as_ptr().add(r0));
-                let l_new = l_old.mul_add(cr, s0.add(s1));
+                let l_new = l_old.mul_add(cr, sum);
                 l_new.store(l.as_mut_ptr().add(r0));
                 m_new.store(m.as_mut_ptr().add(r0));
                 cr.store(corr.as_mut_ptr().add(r0));
@@ -485,7 +516,14 @@ impl<
     }
 
     #[inline(always)]
-    unsafe fn pv<const DT: u8>(p: Probs<'_>, nk: usize, v: &Runs, acc: &mut [f32], corr: &[f32]) {
+    unsafe fn pv<const DT: u8>(
+        p: Probs<'_>,
+        nk: usize,
+        v: &Runs,
+        acc: &mut [f32],
+        corr: &[f32],
+        ahead: &mut Ahead<'_>,
+    ) {
         let (st, ks, rs, rp) = (p.p, p.ks, p.rs, p.rows);
         let d = acc.len() / rp;
         let last = (nk.max(1) - 1) * ks + (rp - 1) * rs;
@@ -497,16 +535,23 @@ impl<
         // enabled (contract).
         unsafe {
             if rs == 1 {
-                pv_all::<V, DT, PV_NC, FEW, true>(sp, ks, rp, nk, v, ap, d, cp);
+                pv_all::<V, DT, PV_NC, FEW, true>(sp, ks, rp, nk, v, ap, d, cp, ahead);
             } else {
                 assert!(ks == 1 && rs == BK);
-                pv_all::<V, DT, PV_NC, FEW, false>(sp, ks, rp, nk, v, ap, d, cp);
+                pv_all::<V, DT, PV_NC, FEW, false>(sp, ks, rp, nk, v, ap, d, cp, ahead);
             }
         }
     }
 
     #[inline(always)]
-    unsafe fn rows_qk<const DT: u8>(qs: &[f32], rows: usize, k: &Runs, nk: usize, sr: &mut [f32]) {
+    unsafe fn rows_qk<const DT: u8>(
+        qs: &[f32],
+        rows: usize,
+        k: &Runs,
+        nk: usize,
+        sr: &mut [f32],
+        ahead: &mut Ahead<'_>,
+    ) {
         let d = qs.len() / rows;
         assert!(sr.len() >= rows * BK && nk <= BK && k.len.is_multiple_of(V::LANES));
         let (qp, sp) = (qs.as_ptr(), sr.as_mut_ptr());
@@ -521,10 +566,10 @@ impl<
                 // Up to 4 rows per key load (8 accumulators), 3 with FEW
                 // vectors.
                 r0 += match rows - r0 {
-                    4.. => qk_rows_all::<V, DT, 4, 2>(q, d, k, nk, s),
-                    3 => qk_rows_all::<V, DT, 3, FEW>(q, d, k, nk, s),
-                    2 => qk_rows_all::<V, DT, 2, FEW>(q, d, k, nk, s),
-                    _ => qk_rows_all::<V, DT, 1, FEW>(q, d, k, nk, s),
+                    4.. => qk_rows_all::<V, DT, 4, 2>(q, d, k, nk, s, ahead),
+                    3 => qk_rows_all::<V, DT, 3, FEW>(q, d, k, nk, s, ahead),
+                    2 => qk_rows_all::<V, DT, 2, FEW>(q, d, k, nk, s, ahead),
+                    _ => qk_rows_all::<V, DT, 1, FEW>(q, d, k, nk, s, ahead),
                 };
             }
         }
