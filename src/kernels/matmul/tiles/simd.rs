@@ -27,10 +27,6 @@ use std::arch::x86_64::{__m128, _mm_prefetch, _mm_storeu_ps, _MM_HINT_T0};
 /// enabled; pointers must be valid for what each method reads.
 #[cfg(target_arch = "x86_64")]
 pub(crate) trait TileVec: F32Vec {
-    /// Rows ahead of the row being multiplied whose weights a single-token
-    /// product prefetches (0: none).
-    const PREFETCH_ROWS: usize = 0;
-
     /// `LANES` weights of dtype `DT` at `p` as f32.
     unsafe fn load_w<const DT: u8>(p: *const u8) -> Self;
 
@@ -100,11 +96,10 @@ pub(crate) unsafe fn tile<V: TileVec, const DT: u8, const R: usize, const T: usi
         let mut acc = [[V::zero(); T]; R];
         let kf = k & !(V::LANES - 1);
         let mut e = V::own_steps::<DT, R, T>(op, kf, &mut acc);
-        let pf = V::PREFETCH_ROWS * k * es;
+        let pf = op.pf;
         while e < kf {
-            // Single-token products only: several tokens read the tile
-            // from cache (or a widened copy).
-            if V::PREFETCH_ROWS > 0 && T == 1 && (e * es).is_multiple_of(64) {
+            // Once per cache line of each row (when asked).
+            if pf > 0 && (e * es).is_multiple_of(64) {
                 for i in 0..R {
                     // A prefetch past the weights never faults.
                     _mm_prefetch::<_MM_HINT_T0>(w[i].wrapping_add(e * es + pf) as *const i8);
@@ -172,10 +167,11 @@ pub(crate) unsafe fn widen<V: TileVec, const DT: u8>(src: *const u8, k: usize, d
 /// counts dispatched to monomorphic functions as the hand-written levels
 /// did. On other architectures the level's kernels are unreachable.
 macro_rules! tiles_level {
-    ($level:ty, $v:ty, $feat:literal, widen_f16: $wf:expr, tokens: [$tt:literal $(, $t:literal)*]) => {
+    ($level:ty, $v:ty, $feat:literal, widen_f16: $wf:expr, prefetch_rows: $pr:expr, tokens: [$tt:literal $(, $t:literal)*]) => {
         impl $crate::kernels::matmul::tiles::Tiles for $level {
             const TT: usize = $tt;
             const WIDEN_F16: bool = $wf;
+            const PREFETCH_ROWS: usize = $pr;
 
             unsafe fn tile(op: $crate::kernels::matmul::tiles::Tile<'_>, out: &mut $crate::kernels::matmul::tiles::Sums) {
                 #[cfg(not(target_arch = "x86_64"))]
