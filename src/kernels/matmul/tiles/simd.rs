@@ -95,28 +95,14 @@ pub(crate) unsafe fn tile<V: TileVec, const DT: u8, const R: usize, const T: usi
     unsafe {
         let mut acc = [[V::zero(); T]; R];
         let kf = k & !(V::LANES - 1);
-        let mut e = V::own_steps::<DT, R, T>(op, kf, &mut acc);
-        let pf = op.pf;
-        while e < kf {
-            // Once per cache line of each row (when asked).
-            if pf > 0 && (e * es).is_multiple_of(64) {
-                for i in 0..R {
-                    // A prefetch past the weights never faults.
-                    _mm_prefetch::<_MM_HINT_T0>(w[i].wrapping_add(e * es + pf) as *const i8);
-                }
-            }
-            let mut xv = [V::zero(); T];
-            for j in 0..T {
-                xv[j] = V::load(x.add(j * k + e));
-            }
-            for i in 0..R {
-                let wv = V::load_w::<DT>(w[i].add(e * es));
-                for j in 0..T {
-                    acc[i][j] = wv.mul_add(xv[j], acc[i][j]);
-                }
-            }
-            e += V::LANES;
-        }
+        let e0 = V::own_steps::<DT, R, T>(op, kf, &mut acc);
+        // Two copies of the loop, so that the one without prefetch has no
+        // test for it.
+        let e = if op.pf > 0 {
+            steps::<V, DT, R, T, true>(op, e0, kf, &mut acc)
+        } else {
+            steps::<V, DT, R, T, false>(op, e0, kf, &mut acc)
+        };
         if e < k {
             let n = k - e;
             let mut xv = [V::zero(); T];
@@ -137,6 +123,47 @@ pub(crate) unsafe fn tile<V: TileVec, const DT: u8, const R: usize, const T: usi
             _mm_storeu_ps(out[j].as_mut_ptr(), v);
         }
     }
+}
+
+/// The full steps of [`tile`] from element `e` to `kf` (a multiple of
+/// `LANES`), prefetching `op.pf` bytes ahead once per cache line of each
+/// row if `PF`; returns `kf`.
+///
+/// # Safety
+/// As [`tile`].
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn steps<V: TileVec, const DT: u8, const R: usize, const T: usize, const PF: bool>(
+    op: &Tile<'_>,
+    mut e: usize,
+    kf: usize,
+    acc: &mut [[V; T]; R],
+) -> usize {
+    let Tile { x, k, w, pf, .. } = *op;
+    let es = elem_size(DT);
+    // SAFETY: as in `tile`: loads stop at kf <= k; prefetches never fault.
+    unsafe {
+        while e < kf {
+            if PF && (e * es).is_multiple_of(64) {
+                for i in 0..R {
+                    // A prefetch past the weights never faults.
+                    _mm_prefetch::<_MM_HINT_T0>(w[i].wrapping_add(e * es + pf) as *const i8);
+                }
+            }
+            let mut xv = [V::zero(); T];
+            for j in 0..T {
+                xv[j] = V::load(x.add(j * k + e));
+            }
+            for i in 0..R {
+                let wv = V::load_w::<DT>(w[i].add(e * es));
+                for j in 0..T {
+                    acc[i][j] = wv.mul_add(xv[j], acc[i][j]);
+                }
+            }
+            e += V::LANES;
+        }
+    }
+    e
 }
 
 /// Converts `k` weights of dtype `DT` at `src` to f32 at `dst`.
