@@ -20,7 +20,19 @@ pub(crate) struct Avx2;
 /// written out in assembly, `x86::f16_steps_4x3`).
 const WIDEN_F16: bool = false;
 
-tiles_level!(Avx2, std::arch::x86_64::__m256, "avx2,fma,f16c", widen_f16: WIDEN_F16, tokens: [3, 2]);
+/// Measured when the single-token product read four adjacent rows at a
+/// time (this was then the next tile): on the 2-vCPU AMD EPYC (Zen 3)
+/// development VM a SmolLM2-135M F16 decode step at 2 threads
+/// (`benches/probes/op_profile MODEL 32 2`, two runs each, ms) went
+/// 19.0/17.4 -> 15.3/15.1 with 4 rows, 16.0/15.4 with 8, 16.0/15.6 with 16;
+/// F32 24.8/24.2 -> 21.8/24.9. Since the product reads runs of four rows
+/// ([`super::gemv`]), four rows on is the row the next run reads at this
+/// position; 0, 4, 8, 16 and 32 rows then measured the same within the
+/// host's noise. Several-token products prefetch too at this level (the
+/// first token tile of each row tile, `tiles::columns`).
+const PREFETCH_ROWS: usize = 4;
+
+tiles_level!(Avx2, std::arch::x86_64::__m256, "avx2,fma,f16c", widen_f16: WIDEN_F16, prefetch_rows: PREFETCH_ROWS, tokens: [3, 2]);
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
@@ -48,17 +60,6 @@ pub(crate) mod x86 {
     }
 
     impl TileVec for __m256 {
-        /// Measured when the single-token product read four adjacent rows
-        /// at a time (this was then the next tile): on the 2-vCPU AMD EPYC
-        /// (Zen 3) development VM a SmolLM2-135M F16 decode step at 2
-        /// threads (`benches/probes/op_profile MODEL 32 2`, two runs each,
-        /// ms) went 19.0/17.4 -> 15.3/15.1 with 4 rows, 16.0/15.4 with 8,
-        /// 16.0/15.6 with 16; F32 24.8/24.2 -> 21.8/24.9. Since the product
-        /// reads runs of four rows ([`super::super::gemv`]), four rows on is
-        /// the row the next run reads at this position; 0, 4, 8, 16 and 32
-        /// rows then measured the same within the host's noise.
-        const PREFETCH_ROWS: usize = 4;
-
         #[inline(always)]
         unsafe fn load_w<const DT: u8>(p: *const u8) -> Self {
             // SAFETY: caller guarantees 8 readable elements at p and the
@@ -104,7 +105,7 @@ pub(crate) mod x86 {
                 // the caller's guarantee (the trait method's contract).
                 unsafe {
                     let a = &mut *acc.as_mut_ptr().cast::<[[__m256; 3]; 4]>();
-                    f16_steps_4x3(op.x, op.k, op.w, kf, a);
+                    f16_steps_4x3(op.x, op.k, op.w, op.pf, kf, a);
                 }
                 kf
             } else {
@@ -119,7 +120,8 @@ pub(crate) mod x86 {
     /// order as the intrinsics loop. Written out because LLVM, given the
     /// 12 accumulators, 3 activation vectors and the converted weights,
     /// spilled one accumulator to the stack, and the store-load on every
-    /// step held the loop to about 11 cycles.
+    /// step held the loop to about 11 cycles. With `pf > 0` every step also
+    /// prefetches `pf` bytes past each row's position (`Tile::pf`).
     ///
     /// # Safety
     /// As `tiles::simd::tile` with `R = 4`, `T = 3`, `DT = F16`, rows of `stride`
@@ -130,6 +132,7 @@ pub(crate) mod x86 {
         x: *const f32,
         stride: usize,
         w: &[*const u8; RT],
+        pf: usize,
         n8: usize,
         acc: &mut [[__m256; 3]; 4],
     ) {
@@ -138,46 +141,96 @@ pub(crate) mod x86 {
         // SAFETY: the caller guarantees 3 rows of n8 floats at x (stride
         // `stride`) and n8 halves at each w[i]; the loop reads only those.
         unsafe {
-            std::arch::asm!(
-                "2:",
-                "vmovups ymm12, ymmword ptr [{x0} + 4*{e}]",
-                "vmovups ymm13, ymmword ptr [{x1} + 4*{e}]",
-                "vmovups ymm14, ymmword ptr [{x2} + 4*{e}]",
-                "vcvtph2ps ymm15, xmmword ptr [{w0} + 2*{e}]",
-                "vfmadd231ps {a00}, ymm15, ymm12",
-                "vfmadd231ps {a01}, ymm15, ymm13",
-                "vfmadd231ps {a02}, ymm15, ymm14",
-                "vcvtph2ps ymm15, xmmword ptr [{w1} + 2*{e}]",
-                "vfmadd231ps {a10}, ymm15, ymm12",
-                "vfmadd231ps {a11}, ymm15, ymm13",
-                "vfmadd231ps {a12}, ymm15, ymm14",
-                "vcvtph2ps ymm15, xmmword ptr [{w2} + 2*{e}]",
-                "vfmadd231ps {a20}, ymm15, ymm12",
-                "vfmadd231ps {a21}, ymm15, ymm13",
-                "vfmadd231ps {a22}, ymm15, ymm14",
-                "vcvtph2ps ymm15, xmmword ptr [{w3} + 2*{e}]",
-                "vfmadd231ps {a30}, ymm15, ymm12",
-                "vfmadd231ps {a31}, ymm15, ymm13",
-                "vfmadd231ps {a32}, ymm15, ymm14",
-                "add {e}, 8",
-                "cmp {e}, {n8}",
-                "jb 2b",
-                x0 = in(reg) x,
-                x1 = in(reg) x.add(stride),
-                x2 = in(reg) x.add(2 * stride),
-                w0 = in(reg) w[0],
-                w1 = in(reg) w[1],
-                w2 = in(reg) w[2],
-                w3 = in(reg) w[3],
-                e = inout(reg) 0usize => _,
-                n8 = in(reg) n8,
-                a00 = inout(ymm_reg) a00, a01 = inout(ymm_reg) a01, a02 = inout(ymm_reg) a02,
-                a10 = inout(ymm_reg) a10, a11 = inout(ymm_reg) a11, a12 = inout(ymm_reg) a12,
-                a20 = inout(ymm_reg) a20, a21 = inout(ymm_reg) a21, a22 = inout(ymm_reg) a22,
-                a30 = inout(ymm_reg) a30, a31 = inout(ymm_reg) a31, a32 = inout(ymm_reg) a32,
-                out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
-                options(nostack, readonly),
-            );
+            if pf == 0 {
+                std::arch::asm!(
+                    "2:",
+                    "vmovups ymm12, ymmword ptr [{x0} + 4*{e}]",
+                    "vmovups ymm13, ymmword ptr [{x1} + 4*{e}]",
+                    "vmovups ymm14, ymmword ptr [{x2} + 4*{e}]",
+                    "vcvtph2ps ymm15, xmmword ptr [{w0} + 2*{e}]",
+                    "vfmadd231ps {a00}, ymm15, ymm12",
+                    "vfmadd231ps {a01}, ymm15, ymm13",
+                    "vfmadd231ps {a02}, ymm15, ymm14",
+                    "vcvtph2ps ymm15, xmmword ptr [{w1} + 2*{e}]",
+                    "vfmadd231ps {a10}, ymm15, ymm12",
+                    "vfmadd231ps {a11}, ymm15, ymm13",
+                    "vfmadd231ps {a12}, ymm15, ymm14",
+                    "vcvtph2ps ymm15, xmmword ptr [{w2} + 2*{e}]",
+                    "vfmadd231ps {a20}, ymm15, ymm12",
+                    "vfmadd231ps {a21}, ymm15, ymm13",
+                    "vfmadd231ps {a22}, ymm15, ymm14",
+                    "vcvtph2ps ymm15, xmmword ptr [{w3} + 2*{e}]",
+                    "vfmadd231ps {a30}, ymm15, ymm12",
+                    "vfmadd231ps {a31}, ymm15, ymm13",
+                    "vfmadd231ps {a32}, ymm15, ymm14",
+                    "add {e}, 8",
+                    "cmp {e}, {n8}",
+                    "jb 2b",
+                    x0 = in(reg) x,
+                    x1 = in(reg) x.add(stride),
+                    x2 = in(reg) x.add(2 * stride),
+                    w0 = in(reg) w[0],
+                    w1 = in(reg) w[1],
+                    w2 = in(reg) w[2],
+                    w3 = in(reg) w[3],
+                    e = inout(reg) 0usize => _,
+                    n8 = in(reg) n8,
+                    a00 = inout(ymm_reg) a00, a01 = inout(ymm_reg) a01, a02 = inout(ymm_reg) a02,
+                    a10 = inout(ymm_reg) a10, a11 = inout(ymm_reg) a11, a12 = inout(ymm_reg) a12,
+                    a20 = inout(ymm_reg) a20, a21 = inout(ymm_reg) a21, a22 = inout(ymm_reg) a22,
+                    a30 = inout(ymm_reg) a30, a31 = inout(ymm_reg) a31, a32 = inout(ymm_reg) a32,
+                    out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
+                    options(nostack, readonly),
+                );
+            } else {
+                std::arch::asm!(
+                    "2:",
+                    "lea {q}, [{pf} + 2*{e}]",
+                    "prefetcht0 byte ptr [{w0} + {q}]",
+                    "prefetcht0 byte ptr [{w1} + {q}]",
+                    "prefetcht0 byte ptr [{w2} + {q}]",
+                    "prefetcht0 byte ptr [{w3} + {q}]",
+                    "vmovups ymm12, ymmword ptr [{x0} + 4*{e}]",
+                    "vmovups ymm13, ymmword ptr [{x1} + 4*{e}]",
+                    "vmovups ymm14, ymmword ptr [{x2} + 4*{e}]",
+                    "vcvtph2ps ymm15, xmmword ptr [{w0} + 2*{e}]",
+                    "vfmadd231ps {a00}, ymm15, ymm12",
+                    "vfmadd231ps {a01}, ymm15, ymm13",
+                    "vfmadd231ps {a02}, ymm15, ymm14",
+                    "vcvtph2ps ymm15, xmmword ptr [{w1} + 2*{e}]",
+                    "vfmadd231ps {a10}, ymm15, ymm12",
+                    "vfmadd231ps {a11}, ymm15, ymm13",
+                    "vfmadd231ps {a12}, ymm15, ymm14",
+                    "vcvtph2ps ymm15, xmmword ptr [{w2} + 2*{e}]",
+                    "vfmadd231ps {a20}, ymm15, ymm12",
+                    "vfmadd231ps {a21}, ymm15, ymm13",
+                    "vfmadd231ps {a22}, ymm15, ymm14",
+                    "vcvtph2ps ymm15, xmmword ptr [{w3} + 2*{e}]",
+                    "vfmadd231ps {a30}, ymm15, ymm12",
+                    "vfmadd231ps {a31}, ymm15, ymm13",
+                    "vfmadd231ps {a32}, ymm15, ymm14",
+                    "add {e}, 8",
+                    "cmp {e}, {n8}",
+                    "jb 2b",
+                    x0 = in(reg) x,
+                    x1 = in(reg) x.add(stride),
+                    x2 = in(reg) x.add(2 * stride),
+                    w0 = in(reg) w[0],
+                    w1 = in(reg) w[1],
+                    w2 = in(reg) w[2],
+                    w3 = in(reg) w[3],
+                    e = inout(reg) 0usize => _,
+                    n8 = in(reg) n8,
+                    pf = in(reg) pf,
+                    q = out(reg) _,
+                    a00 = inout(ymm_reg) a00, a01 = inout(ymm_reg) a01, a02 = inout(ymm_reg) a02,
+                    a10 = inout(ymm_reg) a10, a11 = inout(ymm_reg) a11, a12 = inout(ymm_reg) a12,
+                    a20 = inout(ymm_reg) a20, a21 = inout(ymm_reg) a21, a22 = inout(ymm_reg) a22,
+                    a30 = inout(ymm_reg) a30, a31 = inout(ymm_reg) a31, a32 = inout(ymm_reg) a32,
+                    out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
+                    options(nostack, readonly),
+                );
+            }
         }
         *acc = [
             [a00, a01, a02],

@@ -16,7 +16,7 @@ use super::tiles::simd::tiles_level;
 /// The AVX-512 level's tiles.
 pub(crate) struct Avx512;
 
-tiles_level!(Avx512, std::arch::x86_64::__m512, "avx512f,avx512bw,avx512vl,fma,f16c", widen_f16: true, tokens: [6, 5, 4, 3, 2]);
+tiles_level!(Avx512, std::arch::x86_64::__m512, "avx512f,avx512bw,avx512vl,fma,f16c", widen_f16: true, prefetch_rows: 0, tokens: [6, 5, 4, 3, 2]);
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {

@@ -78,12 +78,20 @@ pub(crate) struct Tile<'a> {
     pub(crate) x: *const f32,
     pub(crate) k: usize,
     pub(crate) w: &'a [*const u8; RT],
+    /// Software prefetch distance in bytes (0: none): while multiplying
+    /// element `e` of each row the tile touches the byte `pf` past it
+    /// (prefetches never fault, so it may point past the weights).
+    pub(crate) pf: usize,
 }
 
 /// The tile kernels of one SIMD level.
 pub(crate) trait Tiles {
     /// Tokens per full tile (at most [`MAX_TT`]).
     const TT: usize;
+
+    /// Rows ahead of the row being multiplied whose weights a single-token
+    /// product prefetches (0: none).
+    const PREFETCH_ROWS: usize = 0;
 
     /// `out[j][i] = dot(x[j], w[i])` for `j < t`, `i < r` of the operands
     /// `op`, in the order described in the module docs.
@@ -147,6 +155,7 @@ pub(crate) unsafe fn dot1<K: Tiles>(dt: u8, row: *const u8, x: *const f32, k: us
                 x,
                 k,
                 w: &w,
+                pf: K::PREFETCH_ROWS * k * elem_size(dt),
             },
             &mut out,
         )
@@ -176,6 +185,7 @@ pub(crate) unsafe fn dot4<K: Tiles>(
                 x,
                 k,
                 w: &rows,
+                pf: K::PREFETCH_ROWS * k * elem_size(dt),
             },
             &mut out,
         )
@@ -210,6 +220,10 @@ pub(crate) const MAX_TOKEN_GROUP: usize = 144;
 /// once (at small K, 576 in SmolLM2, a call per token tile cost as much as
 /// a tenth of the tiles), with room for a last full tile past the group.
 type GroupSums = [[f32; RT]; MAX_TOKEN_GROUP + MAX_TT];
+
+/// How many row tiles ahead the first token tile of a row tile prefetches
+/// (see [`columns`]).
+const PREFETCH_TILES: usize = 2;
 
 /// Largest K whose F16/BF16 row tiles are widened into a stack buffer
 /// (beyond it they are converted in registers, once per token tile).
@@ -281,9 +295,21 @@ pub(crate) unsafe fn columns<K: Tiles>(
                         K::widen(dt, p[i], k, dst);
                         q[i] = dst.cast::<u8>().cast_const();
                     }
-                    token_tiles::<K>(&mut sums, F32, r, x, k, t0, t1, &q, c, nc, emit);
+                    token_tiles::<K>(&mut sums, F32, r, x, k, t0, t1, &q, 0, c, nc, emit);
                 } else {
-                    token_tiles::<K>(&mut sums, dt, r, x, k, t0, t1, &p, c, nc, emit);
+                    // The first token group reads the weights from memory:
+                    // at the levels whose single-token product prefetches,
+                    // its first token tile prefetches the row tile
+                    // PREFETCH_TILES on (`nc` columns per tile, the same
+                    // offset in each of its rows), as a single-token product
+                    // streams rows; the other token tiles read this one from
+                    // L1.
+                    let pf = if t0 == 0 && K::PREFETCH_ROWS > 0 {
+                        PREFETCH_TILES * nc * rb
+                    } else {
+                        0
+                    };
+                    token_tiles::<K>(&mut sums, dt, r, x, k, t0, t1, &p, pf, c, nc, emit);
                 }
                 c += nc;
             }
@@ -292,7 +318,9 @@ pub(crate) unsafe fn columns<K: Tiles>(
     }
 }
 
-/// Token tiles of `K::TT` (then the remainder) for one weight-row tile.
+/// Token tiles of `K::TT` (then the remainder; never a last tile of one
+/// token after a full one) for one weight-row tile, the first with prefetch
+/// distance `pf` ([`Tile::pf`]).
 ///
 /// # Safety
 /// As [`columns`]: tokens `t0..t1` of `x` and `r` rows at `w` exist.
@@ -307,13 +335,21 @@ unsafe fn token_tiles<K: Tiles>(
     t0: usize,
     t1: usize,
     w: &[*const u8; RT],
+    pf: usize,
     c: usize,
     nc: usize,
     emit: &mut Emit<'_>,
 ) {
     let mut t = t0;
     while t < t1 {
-        let nt = (t1 - t).min(K::TT);
+        // TT + 1 tokens left run as TT - 1 and 2: a one-token tile has a
+        // quarter of the independent FMA chains the pipes need (a 4x1 tile
+        // is bound by FMA latency), and the tile shape does not change any
+        // sum.
+        let nt = match t1 - t {
+            n if n == K::TT + 1 && K::TT > 2 => K::TT - 1,
+            n => n.min(K::TT),
+        };
         // SAFETY: forwarded; tokens t..t+nt exist; rows t - t0 onwards of
         // `sums` (at most MAX_TOKEN_GROUP - 1 + MAX_TT of them) are a `Sums`.
         unsafe {
@@ -326,6 +362,7 @@ unsafe fn token_tiles<K: Tiles>(
                     x: x.add(t * k),
                     k,
                     w,
+                    pf: if t == t0 { pf } else { 0 },
                 },
                 out,
             );

@@ -27,10 +27,6 @@ use std::arch::x86_64::{__m128, _mm_prefetch, _mm_storeu_ps, _MM_HINT_T0};
 /// enabled; pointers must be valid for what each method reads.
 #[cfg(target_arch = "x86_64")]
 pub(crate) trait TileVec: F32Vec {
-    /// Rows ahead of the row being multiplied whose weights a single-token
-    /// product prefetches (0: none).
-    const PREFETCH_ROWS: usize = 0;
-
     /// `LANES` weights of dtype `DT` at `p` as f32.
     unsafe fn load_w<const DT: u8>(p: *const u8) -> Self;
 
@@ -99,29 +95,14 @@ pub(crate) unsafe fn tile<V: TileVec, const DT: u8, const R: usize, const T: usi
     unsafe {
         let mut acc = [[V::zero(); T]; R];
         let kf = k & !(V::LANES - 1);
-        let mut e = V::own_steps::<DT, R, T>(op, kf, &mut acc);
-        let pf = V::PREFETCH_ROWS * k * es;
-        while e < kf {
-            // Single-token products only: several tokens read the tile
-            // from cache (or a widened copy).
-            if V::PREFETCH_ROWS > 0 && T == 1 && (e * es).is_multiple_of(64) {
-                for i in 0..R {
-                    // A prefetch past the weights never faults.
-                    _mm_prefetch::<_MM_HINT_T0>(w[i].wrapping_add(e * es + pf) as *const i8);
-                }
-            }
-            let mut xv = [V::zero(); T];
-            for j in 0..T {
-                xv[j] = V::load(x.add(j * k + e));
-            }
-            for i in 0..R {
-                let wv = V::load_w::<DT>(w[i].add(e * es));
-                for j in 0..T {
-                    acc[i][j] = wv.mul_add(xv[j], acc[i][j]);
-                }
-            }
-            e += V::LANES;
-        }
+        let e0 = V::own_steps::<DT, R, T>(op, kf, &mut acc);
+        // Two copies of the loop, so that the one without prefetch has no
+        // test for it.
+        let e = if op.pf > 0 {
+            steps::<V, DT, R, T, true>(op, e0, kf, &mut acc)
+        } else {
+            steps::<V, DT, R, T, false>(op, e0, kf, &mut acc)
+        };
         if e < k {
             let n = k - e;
             let mut xv = [V::zero(); T];
@@ -142,6 +123,47 @@ pub(crate) unsafe fn tile<V: TileVec, const DT: u8, const R: usize, const T: usi
             _mm_storeu_ps(out[j].as_mut_ptr(), v);
         }
     }
+}
+
+/// The full steps of [`tile`] from element `e` to `kf` (a multiple of
+/// `LANES`), prefetching `op.pf` bytes ahead once per cache line of each
+/// row if `PF`; returns `kf`.
+///
+/// # Safety
+/// As [`tile`].
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn steps<V: TileVec, const DT: u8, const R: usize, const T: usize, const PF: bool>(
+    op: &Tile<'_>,
+    mut e: usize,
+    kf: usize,
+    acc: &mut [[V; T]; R],
+) -> usize {
+    let Tile { x, k, w, pf, .. } = *op;
+    let es = elem_size(DT);
+    // SAFETY: as in `tile`: loads stop at kf <= k; prefetches never fault.
+    unsafe {
+        while e < kf {
+            if PF && (e * es).is_multiple_of(64) {
+                for i in 0..R {
+                    // A prefetch past the weights never faults.
+                    _mm_prefetch::<_MM_HINT_T0>(w[i].wrapping_add(e * es + pf) as *const i8);
+                }
+            }
+            let mut xv = [V::zero(); T];
+            for j in 0..T {
+                xv[j] = V::load(x.add(j * k + e));
+            }
+            for i in 0..R {
+                let wv = V::load_w::<DT>(w[i].add(e * es));
+                for j in 0..T {
+                    acc[i][j] = wv.mul_add(xv[j], acc[i][j]);
+                }
+            }
+            e += V::LANES;
+        }
+    }
+    e
 }
 
 /// Converts `k` weights of dtype `DT` at `src` to f32 at `dst`.
@@ -172,10 +194,11 @@ pub(crate) unsafe fn widen<V: TileVec, const DT: u8>(src: *const u8, k: usize, d
 /// counts dispatched to monomorphic functions as the hand-written levels
 /// did. On other architectures the level's kernels are unreachable.
 macro_rules! tiles_level {
-    ($level:ty, $v:ty, $feat:literal, widen_f16: $wf:expr, tokens: [$tt:literal $(, $t:literal)*]) => {
+    ($level:ty, $v:ty, $feat:literal, widen_f16: $wf:expr, prefetch_rows: $pr:expr, tokens: [$tt:literal $(, $t:literal)*]) => {
         impl $crate::kernels::matmul::tiles::Tiles for $level {
             const TT: usize = $tt;
             const WIDEN_F16: bool = $wf;
+            const PREFETCH_ROWS: usize = $pr;
 
             unsafe fn tile(op: $crate::kernels::matmul::tiles::Tile<'_>, out: &mut $crate::kernels::matmul::tiles::Sums) {
                 #[cfg(not(target_arch = "x86_64"))]
