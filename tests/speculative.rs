@@ -410,6 +410,11 @@ fn a_draft_model_far_behind_restarts_from_the_last_tokens() {
     // A few tokens behind: it catches up.
     d.prefill(&seq[..110]).unwrap();
     assert_eq!(position(&d), 109);
+    // One token behind (where a step that kept every guess leaves it: it
+    // never read the last guess): that token is left to the draft, which
+    // feeds it with the last one in one step.
+    d.prefill(&seq[..111]).unwrap();
+    assert_eq!(position(&d), 109);
     // Far behind: it restarts from the last MAX_CATCH_UP tokens it
     // reads (tokens 157..189 of the 189 before the last)...
     d.prefill(&seq[..190]).unwrap();

@@ -174,6 +174,9 @@ def configs(target, cpp):
 
 
 def run(args):
+    global LG
+    if args.lg:
+        LG = Path(args.lg).resolve()
     cpp = None
     if not args.no_llamacpp:
         cpp = build("avx2", "llama-speculative-simple", "llama-lookup")
@@ -187,7 +190,7 @@ def run(args):
 
     def save():
         # After every run, so that an interrupted run keeps what it measured.
-        meta = {"n": N, "draft_max": DRAFT_MAX, "rounds": args.rounds, "isa": env_isa,
+        meta = {"n": N, "draft_max": DRAFT_MAX, "rounds": args.rounds, "isa": env_isa, "lg": str(LG),
                 "cpu_class": harness.cpu_class(), "rev": harness.git_rev(),
                 "load_now": os.getloadavg()}
         json.dump({"meta": meta, "results": results}, open(out, "w"), indent=1)
@@ -250,6 +253,8 @@ def main():
     r.add_argument("--targets", default="F16,F32")
     r.add_argument("--no-llamacpp", action="store_true", help="llama-graph only")
     r.add_argument("--out", help="default: benches/results/<cpu-class>/speculative.json")
+    r.add_argument("--lg", help="the llama-graph binary to measure (default: this repo's "
+                                "target/release/llama-graph), e.g. another build to compare with")
     t = sub.add_parser("table")
     t.add_argument("file")
     a = ap.parse_args()

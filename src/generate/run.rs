@@ -289,6 +289,7 @@ pub fn generate_constrained(
     // followed by the guesses in `drafts`.
     let mut fed: Vec<u32> = prompt.to_vec();
     let mut first = true;
+    let trace = spec.is_some() && std::env::var_os("LLAMA_GRAPH_SPEC_TRACE").is_some();
     loop {
         let pos = session.position();
         let ts = Instant::now();
@@ -367,6 +368,7 @@ pub fn generate_constrained(
         }
         let n_drafts = rows.rows - 1;
         if !first {
+            adapt.step_time(fed.len(), step_secs);
             if n_drafts == 0 {
                 spec_stats.plain_steps += 1;
             } else {
@@ -376,7 +378,14 @@ pub fn generate_constrained(
                 spec_stats.steps.push((pos, fed.len(), kept));
                 adapt.verified(n_drafts, kept - 1);
             }
-            adapt.step_time(fed.len(), step_secs);
+            if trace {
+                eprintln!(
+                    "spec: pos {pos} fed {} kept {kept} step {:.3} ms | {}",
+                    fed.len(),
+                    step_secs * 1e3,
+                    adapt.summary()
+                );
+            }
         }
         // Roll back the positions computed on rejected guesses.
         if kept < rows.rows && session.rewind(base + kept) != base + kept {
@@ -423,6 +432,14 @@ pub fn generate_constrained(
                         fed_tokens,
                         caught_up.as_secs_f64(),
                         secs.as_secs_f64(),
+                    );
+                }
+                if trace {
+                    eprintln!(
+                        "spec: draft k {k} got {} caught up {fed_tokens} in {:.3} ms, drafted in {:.3} ms",
+                        drafts.len(),
+                        caught_up.as_secs_f64() * 1e3,
+                        secs.as_secs_f64() * 1e3
                     );
                 }
                 if drafts.len() < sp.config.draft_min.max(1) {

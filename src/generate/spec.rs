@@ -154,9 +154,27 @@ impl Drafter {
         matches!(self, Drafter::Model { .. })
     }
 
+    /// How many of `history`'s tokens before its last a draft model has
+    /// not read (at most [`MAX_CATCH_UP`], what a catch-up feeds); 0 for
+    /// prompt lookup.
+    pub fn unread(&self, history: &[u32]) -> usize {
+        match self {
+            Drafter::Ngram { .. } => 0,
+            Drafter::Model { fed, .. } => {
+                let head = history.len().saturating_sub(1);
+                let common = fed.iter().zip(history).take_while(|(a, b)| a == b).count();
+                head.saturating_sub(common).min(MAX_CATCH_UP)
+            }
+        }
+    }
+
     /// Feeds a draft model the sequence so far (all but its last token,
     /// which the first draft feeds) ahead of the first draft, keeping what
-    /// its cache already holds of it; nothing for prompt lookup. More than
+    /// its cache already holds of it; nothing for prompt lookup. One
+    /// unread token before the last is left to the draft, which feeds it
+    /// with the last in one step: that is where a draft model stands after
+    /// a step that kept every guess (it never read the last guess), and
+    /// one step of two tokens costs less than two of one. More than
     /// [`MAX_CATCH_UP`] tokens behind a sequence it has read before, the
     /// cache restarts from the sequence's last `MAX_CATCH_UP` tokens.
     /// Returns how many tokens it fed.
@@ -177,7 +195,7 @@ impl Drafter {
                 fed.clear();
                 fed.extend_from_slice(&head[..*offset]);
             }
-            if fed.len() < head.len() {
+            if fed.len() + 1 < head.len() {
                 let from = fed.len();
                 session.feed(&head[from..])?;
                 fed.extend_from_slice(&head[from..]);
@@ -315,16 +333,117 @@ fn ngram_continuation(history: &[u32], min: usize, max: usize) -> &[u32] {
     &[]
 }
 
-/// Exponential moving average, `None` until its first sample.
-#[derive(Debug, Clone, Copy, Default)]
-struct Ema(Option<f64>);
+/// How many recent samples an estimate holds.
+const RECENT: usize = 5;
 
-impl Ema {
-    fn push(&mut self, x: f64, alpha: f64) {
-        self.0 = Some(match self.0 {
-            None => x,
-            Some(v) => v + alpha * (x - v),
-        });
+/// The median of the last [`RECENT`] samples, `None` until the first.
+/// The first sample stands only until the second replaces it: the first
+/// step of a kind may pay one-time costs (cold caches, buffers touched for
+/// the first time). A median, not an average: on a shared CPU a step now
+/// and then takes far longer (another process ran), and one such step
+/// must not flip the decision to guess or not, since a paused draft model
+/// is not measured again until it resumes.
+#[derive(Debug, Clone, Copy, Default)]
+struct Recent {
+    samples: [f64; RECENT],
+    /// Samples held (the first `len` of `samples`, until it is full).
+    len: usize,
+    /// Where the next sample goes.
+    next: usize,
+    /// Samples seen.
+    seen: usize,
+}
+
+impl Recent {
+    fn push(&mut self, x: f64) {
+        if self.seen == 1 {
+            self.len = 0;
+            self.next = 0;
+        }
+        self.seen += 1;
+        self.samples[self.next] = x;
+        self.next = (self.next + 1) % RECENT;
+        self.len = (self.len + 1).min(RECENT);
+    }
+
+    fn get(&self) -> Option<f64> {
+        let mut v = self.samples;
+        let s = &mut v[..self.len];
+        s.sort_by(f64::total_cmp);
+        let n = s.len();
+        match n {
+            0 => None,
+            _ if n % 2 == 1 => Some(s[n / 2]),
+            _ => Some((s[n / 2 - 1] + s[n / 2]) / 2.0),
+        }
+    }
+}
+
+/// Costs of steps with `k` guesses (k >= 1), as a line `a + b k`: by
+/// least squares through the recent cost of each `k` seen (a [`Recent`]
+/// median per `k`), once two lengths were seen; through the origin
+/// before. A step of several tokens costs more than the sum of its
+/// tokens' shares (on SmolLM2-135M F32, one thread: verifying `k` guesses
+/// 11.5 + 8.8 k ms beyond a plain step, drafting them 7.5 + 15.9 k ms), so
+/// a cost per guess measured at one guess would make eight look dearer
+/// than they are, and the draft length would fall step by step down to
+/// no guess at all.
+#[derive(Debug, Clone, Default)]
+struct Costs(Vec<(usize, Recent)>);
+
+impl Costs {
+    fn push(&mut self, k: usize, secs: f64) {
+        if k == 0 {
+            return;
+        }
+        let secs = secs.max(0.0);
+        match self.0.iter_mut().find(|(n, _)| *n == k) {
+            Some((_, r)) => r.push(secs),
+            None => {
+                let mut r = Recent::default();
+                r.push(secs);
+                self.0.push((k, r));
+            }
+        }
+    }
+
+    /// The line's intercept and slope.
+    fn line(&self) -> Option<(f64, f64)> {
+        let points: Vec<(f64, f64)> = self
+            .0
+            .iter()
+            .filter_map(|(k, r)| r.get().map(|m| (*k as f64, m)))
+            .collect();
+        if points.is_empty() {
+            return None;
+        }
+        let through_origin = || {
+            let kk: f64 = points.iter().map(|p| p.0 * p.0).sum();
+            let km: f64 = points.iter().map(|p| p.0 * p.1).sum();
+            (0.0, km / kk)
+        };
+        if points.len() == 1 {
+            return Some(through_origin());
+        }
+        let n = points.len() as f64;
+        let mk = points.iter().map(|p| p.0).sum::<f64>() / n;
+        let mm = points.iter().map(|p| p.1).sum::<f64>() / n;
+        let sxx: f64 = points.iter().map(|p| (p.0 - mk) * (p.0 - mk)).sum();
+        let sxy: f64 = points.iter().map(|p| (p.0 - mk) * (p.1 - mm)).sum();
+        let b = sxy / sxx;
+        let a = mm - b * mk;
+        Some(if b < 0.0 {
+            (mm, 0.0)
+        } else if a < 0.0 {
+            through_origin()
+        } else {
+            (a, b)
+        })
+    }
+
+    /// The expected cost of `k` guesses.
+    fn at(&self, k: usize) -> Option<f64> {
+        self.line().map(|(a, b)| a + b * k as f64)
     }
 }
 
@@ -332,12 +451,14 @@ impl Ema {
 #[derive(Debug, Clone, Default)]
 pub struct Adapt {
     /// Seconds of a one-token step.
-    step1: Ema,
-    /// Extra seconds per extra token in a step.
-    per_token: Ema,
-    /// Seconds per drafted token (a draft model's catching up excluded:
-    /// see [`Drafter::prefill`]).
-    draft: Ema,
+    step1: Recent,
+    /// Extra seconds of a step verifying `k` guesses over a plain step.
+    verify: Costs,
+    /// Seconds drafting `k` guesses (a draft model's catching up
+    /// excluded: see [`Drafter::prefill`]).
+    draft: Costs,
+    /// Seconds per token a draft model fed to catch up after plain steps.
+    catch_up: Recent,
     /// Guesses confirmed and guesses tested (a guess is tested when the
     /// ones before it were confirmed), both decayed as new ones come, so
     /// the estimate follows the text; see [`Adapt::acceptance`].
@@ -348,8 +469,8 @@ pub struct Adapt {
     /// Seconds of every step and draft so far.
     spent: f64,
     /// Seconds spent on guesses made to measure rather than because they
-    /// paid (the first draft and the probes), beyond the plain steps they
-    /// replaced.
+    /// paid (the first draft and the probes, drafting and catching up
+    /// included), beyond the plain steps they replaced.
     explored: f64,
     /// Whether the guesses of the coming step are such a measurement.
     probing: bool,
@@ -367,53 +488,75 @@ const PROBE_EVERY: usize = 16;
 /// The share of the generation time that measuring guesses may take: what
 /// speculation costs at most where no guess is ever kept.
 const EXPLORE_SHARE: f64 = 0.02;
+/// A paused draft model resumes when the expected saving of this many
+/// steps of guessing pays for its catch-up (see [`Adapt::choose_for`]).
+const RESUME_STEPS: f64 = 4.0;
 /// Guesses in the first draft, before any acceptance is known.
 const FIRST_DRAFT: usize = 4;
-/// Smoothing of the step and draft times.
-const ALPHA: f64 = 0.2;
 /// How much each tested guess discounts the earlier ones in the acceptance
 /// estimate (a memory of about 20 guesses).
 const DECAY: f64 = 0.05;
 
 impl Adapt {
+    /// The controller's state in one line (for `LLAMA_GRAPH_SPEC_TRACE`).
+    pub fn summary(&self) -> String {
+        let ms = |e: Recent| e.get().map_or("-".into(), |v| format!("{:.3}", v * 1e3));
+        let line = |c: &Costs| {
+            c.line().map_or("-".into(), |(a, b)| {
+                format!("{:.3} + {:.3} k", a * 1e3, b * 1e3)
+            })
+        };
+        format!(
+            "t1 {} ms, verify {} ms, draft {} ms, catch-up {} ms/token, acceptance {}, explored {:.1}/{:.1} ms",
+            ms(self.step1),
+            line(&self.verify),
+            line(&self.draft),
+            ms(self.catch_up),
+            self.acceptance()
+                .map_or("-".into(), |a| format!("{a:.2}")),
+            self.explored * 1e3,
+            self.spent * 1e3
+        )
+    }
+
     /// Records a step of `tokens` tokens that took `secs`.
     pub fn step_time(&mut self, tokens: usize, secs: f64) {
         self.spent += secs;
         if tokens <= 1 {
-            self.step1.push(secs, ALPHA);
+            self.step1.push(secs);
             self.since_verify += 1;
         } else {
             self.since_verify = 0;
-            if let Some(t1) = self.step1.0 {
+            if let Some(t1) = self.step1.get() {
                 if self.probing {
                     self.explored += (secs - t1).max(0.0);
                 }
-                self.per_token
-                    .push(((secs - t1) / (tokens - 1) as f64).max(0.0), ALPHA);
+                self.verify.push(tokens - 1, secs - t1);
             }
         }
     }
 
     /// Records a draft of `n` tokens: `catch_up` seconds feeding the draft
-    /// model the `fed` tokens sampled since its last draft, then `secs`
-    /// drafting. While guessing goes on, catching up (with the guesses
-    /// kept and the token after them) is part of what each draft costs;
-    /// after a run of plain steps it is a cost of resuming, spent but not
-    /// weighed against future guesses.
+    /// model the `fed` tokens sampled since its last draft
+    /// ([`Drafter::prefill`]), then `secs` drafting. While guessing goes
+    /// on, the draft itself reads the one token a catch-up leaves (the
+    /// last kept guess) with the token after it, so what a draft costs is
+    /// `secs`; a catch-up (`fed > 0`) follows plain steps: it is a cost of
+    /// resuming, spent and measured per token (see [`Adapt::choose_for`])
+    /// but not weighed against future guesses.
     pub fn draft_times(&mut self, n: usize, fed: usize, catch_up: f64, secs: f64) {
-        if fed <= n + 1 {
-            self.draft_time(n, catch_up + secs);
-        } else {
-            self.catch_up_time(catch_up);
-            self.draft_time(n, secs);
+        self.catch_up_time(catch_up);
+        if fed > 0 {
+            self.catch_up.push(catch_up / fed as f64);
         }
+        self.draft_time(n, secs);
     }
 
     /// Records `secs` spent drafting `n` tokens.
     pub fn draft_time(&mut self, n: usize, secs: f64) {
         self.catch_up_time(secs);
         if n > 0 {
-            self.draft.push(secs / n as f64, ALPHA);
+            self.draft.push(n, secs);
         }
     }
 
@@ -427,9 +570,17 @@ impl Adapt {
         }
     }
 
-    /// Records a verification: of `drafted` guesses the first `accepted`
-    /// were confirmed (so `accepted + 1` were tested unless all passed).
+    /// Records a verification (after its [`Adapt::step_time`]): of
+    /// `drafted` guesses the first `accepted` were confirmed (so
+    /// `accepted + 1` were tested unless all passed). A measuring step's
+    /// kept guesses spared as many plain steps: what it cost beyond them
+    /// is what the measurement cost (an accepted first draft or probe costs
+    /// nothing of the budget, and may pay back what earlier ones cost).
     pub fn verified(&mut self, drafted: usize, accepted: usize) {
+        if self.probing {
+            let t1 = self.step1.get().unwrap_or(0.0);
+            self.explored = (self.explored - accepted as f64 * t1).max(0.0);
+        }
         let tested = (accepted + 1).min(drafted);
         let keep = (1.0 - DECAY).powi(tested as i32);
         self.confirmed = self.confirmed * keep + accepted as f64;
@@ -444,16 +595,24 @@ impl Adapt {
         (self.tested > 0.0).then(|| (self.confirmed + 0.5) / (self.tested + 1.0))
     }
 
+    /// Expected tokens emitted by a step with `k` guesses.
+    fn tokens(&self, k: usize) -> f64 {
+        let p = self.acceptance().unwrap_or(0.5).clamp(0.0, 0.999);
+        (1.0 - p.powi(k as i32 + 1)) / (1.0 - p)
+    }
+
+    /// Expected seconds of a step with `k` guesses, drafting included.
+    fn cost(&self, k: usize, t1: f64) -> f64 {
+        let verify = self.verify.at(k).unwrap_or(0.3 * t1 * k as f64);
+        t1 + verify + self.draft.at(k).unwrap_or(0.0)
+    }
+
     /// Expected tokens per second with `k` guesses (0: a plain step).
     fn rate(&self, k: usize, t1: f64) -> f64 {
         if k == 0 {
             return 1.0 / t1;
         }
-        let p = self.acceptance().unwrap_or(0.5).clamp(0.0, 0.999);
-        let tokens = (1.0 - p.powi(k as i32 + 1)) / (1.0 - p);
-        let per = self.per_token.0.unwrap_or(0.3 * t1);
-        let draft = self.draft.0.unwrap_or(0.0);
-        tokens / (t1 + k as f64 * (per + draft))
+        self.tokens(k) / self.cost(k, t1)
     }
 
     /// [`Adapt::choose`] for `drafter` guessing after `history` (which
@@ -462,8 +621,13 @@ impl Adapt {
     /// plain step is still made and scored against the token the step
     /// samples: acceptance keeps being measured without verifying a guess,
     /// and guessing resumes as soon as the output starts to follow its
-    /// input. A draft model's guess costs a step of its own: once quiet,
-    /// it is measured, and resumes, only through the probes.
+    /// input. A draft model's guess costs a step of its own, and after
+    /// plain steps it must first catch up with the tokens it did not read:
+    /// once quiet, it resumes when the expected saving over plain steps of
+    /// [`RESUME_STEPS`] steps of guessing pays for that catch-up (after a
+    /// short pause, such as one a slower stretch of plain steps ended),
+    /// and otherwise only through the probes (nothing measures its guesses
+    /// meanwhile).
     pub fn choose_for(
         &mut self,
         cfg: &SpecConfig,
@@ -476,18 +640,32 @@ impl Adapt {
                 self.verified(1, usize::from(history[at] == guess));
             }
         }
-        let resuming = self.since_verify > 0 && self.acceptance().is_some();
-        let mut k = self.choose(cfg, max);
-        if k > 0 && resuming && !self.probing && drafter.is_model() {
-            // What a draft model's guesses are worth has not changed since
-            // it went quiet (nothing measured it), only the step times
-            // have, by noise; and resuming costs a catch-up. It resumes
-            // through a probe.
-            k = 0;
-        }
+        let unread = drafter.is_model().then(|| drafter.unread(history));
+        let k = self.choose_model(cfg, max, unread);
         if let (0, Drafter::Ngram { min, max }) = (k, drafter) {
             let next = ngram_continuation(history, *min, *max);
             self.shadow = next.first().map(|&g| (history.len(), g));
+        }
+        k
+    }
+
+    /// [`Adapt::choose`] for a draft model `unread` tokens behind the
+    /// sequence (`None`: a drafter that needs no catch-up): see
+    /// [`Adapt::choose_for`].
+    fn choose_model(&mut self, cfg: &SpecConfig, max: usize, unread: Option<usize>) -> usize {
+        let resuming = self.since_verify > 0 && self.acceptance().is_some();
+        let k = self.choose(cfg, max);
+        let Some(unread) = unread else {
+            return k;
+        };
+        if k > 0 && resuming && !self.probing {
+            let t1 = self.step1.get().unwrap_or(0.0);
+            let saving = self.tokens(k) * t1 - self.cost(k, t1);
+            // Before a catch-up was measured, as dear as drafting.
+            let per = self.catch_up.get().or(self.draft.at(1)).unwrap_or(t1);
+            if saving * RESUME_STEPS < per * unread as f64 {
+                return 0;
+            }
         }
         k
     }
@@ -503,7 +681,7 @@ impl Adapt {
         if !cfg.adaptive {
             return max;
         }
-        let Some(t1) = self.step1.0 else {
+        let Some(t1) = self.step1.get() else {
             // Measure a plain step first.
             return 0;
         };
@@ -575,6 +753,177 @@ mod tests {
         }
         assert_eq!(a.choose(&cfg, 8), 8);
         assert_eq!(a.choose(&cfg, 3), 3);
+    }
+
+    #[test]
+    fn a_first_sample_gives_way_to_the_second_and_outliers_pass() {
+        let mut e = Recent::default();
+        assert_eq!(e.get(), None);
+        // A cold first step, then warm ones.
+        e.push(0.046);
+        assert_eq!(e.get(), Some(0.046));
+        e.push(0.036);
+        assert_eq!(e.get(), Some(0.036), "the second sample replaces the first");
+        e.push(0.038);
+        assert!((e.get().unwrap() - 0.037).abs() < 1e-12);
+        // A step disturbed by another process does not move it.
+        e.push(0.400);
+        e.push(0.037);
+        assert_eq!(e.get(), Some(0.0375), "the middle of 36, 37, 38, 400 ms");
+        // Lasting changes do, within a few steps.
+        for _ in 0..3 {
+            e.push(0.050);
+        }
+        assert_eq!(e.get(), Some(0.050));
+    }
+
+    #[test]
+    fn an_accepted_first_draft_leaves_the_probe_budget() {
+        let cfg = SpecConfig::default();
+        let mut a = Adapt::default();
+        a.step_time(1, 0.036);
+        assert_eq!(a.choose(&cfg, 8), FIRST_DRAFT);
+        // Drafting and verifying cost less than the 5 plain steps it
+        // replaced.
+        a.draft_time(4, 0.060);
+        a.step_time(5, 0.094);
+        a.verified(4, 4);
+        assert_eq!(a.explored, 0.0);
+        // The text turns: guesses fail and guessing stops.
+        for _ in 0..4 {
+            a.choose(&cfg, 8);
+            a.draft_time(8, 0.120);
+            a.step_time(9, 0.152);
+            a.verified(8, 0);
+        }
+        for _ in 0..PROBE_EVERY {
+            assert_eq!(a.choose(&cfg, 8), 0);
+            a.step_time(1, 0.036);
+        }
+        assert_eq!(a.choose(&cfg, 8), 1, "a probe: the budget is whole");
+        // A failed probe costs its extra time.
+        a.draft_time(1, 0.015);
+        a.step_time(2, 0.050);
+        a.verified(1, 0);
+        assert!((a.explored - 0.029).abs() < 1e-9, "{}", a.explored);
+    }
+
+    /// Runs the controller for `steps` steps of a draft model whose every
+    /// guess is kept, with the costs measured on SmolLM2-135M F16 with its
+    /// Q4_1 as the draft, one thread (`LLAMA_GRAPH_SPEC_TRACE`): a plain
+    /// step 36 ms, 14.5 ms per extra token of a step, 15 ms per drafted
+    /// token, 11 ms per token caught up. `slow` steps are disturbed by
+    /// 300 ms. Returns the guesses of every step and the tokens per second
+    /// over plain decoding's.
+    fn drive_f16_draft(steps: usize, slow: &[usize]) -> (Vec<usize>, f64) {
+        let cfg = SpecConfig::default();
+        let mut a = Adapt::default();
+        let (mut ks, mut tokens, mut secs) = (Vec::new(), 0usize, 0.0);
+        // Tokens before the last the draft model has not read.
+        let mut unread = 1;
+        for step in 0..steps {
+            let k = a.choose_model(&cfg, 8, Some(unread));
+            let extra = if slow.contains(&step) { 0.300 } else { 0.0 };
+            let t = if k == 0 {
+                let t1 = 0.036;
+                a.step_time(1, t1 + extra);
+                unread += 1;
+                tokens += 1;
+                t1 + extra
+            } else {
+                let fed = if unread > 1 { unread } else { 0 };
+                let catch_up = 0.011 * fed as f64;
+                a.draft_times(k, fed, catch_up, 0.015 * k as f64);
+                let step = 0.036 + 0.0145 * k as f64 + extra;
+                a.step_time(k + 1, step);
+                a.verified(k, k);
+                unread = 1;
+                tokens += k + 1;
+                catch_up + 0.015 * k as f64 + step
+            };
+            ks.push(k);
+            secs += t;
+        }
+        (ks, tokens as f64 * 0.036 / secs)
+    }
+
+    #[test]
+    fn a_draft_model_whose_guesses_pay_keeps_guessing() {
+        let (ks, speedup) = drive_f16_draft(60, &[]);
+        assert_eq!(ks[0], 0, "a plain step is measured first");
+        assert!(ks[1..].iter().all(|&k| k > 0), "{ks:?}");
+        assert!(speedup > 1.05, "{speedup:.3}x plain: {ks:?}");
+        // Two verifying steps disturbed by another process do not make
+        // it stop.
+        let (ks, speedup) = drive_f16_draft(60, &[10, 11]);
+        assert!(ks[1..].iter().all(|&k| k > 0), "{ks:?}");
+        assert!(speedup > 1.0, "{speedup:.3}x plain: {ks:?}");
+    }
+
+    #[test]
+    fn the_fixed_cost_of_a_longer_step_does_not_shrink_the_draft_to_nothing() {
+        // SmolLM2-135M F32 with its Q4_1 as the draft, one thread
+        // (`LLAMA_GRAPH_SPEC_TRACE`): a plain step 37.2 ms, verifying k
+        // guesses 11.5 + 8.8 k ms more, drafting them 7.5 + 15.9 k ms;
+        // every guess kept.
+        let cfg = SpecConfig::default();
+        let mut a = Adapt::default();
+        let (mut ks, mut tokens, mut secs) = (Vec::new(), 0usize, 0.0);
+        for _ in 0..60 {
+            let k = a.choose_model(&cfg, 8, Some(1));
+            if k == 0 {
+                a.step_time(1, 0.0372);
+                tokens += 1;
+                secs += 0.0372;
+            } else {
+                let (draft, step) = (0.0075 + 0.0159 * k as f64, 0.0487 + 0.0088 * k as f64);
+                a.draft_times(k, 0, 0.0, draft);
+                a.step_time(k + 1, step);
+                a.verified(k, k);
+                tokens += k + 1;
+                secs += draft + step;
+            }
+            ks.push(k);
+        }
+        assert!(ks[1..].iter().all(|&k| k > 0), "{ks:?}");
+        assert!(ks[ks.len() - 10..].iter().all(|&k| k >= 5), "{ks:?}");
+        let speedup = tokens as f64 * 0.0372 / secs;
+        assert!(speedup > 1.15, "{speedup:.3}x plain: {ks:?}");
+        assert!((a.verify.at(8).unwrap() - 0.0819).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_paused_draft_model_resumes_when_its_catch_up_pays() {
+        // The F16 costs of `drive_f16_draft`, every guess kept.
+        let cfg = SpecConfig::default();
+        let mut a = Adapt::default();
+        a.step_time(1, 0.036);
+        assert_eq!(a.choose_model(&cfg, 8, Some(2)), FIRST_DRAFT);
+        // Catching up 2 tokens took 22 ms.
+        a.draft_times(4, 2, 0.022, 0.060);
+        a.step_time(5, 0.094);
+        a.verified(4, 4);
+        for _ in 0..4 {
+            let k = a.choose_model(&cfg, 8, Some(1));
+            assert!(k > 0, "guessing pays");
+            a.draft_times(k, 0, 0.0, 0.015 * k as f64);
+            a.step_time(k + 1, 0.036 + 0.0145 * k as f64);
+            a.verified(k, k);
+        }
+        // A plain step (say the token budget allowed no guess): the draft
+        // model is behind. Two tokens are worth catching up (4 steps of 2
+        // guesses save 4 x 6.6 ms)...
+        a.step_time(1, 0.036);
+        assert!(a.choose_model(&cfg, 8, Some(2)) > 0, "resumes 2 behind");
+        // ...32 are not: a probe will measure whether it pays again.
+        let k = a.choose_model(&cfg, 8, Some(MAX_CATCH_UP));
+        assert_eq!(k, 0, "no resume 32 tokens behind");
+        // What a catch-up measures is what is weighed: 3 tokens at 11 ms
+        // are too dear.
+        assert_eq!(a.choose_model(&cfg, 8, Some(3)), 0);
+        a.draft_times(1, 30, 0.015, 0.015);
+        a.draft_times(1, 30, 0.015, 0.015);
+        assert!(a.choose_model(&cfg, 8, Some(MAX_CATCH_UP)) > 0);
     }
 
     #[test]

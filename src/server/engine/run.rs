@@ -155,10 +155,10 @@ impl SpecEngine {
                 continue;
             };
             // Reading the prompt is not a cost of guessing.
-            let catch_up = if s.read {
-                t.elapsed().as_secs_f64()
+            let (fed, catch_up) = if s.read {
+                (fed, t.elapsed().as_secs_f64())
             } else {
-                0.0
+                (0, 0.0)
             };
             s.read = true;
             let t = Instant::now();
