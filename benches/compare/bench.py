@@ -358,7 +358,11 @@ def merged_runs(old, variants, classes, threads, depths):
     runs = []
     # The file's own run first, then the runs it had merged in turn.
     earlier = old.get("merged", [])
-    this = {k: old[k] for k in ("command", "llama_graph", "rounds")}
+    this = {k: old[k] for k in ("command", "llama_graph", "rounds") if k in old}
+    if "read_gbs" in old:
+        # The bandwidth of the run that measured these rows: their decode
+        # bound is computed from it, not from a later run's.
+        this["read_gbs"] = old["read_gbs"]
     this["rows"] = sorted({k.rsplit("|", 1)[0] for k in old["samples"]}
                           - {r for run in earlier for r in run["rows"]})
     for run in [this] + earlier:
@@ -385,7 +389,9 @@ def merged_note(res):
     the rows with fewer samples than the run's rounds."""
     lines = short_note(res)
     for run in res.get("merged", []):
-        lines += ["", f"Rows {', '.join(run['rows'])}: from an earlier run, {run['rounds']} rounds, "
+        bw = "".join(f", read bandwidth at {t} threads {statistics.median(v):.1f} GB/s"
+                     for t, v in sorted(run.get("read_gbs", {}).items()))
+        lines += ["", f"Rows {', '.join(run['rows'])}: from an earlier run, {run['rounds']} rounds{bw}, "
                   f"llama-graph at commit {run['llama_graph']}: `{run['command']}`"]
     return lines
 
@@ -397,6 +403,8 @@ def depth_table(res):
     lines = [f"CPU: {res['cpu']}; medians of {res['rounds']} interleaved rounds; tokens/s, "
              "ratio = llama-graph / llama.cpp (higher is better)", ""]
     bws = res.get("read_gbs", {})
+    # Rows merged from an earlier run are bound by that run's bandwidth.
+    row_bws = {r: run["read_gbs"] for run in res.get("merged", []) if "read_gbs" in run for r in run["rows"]}
     for t, v in sorted(bws.items()):
         lines += [f"read bandwidth at {t} threads (benches/probes/stream.rs, one per round): "
                   + ", ".join(f"{x:.1f}" for x in v) + f" GB/s; median {statistics.median(v):.1f}", ""]
@@ -415,7 +423,7 @@ def depth_table(res):
             a = statistics.median(s[name] for s in lg)
             b = statistics.median(s[name] for s in lc)
             bound, frac = "", ""
-            bw = bws.get(t)
+            bw = row_bws.get(k, bws).get(t)
             if name.startswith("tg") and bw and "kv_bytes_per_pos" in lg[0]:
                 n = int(name[2:].split("@")[0])
                 depth = int(name.split("@d")[1]) if "@d" in name else 0
