@@ -409,27 +409,30 @@ impl Costs {
 
     /// The line's intercept and slope.
     fn line(&self) -> Option<(f64, f64)> {
-        let points: Vec<(f64, f64)> = self
-            .0
-            .iter()
-            .filter_map(|(k, r)| r.get().map(|m| (*k as f64, m)))
-            .collect();
-        if points.is_empty() {
+        // The (k, median) points, walked once per sum (no allocation: this
+        // runs for every candidate length of every step).
+        let points = || {
+            self.0
+                .iter()
+                .filter_map(|(k, r)| r.get().map(|m| (*k as f64, m)))
+        };
+        let count = points().count();
+        if count == 0 {
             return None;
         }
         let through_origin = || {
-            let kk: f64 = points.iter().map(|p| p.0 * p.0).sum();
-            let km: f64 = points.iter().map(|p| p.0 * p.1).sum();
+            let kk: f64 = points().map(|p| p.0 * p.0).sum();
+            let km: f64 = points().map(|p| p.0 * p.1).sum();
             (0.0, km / kk)
         };
-        if points.len() == 1 {
+        if count == 1 {
             return Some(through_origin());
         }
-        let n = points.len() as f64;
-        let mk = points.iter().map(|p| p.0).sum::<f64>() / n;
-        let mm = points.iter().map(|p| p.1).sum::<f64>() / n;
-        let sxx: f64 = points.iter().map(|p| (p.0 - mk) * (p.0 - mk)).sum();
-        let sxy: f64 = points.iter().map(|p| (p.0 - mk) * (p.1 - mm)).sum();
+        let n = count as f64;
+        let mk = points().map(|p| p.0).sum::<f64>() / n;
+        let mm = points().map(|p| p.1).sum::<f64>() / n;
+        let sxx: f64 = points().map(|p| (p.0 - mk) * (p.0 - mk)).sum();
+        let sxy: f64 = points().map(|p| (p.0 - mk) * (p.1 - mm)).sum();
         let b = sxy / sxx;
         let a = mm - b * mk;
         Some(if b < 0.0 {

@@ -138,12 +138,13 @@ pub(crate) mod x86 {
     ) {
         let [[mut a00, mut a01, mut a02], [mut a10, mut a11, mut a12], [mut a20, mut a21, mut a22], [mut a30, mut a31, mut a32]] =
             *acc;
-        // SAFETY: the caller guarantees 3 rows of n8 floats at x (stride
-        // `stride`) and n8 halves at each w[i]; the loop reads only those.
-        unsafe {
-            if pf == 0 {
+        // The loop, with `$prefetch` lines (and their operands) at the top
+        // of every step: once plain, once prefetching.
+        macro_rules! steps {
+            ($($prefetch:literal,)* ; $($operands:tt)*) => {
                 std::arch::asm!(
                     "2:",
+                    $($prefetch,)*
                     "vmovups ymm12, ymmword ptr [{x0} + 4*{e}]",
                     "vmovups ymm13, ymmword ptr [{x1} + 4*{e}]",
                     "vmovups ymm14, ymmword ptr [{x2} + 4*{e}]",
@@ -175,60 +176,32 @@ pub(crate) mod x86 {
                     w3 = in(reg) w[3],
                     e = inout(reg) 0usize => _,
                     n8 = in(reg) n8,
+                    $($operands)*
                     a00 = inout(ymm_reg) a00, a01 = inout(ymm_reg) a01, a02 = inout(ymm_reg) a02,
                     a10 = inout(ymm_reg) a10, a11 = inout(ymm_reg) a11, a12 = inout(ymm_reg) a12,
                     a20 = inout(ymm_reg) a20, a21 = inout(ymm_reg) a21, a22 = inout(ymm_reg) a22,
                     a30 = inout(ymm_reg) a30, a31 = inout(ymm_reg) a31, a32 = inout(ymm_reg) a32,
                     out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
                     options(nostack, readonly),
-                );
+                )
+            };
+        }
+        // SAFETY: the caller guarantees 3 rows of n8 floats at x (stride
+        // `stride`) and n8 halves at each w[i]; the loop reads only those
+        // (a prefetch never faults).
+        unsafe {
+            if pf == 0 {
+                steps!(;);
             } else {
-                std::arch::asm!(
-                    "2:",
+                steps!(
                     "lea {q}, [{pf} + 2*{e}]",
                     "prefetcht0 byte ptr [{w0} + {q}]",
                     "prefetcht0 byte ptr [{w1} + {q}]",
                     "prefetcht0 byte ptr [{w2} + {q}]",
                     "prefetcht0 byte ptr [{w3} + {q}]",
-                    "vmovups ymm12, ymmword ptr [{x0} + 4*{e}]",
-                    "vmovups ymm13, ymmword ptr [{x1} + 4*{e}]",
-                    "vmovups ymm14, ymmword ptr [{x2} + 4*{e}]",
-                    "vcvtph2ps ymm15, xmmword ptr [{w0} + 2*{e}]",
-                    "vfmadd231ps {a00}, ymm15, ymm12",
-                    "vfmadd231ps {a01}, ymm15, ymm13",
-                    "vfmadd231ps {a02}, ymm15, ymm14",
-                    "vcvtph2ps ymm15, xmmword ptr [{w1} + 2*{e}]",
-                    "vfmadd231ps {a10}, ymm15, ymm12",
-                    "vfmadd231ps {a11}, ymm15, ymm13",
-                    "vfmadd231ps {a12}, ymm15, ymm14",
-                    "vcvtph2ps ymm15, xmmword ptr [{w2} + 2*{e}]",
-                    "vfmadd231ps {a20}, ymm15, ymm12",
-                    "vfmadd231ps {a21}, ymm15, ymm13",
-                    "vfmadd231ps {a22}, ymm15, ymm14",
-                    "vcvtph2ps ymm15, xmmword ptr [{w3} + 2*{e}]",
-                    "vfmadd231ps {a30}, ymm15, ymm12",
-                    "vfmadd231ps {a31}, ymm15, ymm13",
-                    "vfmadd231ps {a32}, ymm15, ymm14",
-                    "add {e}, 8",
-                    "cmp {e}, {n8}",
-                    "jb 2b",
-                    x0 = in(reg) x,
-                    x1 = in(reg) x.add(stride),
-                    x2 = in(reg) x.add(2 * stride),
-                    w0 = in(reg) w[0],
-                    w1 = in(reg) w[1],
-                    w2 = in(reg) w[2],
-                    w3 = in(reg) w[3],
-                    e = inout(reg) 0usize => _,
-                    n8 = in(reg) n8,
+                    ;
                     pf = in(reg) pf,
                     q = out(reg) _,
-                    a00 = inout(ymm_reg) a00, a01 = inout(ymm_reg) a01, a02 = inout(ymm_reg) a02,
-                    a10 = inout(ymm_reg) a10, a11 = inout(ymm_reg) a11, a12 = inout(ymm_reg) a12,
-                    a20 = inout(ymm_reg) a20, a21 = inout(ymm_reg) a21, a22 = inout(ymm_reg) a22,
-                    a30 = inout(ymm_reg) a30, a31 = inout(ymm_reg) a31, a32 = inout(ymm_reg) a32,
-                    out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
-                    options(nostack, readonly),
                 );
             }
         }
