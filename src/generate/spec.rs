@@ -450,6 +450,27 @@ impl Costs {
     }
 }
 
+/// Guesses confirmed out of guesses tested, decayed by [`DECAY`] per
+/// guess tested, so that the rate follows the text.
+#[derive(Debug, Clone, Copy, Default)]
+struct Rate {
+    confirmed: f64,
+    tested: f64,
+}
+
+impl Rate {
+    fn push(&mut self, tested: usize, confirmed: usize) {
+        let keep = (1.0 - DECAY).powi(tested as i32);
+        self.confirmed = self.confirmed * keep + confirmed as f64;
+        self.tested = self.tested * keep + tested as f64;
+    }
+
+    /// Confirmed over tested, with `prior` standing for one tested guess.
+    fn with_prior(&self, prior: f64) -> f64 {
+        (self.confirmed + prior) / (self.tested + 1.0)
+    }
+}
+
 /// The draft-length controller: measured acceptance and step costs.
 #[derive(Debug, Clone, Default)]
 pub struct Adapt {
@@ -462,11 +483,13 @@ pub struct Adapt {
     draft: Costs,
     /// Seconds per token a draft model fed to catch up after plain steps.
     catch_up: Recent,
-    /// Guesses confirmed and guesses tested (a guess is tested when the
-    /// ones before it were confirmed), both decayed as new ones come, so
-    /// the estimate follows the text; see [`Adapt::acceptance`].
-    confirmed: f64,
-    tested: f64,
+    /// First guesses of a step confirmed and tested, both decayed as new
+    /// ones come, so the estimate follows the text; see
+    /// [`Adapt::acceptance`].
+    first: Rate,
+    /// The same for the later guesses of a step (a guess is tested when
+    /// the ones before it were confirmed): see [`Adapt::acceptance_later`].
+    later: Rate,
     /// Plain steps since the last verifying one.
     since_verify: usize,
     /// Seconds of every step and draft so far.
@@ -510,12 +533,14 @@ impl Adapt {
             })
         };
         format!(
-            "t1 {} ms, verify {} ms, draft {} ms, catch-up {} ms/token, acceptance {}, explored {:.1}/{:.1} ms",
+            "t1 {} ms, verify {} ms, draft {} ms, catch-up {} ms/token, acceptance {} then {}, explored {:.1}/{:.1} ms",
             ms(self.step1),
             line(&self.verify),
             line(&self.draft),
             ms(self.catch_up),
             self.acceptance()
+                .map_or("-".into(), |a| format!("{a:.2}")),
+            self.acceptance_later()
                 .map_or("-".into(), |a| format!("{a:.2}")),
             self.explored * 1e3,
             self.spent * 1e3
@@ -584,24 +609,55 @@ impl Adapt {
             let t1 = self.step1.get().unwrap_or(0.0);
             self.explored = (self.explored - accepted as f64 * t1).max(0.0);
         }
-        let tested = (accepted + 1).min(drafted);
-        let keep = (1.0 - DECAY).powi(tested as i32);
-        self.confirmed = self.confirmed * keep + accepted as f64;
-        self.tested = self.tested * keep + tested as f64;
+        if drafted == 0 {
+            return;
+        }
+        self.first.push(1, usize::from(accepted > 0));
+        // Guesses 2..=drafted: guess i is tested when the i - 1 before it
+        // were confirmed.
+        if accepted > 0 && drafted > 1 {
+            self.later.push(accepted.min(drafted - 1), accepted - 1);
+        }
     }
 
-    /// The probability that a guess is confirmed given the ones before it
-    /// were: confirmed over tested, with half a confirmed guess of one as
-    /// the prior so that a first failure does not read as "never" (nor one
-    /// success as "always"); `None` before any verification.
+    /// The rate of every guess tested, first or later, with half a
+    /// confirmed guess of one as the prior so that a first failure does not
+    /// read as "never" (nor one success as "always"): the prior of each of
+    /// the two rates below, which stands in for the one with few tests.
+    fn pooled(&self) -> f64 {
+        (self.first.confirmed + self.later.confirmed + 0.5)
+            / (self.first.tested + self.later.tested + 1.0)
+    }
+
+    /// The probability that a step's first guess is confirmed: confirmed
+    /// over tested, with [`Adapt::pooled`] as the prior of one tested
+    /// guess; `None` before any verification.
     pub fn acceptance(&self) -> Option<f64> {
-        (self.tested > 0.0).then(|| (self.confirmed + 0.5) / (self.tested + 1.0))
+        (self.first.tested > 0.0).then(|| self.first.with_prior(self.pooled()))
     }
 
-    /// Expected tokens emitted by a step with `k` guesses.
+    /// The probability that a later guess of a step is confirmed given the
+    /// ones before it were. It is not the first guess's: where the output
+    /// copies its input, a step's first guess often fails at the end of a
+    /// copied stretch while the guesses after a confirmed one are nearly
+    /// always kept, and a draft model's guesses after a kept one are
+    /// likelier kept too. [`Adapt::pooled`] is the prior of one tested
+    /// guess.
+    pub fn acceptance_later(&self) -> Option<f64> {
+        (self.first.tested > 0.0).then(|| self.later.with_prior(self.pooled()))
+    }
+
+    /// Expected tokens emitted by a step with `k` guesses: the one the
+    /// target samples after the last kept guess, plus guess `i` with the
+    /// probability that it and every guess before it are confirmed,
+    /// `p1 pl^(i-1)`.
     fn tokens(&self, k: usize) -> f64 {
-        let p = self.acceptance().unwrap_or(0.5).clamp(0.0, 0.999);
-        (1.0 - p.powi(k as i32 + 1)) / (1.0 - p)
+        if k == 0 {
+            return 1.0;
+        }
+        let p1 = self.acceptance().unwrap_or(0.5).clamp(0.0, 0.999);
+        let pl = self.acceptance_later().unwrap_or(p1).clamp(0.0, 0.999);
+        1.0 + p1 * (1.0 - pl.powi(k as i32)) / (1.0 - pl)
     }
 
     /// Expected seconds of a step with `k` guesses, drafting included.
@@ -914,16 +970,17 @@ mod tests {
             a.verified(k, k);
         }
         // A plain step (say the token budget allowed no guess): the draft
-        // model is behind. Two tokens are worth catching up (4 steps of 2
-        // guesses save 4 x 6.6 ms)...
+        // model is behind. Two tokens are worth catching up...
         a.step_time(1, 0.036);
         assert!(a.choose_model(&cfg, 8, Some(2)) > 0, "resumes 2 behind");
         // ...32 are not: a probe will measure whether it pays again.
         let k = a.choose_model(&cfg, 8, Some(MAX_CATCH_UP));
         assert_eq!(k, 0, "no resume 32 tokens behind");
-        // What a catch-up measures is what is weighed: 3 tokens at 11 ms
-        // are too dear.
-        assert_eq!(a.choose_model(&cfg, 8, Some(3)), 0);
+        // What a catch-up measures is what is weighed: 24 tokens at 11 ms
+        // are too dear (4 steps of 8 guesses, all kept, save about
+        // 4 x 52 ms), 16 are not.
+        assert_eq!(a.choose_model(&cfg, 8, Some(24)), 0);
+        assert!(a.choose_model(&cfg, 8, Some(16)) > 0);
         a.draft_times(1, 30, 0.015, 0.015);
         a.draft_times(1, 30, 0.015, 0.015);
         assert!(a.choose_model(&cfg, 8, Some(MAX_CATCH_UP)) > 0);
@@ -959,6 +1016,64 @@ mod tests {
         b.step_time(1, 0.010);
         b.choose_for(&cfg, 8, &ngram, &text);
         assert!(b.shadow.is_none(), "no shadow guess while drafting");
+    }
+
+    #[test]
+    fn guesses_after_a_kept_one_are_weighed_at_their_own_rate() {
+        // Prompt lookup on a rewrite of given code (SmolLM2-135M F32, one
+        // thread, `LLAMA_GRAPH_SPEC_TRACE`): a plain step 70 ms, each
+        // verified guess 24 ms more. A step's first guess is kept about
+        // half the time (the copy breaks at the renamed identifier), the
+        // guesses after a kept one nine times in ten.
+        let cfg = SpecConfig::default();
+        let steps = |later: f64| {
+            let mut a = Adapt::default();
+            a.step_time(1, 0.070);
+            for k in [1, 2, 4] {
+                a.step_time(k + 1, 0.070 + 0.024 * k as f64);
+            }
+            for _ in 0..200 {
+                a.first.push(20, 11);
+                a.later.push(20, (20.0 * later) as usize);
+            }
+            (
+                a.acceptance().unwrap(),
+                a.acceptance_later().unwrap(),
+                a.choose(&cfg, 8),
+            )
+        };
+        let (p1, pl, k) = steps(0.9);
+        assert!(
+            (p1 - 0.55).abs() < 0.05 && (pl - 0.9).abs() < 0.02,
+            "{p1} {pl}"
+        );
+        assert!(k >= 3, "long drafts pay: {k}");
+        // One rate for every guess (0.55) makes a second guess not pay.
+        let (_, pl, k) = steps(0.55);
+        assert!((pl - 0.55).abs() < 0.05, "{pl}");
+        assert!(k <= 1, "{k}");
+    }
+
+    #[test]
+    fn later_guesses_start_from_the_pooled_rate() {
+        let mut a = Adapt::default();
+        assert_eq!(a.acceptance_later(), None);
+        // Only first guesses tested (prompt lookup's scoring during plain
+        // steps, or one-guess drafts): the later rate is the pooled one.
+        for _ in 0..10 {
+            a.verified(1, 1);
+        }
+        assert_eq!(a.acceptance_later(), Some(a.pooled()));
+        assert!(a.pooled() > 0.9);
+        // A draft of 4 whose first two guesses were kept tested guesses
+        // 2 and 3: one confirmed of two.
+        let mut b = Adapt::default();
+        b.verified(4, 2);
+        assert_eq!((b.later.confirmed, b.later.tested), (1.0, 2.0));
+        assert_eq!((b.first.confirmed, b.first.tested), (1.0, 1.0));
+        // All kept: guesses 2..=4 tested and confirmed.
+        b.verified(4, 4);
+        assert!((b.later.tested - (2.0 * 0.95f64.powi(3) + 3.0)).abs() < 1e-12);
     }
 
     #[test]
