@@ -181,10 +181,23 @@ impl SpecEngine {
         }
     }
 
+    /// Counts this step's verifications in `/metrics`: before any of the
+    /// step's tokens reaches its client, so that a client that has its
+    /// answer reads counters that include it.
+    fn count(&self, shared: &Shared) {
+        for &(_, drafted, kept) in &self.verified {
+            shared
+                .tokens_drafted_total
+                .fetch_add(drafted as u64, Ordering::Relaxed);
+            shared
+                .tokens_accepted_total
+                .fetch_add(kept as u64, Ordering::Relaxed);
+        }
+    }
+
     /// After a step of `secs` that carried `plan`: the controllers learn
-    /// the step's cost and this step's verifications, and the counters
-    /// count them.
-    fn record(&mut self, plan: &[crate::server::scheduler::Slot], secs: f64, shared: &Shared) {
+    /// the step's cost and this step's verifications.
+    fn record(&mut self, plan: &[crate::server::scheduler::Slot], secs: f64) {
         for p in plan {
             if let Some(s) = self.seqs.get_mut(&p.id) {
                 if p.samples {
@@ -196,12 +209,6 @@ impl SpecEngine {
             if let Some(s) = self.seqs.get_mut(&id) {
                 s.adapt.verified(drafted, kept);
             }
-            shared
-                .tokens_drafted_total
-                .fetch_add(drafted as u64, Ordering::Relaxed);
-            shared
-                .tokens_accepted_total
-                .fetch_add(kept as u64, Ordering::Relaxed);
         }
     }
 }
@@ -422,6 +429,9 @@ pub(super) fn engine_loop(
             }
             continue;
         }
+        if let Some(sp) = spec.as_deref() {
+            sp.count(shared);
+        }
         sched.advance();
         for &(id, tok, accepted) in &sampled {
             let Some(l) = live.get_mut(&id) else {
@@ -459,7 +469,7 @@ pub(super) fn engine_loop(
             for &(id, _, _) in &sp.verified {
                 sched.rollback(id);
             }
-            sp.record(&plan, t0.elapsed().as_secs_f64(), shared);
+            sp.record(&plan, t0.elapsed().as_secs_f64());
         }
         publish_kv(&sched, shared);
         shared
