@@ -10,7 +10,9 @@
 //!
 //! `DTYPES=f16,f32` (default both, also bf16), `ROUNDS` (default 15),
 //! `HEAD=1` adds the 49152×576 output head for every token (the logits of
-//! every verified position).
+//! every verified position). `BY_OP=1` also prints, per S, the time of
+//! each product shape summed over the layers (ms, and GFLOP/s of the whole
+//! product: where a step's time goes).
 
 use llama_graph::ir::DType;
 use llama_graph::kernels::matmul::{matmul_with, Epilogue};
@@ -33,6 +35,7 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(15);
     let head = std::env::var("HEAD").is_ok_and(|v| v == "1");
+    let by_op = std::env::var("BY_OP").is_ok_and(|v| v == "1");
     let dtypes = std::env::var("DTYPES").unwrap_or_else(|_| "f16,f32".into());
     let pool = ThreadPool::new(threads);
     let isa = Kernels::current().isa();
@@ -78,9 +81,12 @@ fn main() {
             off += n * k * es;
         }
         let mut y = vec![0f32; max_s * 49152];
-        let mut step = |s: usize| {
+        // Seconds per op (by index) of the last step.
+        let mut op_secs = vec![0f64; ops.len()];
+        let mut step = |s: usize, op_secs: &mut [f64]| {
             let mut off = 0;
-            for &(n, k, ep) in &ops {
+            for (o, &(n, k, ep)) in ops.iter().enumerate() {
+                let t0 = Instant::now();
                 let w = WeightRef::new(dtype, &map[off..off + n * k * es]);
                 let m = s * n_out(n, &ep);
                 matmul_with(
@@ -90,15 +96,41 @@ fn main() {
                     &mut y[..m],
                 )
                 .unwrap();
+                op_secs[o] = t0.elapsed().as_secs_f64();
                 off += n * k * es;
             }
         };
         let mut times = vec![Vec::new(); max_s + 1];
+        // Per S, per shape (the first four ops, then the head): step times.
+        let shapes = if head { 5 } else { 4 };
+        let mut shape_times = vec![vec![Vec::new(); shapes]; max_s + 1];
         for _ in 0..rounds {
             for (s, t) in times.iter_mut().enumerate().skip(1) {
                 let t0 = Instant::now();
-                step(s);
+                step(s, &mut op_secs);
                 t.push(t0.elapsed().as_secs_f64());
+                for (sh, v) in shape_times[s].iter_mut().enumerate() {
+                    let sum: f64 = if sh == 4 {
+                        op_secs[ops.len() - 1]
+                    } else {
+                        op_secs.iter().take(120).skip(sh).step_by(4).sum()
+                    };
+                    v.push(sum);
+                }
+            }
+        }
+        if by_op {
+            let names = ["wqkv", "wo", "w13", "w2", "head"];
+            for (s, per) in shape_times.iter_mut().enumerate().skip(1) {
+                let mut line = format!("{dn}: S={s} by op:");
+                for (sh, v) in per.iter_mut().enumerate() {
+                    let (n, k, _) = ops[if sh == 4 { ops.len() - 1 } else { sh }];
+                    let t = median(v);
+                    let layers = if sh == 4 { 1.0 } else { 30.0 };
+                    let gf = 2.0 * (n * k * s) as f64 * layers / t / 1e9;
+                    line += &format!("  {} {:.2} ms {:.1} GF/s", names[sh], t * 1e3, gf);
+                }
+                println!("{line}");
             }
         }
         let t1 = median(&mut times[1]);

@@ -1,6 +1,7 @@
 //! AVX2 + FMA + F16C tile kernels ([`super::tiles`]): 8-lane accumulators,
 //! up to 4 weight rows × 3 tokens (12 ymm accumulators, 7 loads per 12
-//! FMAs), weights read in their stored dtype (F16 widened with `VCVTPH2PS`,
+//! FMAs), and for steps of 4 to 9 tokens 2 rows × up to 7 tokens
+//! (`tiles::pair_tiles`), weights read in their stored dtype (F16 widened with `VCVTPH2PS`,
 //! BF16 zero-extended and shifted, 128-bit loads); the K tail is copied into
 //! zero-padded 8-lane buffers and multiply-added like the rest. The kernels
 //! are [`super::tiles::simd`]'s, at `__m256`, with this level's prefetch
@@ -32,7 +33,7 @@ const WIDEN_F16: bool = false;
 /// first token tile of each row tile, `tiles::columns`).
 const PREFETCH_ROWS: usize = 4;
 
-tiles_level!(Avx2, std::arch::x86_64::__m256, "avx2,fma,f16c", widen_f16: WIDEN_F16, prefetch_rows: PREFETCH_ROWS, tokens: [3, 2]);
+tiles_level!(Avx2, std::arch::x86_64::__m256, "avx2,fma,f16c", widen_f16: WIDEN_F16, prefetch_rows: PREFETCH_ROWS, tokens: [3, 2], pair_tokens: [7, 6, 5, 4]);
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
@@ -60,6 +61,8 @@ pub(crate) mod x86 {
     }
 
     impl TileVec for __m256 {
+        const REGS: usize = 16;
+
         #[inline(always)]
         unsafe fn load_w<const DT: u8>(p: *const u8) -> Self {
             // SAFETY: caller guarantees 8 readable elements at p and the

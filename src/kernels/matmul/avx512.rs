@@ -25,6 +25,8 @@ mod x86 {
     use std::arch::x86_64::*;
 
     impl TileVec for __m512 {
+        const REGS: usize = 32;
+
         #[inline(always)]
         unsafe fn load_w<const DT: u8>(p: *const u8) -> Self {
             // SAFETY: caller guarantees 16 readable elements at p and the

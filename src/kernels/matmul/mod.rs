@@ -557,7 +557,7 @@ pub(crate) mod tests {
             let alone: Vec<Vec<u32>> = (0..TOKENS)
                 .flat_map(|t| batch_bits(mm, &pools[0], x, k, t..t + 1, n_out, ep, r))
                 .collect();
-            for s in [1, 2, 3, 7, 16, 37, 64] {
+            for s in [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 37, 64] {
                 for (i, start) in [0, TOKENS - s].into_iter().enumerate() {
                     let got = batch_bits(mm, &pools[i], x, k, start..start + s, n_out, ep, r);
                     for (j, row) in got.iter().enumerate() {

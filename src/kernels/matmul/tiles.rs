@@ -34,7 +34,7 @@ pub(crate) mod simd;
 /// Weight-row tile (accumulator rows).
 pub(crate) const RT: usize = 4;
 /// Largest token tile of any level.
-pub(crate) const MAX_TT: usize = 6;
+pub(crate) const MAX_TT: usize = 7;
 
 /// A tile's sums: `[token][row]`.
 pub(crate) type Sums = [[f32; RT]; MAX_TT];
@@ -88,6 +88,11 @@ pub(crate) struct Tile<'a> {
 pub(crate) trait Tiles {
     /// Tokens per full tile (at most [`MAX_TT`]).
     const TT: usize;
+
+    /// Most tokens of a two-row tile in a step of [`PAIR_MIN`] to
+    /// [`PAIR_MAX`] tokens (0: such steps run the tiles of `TT` too). See
+    /// [`pair_tiles`].
+    const PAIR_TT: usize = 0;
 
     /// Rows ahead of the row being multiplied whose weights a single-token
     /// product prefetches (0: none).
@@ -192,6 +197,15 @@ pub(crate) unsafe fn dot4<K: Tiles>(
     };
     out[0]
 }
+
+/// Steps of this many tokens or fewer, down to [`PAIR_MIN`], run the
+/// two-row tiles of [`Tiles::PAIR_TT`] at the levels that have them.
+pub(crate) const PAIR_MAX: usize = 9;
+/// [`PAIR_MAX`] for F32 weights.
+pub(crate) const PAIR_MAX_F32: usize = 7;
+/// Fewest tokens of a step that runs the two-row tiles (2 and 3 tokens
+/// stream the weights at the single-token rate with the four-row tiles).
+pub(crate) const PAIR_MIN: usize = 4;
 
 /// Which weight rows one output tile reads, relative to the weight tensor.
 #[derive(Clone, Copy)]
@@ -309,12 +323,84 @@ pub(crate) unsafe fn columns<K: Tiles>(
                     } else {
                         0
                     };
-                    token_tiles::<K>(&mut sums, dt, r, x, k, t0, t1, &p, pf, c, nc, emit);
+                    // F32 steps of 8 and 9 tokens (two tiles per pair)
+                    // measured no faster than the four-row tiles.
+                    let pair_max = if dt == F32 { PAIR_MAX_F32 } else { PAIR_MAX };
+                    if K::PAIR_TT > 0 && (PAIR_MIN..=pair_max).contains(&s) {
+                        pair_tiles::<K>(&mut sums, dt, r, x, k, s, &p, pf);
+                        emit(0, c, nc, &sums[..s]);
+                    } else {
+                        token_tiles::<K>(&mut sums, dt, r, x, k, t0, t1, &p, pf, c, nc, emit);
+                    }
                 }
                 c += nc;
             }
             t0 = t1;
         }
+    }
+}
+
+/// The tiles of a step of a few tokens (`s` in [`PAIR_MIN`]..=[`PAIR_MAX`],
+/// one token group) for one weight-row tile: its rows two at a time, each
+/// pair against all `s` tokens in as few tiles of at most
+/// [`Tiles::PAIR_TT`] tokens as can be (8 tokens as 4 + 4, 9 as 5 + 4),
+/// the first of each pair prefetching with distance `pf` ([`Tile::pf`]).
+///
+/// A step of 4 to 9 tokens is a speculative verification step. Four-row
+/// tiles of at most `TT` = 3 tokens converted each F16 weight vector once
+/// per 3 tokens, in a loop whose converted vector the FMAs wait for; a
+/// pair of rows against up to 7 tokens converts it once per step and
+/// multiplies each x vector it loads into both rows (see
+/// `tiles::simd::steps`). The sums do not change: the tile shape never
+/// changes a sum.
+///
+/// # Safety
+/// As [`columns`]: tokens `0..s` of `x` and `r` rows at `w` exist.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+unsafe fn pair_tiles<K: Tiles>(
+    sums: &mut GroupSums,
+    dt: u8,
+    r: usize,
+    x: *const f32,
+    k: usize,
+    s: usize,
+    w: &[*const u8; RT],
+    pf: usize,
+) {
+    let null = std::ptr::null::<u8>();
+    let tiles = s.div_ceil(K::PAIR_TT);
+    let mut out: Sums = [[0f32; RT]; MAX_TT];
+    let mut i0 = 0;
+    while i0 < r {
+        let ri = (r - i0).min(2);
+        let mut q = [null; RT];
+        q[..ri].copy_from_slice(&w[i0..i0 + ri]);
+        let mut t = 0;
+        for n in 0..tiles {
+            // The tokens left shared evenly among the tiles left.
+            let nt = (s - t) / (tiles - n);
+            // SAFETY: forwarded; tokens t..t+nt < s exist, ri rows at q.
+            unsafe {
+                K::tile(
+                    Tile {
+                        dt,
+                        r: ri,
+                        t: nt,
+                        x: x.add(t * k),
+                        k,
+                        w: &q,
+                        pf: if n == 0 { pf } else { 0 },
+                    },
+                    &mut out,
+                );
+            }
+            for j in 0..nt {
+                sums[t + j][i0..i0 + ri].copy_from_slice(&out[j][..ri]);
+            }
+            t += nt;
+        }
+        i0 += ri;
     }
 }
 
