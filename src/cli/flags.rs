@@ -99,6 +99,7 @@ impl RuntimeFlags {
             cache_type_k: self.cache.cache_type_k,
             cache_type_v: self.cache.cache_type_v,
             swa_full: self.cache.swa_full,
+            draft: false,
         })
     }
 
@@ -306,10 +307,7 @@ impl SpecFlags {
         };
         let draft = Model::open(path).map_err(|e| format!("--draft-model: {e}"))?;
         check_vocab(target, &draft).map_err(|e| format!("--draft-model: {e}"))?;
-        let dopts = SessionOptions {
-            logit_rows: LogitRows::Last,
-            ..opts.clone()
-        };
+        let dopts = opts.for_draft();
         let session = Session::new(&draft, &dopts).map_err(|e| format!("--draft-model: {e}"))?;
         Ok(Some(Drafter::model(session)))
     }

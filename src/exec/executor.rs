@@ -156,8 +156,8 @@ pub struct Executor {
     /// Scratch holding the packed `[S, (H + 2Hkv)·D]` result of a fused
     /// QKV projection before its epilogue scatters it.
     qkv_scratch: Vec<f32>,
-    /// Exact f32 activations in matmuls (`kernels::MatmulMode::Exact`; otherwise `Fast`).
-    exact: bool,
+    /// How matmuls treat activations (default `Exact`).
+    matmul_mode: MatmulMode,
     /// The kernels of the instruction-set level, resolved once.
     kernels: &'static Kernels,
     arena: Arena,
@@ -459,7 +459,7 @@ impl Executor {
             slots: vec![0; max_chunk],
             window_slots: vec![0; max_chunk],
             qkv_scratch: vec![0.0; qkv_len],
-            exact: true,
+            matmul_mode: MatmulMode::Exact,
             kernels: Kernels::current(),
             arena: Arena::new(plan.buffers.arena_bytes),
             pool: ThreadPool::new(threads),
@@ -478,11 +478,25 @@ impl Executor {
     /// Chooses exact f32 activations for matmuls (the default) or, where the
     /// kernels offer it, faster approximate ones (`--exact` off).
     pub fn set_exact(&mut self, exact: bool) {
-        self.exact = exact;
+        self.matmul_mode = if exact {
+            MatmulMode::Exact
+        } else {
+            MatmulMode::Fast
+        };
     }
 
     pub fn exact(&self) -> bool {
-        self.exact
+        self.matmul_mode == MatmulMode::Exact
+    }
+
+    /// Sets how matmuls treat activations (see [`MatmulMode`]; `Draft`
+    /// for a speculative draft model's session).
+    pub fn set_matmul_mode(&mut self, mode: MatmulMode) {
+        self.matmul_mode = mode;
+    }
+
+    pub fn matmul_mode(&self) -> MatmulMode {
+        self.matmul_mode
     }
 
     /// Fused attention calls of at most `work` multiply-adds run on the

@@ -4,7 +4,7 @@
 use super::elementwise::rope::{rope_freq, RopeScaling};
 use super::matmul::gemv;
 use super::quantized::dequantize_row;
-use super::quantized::fast::{self as qfast, Q8Act};
+use super::quantized::fast::{self as qfast, ActQuant, Q8Act};
 use super::Kernels;
 use super::{check_len, embedding_rows, mul_dims, KernelError, LinearArgs, WeightRef};
 use crate::ir::WeightLayout;
@@ -46,6 +46,22 @@ pub enum MatmulMode {
     /// [`gemv::gemv_at`] (exact arithmetic, another summation order); other
     /// cases use the exact kernels.
     Fast,
+    /// As `Fast`, with 8-bit activations alone ([`ActQuant::Plain`]: no
+    /// remainder, half the integer work of the decode kernels): for a
+    /// speculative draft model, whose guesses do not affect the output.
+    Draft,
+}
+
+impl MatmulMode {
+    /// How the fast path quantizes activations in this mode (`None`: it
+    /// does not run).
+    pub fn act_quant(self) -> Option<ActQuant> {
+        match self {
+            MatmulMode::Exact => None,
+            MatmulMode::Fast => Some(ActQuant::Remainder),
+            MatmulMode::Draft => Some(ActQuant::Plain),
+        }
+    }
 }
 
 thread_local! {
@@ -100,20 +116,21 @@ impl Kernels {
             // Exact in both modes, as for plain bf16.
             return (self.bf16z_matmul)(pool, a, y);
         }
-        let fast = mode == MatmulMode::Fast && qfast::supports(w.dtype);
+        let quant = mode.act_quant().filter(|_| qfast::supports(w.dtype));
+        let fast = quant.is_some();
         if w.layout == WeightLayout::X8 && !fast {
             return with_gguf_rows("matmul", w, n, |w| {
                 self.matmul_any(pool, a.with_w(w), y, mode)
             });
         }
-        if fast {
+        if let Some(quant) = quant {
             if let Some(need) = (self.qfast_scratch_len)(w.dtype, s, k) {
                 return ACT_SCRATCH.with(|cell| {
                     let mut scratch = cell.borrow_mut();
                     if scratch.len() < need {
                         scratch.resize(need, Q8Act::default());
                     }
-                    (self.qmatmul_fast)(pool, a, y, &mut scratch)
+                    (self.qmatmul_fast)(pool, a, y, &mut scratch, quant)
                 });
             }
             if w.layout == WeightLayout::X8 {
@@ -122,7 +139,7 @@ impl Kernels {
                 });
             }
         }
-        if mode == MatmulMode::Fast && s == 1 && gemv::supports(w.dtype) {
+        if mode != MatmulMode::Exact && s == 1 && gemv::supports(w.dtype) {
             return (self.gemv)(pool, a, y);
         }
         if w.dtype.is_quantized() {

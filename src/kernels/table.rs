@@ -18,7 +18,7 @@ use super::isa::Isa;
 use super::kv::{KvGeom, KvView, StepSeqs};
 use super::matmul::{self, bf16z, gemv};
 use super::quantized::exact::qmatmul_with;
-use super::quantized::fast::{self as qfast, Q8Act};
+use super::quantized::fast::{self as qfast, ActQuant, Q8Act};
 use super::{KernelError, LinearArgs};
 use crate::ir::DType;
 use crate::pool::ThreadPool;
@@ -29,9 +29,10 @@ pub type LinearFn = fn(&ThreadPool, LinearArgs<'_>, &mut [f32]) -> Result<(), Ke
 /// One activation row: a [`LinearFn`] whose operands have `s = 1`.
 pub type GemvFn = LinearFn;
 
-/// The quantized fast path: a [`LinearFn`] plus activation scratch.
+/// The quantized fast path: a [`LinearFn`] plus activation scratch and
+/// how the activations are quantized.
 pub type QFastFn =
-    fn(&ThreadPool, LinearArgs<'_>, &mut [f32], &mut [Q8Act]) -> Result<(), KernelError>;
+    fn(&ThreadPool, LinearArgs<'_>, &mut [f32], &mut [Q8Act], ActQuant) -> Result<(), KernelError>;
 
 /// The bf16z product: a [`LinearFn`] whose weights are bf16z bytes.
 pub type Bf16zFn = LinearFn;
@@ -82,7 +83,7 @@ macro_rules! level_table {
             matmul_bf16_dot: |p, a, y| matmul::matmul_bf16_dot(p, $isa, a, y),
             gemv: |p, a, y| gemv::gemv_at($isa, p, a, y),
             qmatmul: |p, a, y| qmatmul_with($isa, p, a, y),
-            qmatmul_fast: |p, a, y, scr| qfast::qmatmul_fast_with($isa, p, a, y, scr),
+            qmatmul_fast: |p, a, y, scr, q| qfast::qmatmul_fast_with($isa, q, p, a, y, scr),
             qfast_scratch_len: |dtype, s, k| qfast::scratch_len_for($isa, dtype, s, k),
             bf16z_matmul: |p, a, y| {
                 bf16z::matmul_at($isa, p, a.x, a.s, a.k, a.w.bytes, a.n, a.epilogue, y)

@@ -453,11 +453,7 @@ impl EngineHandle {
                 Some(sp) => {
                     let mut free = Vec::new();
                     if let Some(d) = &sp.draft {
-                        let dopts = SessionOptions {
-                            logit_rows: LogitRows::Last,
-                            parallel: 1,
-                            ..session_opts.clone()
-                        };
+                        let dopts = session_opts.for_draft();
                         for _ in 0..session_opts.parallel {
                             free.push(Drafter::model(Session::new(d, &dopts)?));
                         }

@@ -53,8 +53,8 @@ impl Executor {
             }
         };
         let pool = &self.pool;
-        // The table of kernels and whether matmuls keep f32 activations.
-        let exact = (self.kernels, self.exact);
+        // The table of kernels and how matmuls treat activations.
+        let how = (self.kernels, self.matmul_mode);
         #[allow(clippy::too_many_arguments)]
         fn matmul(
             pool: &ThreadPool,
@@ -65,13 +65,8 @@ impl Executor {
             n: usize,
             e: Epilogue<'_>,
             y: &mut [f32],
-            (kernels, exact): (&Kernels, bool),
+            (kernels, mode): (&Kernels, MatmulMode),
         ) -> Result<(), KernelError> {
-            let mode = if exact {
-                MatmulMode::Exact
-            } else {
-                MatmulMode::Fast
-            };
             kernels.matmul_any(
                 pool,
                 crate::kernels::LinearArgs::new(x, s, k, w, n, e),
@@ -152,7 +147,7 @@ impl Executor {
                 let x = input(0)?;
                 let s = dim(xs, 0);
                 let w = self.weight(st.ins[1].0)?;
-                matmul(pool, x, s, k, w, n, Epilogue::None, out_fresh()?, exact)?;
+                matmul(pool, x, s, k, w, n, Epilogue::None, out_fresh()?, how)?;
             }
             Op::MatMulAdd => {
                 let (xs, ws) = (&st.ins[1].1, &st.ins[2].1);
@@ -160,17 +155,7 @@ impl Executor {
                 let w = self.weight(st.ins[2].0)?;
                 let x = input(1)?;
                 if st.ins[0].0 == st.out {
-                    matmul(
-                        pool,
-                        x,
-                        s,
-                        k,
-                        w,
-                        n,
-                        Epilogue::Accumulate,
-                        out_fresh()?,
-                        exact,
-                    )?;
+                    matmul(pool, x, s, k, w, n, Epilogue::Accumulate, out_fresh()?, how)?;
                 } else {
                     let r = input(0)?;
                     matmul(
@@ -182,7 +167,7 @@ impl Executor {
                         n,
                         Epilogue::AddResidual(r),
                         out_fresh()?,
-                        exact,
+                        how,
                     )?;
                 }
             }
@@ -199,7 +184,7 @@ impl Executor {
                     n,
                     Epilogue::SwiGlu,
                     out_fresh()?,
-                    exact,
+                    how,
                 )?;
             }
             Op::SliceCols { start, len } => {
@@ -385,7 +370,7 @@ impl Executor {
                     let sb = QKV_BLOCK.min(s - t0);
                     let y = &mut self.qkv_scratch[..sb * n];
                     let xb = &x[t0 * k..(t0 + sb) * k];
-                    matmul(pool, xb, sb, k, w, n, Epilogue::None, y, exact)?;
+                    matmul(pool, xb, sb, k, w, n, Epilogue::None, y, how)?;
                     for (i, row) in y.chunks_exact_mut(n).enumerate() {
                         let t = t0 + i;
                         let f = &freqs[t * d..(t + 1) * d];

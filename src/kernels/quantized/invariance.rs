@@ -9,10 +9,11 @@
 //! Checked here for every block type on the fast path and the exact path,
 //! at every level this CPU supports, with every epilogue: random weights,
 //! `S` in {1, 2, 3, 7, 16, 37, 64}, and each row's output compared bit for
-//! bit with that row computed alone (`S = 1`).
+//! bit with that row computed alone (`S = 1`); the fast path over x8
+//! weights also with the draft models' activations (no remainder).
 
 use super::exact::qmatmul_with;
-use super::fast::{self, qmatmul_fast_with, scratch_len_for, x8, Layout, Q8Act};
+use super::fast::{self, qmatmul_fast_with, scratch_len_for, x8, ActQuant, Layout, Q8Act};
 use crate::ir::DType;
 use crate::kernels::matmul::Epilogue;
 use crate::kernels::testutil::{random_blocks, Rng};
@@ -46,6 +47,8 @@ enum Path {
     Fast,
     /// The fast path over weights stored as [`x8`].
     FastX8,
+    /// As `FastX8`, with activations without the remainder ([`ActQuant::Plain`]).
+    DraftX8,
     Exact,
 }
 
@@ -82,17 +85,23 @@ fn run(
         Ep::SwiGlu => Epilogue::SwiGlu,
     };
     match path {
-        Path::Fast | Path::FastX8 => {
+        Path::Fast | Path::FastX8 | Path::DraftX8 => {
             let layout = if path == Path::Fast {
                 Layout::Rows
             } else {
                 Layout::X8
+            };
+            let quant = if path == Path::DraftX8 {
+                ActQuant::Plain
+            } else {
+                ActQuant::Remainder
             };
             let mut scratch =
                 vec![Q8Act::default(); scratch_len_for(isa, w.dtype, s, k).expect("whole blocks")];
             let w = w.with_layout(layout);
             qmatmul_fast_with(
                 isa,
+                quant,
                 pool,
                 crate::kernels::LinearArgs::new(x, s, k, w, n, e),
                 &mut y,
@@ -133,14 +142,14 @@ fn every_quantized_matmul_is_batch_invariant() {
             .map(|i| rng.uniform() * [1.0, 0.01, 30.0][(i / 32) % 3])
             .collect();
         let paths: &[Path] = if x8::supports(dtype, n8, k) {
-            &[Path::Fast, Path::FastX8, Path::Exact]
+            &[Path::Fast, Path::FastX8, Path::DraftX8, Path::Exact]
         } else if fast::supports(dtype) {
             &[Path::Fast, Path::Exact]
         } else {
             &[Path::Exact]
         };
         for &path in paths {
-            let (wr, n) = if path == Path::FastX8 {
+            let (wr, n) = if matches!(path, Path::FastX8 | Path::DraftX8) {
                 (WeightRef::new(dtype, &w8), n8)
             } else {
                 (WeightRef::new(dtype, &w), n)

@@ -36,12 +36,14 @@ fn hsum_i32(v: __m256i) -> i32 {
     _mm_cvtsi128_si32(s4)
 }
 
-/// Same results as the scalar reference `quantize_act_scalar`, bit for bit.
+/// Same results as the scalar reference `quantize_act_scalar`, bit for
+/// bit; `plain`: [`ActQuant::Plain`](super::ActQuant::Plain) (every
+/// remainder 0).
 ///
 /// # Safety
 /// The CPU must support avx2/fma/f16c; `x.len() == 32 * out.len()`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn quantize(x: &[f32], out: &mut [Q8Act]) {
+pub(super) unsafe fn quantize(x: &[f32], out: &mut [Q8Act], plain: bool) {
     let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     let res = _mm256_set1_ps(RES as f32);
     let (lo, hi) = (_mm256_set1_epi32(-127), _mm256_set1_epi32(127));
@@ -63,6 +65,9 @@ pub(super) unsafe fn quantize(x: &[f32], out: &mut [Q8Act]) {
             let vi = _mm256_mul_ps(v[i], id);
             // cvtps2dq rounds to nearest even under the default MXCSR.
             q[i] = _mm256_cvtps_epi32(vi);
+            if plain {
+                continue;
+            }
             let ri = _mm256_mul_ps(_mm256_sub_ps(vi, _mm256_cvtepi32_ps(q[i])), res);
             r[i] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(ri), lo), hi);
         }

@@ -26,6 +26,14 @@
 //! committed SmolLM2 prompts was 0.68, enough to flip near ties such as the
 //! France prompt's first token; with the remainder it is ~0.003 (see
 //! docs/design/fast-path-accuracy.md).
+//!
+//! Draft models ([`ActQuant::Plain`]): a speculative draft session's
+//! guesses are all verified by the target, so its accuracy does not
+//! affect the output; its activations are quantized to 8 bits alone (every
+//! remainder 0), and the x8 decode kernels skip the remainder's products:
+//! one `maddubs` (or `vpdpbusd`) per quad instead of two. Every kernel
+//! still computes the shared arithmetic of [`units`] (with `qr = 0`), so
+//! the levels agree bit for bit in this mode too.
 //! The integer block products are exact. Q4_1's minimum term `m · Σ x_i`
 //! uses the sum of the quantized activations, as llama.cpp does: the error
 //! is then `Σ w_i e_i` with the dequantized `w` (centred on 0); with the f32
@@ -91,6 +99,21 @@ pub struct Q8Act {
     pub qs: [i8; 32],
     /// The remainders, in units of 1/256 of a quant step (`|qr| ≤ 127`).
     pub qr: [i8; 32],
+}
+
+/// How the fast path quantizes activations (picked by the session's
+/// [`MatmulMode`](crate::kernels::MatmulMode)).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ActQuant {
+    /// 8-bit quants plus an 8-bit remainder: the accuracy bound of the
+    /// module docs.
+    #[default]
+    Remainder,
+    /// 8-bit quants alone (every [`Q8Act::qr`] 0): each element within half
+    /// an 8-bit step of its value, half the integer work in the x8 decode
+    /// kernels. For speculative draft models, whose guesses the target
+    /// verifies.
+    Plain,
 }
 
 /// Weight of [`Q8Act::qs`] against [`Q8Act::qr`] (a power of two, so the
@@ -189,9 +212,10 @@ pub fn scratch_len_for(isa: Isa, dtype: DType, s: usize, k: usize) -> Option<usi
     scratch_len(s, k)
 }
 
-/// Scalar reference: quantizes `x` (a multiple of 32 elements) into `out`.
-/// Rounds half to even, as `cvtps2dq` does, so it matches the AVX2 version bit for bit.
-pub fn quantize_act_scalar(x: &[f32], out: &mut [Q8Act]) {
+/// Scalar reference: quantizes `x` (a multiple of 32 elements) into `out`
+/// (with `quant`'s remainders, or none). Rounds half to even, as
+/// `cvtps2dq` does, so it matches the AVX2 version bit for bit.
+pub fn quantize_act_scalar(quant: ActQuant, x: &[f32], out: &mut [Q8Act]) {
     assert_eq!(x.len(), out.len() * QK, "quantize_act: length mismatch");
     for (xb, o) in x.chunks_exact(QK).zip(out.iter_mut()) {
         let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
@@ -201,9 +225,12 @@ pub fn quantize_act_scalar(x: &[f32], out: &mut [Q8Act]) {
         for i in 0..QK {
             let v = xb[i] * id;
             let q = v.round_ties_even();
-            let r = ((v - q) * RES as f32)
-                .round_ties_even()
-                .clamp(-127.0, 127.0);
+            let r = match quant {
+                ActQuant::Remainder => ((v - q) * RES as f32)
+                    .round_ties_even()
+                    .clamp(-127.0, 127.0),
+                ActQuant::Plain => 0.0,
+            };
             o.qs[i] = q as i32 as i8;
             o.qr[i] = r as i32 as i8;
             isum[i / 16] += RES * q as i32 + r as i32;
@@ -214,41 +241,46 @@ pub fn quantize_act_scalar(x: &[f32], out: &mut [Q8Act]) {
     }
 }
 
-/// Quantizes `x` into `out` (AVX2 at the SIMD levels of `isa`, else the
-/// scalar reference).
+/// Quantizes `x` into `out` as `quant` says (AVX2 at the SIMD levels of
+/// `isa`, else the scalar reference).
 ///
 /// # Panics
 /// If `x.len() != 32 * out.len()`.
-pub fn quantize_act(isa: Isa, x: &[f32], out: &mut [Q8Act]) {
-    quantize_act_with(Level::of(isa), x, out)
+pub fn quantize_act(isa: Isa, quant: ActQuant, x: &[f32], out: &mut [Q8Act]) {
+    quantize_act_with(Level::of(isa), quant, x, out)
 }
 
-fn quantize_act_with(level: Level, x: &[f32], out: &mut [Q8Act]) {
+fn quantize_act_with(level: Level, quant: ActQuant, x: &[f32], out: &mut [Q8Act]) {
     assert_eq!(x.len(), out.len() * QK, "quantize_act: length mismatch");
     #[cfg(target_arch = "x86_64")]
     {
         if level != Level::Scalar {
             // SAFETY: both SIMD levels imply avx2/fma/f16c (callers check
             // `Level::supported`); lengths checked above.
-            unsafe { avx2::quantize(x, out) };
+            unsafe { avx2::quantize(x, out, quant == ActQuant::Plain) };
             return;
         }
     }
     let _ = level;
-    quantize_act_scalar(x, out)
+    quantize_act_scalar(quant, x, out)
 }
 
 /// Upper bound of `|fast - exact|` for one output:
-/// `(1 + 1/64) Σ_b d_b · Σ_{i∈b} |w_i|` over the blocks `b` of the quantized
-/// activation row `acts` (`w` dequantized). Each activation is within one
-/// remainder step `d_b` of its value (half a step from rounding the
-/// remainder, the other half only where the clamp to ±127 bites); the 1/64
-/// covers the f32 rounding of `x / c`.
-pub fn act_error_bound(w: &[f32], acts: &[Q8Act]) -> f32 {
+/// `(1 + 1/64) Σ_b e_b · Σ_{i∈b} |w_i|` over the blocks `b` of the
+/// activation row `acts` quantized as `quant` says (`w` dequantized), with
+/// `e_b` how far an activation may be from its value: one remainder step
+/// `d_b` with the remainder (half a step from rounding it, the other half
+/// only where the clamp to ±127 bites), half an 8-bit step (`RES / 2 · d_b`)
+/// without. The 1/64 covers the f32 rounding of `x / c`.
+pub fn act_error_bound(quant: ActQuant, w: &[f32], acts: &[Q8Act]) -> f32 {
+    let steps = match quant {
+        ActQuant::Remainder => 1.0,
+        ActQuant::Plain => (RES / 2) as f32,
+    };
     let sum: f32 = w
         .chunks_exact(QK)
         .zip(acts)
-        .map(|(wb, a)| a.d * wb.iter().map(|v| v.abs()).sum::<f32>())
+        .map(|(wb, a)| steps * a.d * wb.iter().map(|v| v.abs()).sum::<f32>())
         .sum();
     sum * (1.0 + 1.0 / 64.0)
 }
@@ -306,9 +338,13 @@ fn with_rows<R>(
 
 /// `out[r * nt + t] = row_r · acts[t]` for the consecutive weight rows in
 /// `w` (`row_bytes` each; whole groups of 8 for [`Layout::X8`]) and up to
-/// 4 activation rows (`nt = acts.len()`).
+/// 4 activation rows (`nt = acts.len()`, quantized as `quant` says: the x8
+/// kernels skip the remainders' products under [`ActQuant::Plain`], where
+/// they are 0; the others multiply them).
 #[inline]
+#[allow(clippy::too_many_arguments)]
 fn dot_rows(
+    quant: ActQuant,
     dtype: DType,
     layout: Layout,
     w: &[u8],
@@ -322,7 +358,15 @@ fn dot_rows(
         if level != Level::Scalar && layout == Layout::X8 {
             // SAFETY: the caller checked the level; the lengths are checked inside.
             unsafe {
-                x8::simd::dot_rows(level == Level::Avx512Vnni, dtype, w, row_bytes, acts, out)
+                x8::simd::dot_rows(
+                    level == Level::Avx512Vnni,
+                    quant == ActQuant::Plain,
+                    dtype,
+                    w,
+                    row_bytes,
+                    acts,
+                    out,
+                )
             };
             return;
         }
@@ -351,11 +395,12 @@ fn dot_rows(
 
 /// `y = x·Wᵀ` with `epilogue` for a `W` `[n, k]` of a [supported](supports)
 /// dtype with the kernels of `isa` (lowered to what this CPU supports),
-/// quantizing each row of `x` once into `scratch` (at least
+/// quantizing each row of `x` once as `quant` says into `scratch` (at least
 /// [`scratch_len_for`]`(isa, w.dtype, s, k)` blocks). Same contract as
 /// [`super::exact::qmatmul_with`] otherwise.
 pub fn qmatmul_fast_with(
     isa: Isa,
+    quant: ActQuant,
     pool: &ThreadPool,
     a: LinearArgs<'_>,
     y: &mut [f32],
@@ -393,7 +438,7 @@ pub fn qmatmul_fast_with(
     {
         if packed_for(isa, w.dtype, s, k) {
             packed::run(
-                level, layout, pool, x, s, k, w, n_out, row_bytes, epilogue, y,
+                level, quant, layout, pool, x, s, k, w, n_out, row_bytes, epilogue, y,
             );
             return Ok(());
         }
@@ -405,10 +450,10 @@ pub fn qmatmul_fast_with(
         pool.run(s, &|t| {
             // SAFETY: chunk t owns blocks t*nb..(t+1)*nb.
             let a = unsafe { ap.slice(t * nb, nb) };
-            quantize_act_with(level, &x[t * k..(t + 1) * k], a);
+            quantize_act_with(level, quant, &x[t * k..(t + 1) * k], a);
         });
     } else {
-        quantize_act_with(level, x, acts);
+        quantize_act_with(level, quant, x, acts);
     }
     let acts: &[Q8Act] = acts;
     let yp = SyncPtr::new(y);
@@ -446,6 +491,7 @@ pub fn qmatmul_fast_with(
                 }
                 let tile = &tile[..nt];
                 dot_rows(
+                    quant,
                     w.dtype,
                     layout,
                     &w.bytes[j0 * row_bytes..j1 * row_bytes],
@@ -457,6 +503,7 @@ pub fn qmatmul_fast_with(
                 if let Epilogue::SwiGlu = epilogue {
                     let (u0, u1) = (j0 + n_out, j1 + n_out);
                     dot_rows(
+                        quant,
                         w.dtype,
                         layout,
                         &w.bytes[u0 * row_bytes..u1 * row_bytes],
@@ -689,6 +736,7 @@ mod packed {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn run(
         level: Level,
+        quant: ActQuant,
         layout: Layout,
         pool: &ThreadPool,
         x: &[f32],
@@ -702,10 +750,10 @@ mod packed {
     ) {
         match level {
             Level::Avx512Vnni => run_with::<VnniK>(
-                level, layout, pool, x, s, k, w, n_out, row_bytes, epilogue, y,
+                level, quant, layout, pool, x, s, k, w, n_out, row_bytes, epilogue, y,
             ),
             _ => run_with::<Avx2K>(
-                level, layout, pool, x, s, k, w, n_out, row_bytes, epilogue, y,
+                level, quant, layout, pool, x, s, k, w, n_out, row_bytes, epilogue, y,
             ),
         }
     }
@@ -713,6 +761,7 @@ mod packed {
     #[allow(clippy::too_many_arguments)]
     fn run_with<K: Kernels>(
         level: Level,
+        quant: ActQuant,
         layout: Layout,
         pool: &ThreadPool,
         x: &[f32],
@@ -747,7 +796,7 @@ mod packed {
                             a.resize(need, Q8Act::default());
                         }
                         let a = &mut a[..need];
-                        quantize_act_with(level, &x[t0 * k..t1 * k], a);
+                        quantize_act_with(level, quant, &x[t0 * k..t1 * k], a);
                         let mut rows: [&[Q8Act]; TG_MAX] = [&[]; TG_MAX];
                         for (t, r) in a.chunks_exact(nu).enumerate() {
                             rows[t] = r;

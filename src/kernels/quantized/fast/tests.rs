@@ -34,14 +34,31 @@ fn quantize_act_simd_matches_scalar_and_bound() {
     x[96..128].iter_mut().for_each(|v| *v = 0.0);
     x[100] = -3.0;
     let mut a = vec![Q8Act::default(); 9];
-    quantize_act_scalar(&x, &mut a);
+    quantize_act_scalar(ActQuant::Remainder, &x, &mut a);
+    let mut plain = vec![Q8Act::default(); 9];
+    quantize_act_scalar(ActQuant::Plain, &x, &mut plain);
+    assert_eq!(plain, plain_8bit(&x));
     for level in [Isa::Avx2, Isa::Avx512Vnni] {
         if !level.supported() {
             continue;
         }
         let mut b = vec![Q8Act::default(); 9];
-        quantize_act_with(Level::of(level), &x, &mut b);
+        quantize_act_with(Level::of(level), ActQuant::Remainder, &x, &mut b);
         assert_eq!(a, b, "{level:?}");
+        quantize_act_with(Level::of(level), ActQuant::Plain, &x, &mut b);
+        assert_eq!(plain, b, "{level:?} plain");
+    }
+    // Without the remainder: the same quants, every element within half
+    // an 8-bit step.
+    for (p, r) in plain.iter().zip(&a) {
+        assert_eq!((p.d, p.qs), (r.d, r.qs));
+    }
+    for (i, (&u, &v)) in x.iter().zip(&deq_act(&plain)).enumerate() {
+        let step = RES as f32 * plain[i / 32].d;
+        assert!(
+            (u - v).abs() <= step * 0.5 * (1.0 + 1.0 / 64.0),
+            "{i}: {u} vs {v}"
+        );
     }
     assert_eq!(a[1].d, 0.0);
     assert!(a[1].qs.iter().all(|&q| q == 0));
@@ -72,9 +89,39 @@ fn quantize_act_simd_matches_scalar_and_bound() {
     }
 }
 
+/// The reference of the draft models' activations, written out on its
+/// own: per block of 32, `c = max|x| / 127`, `qs = round(x · (1/c))`
+/// (ties to even), no remainder, and the scale `d = c / RES` and sums of
+/// the blocks with one.
+fn plain_8bit(x: &[f32]) -> Vec<Q8Act> {
+    x.chunks_exact(QK)
+        .map(|xb| {
+            let c = xb.iter().fold(0f32, |a, v| a.max(v.abs())) / 127.0;
+            let inv = if c == 0.0 { 0.0 } else { 1.0 / c };
+            let mut a = Q8Act {
+                d: c / RES as f32,
+                ..Q8Act::default()
+            };
+            for (q, &v) in a.qs.iter_mut().zip(xb) {
+                *q = (v * inv).round_ties_even() as i8;
+            }
+            let half = |h: usize| {
+                a.qs[16 * h..16 * h + 16]
+                    .iter()
+                    .map(|&q| RES * q as i32)
+                    .sum()
+            };
+            a.isum = [half(0), half(1)];
+            a.s = a.d * (a.isum[0] + a.isum[1]) as f32;
+            a
+        })
+        .collect()
+}
+
 #[allow(clippy::too_many_arguments)]
 fn run_level(
     level: Isa,
+    quant: ActQuant,
     x: &[f32],
     s: usize,
     k: usize,
@@ -87,6 +134,7 @@ fn run_level(
     let mut scratch = vec![Q8Act::default(); scratch_len_for(level, wr.dtype, s, k).unwrap()];
     qmatmul_fast_with(
         level,
+        quant,
         &pool,
         LinearArgs::new(x, s, k, wr, n, e),
         y,
@@ -110,9 +158,16 @@ fn weights_for(dtype: DType, wf: &[f32], n: usize, k: usize, rng: &mut Rng) -> (
 /// Every level's kernels (small-S and packed) against the scalar
 /// reference ([`dot_q8_scalar`]), bit for bit, on odd shapes with all
 /// epilogues; and the reference against the f32 product within
-/// [`act_error_bound`].
+/// [`act_error_bound`]. With the remainder, and without it (the draft
+/// models' mode, against [`plain_8bit`] activations).
 #[test]
 fn kernels_match_scalar_reference() {
+    for quant in [ActQuant::Remainder, ActQuant::Plain] {
+        kernels_match_scalar_reference_with(quant);
+    }
+}
+
+fn kernels_match_scalar_reference_with(quant: ActQuant) {
     let mut rng = Rng::new(11);
     let mut shapes = vec![];
     for s in [1, 2, 3, 5, 64, 65] {
@@ -137,7 +192,10 @@ fn kernels_match_scalar_reference() {
         let r = rng.vec(s * n);
         let nb = k / QK;
         let mut acts = vec![Q8Act::default(); s * nb];
-        quantize_act_scalar(&x, &mut acts);
+        quantize_act_scalar(quant, &x, &mut acts);
+        if quant == ActQuant::Plain {
+            assert_eq!(acts, plain_8bit(&x));
+        }
         for dtype in ALL_FAST {
             if !k.is_multiple_of(dtype.block_elems()) {
                 continue;
@@ -155,7 +213,7 @@ fn kernels_match_scalar_reference() {
                 for j in 0..n {
                     let wj = &wd[j * k..(j + 1) * k];
                     let on_f: f32 = (0..k).map(|i| x[t * k + i] * wj[i]).sum();
-                    let bound = act_error_bound(wj, at(t));
+                    let bound = act_error_bound(quant, wj, at(t));
                     let scale: f32 = (0..k).map(|i| (x[t * k + i] * wj[i]).abs()).sum();
                     let got = want[t * n + j];
                     assert!(
@@ -168,7 +226,7 @@ fn kernels_match_scalar_reference() {
                 if !level.supported() {
                     continue;
                 }
-                let ctx = format!("{dtype} {level:?} s={s} k={k} n={n}");
+                let ctx = format!("{dtype} {level:?} {quant:?} s={s} k={k} n={n}");
                 let same = |got: f32, want: f32, what: &str, t: usize, j: usize| {
                     assert!(
                         got.to_bits() == want.to_bits(),
@@ -176,13 +234,24 @@ fn kernels_match_scalar_reference() {
                     );
                 };
                 let mut y0 = vec![f32::NAN; s * n];
-                run_level(level, &x, s, k, wr, n, Epilogue::None, &mut y0);
+                run_level(level, quant, &x, s, k, wr, n, Epilogue::None, &mut y0);
                 let mut y = vec![0f32; s * n];
-                run_level(level, &x, s, k, wr, n, Epilogue::AddResidual(&r), &mut y);
+                let res = Epilogue::AddResidual(&r);
+                run_level(level, quant, &x, s, k, wr, n, res, &mut y);
                 let mut acc = r.clone();
-                run_level(level, &x, s, k, wr, n, Epilogue::Accumulate, &mut acc);
+                run_level(
+                    level,
+                    quant,
+                    &x,
+                    s,
+                    k,
+                    wr,
+                    n,
+                    Epilogue::Accumulate,
+                    &mut acc,
+                );
                 let mut g = vec![0f32; s * n / 2];
-                run_level(level, &x, s, k, wr, n, Epilogue::SwiGlu, &mut g);
+                run_level(level, quant, &x, s, k, wr, n, Epilogue::SwiGlu, &mut g);
                 for t in 0..s {
                     for j in 0..n {
                         let (i, w) = (t * n + j, want[t * n + j]);
@@ -220,6 +289,7 @@ fn kernels_match_scalar_reference() {
                     let mut scratch = vec![Q8Act::default(); need];
                     qmatmul_fast_with(
                         level,
+                        quant,
                         &pool,
                         LinearArgs::new(&x, s, k, w8, n8, e),
                         y,
@@ -319,19 +389,22 @@ fn integer_products_are_exact() {
                 }
             }
             let wr = WeightRef::new(dtype, &wq);
-            for level in LEVELS {
+            for (level, quant) in LEVELS
+                .into_iter()
+                .flat_map(|l| [(l, ActQuant::Remainder), (l, ActQuant::Plain)])
+            {
                 if !level.supported() {
                     continue;
                 }
                 let mut y = vec![0f32; s * n];
-                run_level(level, &x, s, k, wr, n, Epilogue::None, &mut y);
+                run_level(level, quant, &x, s, k, wr, n, Epilogue::None, &mut y);
                 for t in 0..s {
                     for j in 0..n {
                         let want: i64 = (0..k).map(|i| x[t * k + i] as i64 * wint[j * k + i]).sum();
                         assert_eq!(
                             y[t * n + j],
                             want as f32,
-                            "{dtype} {level:?} s={s} t={t} j={j}"
+                            "{dtype} {level:?} {quant:?} s={s} t={t} j={j}"
                         );
                     }
                 }
@@ -379,6 +452,7 @@ fn rejects_bad_arguments() {
     assert!(matches!(
         qmatmul_fast_with(
             Isa::detect(),
+            ActQuant::Remainder,
             &pool,
             LinearArgs::new(&[0.0; 32], 1, 32, wr, 1, Epilogue::None),
             &mut y,
@@ -393,6 +467,7 @@ fn rejects_bad_arguments() {
     assert!(matches!(
         qmatmul_fast_with(
             Isa::detect(),
+            ActQuant::Remainder,
             &pool,
             LinearArgs::new(&[0.0; 256], 1, 256, wk, 1, Epilogue::None),
             &mut y,

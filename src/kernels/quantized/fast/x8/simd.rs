@@ -1,6 +1,9 @@
 //! The x8 small-S kernels: AVX2 (`maddubs`, 16-bit sums where they
 //! cannot overflow; `vpmaddwd` on 16-bit values for signed quants) and
-//! AVX-512 VNNI (256-bit `vpdpbusd`).
+//! AVX-512 VNNI (256-bit `vpdpbusd`), each in two forms: with the
+//! activations' remainders and, for activations quantized without them
+//! ([`ActQuant::Plain`](super::super::ActQuant::Plain), every `qr` 0),
+//! without their products (`PLAIN`), which gives the same sums.
 
 use super::super::avx2::{
     iq4_grid_u, with_fmt, DecodedUnit, FIq4Nl, FIq4Xs, Fmt, WUnit, FQ3K, FQ4K, FQ4_0, FQ4_1, FQ5K,
@@ -411,12 +414,15 @@ unsafe fn decode_units_t<F: X8Fmt>(w: &[u8], row_bytes: usize, out: &mut [WUnit]
 }
 
 /// `out[r * nt + t] = row_r · acts[t]` for the x8 groups in `w` (whole
-/// groups of `row_bytes` rows) and 1..=4 activation rows.
+/// groups of `row_bytes` rows) and 1..=4 activation rows; `plain`: the
+/// activations have no remainders (every `qr` 0, which the kernels then
+/// do not read).
 ///
 /// # Safety
 /// The CPU must support `vnni ? Avx512Vnni : Avx2`; `dtype` has an x8 layout.
 pub(in super::super) unsafe fn dot_rows(
     vnni: bool,
+    plain: bool,
     dtype: DType,
     w: &[u8],
     row_bytes: usize,
@@ -424,10 +430,11 @@ pub(in super::super) unsafe fn dot_rows(
     out: &mut [f32],
 ) {
     unsafe {
-        if vnni {
-            with_fmt!(dtype, rows_vnni::<_>(w, row_bytes, acts, out))
-        } else {
-            with_fmt!(dtype, rows_avx2::<_>(w, row_bytes, acts, out))
+        match (vnni, plain) {
+            (true, false) => with_fmt!(dtype, rows_vnni::<_, false>(w, row_bytes, acts, out)),
+            (true, true) => with_fmt!(dtype, rows_vnni::<_, true>(w, row_bytes, acts, out)),
+            (false, false) => with_fmt!(dtype, rows_avx2::<_, false>(w, row_bytes, acts, out)),
+            (false, true) => with_fmt!(dtype, rows_avx2::<_, true>(w, row_bytes, acts, out)),
         }
     }
 }
@@ -494,27 +501,37 @@ macro_rules! by_tokens {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_avx2<F: X8Fmt>(w: &[u8], row_bytes: usize, acts: &[&[Q8Act]], out: &mut [f32]) {
+unsafe fn rows_avx2<F: X8Fmt, const PLAIN: bool>(
+    w: &[u8],
+    row_bytes: usize,
+    acts: &[&[Q8Act]],
+    out: &mut [f32],
+) {
     let nblk = row_bytes / F::BYTES;
     let nu = nblk * F::UNITS;
     // SAFETY (both closures): they run inside a function with these features.
     if four_tokens(F::D) {
         tiles::<4>(w, row_bytes, nu, acts, out, |g, a, v| unsafe {
-            by_tokens!(group::<F, Maddubs8>(g, nblk, a, v))
+            by_tokens!(group::<F, Maddubs8, PLAIN>(g, nblk, a, v))
         });
     } else {
         tiles::<2>(w, row_bytes, nu, acts, out, |g, a, v| unsafe {
-            by_tokens!(group::<F, Maddubs8>(g, nblk, a, v))
+            by_tokens!(group::<F, Maddubs8, PLAIN>(g, nblk, a, v))
         });
     }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn rows_vnni<F: X8Fmt>(w: &[u8], row_bytes: usize, acts: &[&[Q8Act]], out: &mut [f32]) {
+unsafe fn rows_vnni<F: X8Fmt, const PLAIN: bool>(
+    w: &[u8],
+    row_bytes: usize,
+    acts: &[&[Q8Act]],
+    out: &mut [f32],
+) {
     let nblk = row_bytes / F::BYTES;
     tiles::<4>(w, row_bytes, nblk * F::UNITS, acts, out, |g, a, v| {
         // SAFETY: this closure runs inside a function with these features.
-        unsafe { by_tokens!(group::<F, Vnni8>(g, nblk, a, v)) }
+        unsafe { by_tokens!(group::<F, Vnni8, PLAIN>(g, nblk, a, v)) }
     });
 }
 
@@ -603,24 +620,29 @@ trait GroupDot {
     const SIGNED_SUMS: bool;
     /// The exact sums of unit `u` of block column `x` with the tokens'
     /// blocks `ab`, per half (`[t][h]`; half 0 holds the whole unit for
-    /// formats with one scale per unit), lane `r` = row `r`.
+    /// formats with one scale per unit), lane `r` = row `r`. `PLAIN`: the
+    /// blocks' remainders are 0 and not read.
     ///
     /// # Safety
     /// Inlined into a function with the level's features only; `x` holds
     /// one block column, `u < UNITS`.
-    unsafe fn unit<F: X8Fmt, const NT: usize>(x: &[u8], u: usize, ab: &[&Q8Act; NT]) -> Sums<NT>;
+    unsafe fn unit<F: X8Fmt, const PLAIN: bool, const NT: usize>(
+        x: &[u8],
+        u: usize,
+        ab: &[&Q8Act; NT],
+    ) -> Sums<NT>;
 }
 
 /// Per token, a unit's exact sums per half (lane = row).
 type Sums<const NT: usize> = [[__m256i; 2]; NT];
 
-/// One group of 8 rows times `NT` tokens with `K`'s products and the
-/// shared f32 step.
+/// One group of 8 rows times `NT` tokens with `K`'s products (without the
+/// remainders' where `PLAIN`) and the shared f32 step.
 ///
 /// # Safety
 /// Inlined into a function with `K`'s level's features only.
 #[inline(always)]
-unsafe fn group<F: X8Fmt, K: GroupDot, const NT: usize>(
+unsafe fn group<F: X8Fmt, K: GroupDot, const PLAIN: bool, const NT: usize>(
     g: &[u8],
     nblk: usize,
     a: [&[Q8Act]; NT],
@@ -656,7 +678,7 @@ unsafe fn group<F: X8Fmt, K: GroupDot, const NT: usize>(
                 for t in 0..NT {
                     ab[t] = &a[t][blk * F::UNITS + u];
                 }
-                let i32s = K::unit::<F, NT>(x, u, &ab);
+                let i32s = K::unit::<F, PLAIN, NT>(x, u, &ab);
                 for t in 0..NT {
                     f[t] = step::<F>(f[t], i32s[t], ab[t], &d[u], m[u], off);
                 }
@@ -674,13 +696,21 @@ unsafe fn group<F: X8Fmt, K: GroupDot, const NT: usize>(
 /// overflow. Formats with `OFF = 128` (signed quants) instead multiply the
 /// quants sign-extended to 16 bits with the activations as exact 16-bit
 /// values ([`wide16`]) by `vpmaddwd`; both give the same integer sums.
+/// Without remainders (`PLAIN`) the unsigned formats take one `maddubs`
+/// per quad and token instead of two, and the signed ones one `maddubs`
+/// of `|q|` with the activation quants' signs moved by `q` (each pair sum
+/// at most 2·128·127, inside `i16`) instead of two `vpmaddwd`.
 struct Maddubs8;
 
 impl GroupDot for Maddubs8 {
     const PREFETCH: bool = true;
     const SIGNED_SUMS: bool = true;
     #[inline(always)]
-    unsafe fn unit<F: X8Fmt, const NT: usize>(x: &[u8], u: usize, ab: &[&Q8Act; NT]) -> Sums<NT> {
+    unsafe fn unit<F: X8Fmt, const PLAIN: bool, const NT: usize>(
+        x: &[u8],
+        u: usize,
+        ab: &[&Q8Act; NT],
+    ) -> Sums<NT> {
         let signed = F::OFF >= 128;
         // Unsigned formats: words per 16-bit sum (each maddubs lane is at
         // most 2·UMAX·127).
@@ -697,7 +727,7 @@ impl GroupDot for Maddubs8 {
             let mut a16 = [[_mm256_setzero_si256(); 2]; NT];
             let mut lo = [_mm256_setzero_si256(); NT];
             let mut hi = [_mm256_setzero_si256(); NT];
-            if signed {
+            if signed && !PLAIN {
                 for t in 0..NT {
                     a16[t] = wide16(ab[t]);
                 }
@@ -705,7 +735,16 @@ impl GroupDot for Maddubs8 {
             for j in 0..8 {
                 let h = if F::SPLIT { j / 4 } else { 0 };
                 let wq = F::quad(x, u, j);
-                if signed {
+                if signed && PLAIN {
+                    // |q| times the activation quants with q's sign, in
+                    // 16-bit pair sums, then RES · Σ q·qs per row (lane).
+                    let q = _mm256_xor_si256(wq, _mm256_set1_epi8(-128));
+                    let qa = _mm256_abs_epi8(q);
+                    for t in 0..NT {
+                        let p = _mm256_maddubs_epi16(qa, _mm256_sign_epi8(bcast(&ab[t].qs, j), q));
+                        i32s[t][h] = _mm256_add_epi32(i32s[t][h], _mm256_madd_epi16(p, res));
+                    }
+                } else if signed {
                     // The signed quants widened to 16 bits: rows 0-3
                     // (`ql`) and 4-7 (`qh`), four elements each.
                     let q = _mm256_xor_si256(wq, _mm256_set1_epi8(-128));
@@ -733,18 +772,20 @@ impl GroupDot for Maddubs8 {
                             s16q[t],
                             _mm256_maddubs_epi16(wq, bcast(&ab[t].qs, j)),
                         );
-                        s16r[t] = _mm256_add_epi16(
-                            s16r[t],
-                            _mm256_maddubs_epi16(wq, bcast(&ab[t].qr, j)),
-                        );
+                        if !PLAIN {
+                            s16r[t] = _mm256_add_epi16(
+                                s16r[t],
+                                _mm256_maddubs_epi16(wq, bcast(&ab[t].qr, j)),
+                            );
+                        }
                     }
                     n16 += 1;
                     if n16 == per16 || j == 7 || (F::SPLIT && j == 3) {
                         for t in 0..NT {
-                            let p = _mm256_add_epi32(
-                                _mm256_madd_epi16(s16q[t], res),
-                                _mm256_madd_epi16(s16r[t], ones),
-                            );
+                            let mut p = _mm256_madd_epi16(s16q[t], res);
+                            if !PLAIN {
+                                p = _mm256_add_epi32(p, _mm256_madd_epi16(s16r[t], ones));
+                            }
                             i32s[t][h] = _mm256_add_epi32(i32s[t][h], p);
                             s16q[t] = _mm256_setzero_si256();
                             s16r[t] = _mm256_setzero_si256();
@@ -759,14 +800,18 @@ impl GroupDot for Maddubs8 {
 }
 
 /// The AVX-512 VNNI products: 256-bit `vpdpbusd` of the unsigned quants
-/// with the broadcast activation words.
+/// with the broadcast activation words (the quants' alone where `PLAIN`).
 struct Vnni8;
 
 impl GroupDot for Vnni8 {
     const PREFETCH: bool = false;
     const SIGNED_SUMS: bool = false;
     #[inline(always)]
-    unsafe fn unit<F: X8Fmt, const NT: usize>(x: &[u8], u: usize, ab: &[&Q8Act; NT]) -> Sums<NT> {
+    unsafe fn unit<F: X8Fmt, const PLAIN: bool, const NT: usize>(
+        x: &[u8],
+        u: usize,
+        ab: &[&Q8Act; NT],
+    ) -> Sums<NT> {
         // SAFETY: the VNNI level (the caller's contract); x and u as the
         // caller's.
         unsafe {
@@ -777,7 +822,9 @@ impl GroupDot for Vnni8 {
                 let wq = F::quad(x, u, j);
                 for t in 0..NT {
                     sq[t][h] = _mm256_dpbusd_epi32(sq[t][h], wq, bcast(&ab[t].qs, j));
-                    sr[t][h] = _mm256_dpbusd_epi32(sr[t][h], wq, bcast(&ab[t].qr, j));
+                    if !PLAIN {
+                        sr[t][h] = _mm256_dpbusd_epi32(sr[t][h], wq, bcast(&ab[t].qr, j));
+                    }
                 }
             }
             std::array::from_fn(|t| {
