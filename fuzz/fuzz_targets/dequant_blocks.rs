@@ -10,10 +10,10 @@ use libfuzzer_sys::fuzz_target;
 use llama_graph::ir::DType;
 use llama_graph::kernels::matmul::Epilogue;
 use llama_graph::kernels::quantized::fast::{
-    qmatmul_fast_with, scratch_len_for, supports, x8, Layout, Q8Act,
+    qmatmul_fast_with, scratch_len_for, supports, x8, ActQuant, Layout, Q8Act,
 };
 use llama_graph::kernels::quantized::{dequantize_row, dot_row_scalar, dot_row_simd};
-use llama_graph::kernels::{Isa, WeightRef};
+use llama_graph::kernels::{Isa, LinearArgs, WeightRef};
 use llama_graph::pool::ThreadPool;
 use std::sync::OnceLock;
 
@@ -78,12 +78,16 @@ fuzz_target!(|data: &[u8]| {
     }
     // The fast path: the bytes as one weight row, 2 activation rows (the
     // small-S kernels) and 17 (the packed prefill kernels), at the scalar
-    // level and at this CPU's own. Every level computes the same f32
-    // operations, so the results agree bit for bit (or are both NaN).
+    // level and at this CPU's own, with the activations' remainder and
+    // without it (a draft model's precision). Every level computes the same
+    // f32 operations, so the results agree bit for bit (or are both NaN).
     if supports(dtype) && n > 0 {
         let pool = POOL.get_or_init(|| ThreadPool::new(2));
         let w = WeightRef::new(dtype, bytes);
-        for s in [2usize, 17] {
+        for (quant, s) in [ActQuant::Remainder, ActQuant::Plain]
+            .into_iter()
+            .flat_map(|q| [(q, 2usize), (q, 17)])
+        {
             let xs: Vec<f32> = (0..s)
                 .flat_map(|t| x.iter().map(move |v| v * (1.0 + t as f32)))
                 .collect();
@@ -91,21 +95,22 @@ fuzz_target!(|data: &[u8]| {
             for (i, isa) in [Isa::Scalar, llama_graph::kernels::Kernels::current().isa()].into_iter().enumerate() {
                 let need = scratch_len_for(isa, dtype, s, n).expect("whole blocks");
                 let mut scratch = vec![Q8Act::default(); need];
-                qmatmul_fast_with(isa, pool, &xs, s, n, w, 1, Epilogue::None, &mut got[i], &mut scratch)
+                let args = LinearArgs::new(&xs, s, n, w, 1, Epilogue::None);
+                qmatmul_fast_with(isa, quant, pool, args, &mut got[i], &mut scratch)
                     .expect("valid shapes");
             }
             for t in 0..s {
                 let (a, b) = (got[0][t], got[1][t]);
                 assert!(
                     a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
-                    "{dtype} fast path, s={s} token {t}: scalar {a} vs {b}"
+                    "{dtype} fast path {quant:?}, s={s} token {t}: scalar {a} vs {b}"
                 );
             }
         }
     }
     // The x8 layout: 8 rows (row r = the blocks rotated by r), interleaved,
     // at this CPU's level against the row-major rows at the scalar level,
-    // bit for bit.
+    // bit for bit, in both activation modes.
     if x8::supports(dtype, x8::G, n) {
         let pool = POOL.get_or_init(|| ThreadPool::new(2));
         let mut rows = Vec::with_capacity(x8::G * bytes.len());
@@ -116,7 +121,10 @@ fuzz_target!(|data: &[u8]| {
         }
         let mut inter = vec![0u8; rows.len()];
         x8::repack(dtype, &rows, bytes.len(), &mut inter);
-        for s in [1usize, 3, 17] {
+        for (quant, s) in [ActQuant::Remainder, ActQuant::Plain]
+            .into_iter()
+            .flat_map(|q| [(q, 1usize), (q, 3), (q, 17)])
+        {
             let xs: Vec<f32> = (0..s)
                 .flat_map(|t| x.iter().map(move |v| v * (1.0 - t as f32)))
                 .collect();
@@ -128,13 +136,14 @@ fuzz_target!(|data: &[u8]| {
             for (i, (isa, w)) in ws.into_iter().enumerate() {
                 let need = scratch_len_for(isa, dtype, s, n).expect("whole blocks");
                 let mut scratch = vec![Q8Act::default(); need];
-                qmatmul_fast_with(isa, pool, &xs, s, n, w, x8::G, Epilogue::None, &mut got[i], &mut scratch)
+                let args = LinearArgs::new(&xs, s, n, w, x8::G, Epilogue::None);
+                qmatmul_fast_with(isa, quant, pool, args, &mut got[i], &mut scratch)
                     .expect("valid shapes");
             }
             for (j, (a, b)) in got[0].iter().zip(&got[1]).enumerate() {
                 assert!(
                     a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
-                    "{dtype} x8, s={s} output {j}: rows {a} vs x8 {b}"
+                    "{dtype} x8 {quant:?}, s={s} output {j}: rows {a} vs x8 {b}"
                 );
             }
         }
