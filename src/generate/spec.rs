@@ -717,6 +717,18 @@ impl Adapt {
         let Some(unread) = unread else {
             return k;
         };
+        if k > 0 && self.probing && self.acceptance().is_some() {
+            // A probe of a paused draft model first catches it up: up to
+            // `MAX_CATCH_UP` tokens, more than the probe's own step. It
+            // fits the budget with that cost, or waits.
+            let t1 = self.step1.get().unwrap_or(0.0);
+            let per = self.catch_up.get().or(self.draft.at(1)).unwrap_or(t1);
+            let probe = per * unread as f64 + self.cost(k, t1) - t1;
+            if self.explored + probe > EXPLORE_SHARE * self.spent {
+                self.probing = false;
+                return 0;
+            }
+        }
         if k > 0 && resuming && !self.probing {
             let t1 = self.step1.get().unwrap_or(0.0);
             let saving = self.tokens(k) * t1 - self.cost(k, t1);
@@ -984,6 +996,36 @@ mod tests {
         a.draft_times(1, 30, 0.015, 0.015);
         a.draft_times(1, 30, 0.015, 0.015);
         assert!(a.choose_model(&cfg, 8, Some(MAX_CATCH_UP)) > 0);
+    }
+
+    #[test]
+    fn a_probe_of_a_paused_draft_model_counts_its_catch_up() {
+        // SmolLM2-135M F16 with a Q4_0 draft whose guesses fail, one
+        // thread: a plain step 33 ms; a catch-up 7.5 ms per token.
+        let cfg = SpecConfig::default();
+        let mut a = Adapt::default();
+        a.step_time(1, 0.033);
+        assert_eq!(a.choose_model(&cfg, 8, Some(2)), FIRST_DRAFT);
+        a.draft_times(4, 2, 0.015, 0.040);
+        a.step_time(5, 0.063);
+        a.verified(4, 0);
+        let plain = |a: &mut Adapt, n: usize| {
+            for _ in 0..n {
+                a.step_time(1, 0.033);
+            }
+        };
+        // 200 plain steps (6.6 s): 2% is 132 ms, the first draft took
+        // 85 ms. A probe 32 tokens behind (240 ms of catch-up) waits...
+        plain(&mut a, 200);
+        assert_eq!(a.choose_model(&cfg, 8, Some(MAX_CATCH_UP)), 0);
+        assert!(!a.probing);
+        // ...one 2 tokens behind does not.
+        assert_eq!(a.choose_model(&cfg, 8, Some(2)), 1);
+        assert!(a.probing);
+        // With time enough, the far one is made too.
+        let mut b = a.clone();
+        plain(&mut b, 400);
+        assert_eq!(b.choose_model(&cfg, 8, Some(MAX_CATCH_UP)), 1);
     }
 
     #[test]
