@@ -217,7 +217,9 @@ pub struct SpecFlags {
     /// format -m takes) with the same tokenizer vocabulary, checked at
     /// load. It guesses the next tokens greedily; the model verifies them
     /// in one step and keeps exactly the tokens it would have produced
-    /// without a draft.
+    /// without a draft. The draft runs its quantized matmuls with 8-bit
+    /// activations alone (cheaper guesses; they never change the output);
+    /// with --exact it runs exact too.
     #[arg(
         long = "draft-model",
         value_name = "PATH",
