@@ -717,24 +717,26 @@ impl Adapt {
         let Some(unread) = unread else {
             return k;
         };
-        if k > 0 && self.probing && self.acceptance().is_some() {
+        if k == 0 {
+            return 0;
+        }
+        let t1 = self.step1.get().unwrap_or(0.0);
+        // Before a catch-up was measured, as dear as drafting.
+        let per = self.catch_up.get().or(self.draft.at(1)).unwrap_or(t1);
+        let catch_up = per * unread as f64;
+        if self.probing && self.acceptance().is_some() {
             // A probe of a paused draft model first catches it up: up to
             // `MAX_CATCH_UP` tokens, more than the probe's own step. It
             // fits the budget with that cost, or waits.
-            let t1 = self.step1.get().unwrap_or(0.0);
-            let per = self.catch_up.get().or(self.draft.at(1)).unwrap_or(t1);
-            let probe = per * unread as f64 + self.cost(k, t1) - t1;
+            let probe = catch_up + self.cost(k, t1) - t1;
             if self.explored + probe > EXPLORE_SHARE * self.spent {
                 self.probing = false;
                 return 0;
             }
         }
-        if k > 0 && resuming && !self.probing {
-            let t1 = self.step1.get().unwrap_or(0.0);
+        if resuming && !self.probing {
             let saving = self.tokens(k) * t1 - self.cost(k, t1);
-            // Before a catch-up was measured, as dear as drafting.
-            let per = self.catch_up.get().or(self.draft.at(1)).unwrap_or(t1);
-            if saving * RESUME_STEPS < per * unread as f64 {
+            if saving * RESUME_STEPS < catch_up {
                 return 0;
             }
         }
@@ -963,17 +965,28 @@ mod tests {
         assert!((a.verify.at(8).unwrap() - 0.0819).abs() < 1e-9);
     }
 
+    /// A controller after a plain step of `t1` and a first draft of a
+    /// draft model 2 tokens behind: catching up in `catch_up`, drafting
+    /// in `draft`, verifying in `step`, `kept` of its guesses kept.
+    fn first_draft(t1: f64, catch_up: f64, draft: f64, step: f64, kept: usize) -> Adapt {
+        let mut a = Adapt::default();
+        a.step_time(1, t1);
+        assert_eq!(
+            a.choose_model(&SpecConfig::default(), 8, Some(2)),
+            FIRST_DRAFT
+        );
+        a.draft_times(FIRST_DRAFT, 2, catch_up, draft);
+        a.step_time(FIRST_DRAFT + 1, step);
+        a.verified(FIRST_DRAFT, kept);
+        a
+    }
+
     #[test]
     fn a_paused_draft_model_resumes_when_its_catch_up_pays() {
         // The F16 costs of `drive_f16_draft`, every guess kept.
         let cfg = SpecConfig::default();
-        let mut a = Adapt::default();
-        a.step_time(1, 0.036);
-        assert_eq!(a.choose_model(&cfg, 8, Some(2)), FIRST_DRAFT);
         // Catching up 2 tokens took 22 ms.
-        a.draft_times(4, 2, 0.022, 0.060);
-        a.step_time(5, 0.094);
-        a.verified(4, 4);
+        let mut a = first_draft(0.036, 0.022, 0.060, 0.094, 4);
         for _ in 0..4 {
             let k = a.choose_model(&cfg, 8, Some(1));
             assert!(k > 0, "guessing pays");
@@ -1003,12 +1016,7 @@ mod tests {
         // SmolLM2-135M F16 with a Q4_0 draft whose guesses fail, one
         // thread: a plain step 33 ms; a catch-up 7.5 ms per token.
         let cfg = SpecConfig::default();
-        let mut a = Adapt::default();
-        a.step_time(1, 0.033);
-        assert_eq!(a.choose_model(&cfg, 8, Some(2)), FIRST_DRAFT);
-        a.draft_times(4, 2, 0.015, 0.040);
-        a.step_time(5, 0.063);
-        a.verified(4, 0);
+        let mut a = first_draft(0.033, 0.015, 0.040, 0.063, 0);
         let plain = |a: &mut Adapt, n: usize| {
             for _ in 0..n {
                 a.step_time(1, 0.033);
