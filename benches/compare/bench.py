@@ -267,6 +267,20 @@ def test_name(r):
     return f"{name}@d{d}" if d else name
 
 
+TESTS = ("pp128", "pp512", "tg")
+
+
+def test_cols(sample):
+    """The test columns (`pp128`, `tg64`, ...) of one sample."""
+    return [x for x in sample if x.startswith(("pp", "tg"))]
+
+
+def selected(col, tests):
+    """Whether the test column `col` (`pp512`, `tg64`) is one of `tests`
+    (`run --tests` names: `pp128`, `pp512`, `tg`)."""
+    return (col[:2] if col.startswith("tg") else col) in tests
+
+
 def rows_of(out):
     res = {}
     for r in json.loads(out):
@@ -304,7 +318,8 @@ def run(args):
            "samples": samples, "llama_graph": harness.git_rev(Path(lg_bin).parent),
            "command": "python3 benches/compare/bench.py " + shlex.join(sys.argv[1:]), "args": vars(args)}
     if args.merge and out.exists():
-        res["merged"], kept = merged_runs(json.loads(out.read_text()), variants, classes, threads, bool(args.depths))
+        res["merged"], kept = merged_runs(json.loads(out.read_text()), variants, classes, threads,
+                                          bool(args.depths), args.tests)
         samples.update(kept)
     for rnd in range(args.rounds):
         for v in variants:
@@ -314,8 +329,9 @@ def run(args):
                 for t in threads:
                     if v.startswith(BIG) and t not in args.one_b_threads:
                         continue
-                    flags = ["-m", str(path), "-p", "128,512", "-n", str(n), "-t", str(t), "-r", "1",
-                             "-o", "json"]
+                    pps = ",".join(x[2:] for x in args.tests if x.startswith("pp")) or "0"
+                    flags = ["-m", str(path), "-p", pps, "-n", str(n if "tg" in args.tests else 0),
+                             "-t", str(t), "-r", "1", "-o", "json"]
                     if args.depths:
                         depths = args.one_b_depths if v.startswith(BIG) else args.depths
                         flags = ["-m", str(path), "-p", "512", "-n", "128", "-d", depths, "-t", str(t),
@@ -346,15 +362,27 @@ def run(args):
     print("\n".join(table(res)))
 
 
-def merged_runs(old, variants, classes, threads, depths):
+def merged_runs(old, variants, classes, threads, depths, tests=TESTS):
     """For `run --merge`: the earlier runs whose rows stay (each with its
-    command, commit, rounds and row keys) and their samples, from the results
-    JSON `old`, without the rows of `variants` x `classes` x `threads`."""
+    command, commit, rounds and row keys, and under `tests` the columns it
+    still gives of rows this run measures in part) and their samples, from
+    the results JSON `old`, without the `tests` columns of the rows of
+    `variants` x `classes` x `threads`."""
     if bool(old.get("args", {}).get("depths")) != depths:
         sys.exit("--merge: the results file holds the other kind of run (with/without --depths); "
                  "pass --out for a new file")
     measured = {f"{v}|{c}|{t}" for v in variants for c in classes for t in threads}
-    kept = {k: x for k, x in old["samples"].items() if k.rsplit("|", 1)[0] not in measured}
+    kept = {}
+    for k, xs in old["samples"].items():
+        if k.rsplit("|", 1)[0] not in measured:
+            kept[k] = xs
+            continue
+        # A sample keeps the columns this run does not measure (and its RSS).
+        rest = [{c: v for c, v in x.items() if not (c.startswith(("pp", "tg")) and selected(c, tests))}
+                for x in xs]
+        rest = [x for x in rest if test_cols(x)]
+        if rest:
+            kept[k] = rest
     runs = []
     # The file's own run first, then the runs it had merged in turn.
     earlier = old.get("merged", [])
@@ -364,20 +392,36 @@ def merged_runs(old, variants, classes, threads, depths):
         # bound is computed from it, not from a later run's.
         this["read_gbs"] = old["read_gbs"]
     this["rows"] = sorted({k.rsplit("|", 1)[0] for k in old["samples"]}
-                          - {r for run in earlier for r in run["rows"]})
+                          - {r for run in earlier for r in run["rows"] if r not in run.get("tests", {})})
+    own = old.get("args", {}).get("tests") or TESTS
+    if set(own) != set(TESTS):
+        # That run measured only some columns of its rows.
+        this["tests"] = {r: sorted({c for x in old["samples"].get(f"{r}|lg", []) for c in test_cols(x)
+                                    if selected(c, own)}) for r in this["rows"]}
     for run in [this] + earlier:
         rows = [r for r in run["rows"] if f"{r}|lg" in kept or f"{r}|lc" in kept]
+        if not rows:
+            continue
+        given = dict(run.get("tests", {}))
+        for r in rows:
+            if r in measured:
+                cols = {c for x in kept.get(f"{r}|lg", []) for c in test_cols(x)}
+                given[r] = sorted(c for c in given.get(r, cols) if c in cols)
+        rows = [r for r in rows if given.get(r, True)]
+        given = {r: c for r, c in given.items() if r in rows}
         if rows:
-            runs.append(dict(run, rows=rows))
+            runs.append(dict(run, rows=rows, **({"tests": given} if given else {})))
     return runs, kept
 
 
 def short_note(res):
     """The line naming this run's rows with fewer samples than its rounds
     (a run stopped early, or still going), if any."""
-    merged = {r for run in res.get("merged", []) for r in run["rows"]}
-    short = sorted(f"{k} ({len(x)})" for k, x in res["samples"].items()
-                   if k.rsplit("|", 1)[0] not in merged and len(x) < res["rounds"])
+    merged = {r for run in res.get("merged", []) for r in run["rows"] if r not in run.get("tests", {})}
+    tests = res.get("args", {}).get("tests") or TESTS
+    short = sorted(f"{k} ({n})" for k, x in res["samples"].items()
+                   if k.rsplit("|", 1)[0] not in merged
+                   and (n := sum(any(selected(c, tests) for c in test_cols(s)) for s in x)) < res["rounds"])
     if not short:
         return []
     return ["", f"Fewer samples than the {res['rounds']} rounds (the run stopped early or is still going): "
@@ -391,7 +435,9 @@ def merged_note(res):
     for run in res.get("merged", []):
         bw = "".join(f", read bandwidth at {t} threads {statistics.median(v):.1f} GB/s"
                      for t, v in sorted(run.get("read_gbs", {}).items()))
-        lines += ["", f"Rows {', '.join(run['rows'])}: from an earlier run, {run['rounds']} rounds{bw}, "
+        part = run.get("tests", {})
+        rows = ", ".join(f"{r} ({', '.join(part[r])})" if r in part else r for r in run["rows"])
+        lines += ["", f"Rows {rows}: from an earlier run, {run['rounds']} rounds{bw}, "
                   f"llama-graph at commit {run['llama_graph']}: `{run['command']}`"]
     return lines
 
@@ -453,10 +499,13 @@ def table(res, threads=None):
         if not lg or not lc:
             continue
         cells = []
-        tg = [x for x in lg[0] if x.startswith("tg")][0]
+        tg = next((x for s in lg for x in s if x.startswith("tg")), "tg")
         for col in ["pp128", "pp512", tg, "rss_mib"]:
-            a = statistics.median(s[col] for s in lg)
-            b = statistics.median(s[col] for s in lc)
+            if not any(col in s for s in lg) or not any(col in s for s in lc):
+                cells.append("")
+                continue
+            a = statistics.median(s[col] for s in lg if col in s)
+            b = statistics.median(s[col] for s in lc if col in s)
             cells.append(f"{a:.0f} / {b:.0f} = **{a / b:.2f}**" if col != "rss_mib"
                          else f"{a:.0f} / {b:.0f} = {a / b:.2f}")
         lines.append(f"| {v} | {cls} | {t} | " + " | ".join(cells) + " |")
@@ -472,9 +521,10 @@ def family_table(res):
 
     def ratio(key, col):
         lg, lc = samples.get(key + "|lg"), samples.get(key + "|lc")
-        if not lg or not lc or col not in lg[0] or col not in lc[0]:
+        if not lg or not lc or not any(col in s for s in lg) or not any(col in s for s in lc):
             return None
-        return statistics.median(s[col] for s in lg) / statistics.median(s[col] for s in lc)
+        return (statistics.median(s[col] for s in lg if col in s)
+                / statistics.median(s[col] for s in lc if col in s))
 
     lines = [f"CPU: {res['cpu']}; medians of {res['rounds']} interleaved rounds; "
              "ratio = llama-graph / llama.cpp tokens/s (higher is better), the family's file vs "
@@ -592,6 +642,10 @@ def main():
                         "does not measure (their run's command, commit and rounds are kept under `merged`)")
     r.add_argument("--llama-graph", default=str(LG),
                    help="the llama-graph binary to measure (default: this checkout's target/release/llama-graph)")
+    r.add_argument("--tests", default=",".join(TESTS),
+                   type=lambda s: [x for x in s.split(",") if x],
+                   help="the tests to run, of pp128,pp512,tg (tg is tg128, tg64 on the 1B-shaped files); "
+                        "with --merge the other tests' columns of the measured rows are kept")
     r.add_argument("--depths", default="",
                    help="measure -p 512 -n 128 at these depths (llama-bench -d), e.g. 0,4096")
     r.add_argument("--one-b-depths", default="0,4096,16384", help="the depths for the 1B files")
@@ -609,6 +663,11 @@ def main():
     if a.cmd == "prepare":
         prepare(a)
     elif a.cmd == "run":
+        bad = [x for x in a.tests if x not in TESTS]
+        if bad or not a.tests:
+            ap.error(f"--tests: {', '.join(bad) or 'none given'}: choose from {', '.join(TESTS)}")
+        if a.depths and a.tests != list(TESTS):
+            ap.error("--tests: a --depths run measures pp512 and tg128 at each depth; drop --tests")
         run(a)
     elif a.docs:
         write_docs(a.docs)
