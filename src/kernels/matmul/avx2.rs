@@ -1,7 +1,8 @@
 //! AVX2 + FMA + F16C tile kernels ([`super::tiles`]): 8-lane accumulators,
 //! up to 4 weight rows × 3 tokens (12 ymm accumulators, 7 loads per 12
 //! FMAs), and for steps of 4 to 9 tokens 2 rows × up to 7 tokens
-//! (`tiles::pair_tiles`), weights read in their stored dtype (F16 widened with `VCVTPH2PS`,
+//! (`tiles::pair_tiles`; F16 steps of 8 and 9 tokens one row × all of
+//! them), weights read in their stored dtype (F16 widened with `VCVTPH2PS`,
 //! BF16 zero-extended and shifted, 128-bit loads); the K tail is copied into
 //! zero-padded 8-lane buffers and multiply-added like the rest. The kernels
 //! are [`super::tiles::simd`]'s, at `__m256`, with this level's prefetch
@@ -33,7 +34,7 @@ const WIDEN_F16: bool = false;
 /// first token tile of each row tile, `tiles::columns`).
 const PREFETCH_ROWS: usize = 4;
 
-tiles_level!(Avx2, std::arch::x86_64::__m256, "avx2,fma,f16c", widen_f16: WIDEN_F16, prefetch_rows: PREFETCH_ROWS, tokens: [3, 2], pair_tokens: [7, 6, 5, 4]);
+tiles_level!(Avx2, std::arch::x86_64::__m256, "avx2,fma,f16c", widen_f16: WIDEN_F16, prefetch_rows: PREFETCH_ROWS, tokens: [3, 2], pair_tokens: [7, 6, 5, 4], row_tokens: [9, 8]);
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {

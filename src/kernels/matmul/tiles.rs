@@ -34,7 +34,7 @@ pub(crate) mod simd;
 /// Weight-row tile (accumulator rows).
 pub(crate) const RT: usize = 4;
 /// Largest token tile of any level.
-pub(crate) const MAX_TT: usize = 7;
+pub(crate) const MAX_TT: usize = 9;
 
 /// A tile's sums: `[token][row]`.
 pub(crate) type Sums = [[f32; RT]; MAX_TT];
@@ -93,6 +93,11 @@ pub(crate) trait Tiles {
     /// [`PAIR_MAX`] tokens (0: such steps run the tiles of `TT` too). See
     /// [`pair_tiles`].
     const PAIR_TT: usize = 0;
+
+    /// Most tokens of a one-row tile, which F16 steps of more than
+    /// [`Tiles::PAIR_TT`] tokens and at most this many run (0: none). See
+    /// [`pair_tiles`].
+    const ROW_TT: usize = 0;
 
     /// Rows ahead of the row being multiplied whose weights a single-token
     /// product prefetches (0: none).
@@ -199,7 +204,9 @@ pub(crate) unsafe fn dot4<K: Tiles>(
 }
 
 /// Steps of this many tokens or fewer, down to [`PAIR_MIN`], run the
-/// two-row tiles of [`Tiles::PAIR_TT`] at the levels that have them.
+/// two-row tiles of [`Tiles::PAIR_TT`] at the levels that have them (F16
+/// steps of more than `PAIR_TT` tokens the one-row tiles of
+/// [`Tiles::ROW_TT`]).
 pub(crate) const PAIR_MAX: usize = 9;
 /// [`PAIR_MAX`] for F32 weights.
 pub(crate) const PAIR_MAX_F32: usize = 7;
@@ -323,11 +330,8 @@ pub(crate) unsafe fn columns<K: Tiles>(
                     } else {
                         0
                     };
-                    // F32 steps of 8 and 9 tokens (two tiles per pair)
-                    // measured no faster than the four-row tiles.
-                    let pair_max = if dt == F32 { PAIR_MAX_F32 } else { PAIR_MAX };
-                    if K::PAIR_TT > 0 && (PAIR_MIN..=pair_max).contains(&s) {
-                        pair_tiles::<K>(&mut sums, dt, r, x, k, s, &p, pf);
+                    if let Some((rows, tt)) = few_plan::<K>(dt, s) {
+                        pair_tiles::<K>(&mut sums, dt, r, x, k, s, &p, pf, rows, tt);
                         emit(0, c, nc, &sums[..s]);
                     } else {
                         token_tiles::<K>(&mut sums, dt, r, x, k, t0, t1, &p, pf, c, nc, emit);
@@ -341,18 +345,25 @@ pub(crate) unsafe fn columns<K: Tiles>(
 }
 
 /// The tiles of a step of a few tokens (`s` in [`PAIR_MIN`]..=[`PAIR_MAX`],
-/// one token group) for one weight-row tile: its rows two at a time, each
-/// pair against all `s` tokens in as few tiles of at most
-/// [`Tiles::PAIR_TT`] tokens as can be (8 tokens as 4 + 4, 9 as 5 + 4),
-/// the first of each pair prefetching with distance `pf` ([`Tile::pf`]).
+/// one token group) for one weight-row tile: its rows `rows` at a time
+/// (two, or one for F16 steps of 8 and 9 tokens: [`few_plan`]), each group
+/// of rows against all `s` tokens in as few tiles of at most `tt` tokens
+/// as can be (two rows: 8 tokens as 4 + 4, 9 as 5 + 4), the first tile of
+/// each group prefetching with distance `pf` ([`Tile::pf`]).
 ///
 /// A step of 4 to 9 tokens is a speculative verification step. Four-row
 /// tiles of at most `TT` = 3 tokens converted each F16 weight vector once
 /// per 3 tokens, in a loop whose converted vector the FMAs wait for; a
 /// pair of rows against up to 7 tokens converts it once per step and
 /// multiplies each x vector it loads into both rows (see
-/// `tiles::simd::steps`). The sums do not change: the tile shape never
-/// changes a sum.
+/// `tiles::simd::steps`). At 8 and 9 tokens two tiles per pair convert
+/// every F16 weight vector twice (one conversion per 4 FMAs, where
+/// `VCVTPH2PS` competes with the FMAs for the pipes); one row against all
+/// 8 or 9 tokens (9 accumulators) converts it once: on the 2-vCPU Zen 1
+/// VM `HEAD=1 DTYPES=f16 fgemm_steps 1 9` (the SmolLM2-135M products of a
+/// verification step with logits at every position) went from 98/110 ms
+/// at S = 8/9 to 81-89/91-98 ms, about S = 7's cost plus one token's
+/// FMAs. The sums do not change: the tile shape never changes a sum.
 ///
 /// # Safety
 /// As [`columns`]: tokens `0..s` of `x` and `r` rows at `w` exist.
@@ -367,13 +378,15 @@ unsafe fn pair_tiles<K: Tiles>(
     s: usize,
     w: &[*const u8; RT],
     pf: usize,
+    rows: usize,
+    tt: usize,
 ) {
     let null = std::ptr::null::<u8>();
-    let tiles = s.div_ceil(K::PAIR_TT);
+    let tiles = s.div_ceil(tt);
     let mut out: Sums = [[0f32; RT]; MAX_TT];
     let mut i0 = 0;
     while i0 < r {
-        let ri = (r - i0).min(2);
+        let ri = (r - i0).min(rows);
         let mut q = [null; RT];
         q[..ri].copy_from_slice(&w[i0..i0 + ri]);
         let mut t = 0;
@@ -402,6 +415,18 @@ unsafe fn pair_tiles<K: Tiles>(
         }
         i0 += ri;
     }
+}
+
+/// Rows and most tokens per tile of a step of `s` tokens that runs
+/// [`pair_tiles`] (None: the token tiles of [`Tiles::TT`]).
+fn few_plan<K: Tiles>(dt: u8, s: usize) -> Option<(usize, usize)> {
+    if dt == F16 && s > K::PAIR_TT && s <= K::ROW_TT {
+        return Some((1, K::ROW_TT));
+    }
+    // F32 steps of 8 and 9 tokens (two tiles per pair) measured no faster
+    // than the four-row tiles, nor did one-row tiles of 8 and 9 tokens.
+    let pair_max = if dt == F32 { PAIR_MAX_F32 } else { PAIR_MAX };
+    (K::PAIR_TT > 0 && (PAIR_MIN..=pair_max).contains(&s)).then_some((2, K::PAIR_TT))
 }
 
 /// Token tiles of `K::TT` (then the remainder; never a last tile of one

@@ -214,14 +214,17 @@ pub(crate) unsafe fn widen<V: TileVec, const DT: u8>(src: *const u8, k: usize, d
 
 /// Implements [`Tiles`](super::Tiles) for the level `$level` with the
 /// kernels above at vector type `$v`, compiled with the features `$feat`:
-/// token tiles of `$tt` (the largest) down to 1, the dtype, row and token
+/// token tiles of `$tt` (the largest) down to 1 (and, if given, the
+/// two-row tiles' `pair_tokens` and the one-row tiles' `row_tokens`, the
+/// first of each list the largest), the dtype, row and token
 /// counts dispatched to monomorphic functions as the hand-written levels
 /// did. On other architectures the level's kernels are unreachable.
 macro_rules! tiles_level {
-    ($level:ty, $v:ty, $feat:literal, widen_f16: $wf:expr, prefetch_rows: $pr:expr, tokens: [$tt:literal $(, $t:literal)*] $(, pair_tokens: [$pt:literal $(, $st:literal)*])?) => {
+    ($level:ty, $v:ty, $feat:literal, widen_f16: $wf:expr, prefetch_rows: $pr:expr, tokens: [$tt:literal $(, $t:literal)*] $(, pair_tokens: [$pt:literal $(, $st:literal)*])? $(, row_tokens: [$rt:literal $(, $rs:literal)*])?) => {
         impl $crate::kernels::matmul::tiles::Tiles for $level {
             const TT: usize = $tt;
             $(const PAIR_TT: usize = $pt;)?
+            $(const ROW_TT: usize = $rt;)?
             const WIDEN_F16: bool = $wf;
             const PREFETCH_ROWS: usize = $pr;
 
@@ -258,6 +261,7 @@ macro_rules! tiles_level {
                                 $tt => tile_n::<DT, R, $tt>(op, out),
                                 $($t => tile_n::<DT, R, $t>(op, out),)*
                                 $($pt => tile_n::<DT, R, $pt>(op, out), $($st => tile_n::<DT, R, $st>(op, out),)*)?
+                                $($rt => tile_n::<DT, R, $rt>(op, out), $($rs => tile_n::<DT, R, $rs>(op, out),)*)?
                                 _ => tile_n::<DT, R, 1>(op, out),
                             }
                         }
