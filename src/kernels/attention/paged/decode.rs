@@ -19,10 +19,12 @@ use std::ops::Range;
 /// `BF16` of the tile kernels) at `at[j / len]` plus `(j % len)·step +
 /// e·stride` elements. From the pool, the runs are the blocks (keys: step
 /// 1, stride `BS`; values: step `D`, stride 1); from f32 scratch, one run
-/// of [`BK`] keys (keys: stride `BK`; values: step `D`).
+/// of [`BK`] keys (keys: stride `BK`; values: step `D`). At most
+/// [`MAX_RUNS`] runs: pools of smaller blocks go through the scratch (the
+/// struct is built and moved for every tile and head, so it stays small).
 #[derive(Clone, Copy)]
 pub(super) struct Runs {
-    pub(super) at: [*const u8; BK],
+    pub(super) at: [*const u8; MAX_RUNS],
     pub(super) len: usize,
     pub(super) step: usize,
     pub(super) stride: usize,
@@ -31,7 +33,7 @@ pub(super) struct Runs {
 impl Runs {
     /// One run of [`BK`] f32 keys in scratch.
     pub(super) fn scratch(p: &[f32], step: usize, stride: usize) -> Runs {
-        let mut at = [std::ptr::null(); BK];
+        let mut at = [std::ptr::null(); MAX_RUNS];
         at[0] = p.as_ptr().cast();
         Runs {
             at,
@@ -59,7 +61,8 @@ impl Runs {
     ) -> Runs {
         let (bs, es) = (geom.block, elem_size(DT));
         let span = geom.head_dim * bs * es;
-        let mut at = [std::ptr::null(); BK];
+        let mut at = [std::ptr::null(); MAX_RUNS];
+        assert!(nk.div_ceil(bs) <= MAX_RUNS);
         for (i, a) in at.iter_mut().enumerate().take(nk.div_ceil(bs)) {
             // Tiles start at a multiple of BK, so every run at a block's
             // first key; the whole block is read (keys past `nk` too).
@@ -81,6 +84,10 @@ impl Runs {
         self.at[j / self.len].wrapping_add(off * elem_size(DT))
     }
 }
+
+/// Block runs of a tile read in place at most: blocks of at least `BK /
+/// MAX_RUNS` positions.
+pub(super) const MAX_RUNS: usize = 8;
 
 /// Bytes of a cache line, the prefetch step.
 const LINE: usize = 64;
@@ -216,7 +223,7 @@ pub(super) unsafe fn drive_decode<B: BlockSteps>(it: DecodeItem<'_, '_>) {
         unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), std::mem::size_of_val(s)) }
     }
     let ctx = it.0;
-    let direct = ctx.geom.block.is_multiple_of(B::LANES);
+    let direct = ctx.geom.block.is_multiple_of(B::LANES.max(BK / MAX_RUNS));
     // SAFETY: the features of B are available (this function's contract).
     unsafe {
         match (ctx.k, ctx.v) {
