@@ -6,8 +6,9 @@
 //! over all 30 layers' f16 caches at depth 4096 (94 MB, more than the
 //! caches hold, as in `bench -d 4096`), with the KV bytes read per second.
 //!
-//! `cargo run --release --example attention_bench -- [reps] [deep]`
-//! (`deep`: only the 30-layer table)
+//! `cargo run --release --example attention_bench -- [reps] [deep|deep1b]`
+//! (`deep`: only the 30-layer table; `deep1b`: only that table for
+//! Llama-3.2-1B's shape, 32 heads, 8 kv heads, 16 layers, 134 MB)
 //! (run it under `flock /tmp/llama-graph-bench.lock` on a shared machine).
 use llama_graph::kernels::{attention_paged, AttnWork, Isa, KvGeom, KvStore, StepSeqs};
 use llama_graph::pool::ThreadPool;
@@ -34,8 +35,13 @@ fn main() {
         .into_iter()
         .filter(|l| l.supported())
         .collect();
-    println!("{}", deep_decode(&levels, &mut rnd, reps));
-    if std::env::args().nth(2).as_deref() == Some("deep") {
+    let mode = std::env::args().nth(2);
+    if mode.as_deref() == Some("deep1b") {
+        println!("{}", deep_decode(&levels, &mut rnd, reps, (32, 8, 16)));
+        return;
+    }
+    println!("{}", deep_decode(&levels, &mut rnd, reps, (9, 3, 30)));
+    if mode.as_deref() == Some("deep") {
         return;
     }
     let (h, hkv, d) = (9usize, 3usize, 64usize);
@@ -136,15 +142,21 @@ fn main() {
     }
 }
 
-/// One decode step (S=1) at position 4095 over 30 layers' f16 caches,
-/// each layer its own pool, at 1 and 2 threads: a table of µs per step
-/// and GB/s of keys and values read (medians).
-fn deep_decode(levels: &[Isa], rnd: &mut impl FnMut() -> f32, reps: usize) -> String {
+/// One decode step (S=1) at position 4095 over `layers` layers' f16
+/// caches of `h` heads and `hkv` kv heads (`shape`), each layer its own
+/// pool, at 1 and 2 threads: a table of µs per step and GB/s of keys and
+/// values read (medians).
+fn deep_decode(
+    levels: &[Isa],
+    rnd: &mut impl FnMut() -> f32,
+    reps: usize,
+    (h, hkv, layers): (usize, usize, usize),
+) -> String {
     // `attention_bench -- REPS deep LAYERS`: fewer layers (for a profiler).
     let layers: usize = std::env::args()
         .nth(3)
-        .map_or(30, |s| s.parse().expect("layers"));
-    let (h, hkv, d, pos) = (9usize, 3usize, 64usize, 4095usize);
+        .map_or(layers, |s| s.parse().expect("layers"));
+    let (d, pos) = (64usize, 4095usize);
     let geom = KvGeom {
         n_blocks: (pos + 1).div_ceil(16),
         n_kv_heads: hkv,
@@ -166,7 +178,7 @@ fn deep_decode(levels: &[Isa], rnd: &mut impl FnMut() -> f32, reps: usize) -> St
     let mut out = vec![0f32; q.len()];
     let bytes = (layers * 2 * (pos + 1) * hkv * d * 2) as f64;
     let mut s = format!(
-        "Decode at depth {}, {layers} layers of f16 KV ({:.0} MB):\n\n| threads |",
+        "Decode at depth {}, {h} heads, {hkv} kv heads, {layers} layers of f16 KV ({:.0} MB):\n\n| threads |",
         pos + 1,
         bytes * 1e-6
     );

@@ -29,10 +29,11 @@
 //!   rows in SIMD lanes (`Q·Kᵀ` and `P·V` as register-tiled small GEMMs,
 //!   flash-attention style), all spans walked in order and merged in the
 //!   item;
-//! * **decode items** (fewer query tokens: decode steps): a kv head and one
-//!   span, the keys in SIMD lanes; the spans of one sequence run in
-//!   parallel (flash-decoding) and their partials are merged afterwards,
-//!   in span order.
+//! * **decode items** (fewer query tokens: decode steps): a group of kv
+//!   heads (all of them at long depth) and a run of spans, the keys in SIMD
+//!   lanes, the heads interleaved tile by tile; the spans of one sequence
+//!   run in parallel (flash-decoding) and their partials are merged
+//!   afterwards, in span order.
 //!
 //! Every instruction-set level ([`Isa`]) implements both kinds with the
 //! same per-row arithmetic, and a test checks that rows computed either
@@ -51,7 +52,7 @@ use crate::kernels::kv::{KvGeom, KvView, SeqSpan, StepSeqs};
 use crate::kernels::matmul::tiles::F32;
 use crate::kernels::{Isa, KernelError};
 use crate::pool::{SyncPtr, ThreadPool};
-use decode::{drive_decode, elem, Ahead, DecodeItem, Runs};
+use decode::{drive_decode, elem, Ahead, DecodeItem, Parts, Runs};
 
 /// Keys per tile (aligned to absolute positions).
 pub const BK: usize = 64;
@@ -95,10 +96,18 @@ fn tiled_parts(rp: usize, d: usize) -> [usize; 9] {
     ]
 }
 
-/// The parts of a decode item's scratch with `rp` rows: qs, the rows'
-/// scores (`BK` each), acc, (m, l, corr), kt, vt.
-fn decode_parts(rp: usize, d: usize) -> [usize; 6] {
-    [rp * d, rp * BK, rp * d, 3 * rp, BK * d, BK * d]
+/// The parts of a decode item's scratch with `rp` rows of each of `nh`
+/// kv heads: qs, the rows' scores (`BK` each, one head at a time), acc,
+/// (m, l, corr), kt, vt.
+fn decode_parts(rp: usize, d: usize, nh: usize) -> [usize; 6] {
+    [
+        nh * rp * d,
+        rp * BK,
+        nh * rp * d,
+        nh * 3 * rp,
+        BK * d,
+        BK * d,
+    ]
 }
 
 /// Floats of one decode item's partial result: accumulators, maxima, sums.
@@ -111,14 +120,17 @@ fn partial_len(n_rep: usize, d: usize) -> usize {
 enum WorkItem {
     /// Queries `q0..q1` (within the sequence) of sequence `seq`, kv head `g`.
     Tiled { seq: u32, g: u32, q0: u32, q1: u32 },
-    /// Spans `span0..span1` of decode sequence `seq`, kv head `g`; their
-    /// partial results go to slots `slot..` (one per span).
+    /// Spans `span0..span1` of decode sequence `seq`, kv heads `g0..g1`;
+    /// the partial result of head `g0` and span `span0` goes to slot
+    /// `slot`, the other heads' `n_spans` slots apart (one per span).
     Decode {
         seq: u32,
-        g: u32,
+        g0: u32,
+        g1: u32,
         span0: u32,
         span1: u32,
         slot: u32,
+        n_spans: u32,
     },
 }
 
@@ -144,8 +156,11 @@ impl AttnWork {
     ) -> AttnWork {
         let d = geom.head_dim;
         let rp = (block_queries(n_rep).min(max_tokens.max(1)) * n_rep).next_multiple_of(16);
-        let per_thread = (tiled_parts(rp, d).iter().sum::<usize>())
-            .max(decode_parts(decode_rows(n_rep), d).iter().sum());
+        let per_thread = (tiled_parts(rp, d).iter().sum::<usize>()).max(
+            decode_parts(decode_rows(n_rep), d, geom.n_kv_heads)
+                .iter()
+                .sum(),
+        );
         let max_seqs = max_seqs.max(1);
         // Decode items: per kv head, the spans of every sequence. Sequences
         // with blocks of their own have spans adding up to at most the
@@ -235,20 +250,31 @@ pub fn attention_paged(
             }
         }
     }
-    // Decode items: per sequence and kv head, its spans cut into runs of
-    // consecutive spans, as long as there are enough items for the
-    // threads. Partial slots: per sequence, kv head-major, then span.
+    // Decode items: per sequence, its kv heads cut into groups and its
+    // spans into runs of consecutive spans. An item walks its spans tile by
+    // tile, every head of its group in turn (so it reads each block's bytes
+    // in address order); the groups are all heads when the spans alone give
+    // enough items for the threads, fewer heads only when they do not
+    // (short sequences). Partial slots: per sequence, kv head-major, then
+    // span.
     let decode_spans = |s: &SeqSpan<'_>| {
         // Spans wholly below the first query's window are not visited.
         let first = window_start(window, s.start) / SPAN;
         (first, s.keys().div_ceil(SPAN) - first)
     };
-    let units: usize = seqs
+    let spans_total: usize = seqs
         .iter()
         .filter(|s| s.count < TILED_MIN_S)
-        .map(|s| decode_spans(&s).1 * hkv)
+        .map(|s| decode_spans(&s).1)
         .sum();
-    let per_item = (units / (DECODE_ITEMS_PER_THREAD * pool.n_threads().max(1))).max(1);
+    let target = DECODE_ITEMS_PER_THREAD * pool.n_threads().max(1);
+    let heads_per = if pool.n_threads() <= 1 {
+        hkv
+    } else {
+        (hkv * spans_total / target).clamp(1, hkv)
+    };
+    let n_groups = hkv.div_ceil(heads_per);
+    let per_item = (spans_total * n_groups / target).max(1);
     let mut slots = 0usize;
     for (j, s) in seqs.iter().enumerate() {
         if s.count >= TILED_MIN_S {
@@ -256,15 +282,18 @@ pub fn attention_paged(
         }
         let (first, n_spans) = decode_spans(&s);
         let n_items = n_spans.div_ceil(per_item);
-        for g in 0..hkv {
+        for gi in 0..n_groups {
+            let (g0, g1) = (gi * heads_per, ((gi + 1) * heads_per).min(hkv));
             for i in 0..n_items {
                 let (a, b) = (i * n_spans / n_items, (i + 1) * n_spans / n_items);
                 work.items.push(WorkItem::Decode {
                     seq: j as u32,
-                    g: g as u32,
+                    g0: g0 as u32,
+                    g1: g1 as u32,
                     span0: (first + a) as u32,
                     span1: (first + b) as u32,
-                    slot: (slots + g * n_spans + a) as u32,
+                    slot: (slots + g0 * n_spans + a) as u32,
+                    n_spans: n_spans as u32,
                 });
             }
         }
@@ -305,17 +334,24 @@ pub fn attention_paged(
             }
             WorkItem::Decode {
                 seq,
-                g,
+                g0,
+                g1,
                 span0,
                 span1,
                 slot,
+                n_spans,
             } => {
                 let spans = span0 as usize..span1 as usize;
-                // SAFETY: item c alone writes partial slots `slot..` of its
-                // spans.
-                let part = unsafe { pp.slice(slot as usize * plen, spans.len() * plen) };
+                let parts = Parts {
+                    ptr: pp,
+                    slot0: slot as usize,
+                    per_head: n_spans as usize,
+                };
                 let s = seqs.get(seq as usize);
-                level.decode((&ctx, &s, g as usize, spans, part, scr));
+                // SAFETY: item c alone writes the partial slots of its heads
+                // and spans (within the `slots · plen` floats of
+                // `partials`).
+                unsafe { level.decode((&ctx, &s, g0 as usize..g1 as usize, spans, parts, scr)) };
             }
         }
     });
@@ -740,15 +776,18 @@ impl Level {
         }
     }
 
-    fn decode(self, it: DecodeItem<'_, '_>) {
+    /// # Safety
+    /// No other thread touches the item's partial slots.
+    unsafe fn decode(self, it: DecodeItem<'_, '_>) {
         match self {
-            // SAFETY: the portable steps need no CPU feature.
+            // SAFETY: the portable steps need no CPU feature; the slots
+            // are the item's (this function's contract).
             Level::Scalar => unsafe { drive_decode::<Portable>(it) },
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: as in `tiled`.
+            // SAFETY: as in `tiled`, and the slots as above.
             Level::Avx2 => unsafe { simd::decode_avx2(it) },
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: as in `tiled`.
+            // SAFETY: as in `tiled`, and the slots as above.
             Level::Avx512 => unsafe { simd::decode_avx512(it) },
             #[cfg(not(target_arch = "x86_64"))]
             _ => unreachable!("Level::of gives Scalar off x86-64"),

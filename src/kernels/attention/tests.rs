@@ -458,6 +458,35 @@ fn deep_decode_items_match_tiled_rows() {
 }
 
 #[test]
+fn decode_rows_do_not_depend_on_head_groups() {
+    // A sequence of 4096 positions (sixteen spans) and one of 700 (three)
+    // in one step: at one thread every decode item walks all three kv
+    // heads, at two threads too (the spans give enough items), at three
+    // in groups of two heads and one, at four one head each; the rows
+    // must be the same bits whichever, at every level.
+    let (hkv, d, n_rep) = (3, 64, 3);
+    let pool = Pool::new(512, hkv, d, n_rep, CacheType::F16, 41);
+    let seqs = seqs_in(&pool, 2, 256, 7);
+    let parts = [(0, 4095, 1), (1, 698, 2)];
+    let st = step(&seqs, &parts);
+    let q = q_for(&pool, &parts);
+    for isa in Isa::supported_levels() {
+        let one = fused_windowed(&pool, isa, 1, &st, &q, None);
+        for threads in [2, 3, 4] {
+            let out = fused_windowed(&pool, isa, threads, &st, &q, None);
+            let same = out
+                .iter()
+                .zip(&one)
+                .all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(
+                same,
+                "{isa:?}: decode rows on {threads} threads differ from 1 thread"
+            );
+        }
+    }
+}
+
+#[test]
 fn causal_mask_exact() {
     // Keys all equal, value rows one-hot on the position: a query at
     // position p must average exactly the first p + 1 one-hot rows.

@@ -10,6 +10,7 @@ use super::{
 };
 use crate::kernels::kv::{KvGeom, KvView, SeqSpan};
 use crate::kernels::matmul::tiles::{elem_size, BF16, F16, F32};
+use crate::pool::SyncPtr;
 use std::ops::Range;
 
 /// Where a tile's keys or values are read: runs of `len` keys (the last
@@ -18,10 +19,12 @@ use std::ops::Range;
 /// `BF16` of the tile kernels) at `at[j / len]` plus `(j % len)·step +
 /// e·stride` elements. From the pool, the runs are the blocks (keys: step
 /// 1, stride `BS`; values: step `D`, stride 1); from f32 scratch, one run
-/// of [`BK`] keys (keys: stride `BK`; values: step `D`).
+/// of [`BK`] keys (keys: stride `BK`; values: step `D`). At most
+/// [`MAX_RUNS`] runs: pools of smaller blocks go through the scratch (the
+/// struct is built and moved for every tile and head, so it stays small).
 #[derive(Clone, Copy)]
 pub(super) struct Runs {
-    pub(super) at: [*const u8; BK],
+    pub(super) at: [*const u8; MAX_RUNS],
     pub(super) len: usize,
     pub(super) step: usize,
     pub(super) stride: usize,
@@ -30,7 +33,7 @@ pub(super) struct Runs {
 impl Runs {
     /// One run of [`BK`] f32 keys in scratch.
     pub(super) fn scratch(p: &[f32], step: usize, stride: usize) -> Runs {
-        let mut at = [std::ptr::null(); BK];
+        let mut at = [std::ptr::null(); MAX_RUNS];
         at[0] = p.as_ptr().cast();
         Runs {
             at,
@@ -58,7 +61,8 @@ impl Runs {
     ) -> Runs {
         let (bs, es) = (geom.block, elem_size(DT));
         let span = geom.head_dim * bs * es;
-        let mut at = [std::ptr::null(); BK];
+        let mut at = [std::ptr::null(); MAX_RUNS];
+        assert!(nk.div_ceil(bs) <= MAX_RUNS);
         for (i, a) in at.iter_mut().enumerate().take(nk.div_ceil(bs)) {
             // Tiles start at a multiple of BK, so every run at a block's
             // first key; the whole block is read (keys past `nk` too).
@@ -80,6 +84,10 @@ impl Runs {
         self.at[j / self.len].wrapping_add(off * elem_size(DT))
     }
 }
+
+/// Block runs of a tile read in place at most: blocks of at least `BK /
+/// MAX_RUNS` positions.
+pub(super) const MAX_RUNS: usize = 8;
 
 /// Bytes of a cache line, the prefetch step.
 const LINE: usize = 64;
@@ -191,9 +199,10 @@ pub(super) unsafe fn elem<const DT: u8>(p: *const u8) -> f32 {
     }
 }
 
-/// One decode item (kv head `g`, a run of consecutive spans of a sequence
-/// with few queries): each span's partial result of each row `(acc, m,
-/// l)` goes to its slot of `part`, in span order. Per tile: the scores of all rows with the keys in lanes
+/// One decode item (a range of kv heads and a run of consecutive spans of
+/// a sequence with few queries): each head's and span's partial result of
+/// each row `(acc, m, l)` goes to its slot of `parts`. Per tile and head,
+/// in head order: the scores of all rows with the keys in lanes
 /// ([`BlockSteps::rows_qk`]), each row's mask and online softmax
 /// ([`BlockSteps::row_softmax`]); then `P·V` of all rows at once
 /// ([`BlockSteps::pv`]; a row that sees no key of a tile gets correction 1
@@ -203,7 +212,8 @@ pub(super) unsafe fn elem<const DT: u8>(p: *const u8) -> f32 {
 /// quantized types through f32 scratch.
 ///
 /// # Safety
-/// The CPU features of `B` are available.
+/// The CPU features of `B` are available; no other thread touches the
+/// item's partial slots.
 #[inline(always)]
 pub(super) unsafe fn drive_decode<B: BlockSteps>(it: DecodeItem<'_, '_>) {
     /// The bytes of a pool.
@@ -213,7 +223,7 @@ pub(super) unsafe fn drive_decode<B: BlockSteps>(it: DecodeItem<'_, '_>) {
         unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), std::mem::size_of_val(s)) }
     }
     let ctx = it.0;
-    let direct = ctx.geom.block.is_multiple_of(B::LANES);
+    let direct = ctx.geom.block.is_multiple_of(B::LANES.max(BK / MAX_RUNS));
     // SAFETY: the features of B are available (this function's contract).
     unsafe {
         match (ctx.k, ctx.v) {
@@ -231,26 +241,42 @@ pub(super) unsafe fn drive_decode<B: BlockSteps>(it: DecodeItem<'_, '_>) {
     }
 }
 
-/// The item of [`drive_decode`]: `(ctx, seq, g, spans, partials,
+/// Where a decode item's partial results go: the slot of (head `h`,
+/// span `s`) of the item is `slot0 + (h - heads.start)·per_head + (s -
+/// spans.start)` of `ptr`, [`partial_len`] floats each.
+#[derive(Clone, Copy)]
+pub(super) struct Parts {
+    pub(super) ptr: SyncPtr<f32>,
+    pub(super) slot0: usize,
+    pub(super) per_head: usize,
+}
+
+/// The item of [`drive_decode`]: `(ctx, seq, kv heads, spans, partials,
 /// scratch)`.
 pub(super) type DecodeItem<'a, 'b> = (
     &'a Ctx<'b>,
     &'a SeqSpan<'b>,
-    usize,
     Range<usize>,
-    &'a mut [f32],
+    Range<usize>,
+    Parts,
     &'a mut [f32],
 );
 
 /// [`drive_decode`] with keys and values of dtype `DT` read from the
 /// pool's bytes `pool` (keys, values), or, without it, widened into f32
-/// scratch (`DT` is then `F32`).
+/// scratch (`DT` is then `F32`). The item's kv heads are interleaved per
+/// tile: tile by tile, every head's scores, softmax and `P·V` (each head
+/// with its own running sums, so each row's arithmetic is as if its head
+/// ran alone), so the item streams through its blocks' bytes of all its
+/// heads in address order (a block holds every head's keys, then values
+/// likewise), and prefetches the next tile's blocks of all of them.
 ///
 /// # Safety
-/// The CPU features of `B` are available; `pool` holds the cache of `ctx`.
+/// The CPU features of `B` are available; `pool` holds the cache of `ctx`;
+/// no other thread touches the item's partial slots.
 #[inline(always)]
 unsafe fn decode_tiles<B: BlockSteps, const DT: u8>(
-    (ctx, seq, g, spans, part, scr): DecodeItem<'_, '_>,
+    (ctx, seq, heads, spans, parts, scr): DecodeItem<'_, '_>,
     pool: Option<(&[u8], &[u8])>,
 ) {
     assert!(pool.is_some() || DT == F32);
@@ -260,18 +286,23 @@ unsafe fn decode_tiles<B: BlockSteps, const DT: u8>(
     let rows = seq.count * n_rep;
     let rmax = decode_rows(n_rep);
     let plen = partial_len(n_rep, d);
-    assert!(part.len() >= spans.len() * plen);
-    let [qs, sr, acc, mlc, kt, vt] = carve(scr, decode_parts(rows, d));
+    let nh = heads.len();
+    assert!(nh >= 1 && heads.end <= geom.n_kv_heads);
+    let [qs_all, sr, acc_all, mlc_all, kt, vt] = carve(scr, decode_parts(rows, d, nh));
     let c = ctx.scale();
-    for r in 0..rows {
-        let (qi, rep) = (r / n_rep, r % n_rep);
-        let src = ctx.q_row(seq.first + qi, g * n_rep + rep);
-        for (o, &x) in qs[r * d..(r + 1) * d].iter_mut().zip(src) {
-            *o = x * c;
+    for (hi, g) in heads.clone().enumerate() {
+        for r in 0..rows {
+            let (qi, rep) = (r / n_rep, r % n_rep);
+            let src = ctx.q_row(seq.first + qi, g * n_rep + rep);
+            let qs = &mut qs_all[(hi * rows + r) * d..(hi * rows + r + 1) * d];
+            for (o, &x) in qs.iter_mut().zip(src) {
+                *o = x * c;
+            }
         }
     }
-    // A tile's keys and values in the pool: runs of one block each.
-    let in_pool = |(kp, vp): (&[u8], &[u8]), t0: usize, nk: usize| {
+    // A tile's keys and values of head `g` in the pool: runs of one block
+    // each.
+    let in_pool = |(kp, vp): (&[u8], &[u8]), g: usize, t0: usize, nk: usize| {
         let k = Runs::pool::<DT>(
             kp,
             geom,
@@ -285,6 +316,9 @@ unsafe fn decode_tiles<B: BlockSteps, const DT: u8>(
         let v = Runs::pool::<DT>(vp, geom, seq, t0, nk, |b| geom.v_index(b, 0, g, 0), d, 1);
         (k, v)
     };
+    // The bytes of one head's keys (or values) in a block; a block's
+    // heads are consecutive, so the item's heads are `nh` times as many
+    // from the first one's.
     let block_bytes = d * geom.block * elem_size(DT);
     // The last key of the item.
     let end = (spans.end * SPAN).min(seq.keys());
@@ -292,75 +326,96 @@ unsafe fn decode_tiles<B: BlockSteps, const DT: u8>(
     let lo = window_start(ctx.window, seq.start) / BK * BK;
     let mut first_tile = true;
     for (i, span) in spans.clone().enumerate() {
-        acc.fill(0.0);
-        mlc[..rows].fill(f32::NEG_INFINITY);
-        mlc[rows..2 * rows].fill(0.0);
+        acc_all[..nh * rows * d].fill(0.0);
+        for hi in 0..nh {
+            let mlc = &mut mlc_all[hi * 3 * rows..(hi + 1) * 3 * rows];
+            mlc[..rows].fill(f32::NEG_INFINITY);
+            mlc[rows..2 * rows].fill(0.0);
+        }
         let s0 = span * SPAN;
         let s1 = (s0 + SPAN).min(seq.keys());
         let mut t0 = s0.max(lo);
         while t0 < s1 {
             let nk = BK.min(s1 - t0);
-            // The next tile's blocks (`next`), prefetched while this one runs.
+            // The next tile's blocks of all the item's heads, prefetched
+            // while this one runs.
             let t1 = t0 + nk;
             let n1 = BK.min(end.saturating_sub(t1));
-            let ((kr, vr), next) = match pool {
+            let next = match pool {
                 Some(p) => {
-                    let (k, v) = in_pool(p, t0, nk);
                     if first_tile {
                         // The item's first tile: nothing fetched it yet.
-                        Ahead::new(&k, &v, nk, block_bytes, 1).finish();
+                        let (k, v) = in_pool(p, heads.start, t0, nk);
+                        Ahead::new(&k, &v, nk, nh * block_bytes, 1).finish();
                         first_tile = false;
                     }
-                    ((k, v), (n1 > 0).then(|| in_pool(p, t1, n1)))
+                    (n1 > 0).then(|| in_pool(p, heads.start, t1, n1))
                 }
-                None => {
-                    gather_k::<B::Cvt>(ctx, seq, g, t0, nk, kt);
-                    gather_v::<B::Cvt>(ctx, seq, g, t0, nk, vt);
-                    let (k, v) = (Runs::scratch(kt, 1, BK), Runs::scratch(vt, d, 1));
-                    ((k, v), None)
-                }
+                None => None,
             };
             let mut ahead = match &next {
-                Some((k1, v1)) => Ahead::new(k1, v1, n1, block_bytes, AHEAD_STEPS),
+                Some((k1, v1)) => Ahead::new(k1, v1, n1, nh * block_bytes, AHEAD_STEPS * nh),
                 None => Ahead::none(),
             };
-            // SAFETY: the features of B are available (this function's
-            // contract); the runs address whole blocks of the pool (checked
-            // slices) or the scratch tiles.
-            unsafe { B::rows_qk::<DT>(qs, rows, &kr, nk, sr, &mut ahead) };
-            let (ml, corr) = mlc.split_at_mut(2 * rows);
-            let (m, l) = ml.split_at_mut(rows);
-            for r in 0..rows {
-                let limit = seq.start + r / n_rep;
-                let first = window_start(ctx.window, limit);
-                let sr = &mut sr[r * BK..(r + 1) * BK];
-                if limit < t0 || first >= t0 + nk {
-                    // No key of this tile is visible: a masked tile changes
-                    // nothing.
-                    corr[r] = 1.0;
-                    sr[..nk].fill(0.0);
-                    continue;
+            for (hi, g) in heads.clone().enumerate() {
+                let (kr, vr) = match pool {
+                    Some(p) => in_pool(p, g, t0, nk),
+                    None => {
+                        gather_k::<B::Cvt>(ctx, seq, g, t0, nk, kt);
+                        gather_v::<B::Cvt>(ctx, seq, g, t0, nk, vt);
+                        (Runs::scratch(kt, 1, BK), Runs::scratch(vt, d, 1))
+                    }
+                };
+                let qs = &qs_all[hi * rows * d..(hi + 1) * rows * d];
+                let acc = &mut acc_all[hi * rows * d..(hi + 1) * rows * d];
+                let mlc = &mut mlc_all[hi * 3 * rows..(hi + 1) * 3 * rows];
+                // SAFETY: the features of B are available (this function's
+                // contract); the runs address whole blocks of the pool
+                // (checked slices) or the scratch tiles.
+                unsafe { B::rows_qk::<DT>(qs, rows, &kr, nk, sr, &mut ahead) };
+                let (ml, corr) = mlc.split_at_mut(2 * rows);
+                let (m, l) = ml.split_at_mut(rows);
+                for r in 0..rows {
+                    let limit = seq.start + r / n_rep;
+                    let first = window_start(ctx.window, limit);
+                    let sr = &mut sr[r * BK..(r + 1) * BK];
+                    if limit < t0 || first >= t0 + nk {
+                        // No key of this tile is visible: a masked tile
+                        // changes nothing.
+                        corr[r] = 1.0;
+                        sr[..nk].fill(0.0);
+                        continue;
+                    }
+                    // Keys after the row's position, and below its window.
+                    sr[(limit + 1 - t0).min(nk)..nk].fill(f32::NEG_INFINITY);
+                    sr[..first.saturating_sub(t0)].fill(f32::NEG_INFINITY);
+                    // SAFETY: as above.
+                    corr[r] = unsafe { B::row_softmax(sr, nk, &mut m[r], &mut l[r]) };
                 }
-                // Keys after the row's position, and below its window.
-                sr[(limit + 1 - t0).min(nk)..nk].fill(f32::NEG_INFINITY);
-                sr[..first.saturating_sub(t0)].fill(f32::NEG_INFINITY);
+                let p = Probs {
+                    p: sr,
+                    ks: 1,
+                    rs: BK,
+                    rows,
+                };
                 // SAFETY: as above.
-                corr[r] = unsafe { B::row_softmax(sr, nk, &mut m[r], &mut l[r]) };
+                unsafe { B::pv::<DT>(p, nk, &vr, acc, corr, &mut ahead) };
             }
-            let p = Probs {
-                p: sr,
-                ks: 1,
-                rs: BK,
-                rows,
-            };
-            // SAFETY: as above.
-            unsafe { B::pv::<DT>(p, nk, &vr, acc, corr, &mut ahead) };
             ahead.finish();
             t0 += nk;
         }
-        let part = &mut part[i * plen..(i + 1) * plen];
-        part[..rows * d].copy_from_slice(&acc[..rows * d]);
-        part[rmax * d..rmax * d + rows].copy_from_slice(&mlc[..rows]);
-        part[rmax * d + rmax..rmax * d + rmax + rows].copy_from_slice(&mlc[rows..2 * rows]);
+        for hi in 0..nh {
+            // SAFETY: the item alone writes its slots (this function's
+            // contract); the caller sized `parts.ptr` for every slot.
+            let part = unsafe {
+                let slot = parts.slot0 + hi * parts.per_head + i;
+                parts.ptr.slice(slot * plen, plen)
+            };
+            let acc = &acc_all[hi * rows * d..(hi + 1) * rows * d];
+            let mlc = &mlc_all[hi * 3 * rows..(hi + 1) * 3 * rows];
+            part[..rows * d].copy_from_slice(acc);
+            part[rmax * d..rmax * d + rows].copy_from_slice(&mlc[..rows]);
+            part[rmax * d + rmax..rmax * d + rmax + rows].copy_from_slice(&mlc[rows..2 * rows]);
+        }
     }
 }

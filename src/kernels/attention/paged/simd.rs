@@ -605,10 +605,10 @@ macro_rules! level_entry_points {
         #[doc = concat!("One decode item with ", $name, ".")]
         ///
         /// # Safety
-        #[doc = concat!("The features ", $feat, " are available.")]
+        #[doc = concat!("The features ", $feat, " are available; no other thread touches the item's partial slots.")]
         #[target_feature(enable = $feat)]
         pub(super) unsafe fn $decode(it: DecodeItem<'_, '_>) {
-            // SAFETY: as above.
+            // SAFETY: as above (this function's contract).
             unsafe { drive_decode::<$steps>(it) }
         }
     };
