@@ -276,9 +276,10 @@ def test_cols(sample):
 
 
 def selected(col, tests):
-    """Whether the test column `col` (`pp512`, `tg64`) is one of `tests`
-    (`run --tests` names: `pp128`, `pp512`, `tg`)."""
-    return (col[:2] if col.startswith("tg") else col) in tests
+    """Whether the test column `col` (`pp512`, `tg64`, `tg128@d4096`) is one
+    of `tests` (`run --tests` names: `pp128`, `pp512`, `tg`), at any depth."""
+    base = col.split("@")[0]
+    return (base[:2] if base.startswith("tg") else base) in tests
 
 
 def rows_of(out):
@@ -461,13 +462,13 @@ def depth_table(res):
         lg, lc = samples.get(k + "|lg"), samples.get(k + "|lc")
         if not lg or not lc:
             continue
-        names = [x for x in lg[0] if x.startswith(("pp", "tg"))]
-        names.sort(key=lambda x: (int(x.split("@d")[1]) if "@d" in x else 0, x[:2]))
+        names = sorted({x for s in lg for x in test_cols(s)},
+                       key=lambda x: (int(x.split("@d")[1]) if "@d" in x else 0, x[:2]))
         for name in names:
-            if name not in lc[0]:
+            if not any(name in s for s in lc):
                 continue
-            a = statistics.median(s[name] for s in lg)
-            b = statistics.median(s[name] for s in lc)
+            a = statistics.median(s[name] for s in lg if name in s)
+            b = statistics.median(s[name] for s in lc if name in s)
             bound, frac = "", ""
             bw = row_bws.get(k, bws).get(t)
             if name.startswith("tg") and bw and "kv_bytes_per_pos" in lg[0]:
