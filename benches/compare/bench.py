@@ -282,6 +282,13 @@ def selected(col, tests):
     return (base[:2] if base.startswith("tg") else base) in tests
 
 
+def col_median(samples, col):
+    """The median of column `col` over the samples that have it (a run with
+    --tests gives some columns only), or None when none has it."""
+    xs = [x[col] for x in samples or [] if col in x]
+    return statistics.median(xs) if xs else None
+
+
 def rows_of(out):
     res = {}
     for r in json.loads(out):
@@ -465,10 +472,9 @@ def depth_table(res):
         names = sorted({x for s in lg for x in test_cols(s)},
                        key=lambda x: (int(x.split("@d")[1]) if "@d" in x else 0, x[:2]))
         for name in names:
-            if not any(name in s for s in lc):
+            a, b = col_median(lg, name), col_median(lc, name)
+            if b is None:
                 continue
-            a = statistics.median(s[name] for s in lg if name in s)
-            b = statistics.median(s[name] for s in lc if name in s)
             bound, frac = "", ""
             bw = row_bws.get(k, bws).get(t)
             if name.startswith("tg") and bw and "kv_bytes_per_pos" in lg[0]:
@@ -502,11 +508,10 @@ def table(res, threads=None):
         cells = []
         tg = next((x for s in lg for x in s if x.startswith("tg")), "tg")
         for col in ["pp128", "pp512", tg, "rss_mib"]:
-            if not any(col in s for s in lg) or not any(col in s for s in lc):
+            a, b = col_median(lg, col), col_median(lc, col)
+            if a is None or b is None:
                 cells.append("")
                 continue
-            a = statistics.median(s[col] for s in lg if col in s)
-            b = statistics.median(s[col] for s in lc if col in s)
             cells.append(f"{a:.0f} / {b:.0f} = **{a / b:.2f}**" if col != "rss_mib"
                          else f"{a:.0f} / {b:.0f} = {a / b:.2f}")
         lines.append(f"| {v} | {cls} | {t} | " + " | ".join(cells) + " |")
@@ -522,10 +527,8 @@ def family_table(res):
 
     def ratio(key, col):
         lg, lc = samples.get(key + "|lg"), samples.get(key + "|lc")
-        if not lg or not lc or not any(col in s for s in lg) or not any(col in s for s in lc):
-            return None
-        return (statistics.median(s[col] for s in lg if col in s)
-                / statistics.median(s[col] for s in lc if col in s))
+        a, b = col_median(lg, col), col_median(lc, col)
+        return None if a is None or b is None else a / b
 
     lines = [f"CPU: {res['cpu']}; medians of {res['rounds']} interleaved rounds; "
              "ratio = llama-graph / llama.cpp tokens/s (higher is better), the family's file vs "
