@@ -16,8 +16,42 @@ use llama_graph::pool::ThreadPool;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
-    llama_graph::kernels::plain_bytes(v, dtype).expect("a plain dtype")
+fn encode(v: &[f32], dtype: DType) -> Aligned<u8> {
+    Aligned::new(&llama_graph::kernels::plain_bytes(v, dtype).expect("a plain dtype"))
+}
+
+/// A copy of a slice at a 64-byte-aligned address, as the executor's
+/// weight arena and activation plan place every tensor (`plan::ALIGN`):
+/// a plain `Vec` lands wherever the allocator puts it, and 64-byte loads
+/// from a misaligned buffer split cache lines, so the same kernel measured
+/// up to ~20% apart from one build of this bench to the next.
+struct Aligned<T> {
+    buf: Vec<T>,
+    at: usize,
+    len: usize,
+}
+
+impl<T: Copy + Default> Aligned<T> {
+    fn new(v: &[T]) -> Self {
+        let per = (64 / std::mem::size_of::<T>()).max(1);
+        let mut buf = vec![T::default(); v.len() + per];
+        let at = buf.as_ptr().align_offset(64).min(per);
+        buf[at..at + v.len()].copy_from_slice(v);
+        Aligned { buf, at, len: v.len() }
+    }
+}
+
+impl<T> std::ops::Deref for Aligned<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.buf[self.at..self.at + self.len]
+    }
+}
+
+impl<T> std::ops::DerefMut for Aligned<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.buf[self.at..self.at + self.len]
+    }
 }
 
 /// Median seconds per call over repeated timed batches (~`budget` total).
@@ -262,13 +296,15 @@ fn prefill_ab(args: &[String]) {
         if !want(dtype.name(), &["f32", "f16", "bf16"]) {
             continue;
         }
-        let wb: Vec<Vec<u8>> = ws.iter().map(|w| encode(w, dtype)).collect();
+        let wb: Vec<Aligned<u8>> = ws.iter().map(|w| encode(w, dtype)).collect();
         for s in [128usize, 512] {
-            let x: Vec<f32> = (0..s * hidden)
-                .map(|i| ((i * 31 % 100) as f32 - 50.0) * 1e-2)
-                .collect();
-            let res = vec![0.5f32; s * dim];
-            let mut y = vec![0f32; s * 2 * hidden];
+            let x = Aligned::new(
+                &(0..s * hidden)
+                    .map(|i| ((i * 31 % 100) as f32 - 50.0) * 1e-2)
+                    .collect::<Vec<f32>>(),
+            );
+            let res = Aligned::new(&vec![0.5f32; s * dim]);
+            let mut y = Aligned::new(&vec![0f32; s * 2 * hidden]);
             for threads in [1, 2] {
                 if !want(&format!("t{threads}"), &["t1", "t2"]) {
                     continue;
@@ -366,10 +402,12 @@ fn main() {
                 if !want(&format!("s{s}"), &["s1", "s128"]) {
                     continue;
                 }
-                let x: Vec<f32> = (0..s * k)
-                    .map(|i| ((i * 31 % 100) as f32 - 50.0) * 1e-2)
-                    .collect();
-                let mut y = vec![0f32; s * n];
+                let x = Aligned::new(
+                    &(0..s * k)
+                        .map(|i| ((i * 31 % 100) as f32 - 50.0) * 1e-2)
+                        .collect::<Vec<f32>>(),
+                );
+                let mut y = Aligned::new(&vec![0f32; s * n]);
                 for threads in [1, 2] {
                     if !want(&format!("t{threads}"), &["t1", "t2"]) {
                         continue;
