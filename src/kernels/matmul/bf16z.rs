@@ -562,6 +562,7 @@ pub fn gemv_at(
         super::gemv::run_rows(
             pool,
             n_out,
+            super::gemv::BLOCK,
             epilogue,
             y,
             &|r| w.dot_scalar(r, x),
@@ -586,6 +587,7 @@ pub fn gemv_at(
         super::gemv::run_rows(
             pool,
             n_out,
+            super::gemv::BLOCK,
             epilogue,
             y,
             // SAFETY: as for dot4, one row.

@@ -92,6 +92,7 @@ pub fn gemv_at(
         Level::Scalar => run_rows(
             pool,
             n_out,
+            BLOCK,
             epilogue,
             y,
             &|j| super::portable_dot_with(x, &mut |k0, buf| w.read_into(j * k + k0, buf)),
@@ -127,7 +128,16 @@ fn run_tiles<K: Tiles>(
             k,
         )
     };
-    run_rows(pool, n_out, epilogue, y, &dot, Some(&dot4), K::swiglu);
+    run_rows(
+        pool,
+        n_out,
+        K::GEMV_BLOCK,
+        epilogue,
+        y,
+        &dot,
+        Some(&dot4),
+        K::swiglu,
+    );
 }
 
 /// `g[i] = silu(g[i]) * u[i]` with the scalar `silu_f32`.
@@ -137,41 +147,49 @@ pub(crate) fn swiglu_scalar(g: &mut [f32], u: &[f32]) {
     }
 }
 
-/// Rows of one block of a chunk, read as four runs of four rows.
-/// With two threads on the 2-vCPU AMD EPYC (Zen 3) development VM
-/// (`SHAPES=smol benches/probes/gemv_bench 2 f16`, medians of 3 interleaved
-/// rounds, GB/s), blocks of 4 adjacent rows (the earlier order) streamed
-/// 17-19 from SmolLM2's 576-wide rows, blocks of 16 21-27, of 32 and 64
-/// about the same as 16 within this host's noise; F32 23-27 -> 26-31.
-const BLOCK: usize = 16;
+/// Rows of one block of a chunk, read as four runs of a quarter of it, at
+/// the levels that set no block of their own ([`Tiles::GEMV_BLOCK`]) and
+/// for the formats without tiles. With two threads on the 2-vCPU AMD EPYC
+/// (Zen 3) development VM (`SHAPES=smol benches/probes/gemv_bench 2 f16`,
+/// medians of 3 interleaved rounds, GB/s), blocks of 4 adjacent rows (the
+/// earlier order) streamed 17-19 from SmolLM2's 576-wide rows, blocks of
+/// 16 21-27, of 32 and 64 about the same as 16 within this host's noise;
+/// F32 23-27 -> 26-31.
+pub(crate) const BLOCK: usize = 16;
 
-/// Products gathered before the epilogue is applied to them (for the
-/// SwiGLU, a vector function: about 6 ns an element on slices of 6, under 1
-/// on slices of 64): a multiple of [`BLOCK`].
-const BATCH: usize = 4 * BLOCK;
+/// The largest block a level may set.
+pub(crate) const MAX_BLOCK: usize = 256;
 
 /// The row loop of a single-token product, shared by the weight formats:
 /// `dot(j)` is weight row `j` · x, `dot4(j, q)` rows `j, j + q, j + 2q,
 /// j + 3q` at once (used when given). Rows are split over the pool in a few
 /// long contiguous ranges per thread, and `epilogue` is applied to `y`
 /// (`n_out` outputs), the SwiGLU by `swiglu` (the one the level's
-/// several-token products apply).
+/// several-token products apply). Products are gathered four blocks at a
+/// time before the epilogue is applied to them (for the SwiGLU, a vector
+/// function: about 6 ns an element on slices of 6, under 1 on slices of
+/// 64).
 ///
-/// Within a range, a block of `m` rows is read as four runs of `m / 4`
-/// consecutive rows, one row of each run at a time (then the rows left
-/// over one by one): four streams that each go on for several rows, where
+/// Within a range, each block of `m` rows (`block`, a multiple of 4 up to
+/// [`MAX_BLOCK`], or fewer at the range's end) is read as four runs of
+/// `m / 4` consecutive rows, one row of each run at a time (then the rows
+/// left over one by one): four streams that each go on for several rows, where
 /// four adjacent rows at a time restarted all four streams every row (a
 /// short row, 1152 bytes of F16 in SmolLM2, is a few cache lines) and the
 /// hardware prefetcher did not keep up.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn run_rows(
     pool: &ThreadPool,
     n_out: usize,
+    block: usize,
     epilogue: Epilogue<'_>,
     y: &mut [f32],
     dot: &(dyn Fn(usize) -> f32 + Sync),
     dot4: Option<&(dyn Fn(usize, usize) -> [f32; 4] + Sync)>,
     swiglu: fn(&mut [f32], &[f32]),
 ) {
+    assert!(block.is_multiple_of(4) && (4..=MAX_BLOCK).contains(&block));
+    let batch = 4 * block;
     let yp = SyncPtr::new(y);
     // A few long contiguous row ranges per thread (see qfast: short chunks
     // taken alternately by two threads break the prefetcher's streams).
@@ -182,8 +200,8 @@ pub(crate) fn run_rows(
         let yr = unsafe { yp.slice(j0, j1 - j0) };
         // out[i] = row(base + b0 + i) · x, block by block.
         let rows_dot = |base: usize, b0: usize, out: &mut [f32]| {
-            for (n, out) in out.chunks_mut(BLOCK).enumerate() {
-                let b0 = base + b0 + n * BLOCK;
+            for (n, out) in out.chunks_mut(block).enumerate() {
+                let b0 = base + b0 + n * block;
                 let mut i = 0;
                 if let Some(dot4) = dot4 {
                     let q = out.len() / 4;
@@ -201,7 +219,7 @@ pub(crate) fn run_rows(
                 }
             }
         };
-        let mut buf = [0f32; BATCH];
+        let mut buf = [0f32; 4 * MAX_BLOCK];
         let mut b0 = j0;
         if let Epilogue::SwiGlu = epilogue {
             // Gate rows first, then up rows: two sequential streams rather
@@ -209,7 +227,7 @@ pub(crate) fn run_rows(
             rows_dot(0, j0, yr);
         }
         while b0 < j1 {
-            let b1 = (b0 + BATCH).min(j1);
+            let b1 = (b0 + batch).min(j1);
             let vals = &mut buf[..b1 - b0];
             let yb = &mut yr[b0 - j0..b1 - j0];
             match epilogue {

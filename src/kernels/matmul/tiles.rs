@@ -100,8 +100,18 @@ pub(crate) trait Tiles {
     const ROW_TT: usize = 0;
 
     /// Rows ahead of the row being multiplied whose weights a single-token
-    /// product prefetches (0: none).
+    /// product prefetches (0: none; see [`Tiles::GEMV_PREFETCH`]).
     const PREFETCH_ROWS: usize = 0;
+
+    /// Bytes ahead of each row's position that a single-token product
+    /// prefetches, whatever the row length (0: [`Tiles::PREFETCH_ROWS`]
+    /// rows ahead instead).
+    const GEMV_PREFETCH: usize = 0;
+
+    /// Rows of a block of a single-token product, read as four runs of a
+    /// quarter of it ([`super::gemv`]): a multiple of 4, at most
+    /// [`super::gemv::MAX_BLOCK`].
+    const GEMV_BLOCK: usize = 16;
 
     /// `out[j][i] = dot(x[j], w[i])` for `j < t`, `i < r` of the operands
     /// `op`, in the order described in the module docs.
@@ -165,12 +175,23 @@ pub(crate) unsafe fn dot1<K: Tiles>(dt: u8, row: *const u8, x: *const f32, k: us
                 x,
                 k,
                 w: &w,
-                pf: K::PREFETCH_ROWS * k * elem_size(dt),
+                pf: gemv_prefetch::<K>(dt, k),
             },
             &mut out,
         )
     };
     out[0][0]
+}
+
+/// The prefetch distance of a single-token product's tiles over rows of
+/// `k` elements of dtype `dt`.
+#[inline]
+fn gemv_prefetch<K: Tiles>(dt: u8, k: usize) -> usize {
+    if K::GEMV_PREFETCH > 0 {
+        K::GEMV_PREFETCH
+    } else {
+        K::PREFETCH_ROWS * k * elem_size(dt)
+    }
 }
 
 /// Four rows' dot products with `x`.
@@ -195,7 +216,7 @@ pub(crate) unsafe fn dot4<K: Tiles>(
                 x,
                 k,
                 w: &rows,
-                pf: K::PREFETCH_ROWS * k * elem_size(dt),
+                pf: gemv_prefetch::<K>(dt, k),
             },
             &mut out,
         )
