@@ -37,7 +37,11 @@ impl<T: Copy + Default> Aligned<T> {
         let mut buf = vec![T::default(); v.len() + per];
         let at = buf.as_ptr().align_offset(64).min(per);
         buf[at..at + v.len()].copy_from_slice(v);
-        Aligned { buf, at, len: v.len() }
+        Aligned {
+            buf,
+            at,
+            len: v.len(),
+        }
     }
 }
 
