@@ -34,7 +34,20 @@ const GEMV_BLOCK: usize = 256;
 /// either way.
 const GEMV_PREFETCH: usize = 2048;
 
-tiles_level!(Avx512, std::arch::x86_64::__m512, "avx512f,avx512bw,avx512vl,fma,f16c", widen_f16: true, prefetch_rows: 0, tokens: [6, 5, 4, 3, 2], gemv_block: GEMV_BLOCK, gemv_prefetch: GEMV_PREFETCH);
+/// Several-token products convert F16 weights in registers (once per
+/// 6-token tile) and prefetch in their first token tile (any value above
+/// 0; the single-token product uses [`GEMV_PREFETCH`]). On the Zen 5 VM
+/// (`HEAD=1 DTYPES=f16,f32 ROUNDS=5 fgemm_steps 1 9`, the SmolLM2-135M
+/// products of a verification step over DRAM-resident weights), widening
+/// each F16 row tile into a buffer first and no prefetch made a step of 2
+/// tokens cost 2.3 one-token steps and of 8 tokens 4.7; converting in
+/// registers alone 2.3 and 3.0; with the prefetch 1.13 and 1.7 (F32: 1.5
+/// and 2.3 -> 1.4 and 1.55). F16 prefill moved with it (`fgemm_bench 2
+/// 128`, GFLOP/s): the 1B shapes' QKV 315 -> 367, gate+up 297 -> 355, down
+/// 325 -> 295, SmolLM2's FFN 301 -> 322 and head 239 -> 285.
+const PREFETCH_ROWS: usize = 4;
+
+tiles_level!(Avx512, std::arch::x86_64::__m512, "avx512f,avx512bw,avx512vl,fma,f16c", widen_f16: false, prefetch_rows: PREFETCH_ROWS, tokens: [6, 5, 4, 3, 2], gemv_block: GEMV_BLOCK, gemv_prefetch: GEMV_PREFETCH);
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {

@@ -100,7 +100,8 @@ pub(crate) trait Tiles {
     const ROW_TT: usize = 0;
 
     /// Rows ahead of the row being multiplied whose weights a single-token
-    /// product prefetches (0: none; see [`Tiles::GEMV_PREFETCH`]).
+    /// product prefetches (0: none; [`Tiles::GEMV_PREFETCH`] overrides it).
+    /// Above 0, several-token products prefetch too ([`columns`]).
     const PREFETCH_ROWS: usize = 0;
 
     /// Bytes ahead of each row's position that a single-token product
