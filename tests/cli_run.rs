@@ -333,4 +333,14 @@ fn bench_depth_rows() {
         &["bench", "-m", &m, "-d", "8", "--in-flight", "2"],
         "-d (depth) with --in-flight",
     );
+    // A depth past the model's context is refused before any run, with
+    // the numbers (this file says 4096 positions).
+    let q = common::root()
+        .join("tests/fixtures/families/qwen2/model-f32.gguf")
+        .display()
+        .to_string();
+    expect_error(
+        &["bench", "-m", &q, "-p", "8", "-n", "4", "-d", "0,4096"],
+        "needs 4104 positions (4096 of depth (-d) and 8 of test) but the model's context length is 4096",
+    );
 }

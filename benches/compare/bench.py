@@ -17,7 +17,8 @@ makes the model variants in the cache (`~/.cache/llama-graph/compare/models`):
   `llama-quantize --allow-requantize ... F32` (the dequantized model), and
   from that F32 `q8_0`, `f16`, `q4_k_m`, `q6_k`.
 * `1b_*`: a Llama-3.2-1B-shaped model (dim 2048, 16 layers, 32 query / 8 KV
-  heads, FFN 8192, vocab 49152 with SmolLM2's tokenizer, tied embeddings),
+  heads, FFN 8192, vocab 49152 with SmolLM2's tokenizer, tied embeddings,
+  Llama 3.2's 131072-token context with its llama3 RoPE scaling),
   random weights (seed 0, normal, std 0.02), saved by `transformers` and
   converted by llama.cpp's own `convert_hf_to_gguf.py` to F16, then
   `llama-quantize` to `q8_0`, `q4_k_m`, `q4_1`. Needs a Python with torch,
@@ -143,9 +144,14 @@ torch.manual_seed(0)
 torch.set_default_dtype(torch.float16)
 cfg = LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192,
                   num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                  head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                  head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
                   rope_theta=500000.0, tie_word_embeddings=True, bos_token_id=1,
-                  eos_token_id=2)
+                  eos_token_id=2,
+                  # Llama 3.2's long context: 8192 trained positions scaled to
+                  # 131072 (the depth runs go to 16384).
+                  rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192})
 model = LlamaForCausalLM(cfg)
 with torch.no_grad():
     for p in model.parameters():

@@ -287,6 +287,16 @@ pub fn run(a: BenchArgs) -> super::CliResult {
     if vocab == 0 {
         return Err("the model has no vocabulary size".into());
     }
+    // The session's context is capped by the model's: say so before any
+    // run rather than fail at the first step past it.
+    if let Some(limit) = model.args.max_context.filter(|&l| longest > l) {
+        return Err(format!(
+            "the longest test needs {longest} positions ({deepest} of depth (-d) and {} of test) \
+             but the model's context length is {limit}: use a smaller -d, -p or -n",
+            longest - deepest
+        )
+        .into());
+    }
     let filename = model.path.display().to_string();
     let open_s = t_load.elapsed().as_secs_f64();
     let mut rows = Vec::new();
