@@ -493,15 +493,18 @@ def depth_table(res):
     return lines + merged_note(res)
 
 
-def table(res, threads=None):
+def table(res, threads=None, classes=None):
     """The markdown table of one results JSON, as lines (only the rows of
-    `threads`, a list of thread counts, when given)."""
+    `threads`, a list of thread counts, and of `classes`, a list of build
+    classes, when given)."""
     samples = res["samples"]
     if res.get("args", {}).get("depths"):
         return depth_table(res)
     keys = sorted({k.rsplit("|", 1)[0] for k in samples}, key=lambda k: (k.split("|")[1], k))
     if threads:
         keys = [k for k in keys if int(k.split("|")[2]) in threads]
+    if classes:
+        keys = [k for k in keys if k.split("|")[1] in classes]
     lines = [f"CPU: {res['cpu']}; medians of {res['rounds']} interleaved rounds; tokens/s and peak RSS, "
              "llama-graph / llama.cpp = ratio (tokens/s: higher is better; RSS: lower is better)", "",
              "| variant | class | threads | pp128 | pp512 | tg | peak RSS MiB |",
@@ -609,9 +612,10 @@ def table_block(m):
     a.add_argument("json")
     a.add_argument("--threads", type=lambda x: [int(v) for v in x.split(",")])
     a.add_argument("--families", action="store_true")
+    a.add_argument("--classes", type=lambda x: x.split(","))
     args = a.parse_args(shlex.split(m.group(2)))
     res = json.loads((REPO / args.json).read_text())
-    lines = family_table(res) if args.families else table(res, args.threads)
+    lines = family_table(res) if args.families else table(res, args.threads, args.classes)
     return m.group(1) + "\n".join(lines) + "\n" + m.group(4)
 
 
@@ -667,6 +671,8 @@ def main():
     t.add_argument("--docs", help="rewrite the generated part of this markdown file with every class's tables")
     t.add_argument("--threads", type=lambda x: [int(v) for v in x.split(",")],
                    help="only the rows of these thread counts, e.g. 2")
+    t.add_argument("--classes", type=lambda x: x.split(","),
+                   help="only the rows of these build classes, e.g. native")
     t.add_argument("--families", action="store_true",
                    help="the other families' files' ratios beside the Llama 1B-shaped file's of the same format")
     a = ap.parse_args()
@@ -684,7 +690,7 @@ def main():
     elif a.families:
         print("\n".join(family_table(harness.load("bench", a.json))))
     else:
-        print("\n".join(table(harness.load("bench", a.json), a.threads)))
+        print("\n".join(table(harness.load("bench", a.json), a.threads, a.classes)))
 
 
 if __name__ == "__main__":
