@@ -34,17 +34,7 @@ const WIDEN_F16: bool = false;
 /// first token tile of each row tile, `tiles::columns`).
 const PREFETCH_ROWS: usize = 4;
 
-/// Rows of a block of the single-token product ([`super::gemv`]), as at
-/// AVX-512 (see `avx512.rs`). On the Zen 5 VM capped to this level
-/// (`LLAMA_GRAPH_ISA=avx2`) blocks of 16 rows held F16 to half of F32's
-/// rate as at AVX-512: `SHAPES=smol PAGES=huge gemv_bench`, GB/s, 16 -> 256
-/// rows (with the prefetch above), 1 thread F16 17-22 -> 30-33, F32 25-29
-/// -> 33-34, BF16 -> 33-35; 2 threads F16 31-37 -> 38-44, F32 37-52 ->
-/// 36-58. On the family-23 VM blocks of 32 and 64 measured as 16
-/// (`gemv::BLOCK`); 256 was not measured there.
-const GEMV_BLOCK: usize = 256;
-
-tiles_level!(Avx2, std::arch::x86_64::__m256, "avx2,fma,f16c", widen_f16: WIDEN_F16, prefetch_rows: PREFETCH_ROWS, tokens: [3, 2], pair_tokens: [7, 6, 5, 4], row_tokens: [9, 8], gemv_block: GEMV_BLOCK, gemv_prefetch: 0);
+tiles_level!(Avx2, std::arch::x86_64::__m256, "avx2,fma,f16c", widen_f16: WIDEN_F16, prefetch_rows: PREFETCH_ROWS, tokens: [3, 2], pair_tokens: [7, 6, 5, 4], row_tokens: [9, 8]);
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {

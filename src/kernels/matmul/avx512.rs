@@ -16,18 +16,10 @@ use super::tiles::simd::tiles_level;
 /// The AVX-512 level's tiles.
 pub(crate) struct Avx512;
 
-/// Rows of a block of the single-token product ([`super::gemv`]): four
-/// runs of 64 rows. On a 2-vCPU AMD EPYC Zen 5 VM (family 26) blocks of 16
-/// rows, four runs of four, left the hardware prefetcher restarting every
-/// 4.6 KB of a 576-wide F16 matrix: `SHAPES=smol PAGES=huge
-/// benches/probes/gemv_bench 1 f16` streamed 18 GB/s where F32 rows, twice
-/// as long, streamed 35, and blocks of 64, 128, 256 and 512 rows gave 25,
-/// 29, 31 and 32.
-const GEMV_BLOCK: usize = 256;
-
 /// Bytes ahead of each row's position that the single-token product
-/// prefetches. With [`GEMV_BLOCK`] on the same VM (GB/s, SmolLM2's shapes
-/// at 1 thread; the 1B shapes of `gemv_bench` without `SHAPES`): no
+/// prefetches. With the 256-row blocks ([`super::gemv`]) on the Zen 5 VM
+/// (GB/s, SmolLM2's shapes at 1 thread; the 1B shapes of `gemv_bench`
+/// without `SHAPES`): no
 /// prefetch 31-34 (F16), 1024 bytes 32-33, 2048 bytes 35-38 (1B: 40,
 /// without either change 28), 4096 bytes 35 (1B); F32 unchanged (35,
 /// 1B 43) and BF16 as F16. At 2 threads F16 31-37 -> 40-46, F32 45-47
@@ -47,7 +39,7 @@ const GEMV_PREFETCH: usize = 2048;
 /// 325 -> 295, SmolLM2's FFN 301 -> 322 and head 239 -> 285.
 const PREFETCH_ROWS: usize = 4;
 
-tiles_level!(Avx512, std::arch::x86_64::__m512, "avx512f,avx512bw,avx512vl,fma,f16c", widen_f16: false, prefetch_rows: PREFETCH_ROWS, tokens: [6, 5, 4, 3, 2], gemv_block: GEMV_BLOCK, gemv_prefetch: GEMV_PREFETCH);
+tiles_level!(Avx512, std::arch::x86_64::__m512, "avx512f,avx512bw,avx512vl,fma,f16c", widen_f16: false, prefetch_rows: PREFETCH_ROWS, tokens: [6, 5, 4, 3, 2], gemv_prefetch: GEMV_PREFETCH);
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {

@@ -131,7 +131,7 @@ fn run_tiles<K: Tiles>(
     run_rows(
         pool,
         n_out,
-        K::GEMV_BLOCK,
+        TILE_BLOCK,
         epilogue,
         y,
         &dot,
@@ -147,18 +147,26 @@ pub(crate) fn swiglu_scalar(g: &mut [f32], u: &[f32]) {
     }
 }
 
-/// Rows of one block of a chunk, read as four runs of a quarter of it, at
-/// the levels that set no block of their own ([`Tiles::GEMV_BLOCK`]) and
-/// for the formats without tiles. With two threads on the 2-vCPU AMD EPYC
-/// (Zen 3) development VM (`SHAPES=smol benches/probes/gemv_bench 2 f16`,
-/// medians of 3 interleaved rounds, GB/s), blocks of 4 adjacent rows (the
-/// earlier order) streamed 17-19 from SmolLM2's 576-wide rows, blocks of
-/// 16 21-27, of 32 and 64 about the same as 16 within this host's noise;
-/// F32 23-27 -> 26-31.
+/// Rows of one block of a chunk, read as four runs of a quarter of it, for
+/// the formats without tiles (the portable level, bf16z). With two threads
+/// on the 2-vCPU AMD EPYC family-23 VM (`SHAPES=smol
+/// benches/probes/gemv_bench 2 f16`, medians of 3 interleaved rounds,
+/// GB/s), blocks of 4 adjacent rows (the earlier order) streamed 17-19
+/// from SmolLM2's 576-wide rows, blocks of 16 21-27, of 32 and 64 about the
+/// same as 16 within this host's noise; F32 23-27 -> 26-31.
 pub(crate) const BLOCK: usize = 16;
 
-/// The largest block a level may set.
-pub(crate) const MAX_BLOCK: usize = 256;
+/// The block of the SIMD levels' tiles: four runs of 64 rows. On a 2-vCPU
+/// AMD EPYC Zen 5 VM (family 26) blocks of 16 rows left the hardware
+/// prefetcher restarting every 4.6 KB of a 576-wide F16 matrix:
+/// `SHAPES=smol PAGES=huge gemv_bench 1 f16` streamed 18 GB/s where F32
+/// rows, twice as long, streamed 35, and at AVX-512 blocks of 64, 128, 256
+/// and 512 rows gave 25, 29, 31 and 32. Capped to AVX2
+/// (`LLAMA_GRAPH_ISA=avx2`, with its four-rows-ahead prefetch), 16 -> 256
+/// rows: 1 thread F16 17-22 -> 30-33 GB/s, F32 25-29 -> 33-34, BF16 ->
+/// 33-35; 2 threads F16 31-37 -> 38-44, F32 37-52 -> 36-58. 256 rows were
+/// not measured on the family-23 VM.
+const TILE_BLOCK: usize = 256;
 
 /// The row loop of a single-token product, shared by the weight formats:
 /// `dot(j)` is weight row `j` · x, `dot4(j, q)` rows `j, j + q, j + 2q,
@@ -171,7 +179,7 @@ pub(crate) const MAX_BLOCK: usize = 256;
 /// 64).
 ///
 /// Within a range, each block of `m` rows (`block`, a multiple of 4 up to
-/// [`MAX_BLOCK`], or fewer at the range's end) is read as four runs of
+/// the tiles' block, or fewer at the range's end) is read as four runs of
 /// `m / 4` consecutive rows, one row of each run at a time (then the rows
 /// left over one by one): four streams that each go on for several rows, where
 /// four adjacent rows at a time restarted all four streams every row (a
@@ -188,7 +196,7 @@ pub(crate) fn run_rows(
     dot4: Option<&(dyn Fn(usize, usize) -> [f32; 4] + Sync)>,
     swiglu: fn(&mut [f32], &[f32]),
 ) {
-    assert!(block.is_multiple_of(4) && (4..=MAX_BLOCK).contains(&block));
+    assert!(block.is_multiple_of(4) && (4..=TILE_BLOCK).contains(&block));
     let batch = 4 * block;
     let yp = SyncPtr::new(y);
     // A few long contiguous row ranges per thread (see qfast: short chunks
@@ -219,7 +227,7 @@ pub(crate) fn run_rows(
                 }
             }
         };
-        let mut buf = [0f32; 4 * MAX_BLOCK];
+        let mut buf = [0f32; 4 * TILE_BLOCK];
         let mut b0 = j0;
         if let Epilogue::SwiGlu = epilogue {
             // Gate rows first, then up rows: two sequential streams rather

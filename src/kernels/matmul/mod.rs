@@ -615,9 +615,10 @@ pub(crate) mod tests {
         check(&pool, 1, 13, 37, 3);
         check(&pool, 1, 8, 9, 4);
         check(&pool, 1, 32, 45, 14); // permuted BF16 GEMV with a row remainder
-                                     // Ranges of several AVX-512 GEMV blocks (256 rows), a short last
-                                     // block with rows left over from its four runs, epilogue batches
-                                     // of four blocks and a remainder.
+
+        // Ranges of several 256-row GEMV blocks of the SIMD levels, a short
+        // last block with rows left over from its four runs, epilogue
+        // batches of four blocks and a remainder.
         check(&ThreadPool::new(1), 1, 40, 4102, 15);
         check(&pool, 1, 24, 2309, 16);
     }

@@ -109,11 +109,6 @@ pub(crate) trait Tiles {
     /// rows ahead instead).
     const GEMV_PREFETCH: usize = 0;
 
-    /// Rows of a block of a single-token product, read as four runs of a
-    /// quarter of it ([`super::gemv`]): a multiple of 4, at most
-    /// [`super::gemv::MAX_BLOCK`].
-    const GEMV_BLOCK: usize = 16;
-
     /// `out[j][i] = dot(x[j], w[i])` for `j < t`, `i < r` of the operands
     /// `op`, in the order described in the module docs.
     ///

@@ -217,19 +217,18 @@ pub(crate) unsafe fn widen<V: TileVec, const DT: u8>(src: *const u8, k: usize, d
 /// token tiles of `$tt` (the largest) down to 1 (and, if given, the
 /// two-row tiles' `pair_tokens` and the one-row tiles' `row_tokens`, the
 /// first of each list the largest; and the single-token product's
-/// `gemv_block` and `gemv_prefetch`), the dtype, row and token
+/// `gemv_prefetch`), the dtype, row and token
 /// counts dispatched to monomorphic functions as the hand-written levels
 /// did. On other architectures the level's kernels are unreachable.
 macro_rules! tiles_level {
-    ($level:ty, $v:ty, $feat:literal, widen_f16: $wf:expr, prefetch_rows: $pr:expr, tokens: [$tt:literal $(, $t:literal)*] $(, pair_tokens: [$pt:literal $(, $st:literal)*])? $(, row_tokens: [$rt:literal $(, $rs:literal)*])? $(, gemv_block: $gb:expr, gemv_prefetch: $gp:expr)?) => {
+    ($level:ty, $v:ty, $feat:literal, widen_f16: $wf:expr, prefetch_rows: $pr:expr, tokens: [$tt:literal $(, $t:literal)*] $(, pair_tokens: [$pt:literal $(, $st:literal)*])? $(, row_tokens: [$rt:literal $(, $rs:literal)*])? $(, gemv_prefetch: $gp:expr)?) => {
         impl $crate::kernels::matmul::tiles::Tiles for $level {
             const TT: usize = $tt;
             $(const PAIR_TT: usize = $pt;)?
             $(const ROW_TT: usize = $rt;)?
             const WIDEN_F16: bool = $wf;
             const PREFETCH_ROWS: usize = $pr;
-            $(const GEMV_BLOCK: usize = $gb;
-            const GEMV_PREFETCH: usize = $gp;)?
+            $(const GEMV_PREFETCH: usize = $gp;)?
 
             unsafe fn tile(op: $crate::kernels::matmul::tiles::Tile<'_>, out: &mut $crate::kernels::matmul::tiles::Sums) {
                 #[cfg(not(target_arch = "x86_64"))]
