@@ -1,5 +1,6 @@
 //! Where a decode step goes:
-//! `cargo run --release --example op_profile -- MODEL [steps] [threads] [seqs]`.
+//! `cargo run --release --example op_profile -- MODEL [steps] [threads] [seqs]`
+//! (`DEPTH=N`: one sequence's steps after an N-token prompt).
 //! Prints time per op kind, and the executor's own overhead per op (wall
 //! time of the step minus the time inside the kernels, per kernel call).
 //!
@@ -58,16 +59,22 @@ fn main() {
 }
 
 /// One sequence, one token per step; the session and seconds per step.
+/// With `DEPTH=N` the steps run after an N-token prompt (fed in chunks of
+/// 512), as `bench -d N` does.
 fn single(model: &Model, steps: usize, threads: usize) -> (Session, f64) {
+    let depth: usize = std::env::var("DEPTH").map_or(0, |v| v.parse().unwrap());
     let opts = SessionOptions {
-        context: Some(1024),
-        batch: 16,
+        context: Some((depth + steps + 16).max(1024)),
+        batch: if depth > 0 { 512 } else { 16 },
         threads,
         logit_rows: LogitRows::Last,
         ..SessionOptions::default()
     };
     let mut s = Session::new(model, &opts).unwrap();
-    let mut tok = argmax(s.feed(&[1, 2, 3, 4]).unwrap()) as u32;
+    let prompt: Vec<u32> = (0..depth.max(4) as u32)
+        .map(|i| 1 + (7 * i) % 1000)
+        .collect();
+    let mut tok = argmax(s.feed(&prompt).unwrap()) as u32;
     s.exec_mut().set_profiling(true);
     let t0 = std::time::Instant::now();
     for _ in 0..steps {

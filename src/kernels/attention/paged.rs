@@ -42,11 +42,13 @@
 //! (widened or dequantized by `super::widen`, the same values at every
 //! level): keys dims-major `[D][BK]`, values key-major `[BK][D]`. Decode
 //! items, which read each key once per GQA group and are bound by memory
-//! bandwidth, read an f16, bf16 or f32 pool in place, block by block
-//! ([`Runs`]), widening in registers, all rows of the group per key load,
-//! and prefetch the next tile's blocks; other types go through the
-//! scratch as in tiled items. Widening is exact, so both ways give the
-//! same bits.
+//! bandwidth, read an f16, bf16 or f32 pool in place ([`Runs`]), widening
+//! in registers, all rows of the group per key load: a tile's scores
+//! block by block in address order (every head's keys of a block, then
+//! the next block), then its `P·V` likewise, prefetching half a tile
+//! ahead (the tile's values while its scores are computed, the next
+//! tile's keys during its `P·V`); other types go through the scratch as in
+//! tiled items. Widening is exact, so both ways give the same bits.
 
 use crate::kernels::kv::{KvGeom, KvView, SeqSpan, StepSeqs};
 use crate::kernels::matmul::tiles::F32;
@@ -97,16 +99,18 @@ fn tiled_parts(rp: usize, d: usize) -> [usize; 9] {
 }
 
 /// The parts of a decode item's scratch with `rp` rows of each of `nh`
-/// kv heads: qs, the rows' scores (`BK` each, one head at a time), acc,
-/// (m, l, corr), kt, vt.
-fn decode_parts(rp: usize, d: usize, nh: usize) -> [usize; 6] {
+/// kv heads: qs, the rows' scores (`BK` each, every head's), acc, (m, l,
+/// corr), kt, vt, and `rp` ones (the corrections after a tile's first
+/// block).
+fn decode_parts(rp: usize, d: usize, nh: usize) -> [usize; 7] {
     [
         nh * rp * d,
-        rp * BK,
+        nh * rp * BK,
         nh * rp * d,
         nh * 3 * rp,
         BK * d,
         BK * d,
+        rp,
     ]
 }
 
@@ -627,8 +631,9 @@ trait BlockSteps {
     /// Scores of `nk` keys of dtype `DT` in `k` for each of the `rows`
     /// rows of `qs` (row-major), the same arithmetic as [`Self::qk`]
     /// gives a row, to `sr[r·BK + j]` (lanes from `nk` up to a whole
-    /// vector hold scores of other keys, which nothing reads); steps
-    /// `ahead` now and then.
+    /// vector hold scores of other keys, which nothing reads; `sr` may
+    /// start at a block within the tile's rows, so it holds `(rows - 1)·BK`
+    /// plus `nk` rounded up to a vector); steps `ahead` now and then.
     unsafe fn rows_qk<const DT: u8>(
         qs: &[f32],
         rows: usize,

@@ -91,69 +91,57 @@ pub(super) const MAX_RUNS: usize = 8;
 
 /// Bytes of a cache line, the prefetch step.
 const LINE: usize = 64;
-/// Steps over which a tile's prefetches are spread (a decode tile of a GQA
-/// group of 3 at AVX2 takes 24: 12 score chunks, 12 `P·V` runs; the lines
-/// left at the tile's end are prefetched then).
+/// Steps over which the first tile of an item spreads each phase's
+/// prefetches; later tiles spread them over as many steps as the phase
+/// took in the tile before (the count differs by level and GQA group).
 const AHEAD_STEPS: usize = 16;
 
-/// The cache lines of the key and value blocks of the tile after the
-/// current one, prefetched a few at a time by the tile steps (a call of
-/// [`Ahead::step`] per 16-dim chunk of scores and per block run of `P·V`),
-/// so the loads to memory overlap the arithmetic instead of queueing at
-/// the start of a tile.
+/// Pool blocks prefetched a few cache lines at a time by the steps of a
+/// tile phase (a call of [`Ahead::step`] per 16-dim chunk of scores and
+/// per 4 keys of `P·V`), so the loads to memory overlap the arithmetic
+/// instead of queueing in bursts: a decode tile's score phase prefetches
+/// its value blocks, its `P·V` phase the next tile's key blocks.
 pub(super) struct Ahead<'a> {
-    /// The key blocks, then the value blocks (as many).
-    k: &'a [*const u8],
-    v: &'a [*const u8],
+    /// The blocks' first bytes.
+    blocks: &'a [*const u8],
     /// Bytes of each block.
     bytes: usize,
     /// Bytes per [`Ahead::step`] (a step stays within one block).
     chunk: usize,
-    /// The next line: block `run` (keys, then values), byte `off`.
+    /// The next line: block `run`, byte `off`.
     run: usize,
     off: usize,
+    /// Calls of [`Ahead::step`] so far.
+    taken: usize,
 }
 
 impl<'a> Ahead<'a> {
     /// Nothing to prefetch.
     pub(super) fn none() -> Ahead<'a> {
-        Ahead {
-            k: &[],
-            v: &[],
-            bytes: 0,
-            chunk: 0,
-            run: 0,
-            off: 0,
-        }
+        Ahead::blocks(&[], 0, 1)
     }
 
-    /// The blocks of `k` and then of `v`, for `nk` keys (`bytes` each),
-    /// spread over about `steps` steps.
+    /// The blocks at `blocks`, `bytes` each, spread over about `steps`
+    /// steps.
     #[inline(always)]
-    fn new(k: &'a Runs, v: &'a Runs, nk: usize, bytes: usize, steps: usize) -> Ahead<'a> {
-        let nb = nk.div_ceil(k.len);
-        let lines = (2 * nb * bytes.div_ceil(LINE)).div_ceil(steps.max(1));
+    fn blocks(blocks: &'a [*const u8], bytes: usize, steps: usize) -> Ahead<'a> {
+        let lines = (blocks.len() * bytes.div_ceil(LINE)).div_ceil(steps.max(1));
         Ahead {
-            k: &k.at[..nb],
-            v: &v.at[..nb],
+            blocks,
             bytes,
             chunk: (lines * LINE).min(bytes.next_multiple_of(LINE)),
             run: 0,
             off: 0,
+            taken: 0,
         }
     }
 
     /// Prefetches the next few lines (of one block).
     #[inline(always)]
     pub(super) fn step(&mut self) {
-        let nb = self.k.len();
-        if self.run >= 2 * nb {
+        self.taken += 1;
+        let Some(&at) = self.blocks.get(self.run) else {
             return;
-        }
-        let at = if self.run < nb {
-            self.k[self.run]
-        } else {
-            self.v[self.run - nb]
         };
         let end = self.off + self.chunk;
         #[cfg(target_arch = "x86_64")]
@@ -174,12 +162,15 @@ impl<'a> Ahead<'a> {
         }
     }
 
-    /// Prefetches the lines not yet prefetched.
+    /// Prefetches the lines not yet prefetched; returns the calls of
+    /// [`Ahead::step`] before this one.
     #[inline(always)]
-    fn finish(&mut self) {
-        while self.run < 2 * self.k.len() {
+    fn finish(&mut self) -> usize {
+        let taken = self.taken;
+        while self.run < self.blocks.len() {
             self.step();
         }
+        taken
     }
 }
 
@@ -201,14 +192,14 @@ pub(super) unsafe fn elem<const DT: u8>(p: *const u8) -> f32 {
 
 /// One decode item (a range of kv heads and a run of consecutive spans of
 /// a sequence with few queries): each head's and span's partial result of
-/// each row `(acc, m, l)` goes to its slot of `parts`. Per tile and head,
-/// in head order: the scores of all rows with the keys in lanes
+/// each row `(acc, m, l)` goes to its slot of `parts`. Per tile: every
+/// head's scores of all its rows with the keys in lanes
 /// ([`BlockSteps::rows_qk`]), each row's mask and online softmax
-/// ([`BlockSteps::row_softmax`]); then `P·V` of all rows at once
-/// ([`BlockSteps::pv`]; a row that sees no key of a tile gets correction 1
-/// and probabilities 0, which leave its sums as they are). An f16, bf16 or
-/// f32 pool is read in place, block by block, the next tile's blocks
-/// (across span boundaries) prefetched meanwhile ([`Ahead`]); the
+/// ([`BlockSteps::row_softmax`]); then every head's `P·V` of all its rows
+/// at once ([`BlockSteps::pv`]; a row that sees no key of a tile gets
+/// correction 1 and probabilities 0, which leave its sums as they are).
+/// An f16, bf16 or f32 pool is read in place, block by block in address
+/// order, half a tile ahead prefetched meanwhile ([`Ahead`]); the
 /// quantized types through f32 scratch.
 ///
 /// # Safety
@@ -265,11 +256,17 @@ pub(super) type DecodeItem<'a, 'b> = (
 /// [`drive_decode`] with keys and values of dtype `DT` read from the
 /// pool's bytes `pool` (keys, values), or, without it, widened into f32
 /// scratch (`DT` is then `F32`). The item's kv heads are interleaved per
-/// tile: tile by tile, every head's scores, softmax and `P·V` (each head
-/// with its own running sums, so each row's arithmetic is as if its head
-/// ran alone), so the item streams through its blocks' bytes of all its
-/// heads in address order (a block holds every head's keys, then values
-/// likewise), and prefetches the next tile's blocks of all of them.
+/// tile, each head with its own running sums, so each row's arithmetic is
+/// as if its head ran alone. In place, a tile's scores are computed block
+/// by block, every head's keys of a block before the next block (a block
+/// holds every head's keys, so the reads go up through memory, which the
+/// hardware prefetchers follow), then its `P·V` likewise over the value
+/// blocks, split at the blocks: an element's multiply-adds stay one chain
+/// in key order, its correction applied before the first block's. The
+/// value blocks are prefetched during the score phase, the next tile's
+/// key blocks during `P·V`, a few lines per step: read from memory in
+/// head order, or with each tile's lines prefetched at once, the KV of a
+/// deep cache streamed at half the rate (docs/design/paged-kv.md).
 ///
 /// # Safety
 /// The CPU features of `B` are available; `pool` holds the cache of `ctx`;
@@ -288,7 +285,8 @@ unsafe fn decode_tiles<B: BlockSteps, const DT: u8>(
     let plen = partial_len(n_rep, d);
     let nh = heads.len();
     assert!(nh >= 1 && heads.end <= geom.n_kv_heads);
-    let [qs_all, sr, acc_all, mlc_all, kt, vt] = carve(scr, decode_parts(rows, d, nh));
+    let [qs_all, sr_all, acc_all, mlc_all, kt, vt, ones] = carve(scr, decode_parts(rows, d, nh));
+    ones.fill(1.0);
     let c = ctx.scale();
     for (hi, g) in heads.clone().enumerate() {
         for r in 0..rows {
@@ -324,7 +322,13 @@ unsafe fn decode_tiles<B: BlockSteps, const DT: u8>(
     let end = (spans.end * SPAN).min(seq.keys());
     // Tiles wholly below the first query's window are not read.
     let lo = window_start(ctx.window, seq.start) / BK * BK;
-    let mut first_tile = true;
+    // Positions per pool block; a tile read in place is walked one block
+    // at a time (every head's keys of a block, then the next block), so
+    // the reads go up through memory as the pool lays it out.
+    let bs = geom.block;
+    // Steps of each phase of the tile before (of all the item's heads):
+    // scores, `P·V`.
+    let (mut steps_qk, mut steps_pv) = (AHEAD_STEPS * nh, AHEAD_STEPS * nh);
     for (i, span) in spans.clone().enumerate() {
         acc_all[..nh * rows * d].fill(0.0);
         for hi in 0..nh {
@@ -337,42 +341,54 @@ unsafe fn decode_tiles<B: BlockSteps, const DT: u8>(
         let mut t0 = s0.max(lo);
         while t0 < s1 {
             let nk = BK.min(s1 - t0);
-            // The next tile's blocks of all the item's heads, prefetched
-            // while this one runs.
+            // The tile's value blocks, prefetched while its scores are
+            // computed, and the next tile's key blocks, while its `P·V`
+            // runs: each phase's reads half a tile ahead of it, in the
+            // order it reads them.
             let t1 = t0 + nk;
             let n1 = BK.min(end.saturating_sub(t1));
-            let next = match pool {
+            let (this, next) = match pool {
+                Some(p) => (
+                    tile_blocks::<DT>(p, geom, seq, heads.start, t0, nk),
+                    tile_blocks::<DT>(p, geom, seq, heads.start, t1, n1),
+                ),
+                None => Default::default(),
+            };
+            let mut ahead_v = Ahead::blocks(this.v(), nh * block_bytes, steps_qk);
+            let mut ahead_k = Ahead::blocks(next.k(), nh * block_bytes, steps_pv);
+            // Scores of every head.
+            match pool {
                 Some(p) => {
-                    if first_tile {
-                        // The item's first tile: nothing fetched it yet.
-                        let (k, v) = in_pool(p, heads.start, t0, nk);
-                        Ahead::new(&k, &v, nk, nh * block_bytes, 1).finish();
-                        first_tile = false;
+                    for b0 in (0..nk).step_by(bs) {
+                        let nb = bs.min(nk - b0);
+                        for (hi, g) in heads.clone().enumerate() {
+                            let (kr, _) = in_pool(p, g, t0 + b0, nb);
+                            let qs = &qs_all[hi * rows * d..(hi + 1) * rows * d];
+                            let sr = &mut sr_all[hi * rows * BK + b0..(hi + 1) * rows * BK];
+                            // SAFETY: the features of B are available (this
+                            // function's contract); the run addresses a whole
+                            // block of the pool (a checked slice).
+                            unsafe { B::rows_qk::<DT>(qs, rows, &kr, nb, sr, &mut ahead_v) };
+                        }
                     }
-                    (n1 > 0).then(|| in_pool(p, heads.start, t1, n1))
                 }
-                None => None,
-            };
-            let mut ahead = match &next {
-                Some((k1, v1)) => Ahead::new(k1, v1, n1, nh * block_bytes, AHEAD_STEPS * nh),
-                None => Ahead::none(),
-            };
-            for (hi, g) in heads.clone().enumerate() {
-                let (kr, vr) = match pool {
-                    Some(p) => in_pool(p, g, t0, nk),
-                    None => {
+                None => {
+                    for (hi, g) in heads.clone().enumerate() {
                         gather_k::<B::Cvt>(ctx, seq, g, t0, nk, kt);
-                        gather_v::<B::Cvt>(ctx, seq, g, t0, nk, vt);
-                        (Runs::scratch(kt, 1, BK), Runs::scratch(vt, d, 1))
+                        let qs = &qs_all[hi * rows * d..(hi + 1) * rows * d];
+                        let sr = &mut sr_all[hi * rows * BK..(hi + 1) * rows * BK];
+                        let kr = Runs::scratch(kt, 1, BK);
+                        // SAFETY: as above; the scratch holds the tile.
+                        unsafe { B::rows_qk::<DT>(qs, rows, &kr, nk, sr, &mut ahead_v) };
                     }
-                };
-                let qs = &qs_all[hi * rows * d..(hi + 1) * rows * d];
-                let acc = &mut acc_all[hi * rows * d..(hi + 1) * rows * d];
+                }
+            }
+            // The value lines the score phase left (before they are read).
+            let taken_qk = ahead_v.finish();
+            // Each row's mask and online softmax.
+            for hi in 0..nh {
+                let sr = &mut sr_all[hi * rows * BK..(hi + 1) * rows * BK];
                 let mlc = &mut mlc_all[hi * 3 * rows..(hi + 1) * 3 * rows];
-                // SAFETY: the features of B are available (this function's
-                // contract); the runs address whole blocks of the pool
-                // (checked slices) or the scratch tiles.
-                unsafe { B::rows_qk::<DT>(qs, rows, &kr, nk, sr, &mut ahead) };
                 let (ml, corr) = mlc.split_at_mut(2 * rows);
                 let (m, l) = ml.split_at_mut(rows);
                 for r in 0..rows {
@@ -392,16 +408,54 @@ unsafe fn decode_tiles<B: BlockSteps, const DT: u8>(
                     // SAFETY: as above.
                     corr[r] = unsafe { B::row_softmax(sr, nk, &mut m[r], &mut l[r]) };
                 }
-                let p = Probs {
-                    p: sr,
-                    ks: 1,
-                    rs: BK,
-                    rows,
-                };
-                // SAFETY: as above.
-                unsafe { B::pv::<DT>(p, nk, &vr, acc, corr, &mut ahead) };
             }
-            ahead.finish();
+            // `P·V` of every head: in place, block by block, the
+            // accumulators corrected at the first block (a correction of
+            // 1 after it changes no bit).
+            match pool {
+                Some(p) => {
+                    for b0 in (0..nk).step_by(bs) {
+                        let nb = bs.min(nk - b0);
+                        for (hi, g) in heads.clone().enumerate() {
+                            let (_, vr) = in_pool(p, g, t0 + b0, nb);
+                            let acc = &mut acc_all[hi * rows * d..(hi + 1) * rows * d];
+                            let corr = if b0 == 0 {
+                                &mlc_all[hi * 3 * rows + 2 * rows..(hi + 1) * 3 * rows]
+                            } else {
+                                &ones[..rows]
+                            };
+                            let p = Probs {
+                                p: &sr_all[hi * rows * BK + b0..(hi + 1) * rows * BK],
+                                ks: 1,
+                                rs: BK,
+                                rows,
+                            };
+                            // SAFETY: as above.
+                            unsafe { B::pv::<DT>(p, nb, &vr, acc, corr, &mut ahead_k) };
+                        }
+                    }
+                }
+                None => {
+                    for (hi, g) in heads.clone().enumerate() {
+                        gather_v::<B::Cvt>(ctx, seq, g, t0, nk, vt);
+                        let acc = &mut acc_all[hi * rows * d..(hi + 1) * rows * d];
+                        let corr = &mlc_all[hi * 3 * rows + 2 * rows..(hi + 1) * 3 * rows];
+                        let p = Probs {
+                            p: &sr_all[hi * rows * BK..(hi + 1) * rows * BK],
+                            ks: 1,
+                            rs: BK,
+                            rows,
+                        };
+                        let vr = Runs::scratch(vt, d, 1);
+                        // SAFETY: as above; the scratch holds the tile.
+                        unsafe { B::pv::<DT>(p, nk, &vr, acc, corr, &mut ahead_k) };
+                    }
+                }
+            }
+            let taken_pv = ahead_k.finish();
+            if n1 == BK && nk == BK {
+                (steps_qk, steps_pv) = (taken_qk.max(1), taken_pv.max(1));
+            }
             t0 += nk;
         }
         for hi in 0..nh {
@@ -418,4 +472,47 @@ unsafe fn decode_tiles<B: BlockSteps, const DT: u8>(
             part[rmax * d + rmax..rmax * d + rmax + rows].copy_from_slice(&mlc[rows..2 * rows]);
         }
     }
+}
+
+/// The pool blocks of a tile: their key and value addresses (head `g`'s
+/// first byte), in position order.
+#[derive(Default)]
+struct TileBlocks {
+    k: [*const u8; MAX_RUNS],
+    v: [*const u8; MAX_RUNS],
+    n: usize,
+}
+
+impl TileBlocks {
+    fn k(&self) -> &[*const u8] {
+        &self.k[..self.n]
+    }
+    fn v(&self) -> &[*const u8] {
+        &self.v[..self.n]
+    }
+}
+
+/// The blocks of keys `t0..t0+nk` (none if `nk` is 0) of a sequence in
+/// the pools' bytes `(kp, vp)` of dtype `DT`, from head `g`.
+#[inline(always)]
+fn tile_blocks<const DT: u8>(
+    (kp, vp): (&[u8], &[u8]),
+    geom: &KvGeom,
+    seq: &SeqSpan<'_>,
+    g: usize,
+    t0: usize,
+    nk: usize,
+) -> TileBlocks {
+    let (bs, es) = (geom.block, elem_size(DT));
+    let mut t = TileBlocks {
+        n: nk.div_ceil(bs).min(MAX_RUNS),
+        ..TileBlocks::default()
+    };
+    for j in 0..t.n {
+        let b = seq.block_of(t0 + j * bs, bs);
+        // Addresses within the pools (checked slices).
+        t.k[j] = kp[geom.k_index(b, 0, g, 0) * es..].as_ptr();
+        t.v[j] = vp[geom.v_index(b, 0, g, 0) * es..].as_ptr();
+    }
+    t
 }

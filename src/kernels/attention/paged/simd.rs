@@ -167,11 +167,14 @@ unsafe fn pv_tile<V: TileVec, const DT: u8, const R: usize, const NC: usize, con
             }
         }
         for (run, &at) in v.at[..nk.div_ceil(v.len)].iter().enumerate() {
-            ahead.step();
             let k0 = run * v.len;
             let base = at.add(c0 * es);
             let mut vk = base;
             for k in 0..v.len.min(nk - k0) {
+                if k % 4 == 0 {
+                    // A few lines of the next tile's keys per 4 keys.
+                    ahead.step();
+                }
                 if NC < R {
                     // NC value vectors, then one row broadcast at a time:
                     // R·NC + NC + 1 registers (15 for the tiled 6×2 at AVX2).
@@ -553,10 +556,12 @@ impl<
         ahead: &mut Ahead<'_>,
     ) {
         let d = qs.len() / rows;
-        assert!(sr.len() >= rows * BK && nk <= BK && k.len.is_multiple_of(V::LANES));
+        assert!(rows >= 1 && nk <= BK && k.len.is_multiple_of(V::LANES));
+        assert!(sr.len() >= (rows - 1) * BK + nk.next_multiple_of(V::LANES));
         let (qp, sp) = (qs.as_ptr(), sr.as_mut_ptr());
-        // SAFETY: rows r0..r0+R <= rows of d floats at qs and BK at sr
-        // (asserted); the runs hold whole vectors (asserted) and the keys
+        // SAFETY: rows r0..r0+R <= rows of d floats at qs and, from row
+        // r0, BK at sr (the last row's `nk` rounded up to a vector:
+        // asserted); the runs hold whole vectors (asserted) and the keys
         // of every vector below nk (the trait's contract); V's features
         // enabled (contract).
         unsafe {
