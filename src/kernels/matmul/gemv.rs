@@ -199,9 +199,11 @@ pub(crate) fn run_rows(
     assert!(block.is_multiple_of(4) && (4..=TILE_BLOCK).contains(&block));
     let batch = 4 * block;
     let yp = SyncPtr::new(y);
-    // A few long contiguous row ranges per thread (see qfast: short chunks
-    // taken alternately by two threads break the prefetcher's streams).
-    let rows = ROWS_PER_CHUNK.max(n_out.div_ceil(4 * pool.n_threads()));
+    // One long contiguous row range per thread (short chunks taken
+    // alternately by two threads break the prefetcher's streams, and each
+    // chunk restarts them: `quantized::fast::DECODE_CHUNKS_PER_THREAD`).
+    let per_thread = crate::kernels::quantized::fast::DECODE_CHUNKS_PER_THREAD;
+    let rows = ROWS_PER_CHUNK.max(n_out.div_ceil(per_thread * pool.n_threads()));
     pool.run(n_out.div_ceil(rows), &|c| {
         let (j0, j1) = (c * rows, ((c + 1) * rows).min(n_out));
         // SAFETY: chunk c alone owns y[j0..j1].
