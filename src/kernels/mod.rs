@@ -55,6 +55,17 @@ pub use table::Kernels;
 use crate::ir::{DType, WeightLayout};
 use thiserror::Error;
 
+/// Work chunks per thread of a product of a few tokens (decode steps):
+/// one contiguous range of weight rows each. Each chunk restarts the
+/// hardware prefetchers' streams and waits out a memory latency before
+/// they run ahead, so on a small model every extra chunk costs: SmolLM2
+/// decode at 2 threads on Zen 5 (`op_profile`, interleaved) was 7-38%
+/// faster with 1 chunk per thread than with 4, on Q4_1, Q8_0 and Q4_K_M
+/// files and at the AVX2 level too; 8 per thread was slower still. Used
+/// by the quantized products (`quantized::fast`) and the float
+/// single-token product (`matmul::gemv`).
+pub const DECODE_CHUNKS_PER_THREAD: usize = 1;
+
 /// Errors from kernel argument checks. Every message names the operation
 /// and what was wrong.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]

@@ -201,8 +201,8 @@ pub(crate) fn run_rows(
     let yp = SyncPtr::new(y);
     // One long contiguous row range per thread (short chunks taken
     // alternately by two threads break the prefetcher's streams, and each
-    // chunk restarts them: `quantized::fast::DECODE_CHUNKS_PER_THREAD`).
-    let per_thread = crate::kernels::quantized::fast::DECODE_CHUNKS_PER_THREAD;
+    // chunk restarts them: `kernels::DECODE_CHUNKS_PER_THREAD`).
+    let per_thread = crate::kernels::DECODE_CHUNKS_PER_THREAD;
     let rows = ROWS_PER_CHUNK.max(n_out.div_ceil(per_thread * pool.n_threads()));
     pool.run(n_out.div_ceil(rows), &|c| {
         let (j0, j1) = (c * rows, ((c + 1) * rows).min(n_out));

@@ -77,6 +77,12 @@ impl Runs {
         }
     }
 
+    /// The first bytes of the runs that hold `nk` keys.
+    #[inline(always)]
+    fn blocks(&self, nk: usize) -> &[*const u8] {
+        &self.at[..nk.div_ceil(self.len)]
+    }
+
     /// The address of key `j`, dim `e` (elements of dtype `DT`).
     #[inline(always)]
     pub(super) fn ptr<const DT: u8>(&self, j: usize, e: usize) -> *const u8 {
@@ -298,21 +304,14 @@ unsafe fn decode_tiles<B: BlockSteps, const DT: u8>(
             }
         }
     }
-    // A tile's keys and values of head `g` in the pool: runs of one block
+    // A tile's keys, or values, of head `g` in the pool: runs of one block
     // each.
-    let in_pool = |(kp, vp): (&[u8], &[u8]), g: usize, t0: usize, nk: usize| {
-        let k = Runs::pool::<DT>(
-            kp,
-            geom,
-            seq,
-            t0,
-            nk,
-            |b| geom.k_index(b, 0, g, 0),
-            1,
-            geom.block,
-        );
-        let v = Runs::pool::<DT>(vp, geom, seq, t0, nk, |b| geom.v_index(b, 0, g, 0), d, 1);
-        (k, v)
+    let k_runs = |kp: &[u8], g: usize, t0: usize, nk: usize| {
+        let at = |b| geom.k_index(b, 0, g, 0);
+        Runs::pool::<DT>(kp, geom, seq, t0, nk, at, 1, geom.block)
+    };
+    let v_runs = |vp: &[u8], g: usize, t0: usize, nk: usize| {
+        Runs::pool::<DT>(vp, geom, seq, t0, nk, |b| geom.v_index(b, 0, g, 0), d, 1)
     };
     // The bytes of one head's keys (or values) in a block; a block's
     // heads are consecutive, so the item's heads are `nh` times as many
@@ -347,22 +346,26 @@ unsafe fn decode_tiles<B: BlockSteps, const DT: u8>(
             // order it reads them.
             let t1 = t0 + nk;
             let n1 = BK.min(end.saturating_sub(t1));
-            let (this, next) = match pool {
-                Some(p) => (
-                    tile_blocks::<DT>(p, geom, seq, heads.start, t0, nk),
-                    tile_blocks::<DT>(p, geom, seq, heads.start, t1, n1),
+            // (The runs of the first head address whole blocks: the item's
+            // heads follow it in each.)
+            let (this_v, next_k) = match pool {
+                Some((kp, vp)) => (
+                    Some(v_runs(vp, heads.start, t0, nk)),
+                    Some(k_runs(kp, heads.start, t1, n1)),
                 ),
-                None => Default::default(),
+                None => (None, None),
             };
-            let mut ahead_v = Ahead::blocks(this.v(), nh * block_bytes, steps_qk);
-            let mut ahead_k = Ahead::blocks(next.k(), nh * block_bytes, steps_pv);
+            let v_blocks = this_v.as_ref().map_or(&[][..], |r| r.blocks(nk));
+            let k_blocks = next_k.as_ref().map_or(&[][..], |r| r.blocks(n1));
+            let mut ahead_v = Ahead::blocks(v_blocks, nh * block_bytes, steps_qk);
+            let mut ahead_k = Ahead::blocks(k_blocks, nh * block_bytes, steps_pv);
             // Scores of every head.
             match pool {
-                Some(p) => {
+                Some((kp, _)) => {
                     for b0 in (0..nk).step_by(bs) {
                         let nb = bs.min(nk - b0);
                         for (hi, g) in heads.clone().enumerate() {
-                            let (kr, _) = in_pool(p, g, t0 + b0, nb);
+                            let kr = k_runs(kp, g, t0 + b0, nb);
                             let qs = &qs_all[hi * rows * d..(hi + 1) * rows * d];
                             let sr = &mut sr_all[hi * rows * BK + b0..(hi + 1) * rows * BK];
                             // SAFETY: the features of B are available (this
@@ -413,11 +416,11 @@ unsafe fn decode_tiles<B: BlockSteps, const DT: u8>(
             // accumulators corrected at the first block (a correction of
             // 1 after it changes no bit).
             match pool {
-                Some(p) => {
+                Some((_, vp)) => {
                     for b0 in (0..nk).step_by(bs) {
                         let nb = bs.min(nk - b0);
                         for (hi, g) in heads.clone().enumerate() {
-                            let (_, vr) = in_pool(p, g, t0 + b0, nb);
+                            let vr = v_runs(vp, g, t0 + b0, nb);
                             let acc = &mut acc_all[hi * rows * d..(hi + 1) * rows * d];
                             let corr = if b0 == 0 {
                                 &mlc_all[hi * 3 * rows + 2 * rows..(hi + 1) * 3 * rows]
@@ -472,47 +475,4 @@ unsafe fn decode_tiles<B: BlockSteps, const DT: u8>(
             part[rmax * d + rmax..rmax * d + rmax + rows].copy_from_slice(&mlc[rows..2 * rows]);
         }
     }
-}
-
-/// The pool blocks of a tile: their key and value addresses (head `g`'s
-/// first byte), in position order.
-#[derive(Default)]
-struct TileBlocks {
-    k: [*const u8; MAX_RUNS],
-    v: [*const u8; MAX_RUNS],
-    n: usize,
-}
-
-impl TileBlocks {
-    fn k(&self) -> &[*const u8] {
-        &self.k[..self.n]
-    }
-    fn v(&self) -> &[*const u8] {
-        &self.v[..self.n]
-    }
-}
-
-/// The blocks of keys `t0..t0+nk` (none if `nk` is 0) of a sequence in
-/// the pools' bytes `(kp, vp)` of dtype `DT`, from head `g`.
-#[inline(always)]
-fn tile_blocks<const DT: u8>(
-    (kp, vp): (&[u8], &[u8]),
-    geom: &KvGeom,
-    seq: &SeqSpan<'_>,
-    g: usize,
-    t0: usize,
-    nk: usize,
-) -> TileBlocks {
-    let (bs, es) = (geom.block, elem_size(DT));
-    let mut t = TileBlocks {
-        n: nk.div_ceil(bs).min(MAX_RUNS),
-        ..TileBlocks::default()
-    };
-    for j in 0..t.n {
-        let b = seq.block_of(t0 + j * bs, bs);
-        // Addresses within the pools (checked slices).
-        t.k[j] = kp[geom.k_index(b, 0, g, 0) * es..].as_ptr();
-        t.v[j] = vp[geom.v_index(b, 0, g, 0) * es..].as_ptr();
-    }
-    t
 }

@@ -126,15 +126,6 @@ pub const RES_SHIFT: i32 = 8;
 pub const QK: usize = 32;
 /// Weight rows per work chunk.
 pub const COLS_PER_CHUNK: usize = 16;
-/// Work chunks per thread of a product of a few tokens (decode steps):
-/// one contiguous range of weight rows each. Each chunk restarts the
-/// hardware prefetchers' streams and waits out a memory latency before
-/// they run ahead, so on a small model every extra chunk costs: SmolLM2
-/// decode at 2 threads on Zen 5 (`op_profile`, interleaved) was 7-38%
-/// faster with 1 chunk per thread than with 4, on Q4_1, Q8_0 and Q4_K_M
-/// files and at the AVX2 level too; 8 per thread was slower still. Used
-/// by the float single-token product too (`matmul::gemv`).
-pub const DECODE_CHUNKS_PER_THREAD: usize = 1;
 /// Tokens per work chunk of the small-S kernels.
 pub const TOKENS_PER_CHUNK: usize = 64;
 /// Tokens per work chunk of the packed kernels (a multiple of 16).
@@ -469,11 +460,11 @@ pub fn qmatmul_fast_with(
     // Decode-sized inputs: one long contiguous row range per thread, so each
     // thread streams its weights in a run the hardware prefetcher follows
     // (16-row chunks taken alternately by two threads measured 0.75x of one
-    // thread's speed; see DECODE_CHUNKS_PER_THREAD).
+    // thread's speed; see kernels::DECODE_CHUNKS_PER_THREAD).
     let rows_per_chunk = if s <= 4 {
         COLS_PER_CHUNK.max(
             n_out
-                .div_ceil(DECODE_CHUNKS_PER_THREAD * pool.n_threads())
+                .div_ceil(crate::kernels::DECODE_CHUNKS_PER_THREAD * pool.n_threads())
                 .next_multiple_of(x8::G),
         )
     } else {
